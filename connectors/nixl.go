@@ -1,0 +1,78 @@
+package connectors
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+// NIXL is vLLM's NixlConnector protocol: a sequential prefill, then a decode
+// that pulls the prefilled KV blocks named by the prefill's kv_transfer_params.
+type NIXL struct{}
+
+// nixlPrefillParams asks the prefill engine to keep the KV for a remote decode.
+var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
+	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+
+// Prepare implements [Connector].
+func (NIXL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
+	answer, err := engine.Post(ctx, req.Prefill, req.Path, req.ID, nixlPrefillBody(req.Body))
+	if err != nil {
+		return Decode{}, err
+	}
+	params, err := kvTransferParams(answer)
+	if err != nil {
+		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "reading kv_transfer_params", Err: err}
+	}
+	// params == nil (the prefill ended on EOS/stop) deletes the key: the
+	// decode engine then recomputes from the plain client body. Either way a
+	// client-sent kv_transfer_params never reaches the decode engine.
+	return Decode{Body: nixlDecodeBody(req.Body, params)}, nil
+}
+
+func nixlPrefillBody(client jsonedit.Object) []byte {
+	edits := append(prefillOnlyEdits(client), jsonedit.Set("kv_transfer_params", nixlPrefillParams))
+	return client.AppendEdited(make([]byte, 0, client.EditedLen(edits...)), edits...)
+}
+
+func nixlDecodeBody(client jsonedit.Object, params []byte) []byte {
+	edit := jsonedit.Edit{Key: "kv_transfer_params", Value: params}
+	return client.AppendEdited(make([]byte, 0, client.EditedLen(edit)), edit)
+}
+
+// prefillOnlyEdits turns a client body into a one-token, non-streaming
+// request: the prefill's output is thrown away, only its KV matters.
+func prefillOnlyEdits(client jsonedit.Object) []jsonedit.Edit {
+	edits := []jsonedit.Edit{
+		jsonedit.Set("stream", []byte("false")),
+		jsonedit.Delete("stream_options"),
+		jsonedit.Delete("min_tokens"),
+		jsonedit.Delete("min_completion_tokens"),
+	}
+	// Limit the key the client used. Engines reject both set to 1, and vLLM
+	// reads max_completion_tokens first when both are present.
+	if client.Has("max_completion_tokens") {
+		return append(edits,
+			jsonedit.Set("max_completion_tokens", []byte("1")),
+			jsonedit.Delete("max_tokens"))
+	}
+	return append(edits, jsonedit.Set("max_tokens", []byte("1")))
+}
+
+// kvTransferParams returns the raw kv_transfer_params object of a prefill
+// answer, or nil when it is absent or null.
+func kvTransferParams(answer []byte) ([]byte, error) {
+	obj, err := jsonedit.Parse(answer)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBadAnswer, err)
+	}
+	raw, ok := obj.Raw("kv_transfer_params")
+	if !ok || string(raw) == "null" {
+		return nil, nil
+	}
+	if raw[0] != '{' {
+		return nil, fmt.Errorf("%w: kv_transfer_params is %.40s, not an object", ErrBadAnswer, raw)
+	}
+	return raw, nil
+}

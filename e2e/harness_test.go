@@ -1,0 +1,114 @@
+// Package e2e tests pdx the way it runs: a real Envoy binary in front, pdx
+// as its ext_proc service over real gRPC, and simulated vLLM engines that
+// check every KV hand-off themselves.
+package e2e
+
+import (
+	"context"
+	"fmt"
+	"net/http"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/stretchr/testify/assert"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/enginesim"
+	"github.com/pdx-router/pdx/internal/stack"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// startStack runs Envoy, pdx and the engines for one test. Their logs are
+// printed only if the test fails.
+func startStack(t *testing.T, opts stack.Options) *stack.Stack {
+	t.Helper()
+	st, err := stack.Start(context.Background(), opts)
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Log(st.Logs())
+		}
+		assert.NoError(t, st.Close())
+	})
+	return st
+}
+
+// newClient returns an OpenAI client for the stack, with its own connection
+// pool that is closed when the test ends.
+func newClient(t *testing.T, st *stack.Stack) (openai.Client, *http.Client) {
+	t.Helper()
+	hc := &http.Client{Transport: connectors.NewTransport(), Timeout: 2 * time.Minute}
+	t.Cleanup(hc.CloseIdleConnections)
+	return openai.NewClient(
+		option.WithBaseURL(st.URL()+"/v1/"),
+		option.WithAPIKey("unused"),
+		option.WithHTTPClient(hc),
+		option.WithMaxRetries(0),
+	), hc
+}
+
+var ids atomic.Int64
+
+// newRequestID makes a request id unique within the test binary, so that
+// engine records can be matched to the request that caused them.
+func newRequestID(t *testing.T) string {
+	return fmt.Sprintf("%s-%d", t.Name(), ids.Add(1))
+}
+
+// records returns every engine record with the given request id, by kind.
+func records(st *stack.Stack, requestID string) map[string][]recordAt {
+	out := map[string][]recordAt{}
+	for _, e := range st.Engines() {
+		for _, r := range e.Records() {
+			if r.RequestID == requestID {
+				out[r.Kind] = append(out[r.Kind], recordAt{Record: r, Engine: e.Addr()})
+			}
+		}
+	}
+	return out
+}
+
+type recordAt struct {
+	enginesim.Record
+	Engine string
+}
+
+// requireHandoff checks, from the engines' own records, that request id had
+// exactly one prefill and one decode, and that the decode pulled the KV of
+// that very prefill for the same prompt.
+func requireHandoff(t *testing.T, st *stack.Stack, id, promptText string) {
+	t.Helper()
+	recs := records(st, id)
+	require.Len(t, recs["prefill"], 1, "one prefill for %s: %v", id, recs)
+	require.Len(t, recs["decode"], 1, "one decode for %s: %v", id, recs)
+	require.Empty(t, recs["rejected"], "no engine rejected %s", id)
+	require.Empty(t, recs["plain"], "no recomputation for %s", id)
+	p, d := recs["prefill"][0], recs["decode"][0]
+	require.Equal(t, "pulled", d.KV)
+	require.Equal(t, p.Engine, d.KVSource, "decode pulled from the prefill that ran this request")
+	require.Equal(t, enginesim.Fingerprint(promptText), p.Fingerprint)
+	require.Equal(t, p.Fingerprint, d.Fingerprint)
+	require.True(t, isEngine(st.Prefill, p.Engine), "prefill ran on a prefill engine")
+	require.True(t, isEngine(st.Decode, d.Engine), "decode ran on a decode engine")
+}
+
+func isEngine(engines []*enginesim.Server, addr string) bool {
+	for _, e := range engines {
+		if e.Addr() == addr {
+			return true
+		}
+	}
+	return false
+}
+
+func chatPrompt(text string) string {
+	return enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}})
+}
+
+func wantPrefix(promptText string) string { return "pdx-sim:" + enginesim.Fingerprint(promptText) }

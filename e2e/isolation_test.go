@@ -1,0 +1,137 @@
+package e2e
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/openai/openai-go/v3"
+	"github.com/openai/openai-go/v3/option"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/enginesim"
+	"github.com/pdx-router/pdx/internal/stack"
+)
+
+// isolationRequests is how many distinct requests are in flight at once.
+const isolationRequests = 1000
+
+// TestIsolation is the Kthena connector race, attempted: many concurrent
+// requests with distinct prompts through Envoy and pdx. If any per-request
+// value leaked between requests, a decode engine would be handed another
+// request's KV (and reject it) or a client would get another prompt's
+// answer. The engines' latency keeps all of them in flight together.
+func TestIsolation(t *testing.T) {
+	st := startStack(t, stack.Options{
+		Prefill: 3, Decode: 3,
+		Engine: enginesim.Config{PrefillLatency: 200 * time.Millisecond, DecodeLatency: 50 * time.Millisecond, DecodePerToken: time.Millisecond},
+	})
+	client, _ := newClient(t, st)
+
+	type outcome struct {
+		id, prompt, got string
+		err             error
+	}
+	outcomes := make([]outcome, isolationRequests)
+	var wg sync.WaitGroup
+	start := make(chan struct{})
+	for i := range outcomes {
+		wg.Go(func() {
+			<-start
+			o := &outcomes[i]
+			o.id = fmt.Sprintf("iso-%d", i)
+			text := fmt.Sprintf("isolation prompt %d: %s", i, strings.Repeat(string(rune('a'+i%26)), i%50))
+			o.got, o.err = isolationRequest(t, client, i, o.id, text)
+			o.prompt = text
+			if i%2 == 0 {
+				o.prompt = chatPrompt(text)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+
+	var failures []string
+	for _, o := range outcomes {
+		switch {
+		case o.err != nil:
+			failures = append(failures, fmt.Sprintf("%s: %v", o.id, o.err))
+		case !strings.HasPrefix(o.got, wantPrefix(o.prompt)):
+			failures = append(failures, fmt.Sprintf("%s: got %q, an answer to another prompt", o.id, o.got))
+		}
+	}
+	require.Empty(t, failures[:min(len(failures), 20)], "%d of %d requests failed or were mixed up (first 20 shown)", len(failures), isolationRequests)
+
+	// The engines' side: every decode pulled exactly its own prefill's KV.
+	byID := map[string]map[string][]recordAt{}
+	for _, e := range st.Engines() {
+		for _, r := range e.Records() {
+			if byID[r.RequestID] == nil {
+				byID[r.RequestID] = map[string][]recordAt{}
+			}
+			byID[r.RequestID][r.Kind] = append(byID[r.RequestID][r.Kind], recordAt{Record: r, Engine: e.Addr()})
+		}
+	}
+	for _, o := range outcomes {
+		recs := byID[o.id]
+		require.Len(t, recs["prefill"], 1, o.id)
+		require.Len(t, recs["decode"], 1, o.id)
+		require.Empty(t, recs["rejected"], o.id)
+		p, d := recs["prefill"][0], recs["decode"][0]
+		require.Equal(t, "pulled", d.KV, o.id)
+		require.Equal(t, p.Engine, d.KVSource, o.id)
+		require.Equal(t, enginesim.Fingerprint(o.prompt), d.Fingerprint, o.id)
+	}
+}
+
+// isolationRequest sends request i as chat or completion, streaming or not.
+func isolationRequest(t *testing.T, client openai.Client, i int, id, text string) (string, error) {
+	ctx, hdr := t.Context(), option.WithHeader("X-Request-Id", id)
+	stream := i%4 >= 2
+	if i%2 == 0 {
+		params := openai.ChatCompletionNewParams{
+			Model:     stack.Model,
+			Messages:  []openai.ChatCompletionMessageParamUnion{openai.UserMessage(text)},
+			MaxTokens: openai.Int(4),
+		}
+		if !stream {
+			resp, err := client.Chat.Completions.New(ctx, params, hdr)
+			if err != nil {
+				return "", err
+			}
+			return resp.Choices[0].Message.Content, nil
+		}
+		s := client.Chat.Completions.NewStreaming(ctx, params, hdr)
+		defer s.Close()
+		var b strings.Builder
+		for s.Next() {
+			for _, c := range s.Current().Choices {
+				b.WriteString(c.Delta.Content)
+			}
+		}
+		return b.String(), s.Err()
+	}
+	params := openai.CompletionNewParams{
+		Model:     stack.Model,
+		Prompt:    openai.CompletionNewParamsPromptUnion{OfString: openai.String(text)},
+		MaxTokens: openai.Int(4),
+	}
+	if !stream {
+		resp, err := client.Completions.New(ctx, params, hdr)
+		if err != nil {
+			return "", err
+		}
+		return resp.Choices[0].Text, nil
+	}
+	s := client.Completions.NewStreaming(ctx, params, hdr)
+	defer s.Close()
+	var b strings.Builder
+	for s.Next() {
+		for _, c := range s.Current().Choices {
+			b.WriteString(c.Text)
+		}
+	}
+	return b.String(), s.Err()
+}

@@ -1,0 +1,154 @@
+package e2e
+
+import (
+	"encoding/json"
+	"io"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/enginesim"
+	"github.com/pdx-router/pdx/internal/stack"
+)
+
+type answer struct {
+	status int
+	header http.Header
+	body   string
+}
+
+func post(t *testing.T, hc *http.Client, url, body string, headers ...string) answer {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, url, strings.NewReader(body))
+	require.NoError(t, err)
+	req.Header.Set("Content-Type", "application/json")
+	for i := 0; i+1 < len(headers); i += 2 {
+		req.Header.Set(headers[i], headers[i+1])
+	}
+	return do(t, hc, req)
+}
+
+func do(t *testing.T, hc *http.Client, req *http.Request) answer {
+	t.Helper()
+	resp, err := hc.Do(req)
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	require.NoError(t, err)
+	return answer{status: resp.StatusCode, header: resp.Header, body: string(b)}
+}
+
+// requireAPIError checks an OpenAI-style error answer.
+func requireAPIError(t *testing.T, a answer, status int, code, msgPart string) {
+	t.Helper()
+	require.Equal(t, status, a.status, a.body)
+	require.Equal(t, "application/json", a.header.Get("Content-Type"))
+	var e struct {
+		Error struct{ Message, Type, Code string } `json:"error"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(a.body), &e), a.body)
+	require.Equal(t, code, e.Error.Code, a.body)
+	require.Contains(t, e.Error.Message, msgPart)
+	require.NotEmpty(t, e.Error.Type)
+}
+
+func requireNoEngineTraffic(t *testing.T, st *stack.Stack) {
+	t.Helper()
+	for _, e := range st.Engines() {
+		require.Empty(t, e.Records(), "engine %s was called", e.Addr())
+	}
+}
+
+func TestRouting(t *testing.T) {
+	st := startStack(t, stack.Options{})
+	_, hc := newClient(t, st)
+	chatURL := st.URL() + "/v1/chat/completions"
+
+	t.Run("client cannot choose the decode endpoint", func(t *testing.T) {
+		// Point the spoofed header at a prefill engine, which would happily
+		// serve a plain request: it must see only its prefill.
+		target := st.Prefill[0].Addr()
+		for range 4 { // round robin must not matter
+			id := newRequestID(t)
+			a := post(t, hc, chatURL, `{"model":"demo-model","messages":[{"role":"user","content":"spoof"}],"max_tokens":2}`,
+				"X-Request-Id", id, "X-Gateway-Destination-Endpoint", target)
+			require.Equal(t, 200, a.status, a.body)
+			require.True(t, isEngine(st.Decode, a.header.Get("X-Pdx-Sim-Engine")), "answered by a decode engine")
+			requireHandoff(t, st, id, chatPrompt("spoof"))
+		}
+	})
+
+	t.Run("client kv_transfer_params are replaced", func(t *testing.T) {
+		id := newRequestID(t)
+		fake := `{"do_remote_prefill":true,"remote_engine_id":"evil","remote_block_ids":[[1]],"remote_request_id":"x","remote_host":"127.0.0.1","remote_port":1}`
+		a := post(t, hc, chatURL, `{"model":"demo-model","kv_transfer_params":`+fake+`,"messages":[{"role":"user","content":"inject"}]}`, "X-Request-Id", id)
+		require.Equal(t, 200, a.status, a.body)
+		requireHandoff(t, st, id, chatPrompt("inject"))
+	})
+
+	t.Run("prefill finished on EOS: decode recomputes from the plain body", func(t *testing.T) {
+		id, text := newRequestID(t), "short [sim:eos]"
+		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"`+text+`","max_tokens":2}`, "X-Request-Id", id)
+		require.Equal(t, 200, a.status, a.body)
+		require.Equal(t, "recomputed", a.header.Get("X-Pdx-Sim-Kv"))
+		recs := records(st, id)
+		require.Len(t, recs["prefill"], 1)
+		require.Len(t, recs["plain"], 1, "decode got a plain request: %v", recs)
+		require.NotContains(t, string(recs["plain"][0].Body), "kv_transfer_params")
+	})
+
+	t.Run("requests pdx does not route pass through", func(t *testing.T) {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, st.URL()+"/v1/models", nil)
+		require.NoError(t, err)
+		a := do(t, hc, req)
+		require.Equal(t, 200, a.status, a.body)
+		require.Contains(t, a.body, `"object":"list"`)
+	})
+
+	for _, tc := range []struct {
+		name, path, body, code, msg string
+		status                      int
+		headers                     []string
+	}{
+		{name: "invalid JSON", path: "/v1/chat/completions", body: `{"model":"demo-model",`, status: 400, code: "invalid_json"},
+		{name: "missing model", path: "/v1/completions", body: `{"prompt":"x"}`, status: 400, code: "missing_model"},
+		{name: "duplicate key", path: "/v1/completions", body: `{"model":"demo-model","prompt":"x","prompt":"y"}`, status: 400, code: "duplicate_key", msg: `"prompt"`},
+		{name: "gzip body", path: "/v1/completions", body: `{}`, status: 415, code: "unsupported_content_encoding", headers: []string{"Content-Encoding", "gzip"}},
+		{name: "empty body", path: "/v1/completions", body: ``, status: 400, code: "missing_body"},
+	} {
+		t.Run("bad input: "+tc.name, func(t *testing.T) {
+			for _, e := range st.Engines() {
+				e.Reset()
+			}
+			a := post(t, hc, st.URL()+tc.path, tc.body, tc.headers...)
+			requireAPIError(t, a, tc.status, tc.code, tc.msg)
+			requireNoEngineTraffic(t, st)
+		})
+	}
+}
+
+func TestPrefillFailures(t *testing.T) {
+	t.Run("engine down", func(t *testing.T) {
+		st := startStack(t, stack.Options{Prefill: 1, Decode: 1})
+		_, hc := newClient(t, st)
+		addr := st.Prefill[0].Addr()
+		require.NoError(t, st.Prefill[0].Close())
+		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"x"}`)
+		requireAPIError(t, a, 503, "prefill_unavailable", addr)
+		require.Empty(t, st.Decode[0].Records(), "nothing reached decode")
+	})
+
+	t.Run("engine slower than prefill_timeout", func(t *testing.T) {
+		st := startStack(t, stack.Options{Prefill: 1, Decode: 1, PrefillTimeout: 300 * time.Millisecond,
+			Engine: enginesim.Config{PrefillLatency: 10 * time.Second}})
+		_, hc := newClient(t, st)
+		start := time.Now()
+		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"x"}`)
+		requireAPIError(t, a, 504, "prefill_timeout", "after 300ms")
+		require.Less(t, time.Since(start), 5*time.Second, "the client is answered at the timeout, not when the engine finishes")
+		require.Empty(t, st.Decode[0].Records(), "nothing reached decode")
+	})
+}

@@ -1,0 +1,205 @@
+package envoy
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/logbuf"
+)
+
+// Process is a running Envoy.
+type Process struct {
+	cmd        *exec.Cmd
+	dir        string
+	log        *logbuf.Buffer
+	done       chan struct{}
+	waitErr    error
+	adminAddr  string
+	listenAddr string
+}
+
+// Start runs bin with the bootstrap for c and returns once Envoy is ready
+// (admin /ready says LIVE, which includes pdx's first health check) or
+// fails. Envoy's log goes to logw as well as to Log. Stop ends it.
+func Start(ctx context.Context, bin string, c Config, logw io.Writer) (*Process, error) {
+	dir, err := os.MkdirTemp("", "pdx-envoy-")
+	if err != nil {
+		return nil, err
+	}
+	path, err := renderFile(dir, c)
+	if err != nil {
+		os.RemoveAll(dir)
+		return nil, err
+	}
+	adminPath := filepath.Join(dir, "admin-address")
+	p := &Process{dir: dir, log: &logbuf.Buffer{}, done: make(chan struct{})}
+	var out io.Writer = p.log
+	if logw != nil {
+		out = io.MultiWriter(p.log, logw)
+	}
+	p.cmd = exec.Command(bin, "-c", path,
+		"--admin-address-path", adminPath,
+		"--disable-hot-restart",
+		"--concurrency", "2",
+		"--log-level", "warn",
+		"--component-log-level", "ext_proc:info,upstream:warn",
+	)
+	p.cmd.Stdout, p.cmd.Stderr = out, out
+	// A process group of its own: a ^C to the demo must not kill Envoy
+	// before the demo can stop it in order.
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := p.cmd.Start(); err != nil {
+		os.RemoveAll(dir)
+		return nil, fmt.Errorf("starting envoy %s: %w", bin, err)
+	}
+	go func() {
+		p.waitErr = p.cmd.Wait()
+		close(p.done)
+	}()
+	if err := p.waitReady(ctx, adminPath); err != nil {
+		p.Stop()
+		return nil, fmt.Errorf("%w\nenvoy log:\n%s", err, tail(p.log.String(), 40))
+	}
+	return p, nil
+}
+
+// AdminAddr is Envoy's admin "127.0.0.1:port".
+func (p *Process) AdminAddr() string { return p.adminAddr }
+
+// ListenAddr is where clients connect, "ip:port".
+func (p *Process) ListenAddr() string { return p.listenAddr }
+
+// URL is the base URL clients use, e.g. "http://127.0.0.1:10000".
+func (p *Process) URL() string { return "http://" + p.listenAddr }
+
+// Log returns everything Envoy has printed so far.
+func (p *Process) Log() string { return p.log.String() }
+
+// Stop terminates Envoy and waits for it to exit.
+func (p *Process) Stop() error {
+	defer os.RemoveAll(p.dir)
+	select {
+	case <-p.done:
+		return nil
+	default:
+	}
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(10 * time.Second):
+		_ = p.cmd.Process.Kill()
+		<-p.done
+	}
+	return nil
+}
+
+func (p *Process) waitReady(ctx context.Context, adminPath string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	client := &http.Client{Timeout: time.Second}
+	tick := time.NewTicker(50 * time.Millisecond)
+	defer tick.Stop()
+	for {
+		select {
+		case <-p.done:
+			return fmt.Errorf("envoy exited before it was ready: %v", p.waitErr)
+		case <-ctx.Done():
+			return fmt.Errorf("envoy not ready: %w", context.Cause(ctx))
+		case <-tick.C:
+		}
+		if p.adminAddr == "" {
+			b, err := os.ReadFile(adminPath)
+			if err != nil || len(bytes.TrimSpace(b)) == 0 {
+				continue
+			}
+			p.adminAddr = strings.TrimSpace(string(b))
+		}
+		if !ready(client, p.adminAddr) {
+			continue
+		}
+		addr, err := listenerAddr(client, p.adminAddr)
+		if err != nil {
+			return err
+		}
+		p.listenAddr = addr
+		return nil
+	}
+}
+
+func ready(client *http.Client, admin string) bool {
+	resp, err := client.Get("http://" + admin + "/ready")
+	if err != nil {
+		return false
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode == http.StatusOK && strings.TrimSpace(string(body)) == "LIVE"
+}
+
+// listenerAddr asks the admin API where the listener bound, since the
+// bootstrap may ask for port 0.
+func listenerAddr(client *http.Client, admin string) (string, error) {
+	resp, err := client.Get("http://" + admin + "/listeners?format=json")
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	var ls struct {
+		ListenerStatuses []struct {
+			Name         string `json:"name"`
+			LocalAddress struct {
+				SocketAddress struct {
+					Address   string `json:"address"`
+					PortValue int    `json:"port_value"`
+				} `json:"socket_address"`
+			} `json:"local_address"`
+		} `json:"listener_statuses"`
+	}
+	if err := json.NewDecoder(resp.Body).Decode(&ls); err != nil {
+		return "", fmt.Errorf("reading envoy listeners: %w", err)
+	}
+	for _, l := range ls.ListenerStatuses {
+		sa := l.LocalAddress.SocketAddress
+		if sa.PortValue != 0 {
+			return fmt.Sprintf("%s:%d", sa.Address, sa.PortValue), nil
+		}
+	}
+	return "", errors.New("envoy reports no bound listener")
+}
+
+// Validate checks the bootstrap for c with `envoy --mode validate`.
+func Validate(ctx context.Context, bin string, c Config) error {
+	dir, err := os.MkdirTemp("", "pdx-envoy-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	path, err := renderFile(dir, c)
+	if err != nil {
+		return err
+	}
+	out, err := exec.CommandContext(ctx, bin, "--mode", "validate", "-c", path, "--disable-hot-restart").CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("envoy --mode validate: %w\n%s", err, out)
+	}
+	return nil
+}
+
+func tail(s string, lines int) string {
+	parts := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(parts) > lines {
+		parts = parts[len(parts)-lines:]
+	}
+	return strings.Join(parts, "\n")
+}

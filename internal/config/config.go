@@ -1,0 +1,93 @@
+// Package config loads the pdx configuration file.
+//
+// The schema is the protobuf message pdx.config.v1.Config
+// (api/pdx/config/v1/config.proto), whose comments are the configuration
+// reference. Files are YAML (or JSON) written with the proto field names in
+// snake_case. Loading is strict: unknown fields, wrong types and invalid values
+// are errors that name the offending field path, such as
+// "pools[0].decode[1].address", and all problems are reported at once.
+//
+// Connector names are not checked here, because the connector registry lives
+// elsewhere: after Load or Parse, the server must call ValidateConnectors with
+// the names it supports.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"time"
+
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+)
+
+// Defaults filled in for fields the file leaves unset.
+const (
+	DefaultGRPCAddress    = "127.0.0.1:9002"
+	DefaultAdminAddress   = "127.0.0.1:9003"
+	DefaultMaxBodyBytes   = 16 << 20 // 16 MiB
+	DefaultPrefillTimeout = 30 * time.Second
+)
+
+// MaxPrefillTimeout is the largest prefill_timeout accepted.
+const MaxPrefillTimeout = 10 * time.Minute
+
+// Load reads and validates a YAML config file. Problems in the file are
+// reported as "<path>: <field path>: <problem>", one per line.
+func Load(path string) (*configv1.Config, error) {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return nil, fmt.Errorf("config: %w", err) // names the file already
+	}
+	return parse(data, path)
+}
+
+// Parse decodes YAML (or JSON) strictly, applies defaults and validates.
+// Problems are reported as "config: <field path>: <problem>", one per line.
+func Parse(data []byte) (*configv1.Config, error) {
+	return parse(data, "config")
+}
+
+// parse is Parse with source, the prefix of every error line: the file name
+// for Load, so that messages read like a compiler's.
+func parse(data []byte, source string) (*configv1.Config, error) {
+	cfg, errs := decode(data)
+	if len(errs) == 0 {
+		applyDefaults(cfg)
+		errs = validate(cfg)
+	}
+	if len(errs) > 0 {
+		return nil, joinErrors(source, errs)
+	}
+	return cfg, nil
+}
+
+func applyDefaults(cfg *configv1.Config) {
+	if cfg.GrpcAddress == "" {
+		cfg.GrpcAddress = DefaultGRPCAddress
+	}
+	if cfg.AdminAddress == "" {
+		cfg.AdminAddress = DefaultAdminAddress
+	}
+	if cfg.MaxBodyBytes == 0 {
+		cfg.MaxBodyBytes = DefaultMaxBodyBytes
+	}
+	for _, p := range cfg.Pools {
+		// A message field has presence, so an explicit "0s" stays and is
+		// rejected by validation rather than silently replaced.
+		if p.PrefillTimeout == nil {
+			p.PrefillTimeout = durationpb.New(DefaultPrefillTimeout)
+		}
+	}
+}
+
+// joinErrors prefixes each error with source and joins them, one per line.
+func joinErrors(source string, errs []error) error {
+	wrapped := make([]error, len(errs))
+	for i, err := range errs {
+		wrapped[i] = fmt.Errorf("%s: %w", source, err)
+	}
+	return errors.Join(wrapped...)
+}

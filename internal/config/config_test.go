@@ -1,0 +1,259 @@
+package config
+
+import (
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/prototext"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+)
+
+// pool renders a valid pool list item. Each override is a "key: value" line
+// that replaces the line for key, or is added if the pool has no such key.
+func pool(overrides ...string) string {
+	fields := []string{
+		"name: p",
+		"models: [m]",
+		"connector: nixl",
+		`prefill: [{address: "10.0.0.1:8000"}]`,
+		`decode: [{address: "10.0.0.2:8000"}]`,
+	}
+	for _, o := range overrides {
+		key, _, _ := strings.Cut(o, ":")
+		i := slices.IndexFunc(fields, func(f string) bool { return strings.HasPrefix(f, key+":") })
+		if i < 0 {
+			fields = append(fields, o)
+		} else {
+			fields[i] = o
+		}
+	}
+	return "  - " + strings.Join(fields, "\n    ") + "\n"
+}
+
+func pools(items ...string) string { return "pools:\n" + strings.Join(items, "") }
+
+// minimal is the smallest valid config.
+var minimal = pools(pool())
+
+func requireProtoEqual(t *testing.T, want, got proto.Message) {
+	t.Helper()
+	require.True(t, proto.Equal(want, got), "want:\n%s\ngot:\n%s",
+		prototext.Format(want), prototext.Format(got))
+}
+
+func TestParseAppliesDefaults(t *testing.T) {
+	cfg, err := Parse([]byte(minimal))
+	require.NoError(t, err)
+	requireProtoEqual(t, &configv1.Config{
+		GrpcAddress:  "127.0.0.1:9002",
+		AdminAddress: "127.0.0.1:9003",
+		MaxBodyBytes: 16 << 20,
+		Pools: []*configv1.Pool{{
+			Name:           "p",
+			Models:         []string{"m"},
+			Connector:      "nixl",
+			Prefill:        []*configv1.Endpoint{{Address: "10.0.0.1:8000"}},
+			Decode:         []*configv1.Endpoint{{Address: "10.0.0.2:8000"}},
+			PrefillTimeout: durationpb.New(30 * time.Second),
+		}},
+	}, cfg)
+}
+
+func TestParseAllFields(t *testing.T) {
+	// JSON is accepted too; durations use Go syntax.
+	cfg, err := Parse([]byte(`{
+		"grpc_address": ":7000", "admin_address": "localhost:7001", "max_body_bytes": 1024,
+		"pools": [
+			{"name": "a-1", "models": ["x", "y"], "connector": "nixl", "prefill_timeout": "1m30s",
+			 "prefill": [{"address": "[::1]:1"}], "decode": [{"address": "192.168.0.1:65535"}]},
+			{"name": "b", "default": true, "connector": "nixl", "prefill_timeout": "250ms",
+			 "prefill": [{"address": "10.0.0.1:1"}], "decode": [{"address": "10.0.0.1:2"}]}
+		]}`))
+	require.NoError(t, err)
+	requireProtoEqual(t, &configv1.Config{
+		GrpcAddress:  ":7000",
+		AdminAddress: "localhost:7001",
+		MaxBodyBytes: 1024,
+		Pools: []*configv1.Pool{{
+			Name:           "a-1",
+			Models:         []string{"x", "y"},
+			Connector:      "nixl",
+			Prefill:        []*configv1.Endpoint{{Address: "[::1]:1"}},
+			Decode:         []*configv1.Endpoint{{Address: "192.168.0.1:65535"}},
+			PrefillTimeout: durationpb.New(90 * time.Second),
+		}, {
+			Name:           "b",
+			Default:        true,
+			Connector:      "nixl",
+			Prefill:        []*configv1.Endpoint{{Address: "10.0.0.1:1"}},
+			Decode:         []*configv1.Endpoint{{Address: "10.0.0.1:2"}},
+			PrefillTimeout: durationpb.New(250 * time.Millisecond),
+		}},
+	}, cfg)
+}
+
+func TestParseErrors(t *testing.T) {
+	tests := []struct {
+		name string
+		yaml string
+		want []string // each must appear in the error
+	}{
+		// Decoding: unknown fields, named by full path.
+		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
+			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools)`}},
+		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout)`}},
+		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
+			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address)`}},
+		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
+		{"all unknown fields reported", minimal + "b: 1\na: 2\n", []string{`unknown field "a"`, `unknown field "b"`}},
+
+		// Decoding: wrong types.
+		{"string for bool", pools(pool(`default: "yes"`)), []string{
+			`config: pools[0].default: expected true or false, got string "yes"`}},
+		{"number for string", pools(pool("name: 12")), []string{
+			`config: pools[0].name: expected a string, got number 12`}},
+		{"negative number", minimal + "max_body_bytes: -1\n", []string{
+			`config: max_body_bytes: expected a whole number from 0 to 4294967295, got number -1`}},
+		{"number too large", minimal + "max_body_bytes: 4294967296\n", []string{`max_body_bytes: expected a whole number`}},
+		{"fraction", minimal + "max_body_bytes: 1.5\n", []string{`max_body_bytes: expected a whole number`}},
+		{"mapping for list", "pools: {name: p}\n", []string{`config: pools: expected a list, got a mapping`}},
+		{"scalar for message", "pools: [p]\n", []string{`config: pools[0]: expected a mapping (Pool), got string "p"`}},
+		{"null list element", "pools: [null]\n", []string{`config: pools[0]: expected a mapping (Pool), got null`}},
+		{"not a mapping at top level", "- a\n", []string{`config: expected a mapping (Config), got a list`}},
+		{"invalid duration", pools(pool("prefill_timeout: 3 seconds")), []string{
+			`config: pools[0].prefill_timeout: invalid duration "3 seconds"`}},
+		{"number for duration", pools(pool("prefill_timeout: 30")), []string{
+			`config: pools[0].prefill_timeout: expected a duration such as "30s", got number 30`}},
+		{"duplicate YAML key", minimal + "grpc_address: a:1\ngrpc_address: b:1\n", []string{`"grpc_address" already set`}},
+		{"duplicate YAML key in pool", pools(pool()) + "    name: q\n", []string{`"name" already set`}},
+		// YAML 1.1 reads a bare n as false; the type check catches it.
+		{"YAML 1.1 boolean", pools(pool("models: [n]")), []string{`config: pools[0].models[0]: expected a string, got false`}},
+		{"malformed YAML", "pools: [\n", []string{"yaml"}},
+
+		// Validation.
+		{"empty", "", []string{`config: pools: at least one pool is required`}},
+		{"bad grpc address", minimal + "grpc_address: \"9002\"\n", []string{`config: grpc_address: "9002" is not host:port`}},
+		{"bad admin address", minimal + "admin_address: x\n", []string{`config: admin_address: "x" is not host:port`}},
+		{"missing name", pools(pool(`name: ""`)), []string{`config: pools[0].name: required`}},
+		{"bad name", pools(pool("name: Pool_A")), []string{`config: pools[0].name: "Pool_A" must match [a-z0-9-]+`}},
+		{"duplicate name", pools(pool(), pool("models: [other]")), []string{
+			`config: pools[1].name: duplicate pool name "p" (also pools[0].name)`}},
+		{"no models and not default", pools(pool("models: []")), []string{
+			`config: pools[0].models: required unless default is true`}},
+		{"empty model name", pools(pool(`models: [m, ""]`)), []string{`config: pools[0].models[1]: empty model name`}},
+		{"duplicate model in pool", pools(pool("models: [m, m]")), []string{
+			`config: pools[0].models[1]: duplicate model "m" (also pools[0].models[0])`}},
+		{"duplicate model across pools", pools(pool(), pool("name: q", "models: [x, m]")), []string{
+			`config: pools[1].models[1]: duplicate model "m" (also pools[0].models[0]): a model may appear in only one pool`}},
+		{"two default pools", pools(pool("default: true"), pool("name: q", "models: [x]", "default: true")), []string{
+			`config: pools[1].default: more than one default pool (also pools[0].default)`}},
+		{"missing connector", pools(pool(`connector: ""`)), []string{`config: pools[0].connector: required`}},
+		{"no prefill", pools(pool("prefill: []")), []string{`config: pools[0].prefill: at least one endpoint is required`}},
+		{"no decode", pools(pool("decode:")), []string{`config: pools[0].decode: at least one endpoint is required`}},
+		{"hostname endpoint", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {address: "localhost:8000"}]`)), []string{
+			`config: pools[0].decode[1].address: "localhost:8000" is not ip:port with a literal IP`}},
+		{"endpoint without port", pools(pool(`prefill: [{address: "10.0.0.1"}]`)), []string{
+			`config: pools[0].prefill[0].address: "10.0.0.1" is not ip:port with a literal IP`}},
+		{"unbracketed IPv6", pools(pool(`prefill: [{address: "::1:80"}]`)), []string{
+			`config: pools[0].prefill[0].address: "::1:80" is not ip:port with a literal IP`}},
+		{"port 0", pools(pool(`prefill: [{address: "10.0.0.1:0"}]`)), []string{
+			`config: pools[0].prefill[0].address: "10.0.0.1:0" has port "0", want 1-65535`}},
+		{"port too large", pools(pool(`prefill: [{address: "[::1]:65536"}]`)), []string{
+			`config: pools[0].prefill[0].address: "[::1]:65536" has port "65536", want 1-65535`}},
+		{"unspecified IP", pools(pool(`prefill: [{address: "0.0.0.0:80"}]`)), []string{
+			`config: pools[0].prefill[0].address: "0.0.0.0:80" has an unspecified IP`}},
+		{"duplicate endpoint", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {address: "10.0.0.2:8000"}]`)), []string{
+			`config: pools[0].decode[1].address: duplicate endpoint "10.0.0.2:8000" (also pools[0].decode[0].address)`}},
+		{"zero timeout", pools(pool("prefill_timeout: 0s")), []string{`config: pools[0].prefill_timeout: 0s must be greater than 0`}},
+		{"negative timeout", pools(pool("prefill_timeout: -1s")), []string{`config: pools[0].prefill_timeout: -1s must be greater than 0`}},
+		{"timeout too long", pools(pool("prefill_timeout: 10m1s")), []string{
+			`config: pools[0].prefill_timeout: 10m1s exceeds the maximum of 10m0s`}},
+		{"all problems reported", pools(pool("name: X", `connector: ""`), pool("name: q", "models: [m]")), []string{
+			`config: pools[0].name: "X" must match`, `config: pools[0].connector: required`,
+			`config: pools[1].models[0]: duplicate model "m"`}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := Parse([]byte(tt.yaml))
+			require.Error(t, err, "input:\n%s", tt.yaml)
+			require.Nil(t, cfg)
+			for _, want := range tt.want {
+				require.ErrorContains(t, err, want, "input:\n%s", tt.yaml)
+			}
+		})
+	}
+}
+
+func TestParseLimits(t *testing.T) {
+	for _, in := range []string{
+		pools(pool("prefill_timeout: 10m")),
+		pools(pool("prefill_timeout: 1ns")),
+		minimal + "max_body_bytes: 4294967295\n",
+		minimal + "max_body_bytes: 0\n", // means the default
+	} {
+		_, err := Parse([]byte(in))
+		require.NoError(t, err, "input:\n%s", in)
+	}
+}
+
+func TestValidateConnectors(t *testing.T) {
+	cfg, err := Parse([]byte(pools(pool(), pool("name: q", "models: [x]", "connector: nixel"))))
+	require.NoError(t, err)
+
+	require.NoError(t, ValidateConnectors(cfg, []string{"nixl", "nixel"}))
+	require.EqualError(t, ValidateConnectors(cfg, []string{"nixl", "lmcache"}),
+		`config: pools[1].connector: unknown connector "nixel" (known: lmcache, nixl)`)
+	require.EqualError(t, ValidateConnectors(cfg, nil),
+		"config: pools[0].connector: unknown connector \"nixl\" (known: none)\n"+
+			"config: pools[1].connector: unknown connector \"nixel\" (known: none)")
+}
+
+func TestLoad(t *testing.T) {
+	dir := t.TempDir()
+
+	missing := filepath.Join(dir, "missing.yaml")
+	_, err := Load(missing)
+	require.ErrorContains(t, err, missing)
+	require.ErrorIs(t, err, os.ErrNotExist)
+
+	// Problems in a file are prefixed with its name, like compiler errors.
+	bad := filepath.Join(dir, "bad.yaml")
+	require.NoError(t, os.WriteFile(bad, []byte(minimal+"grpc_adress: x\n"), 0o600))
+	_, err = Load(bad)
+	require.ErrorContains(t, err, bad+`: unknown field "grpc_adress"`)
+
+	good := filepath.Join(dir, "good.yaml")
+	require.NoError(t, os.WriteFile(good, []byte(minimal), 0o600))
+	cfg, err := Load(good)
+	require.NoError(t, err)
+	require.Equal(t, "p", cfg.GetPools()[0].GetName())
+}
+
+func TestExampleConfig(t *testing.T) {
+	cfg, err := Load("testdata/example.yaml")
+	require.NoError(t, err)
+	require.NoError(t, ValidateConnectors(cfg, []string{"nixl"}))
+
+	require.Len(t, cfg.GetPools(), 1)
+	p := cfg.GetPools()[0]
+	require.Equal(t, []string{"demo-model"}, p.GetModels())
+	require.True(t, p.GetDefault())
+	require.Equal(t, "nixl", p.GetConnector())
+	addrs := func(eps []*configv1.Endpoint) (out []string) {
+		for _, ep := range eps {
+			out = append(out, ep.GetAddress())
+		}
+		return out
+	}
+	require.Equal(t, []string{"127.0.0.1:8100", "127.0.0.1:8101"}, addrs(p.GetPrefill()))
+	require.Equal(t, []string{"127.0.0.1:8102", "127.0.0.1:8103"}, addrs(p.GetDecode()))
+}

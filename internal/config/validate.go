@@ -1,0 +1,164 @@
+package config
+
+import (
+	"fmt"
+	"net"
+	"net/netip"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+)
+
+var poolNameRE = regexp.MustCompile(`^[a-z0-9-]+$`)
+
+// validate checks a decoded config with defaults applied and returns every
+// problem found, each naming its field path.
+func validate(cfg *configv1.Config) []error {
+	var v validator
+	v.listenAddress("grpc_address", cfg.GetGrpcAddress())
+	v.listenAddress("admin_address", cfg.GetAdminAddress())
+
+	if len(cfg.GetPools()) == 0 {
+		v.fail("pools", "at least one pool is required")
+	}
+	names := map[string]string{}  // pool name -> path of its first use
+	models := map[string]string{} // model -> path of its first listing
+	defaultPath := ""
+	for i, p := range cfg.GetPools() {
+		path := fmt.Sprintf("pools[%d]", i)
+
+		switch name := p.GetName(); {
+		case name == "":
+			v.fail(path+".name", "required")
+		case !poolNameRE.MatchString(name):
+			v.fail(path+".name", "%q must match [a-z0-9-]+", name)
+		case names[name] != "":
+			v.fail(path+".name", "duplicate pool name %q (also %s)", name, names[name])
+		default:
+			names[name] = path + ".name"
+		}
+
+		if len(p.GetModels()) == 0 && !p.GetDefault() {
+			v.fail(path+".models", "required unless default is true")
+		}
+		for j, m := range p.GetModels() {
+			mp := fmt.Sprintf("%s.models[%d]", path, j)
+			switch {
+			case m == "":
+				v.fail(mp, "empty model name")
+			case models[m] != "":
+				v.fail(mp, "duplicate model %q (also %s): a model may appear in only one pool", m, models[m])
+			default:
+				models[m] = mp
+			}
+		}
+
+		if p.GetDefault() {
+			if defaultPath != "" {
+				v.fail(path+".default", "more than one default pool (also %s)", defaultPath)
+			} else {
+				defaultPath = path + ".default"
+			}
+		}
+
+		if p.GetConnector() == "" {
+			v.fail(path+".connector", "required")
+		}
+		v.endpoints(path+".prefill", p.GetPrefill())
+		v.endpoints(path+".decode", p.GetDecode())
+
+		switch d := p.GetPrefillTimeout().AsDuration(); {
+		case d <= 0:
+			v.fail(path+".prefill_timeout", "%v must be greater than 0", d)
+		case d > MaxPrefillTimeout:
+			v.fail(path+".prefill_timeout", "%v exceeds the maximum of %v", d, MaxPrefillTimeout)
+		}
+	}
+	return v.errs
+}
+
+// ValidateConnectors reports every pool whose connector is not in known, the
+// names supported by the server's connector registry. Load and Parse only
+// check that a connector is named, since this package cannot see the
+// registry; the server must call ValidateConnectors after loading.
+func ValidateConnectors(cfg *configv1.Config, known []string) error {
+	list := "none"
+	if len(known) > 0 {
+		list = strings.Join(slices.Sorted(slices.Values(known)), ", ")
+	}
+	var v validator
+	for i, p := range cfg.GetPools() {
+		if !slices.Contains(known, p.GetConnector()) {
+			v.fail(fmt.Sprintf("pools[%d].connector", i), "unknown connector %q (known: %s)", p.GetConnector(), list)
+		}
+	}
+	if len(v.errs) == 0 {
+		return nil
+	}
+	return joinErrors("config", v.errs)
+}
+
+type validator struct {
+	errs []error
+}
+
+func (v *validator) fail(path, format string, args ...any) {
+	v.errs = append(v.errs, &fieldError{path: path, msg: fmt.Sprintf(format, args...)})
+}
+
+// listenAddress checks a host:port to listen on; the host may be a name or
+// empty (all interfaces).
+func (v *validator) listenAddress(path, addr string) {
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		v.fail(path, "%q is not host:port", addr)
+	}
+}
+
+// endpoints checks a pool's prefill or decode list.
+func (v *validator) endpoints(path string, eps []*configv1.Endpoint) {
+	if len(eps) == 0 {
+		v.fail(path, "at least one endpoint is required")
+	}
+	seen := map[netip.AddrPort]string{}
+	for i, ep := range eps {
+		ap := fmt.Sprintf("%s[%d].address", path, i)
+		addr, ok := v.endpointAddress(ap, ep.GetAddress())
+		if !ok {
+			continue
+		}
+		// A repeated endpoint would silently get twice the traffic.
+		if prev, dup := seen[addr]; dup {
+			v.fail(ap, "duplicate endpoint %q (also %s)", ep.GetAddress(), prev)
+			continue
+		}
+		seen[addr] = ap
+	}
+}
+
+// endpointAddress parses an upstream "ip:port". Hostnames are rejected because
+// Envoy's ORIGINAL_DST cluster connects to the address as given, without DNS.
+func (v *validator) endpointAddress(path, s string) (netip.AddrPort, bool) {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil {
+		v.fail(path, "%q is not ip:port with a literal IP", s)
+		return netip.AddrPort{}, false
+	}
+	ip, err := netip.ParseAddr(host)
+	if err != nil {
+		v.fail(path, "%q is not ip:port with a literal IP", s)
+		return netip.AddrPort{}, false
+	}
+	if ip.IsUnspecified() {
+		v.fail(path, "%q has an unspecified IP, which cannot be connected to", s)
+		return netip.AddrPort{}, false
+	}
+	n, err := strconv.ParseUint(port, 10, 16)
+	if err != nil || n == 0 {
+		v.fail(path, "%q has port %q, want 1-65535", s, port)
+		return netip.AddrPort{}, false
+	}
+	return netip.AddrPortFrom(ip, uint16(n)), true
+}

@@ -1,0 +1,369 @@
+package enginesim
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+// exchange carries one inference request from arrival to its Record.
+type exchange struct {
+	seq uint64
+	rec Record
+	req *inferenceRequest
+	w   http.ResponseWriter
+	r   *http.Request
+}
+
+func (s *Server) handleInference(a api) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		x := &exchange{
+			seq: s.arrive(),
+			rec: Record{RequestID: r.Header.Get(headerReqID), Path: r.URL.Path},
+			w:   w,
+			r:   r,
+		}
+		body, err := readBody(w, r)
+		x.rec.Body = recordBody(body)
+		if err != nil {
+			s.reject(x, badRequest("reading request body: %v", err))
+			return
+		}
+		x.req, err = parseRequest(a, body)
+		if err != nil {
+			s.reject(x, err)
+			return
+		}
+		x.rec.Fingerprint = Fingerprint(x.req.prompt)
+		switch x.req.mode {
+		case modePrefill:
+			s.servePrefill(x)
+		case modeDecode:
+			s.serveDecode(x)
+		default:
+			s.servePlain(x)
+		}
+	}
+}
+
+// reject records and answers a refused request.
+func (s *Server) reject(x *exchange, err error) {
+	ae := asAPIError(err)
+	x.rec.Kind, x.rec.Status, x.rec.Error = KindRejected, ae.status, ae.msg
+	s.commit(x.seq, x.rec)
+	writeError(x.w, ae)
+}
+
+// abandon records a request whose client went away (or whose engine shut
+// down) mid-way; there is nobody left to answer.
+func (s *Server) abandon(x *exchange, err error) {
+	x.rec.Status, x.rec.Error = statusClientGone, "client went away: "+err.Error()
+	s.commit(x.seq, x.rec)
+}
+
+func (s *Server) servePlain(x *exchange) {
+	x.rec.Kind = KindPlain
+	if s.cfg.Role != RolePrefill {
+		x.rec.KV = KVRecomputed
+		x.w.Header().Set(HeaderKV, KVRecomputed)
+	}
+	if err := sleep(x.r.Context(), s.prefillTime(x.req)); err != nil {
+		s.abandon(x, err)
+		return
+	}
+	s.generate(x)
+}
+
+func (s *Server) servePrefill(x *exchange) {
+	x.rec.Kind = KindPrefill
+	if s.cfg.Role == RoleDecode {
+		s.reject(x, badRequest("engine is a KV consumer (role decode) and cannot serve a do_remote_decode prefill request"))
+		return
+	}
+	if err := validatePrefill(x.req, x.rec.RequestID); err != nil {
+		s.reject(x, err)
+		return
+	}
+	if err := sleep(x.r.Context(), s.prefillTime(x.req)); err != nil {
+		s.abandon(x, err)
+		return
+	}
+	first := outputTokens(x.rec.Fingerprint, 1)
+	if strings.Contains(x.req.prompt, eosMarker) {
+		// The prefill finished the request: nothing is left for a decode.
+		x.rec.Status = http.StatusOK
+		s.commit(x.seq, x.rec)
+		writeJSON(x.w, http.StatusOK, s.completion(x, first, "stop", json.RawMessage("null")))
+		return
+	}
+	id, blocks := s.kv.allocate(x.rec.Fingerprint, x.rec.RequestID, promptTokens(x.req.prompt), time.Now())
+	params := mustJSON(issuedKVParams{
+		DoRemotePrefill: true,
+		RemoteEngineID:  s.cfg.EngineID,
+		RemoteBlockIDs:  blocks,
+		RemoteRequestID: id,
+		RemoteHost:      s.host,
+		RemotePort:      s.port,
+		TPSize:          1,
+	})
+	x.rec.Status = http.StatusOK
+	s.commit(x.seq, x.rec)
+	writeJSON(x.w, http.StatusOK, s.completion(x, first, "length", params))
+}
+
+func (s *Server) serveDecode(x *exchange) {
+	x.rec.Kind = KindDecode
+	if s.cfg.Role == RolePrefill {
+		s.reject(x, badRequest("engine is a KV producer (role prefill) and cannot serve a do_remote_prefill decode request"))
+		return
+	}
+	src, err := pullSource(x.req.kv)
+	if err != nil {
+		s.reject(x, err)
+		return
+	}
+	x.rec.KVSource = src
+	if x.rec.RequestID == "" {
+		s.reject(x, badRequest("missing X-Request-Id header (prefill and decode must share one)"))
+		return
+	}
+	ctx := x.r.Context()
+	pulled, err := s.pullKV(ctx, src, x.req.kv, x.rec.RequestID)
+	switch {
+	case ctx.Err() != nil:
+		s.abandon(x, ctx.Err())
+		return
+	case err != nil:
+		s.reject(x, err)
+		return
+	case pulled.Fingerprint != x.rec.Fingerprint:
+		s.reject(x, badRequest("KV blocks hold a different prompt: pulled KV has prompt fingerprint %s, this request's prompt has %s",
+			pulled.Fingerprint, x.rec.Fingerprint))
+		return
+	case pulled.RequestID != x.rec.RequestID:
+		s.reject(x, badRequest("KV blocks belong to another request: prefilled for X-Request-Id %q, this decode is %q",
+			pulled.RequestID, x.rec.RequestID))
+		return
+	}
+	x.rec.KV = KVPulled
+	x.w.Header().Set(HeaderKV, KVPulled)
+	x.w.Header().Set(HeaderKVSource, src)
+	s.generate(x)
+}
+
+// prefillTime is the simulated cost of computing the prompt's KV.
+func (s *Server) prefillTime(req *inferenceRequest) time.Duration {
+	return s.cfg.PrefillLatency + time.Duration(promptTokens(req.prompt))*s.cfg.PrefillPerToken
+}
+
+// tokenDelay is the wait before output token i (0-based).
+func (s *Server) tokenDelay(i int) time.Duration {
+	if i == 0 {
+		return s.cfg.DecodeLatency
+	}
+	return s.cfg.DecodePerToken
+}
+
+// outputTokens is the deterministic output: the prompt's fingerprint, then
+// " t1", " t2", ... up to n tokens.
+func outputTokens(fingerprint string, n int) []string {
+	toks := make([]string, n)
+	toks[0] = "pdx-sim:" + fingerprint
+	for i := 1; i < n; i++ {
+		toks[i] = " t" + strconv.Itoa(i)
+	}
+	return toks
+}
+
+// generate runs the decode phase and answers, as JSON or as SSE.
+func (s *Server) generate(x *exchange) {
+	toks := outputTokens(x.rec.Fingerprint, x.req.maxTokens)
+	if x.req.stream {
+		s.stream(x, toks)
+		return
+	}
+	var total time.Duration
+	for i := range toks {
+		total += s.tokenDelay(i)
+	}
+	if err := sleep(x.r.Context(), total); err != nil {
+		s.abandon(x, err)
+		return
+	}
+	x.rec.Status = http.StatusOK
+	s.commit(x.seq, x.rec)
+	writeJSON(x.w, http.StatusOK, s.completion(x, toks, "length", nil))
+}
+
+// stream answers with server-sent events, one chunk per token, flushed as
+// produced so that a client sees the simulated inter-token latency.
+func (s *Server) stream(x *exchange, toks []string) {
+	ctx := x.r.Context()
+	h := x.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	x.w.WriteHeader(http.StatusOK)
+	rc := http.NewResponseController(x.w)
+	send := func(v any) error {
+		if _, err := fmt.Fprintf(x.w, "data: %s\n\n", mustJSON(v)); err != nil {
+			return err
+		}
+		return rc.Flush()
+	}
+	id, created := s.responseID(x), time.Now().Unix()
+	chunk := func(c choice) completionResponse {
+		return completionResponse{ID: id, Object: chunkObject(x.req.api), Created: created, Model: x.req.model, Choices: []choice{c}}
+	}
+
+	if x.req.api == apiChat {
+		if err := send(chunk(choice{Delta: &delta{Role: "assistant", Content: new("")}})); err != nil {
+			s.abandon(x, err)
+			return
+		}
+	}
+	for i, tok := range toks {
+		if err := sleep(ctx, s.tokenDelay(i)); err != nil {
+			s.abandon(x, err)
+			return
+		}
+		if err := send(chunk(tokenChoice(x.req.api, tok, ""))); err != nil {
+			s.abandon(x, err)
+			return
+		}
+	}
+	if err := send(chunk(tokenChoice(x.req.api, "", "length"))); err != nil {
+		s.abandon(x, err)
+		return
+	}
+	if x.req.includeUsage {
+		u := completionResponse{ID: id, Object: chunkObject(x.req.api), Created: created, Model: x.req.model,
+			Choices: []choice{}, Usage: usageOf(x.req, len(toks))}
+		if err := send(u); err != nil {
+			s.abandon(x, err)
+			return
+		}
+	}
+	// Record before the terminator so that a client which has read the whole
+	// stream always finds the record.
+	x.rec.Status = http.StatusOK
+	s.commit(x.seq, x.rec)
+	if _, err := fmt.Fprint(x.w, "data: [DONE]\n\n"); err == nil {
+		_ = rc.Flush()
+	}
+}
+
+// completionResponse is both a response and a stream chunk of either endpoint;
+// the fields left empty are omitted.
+type completionResponse struct {
+	ID               string          `json:"id"`
+	Object           string          `json:"object"`
+	Created          int64           `json:"created"`
+	Model            string          `json:"model"`
+	Choices          []choice        `json:"choices"`
+	Usage            *usage          `json:"usage,omitempty"`
+	KVTransferParams json.RawMessage `json:"kv_transfer_params,omitempty"`
+}
+
+type choice struct {
+	Index        int          `json:"index"`
+	Message      *chatMessage `json:"message,omitempty"` // chat response
+	Delta        *delta       `json:"delta,omitempty"`   // chat chunk
+	Text         *string      `json:"text,omitempty"`    // completions
+	Logprobs     *struct{}    `json:"logprobs"`          // always null
+	FinishReason *string      `json:"finish_reason"`
+}
+
+type chatMessage struct {
+	Role    string `json:"role"`
+	Content string `json:"content"`
+}
+
+type delta struct {
+	Role    string  `json:"role,omitempty"`
+	Content *string `json:"content,omitempty"`
+}
+
+type usage struct {
+	PromptTokens     int `json:"prompt_tokens"`
+	CompletionTokens int `json:"completion_tokens"`
+	TotalTokens      int `json:"total_tokens"`
+}
+
+func usageOf(req *inferenceRequest, completion int) *usage {
+	p := promptTokens(req.prompt)
+	return &usage{PromptTokens: p, CompletionTokens: completion, TotalTokens: p + completion}
+}
+
+// completion is a whole non-streaming response. kvParams nil omits the
+// kv_transfer_params field; JSON null sends it as null.
+func (s *Server) completion(x *exchange, toks []string, finish string, kvParams json.RawMessage) completionResponse {
+	text := strings.Join(toks, "")
+	c := choice{FinishReason: &finish}
+	object := "text_completion"
+	if x.req.api == apiChat {
+		c.Message = &chatMessage{Role: "assistant", Content: text}
+		object = "chat.completion"
+	} else {
+		c.Text = &text
+	}
+	return completionResponse{
+		ID: s.responseID(x), Object: object, Created: time.Now().Unix(), Model: x.req.model,
+		Choices: []choice{c}, Usage: usageOf(x.req, len(toks)), KVTransferParams: kvParams,
+	}
+}
+
+// tokenChoice is the choice of a stream chunk carrying text (or, with a
+// finish reason, ending the choice).
+func tokenChoice(a api, text, finish string) choice {
+	var c choice
+	if finish != "" {
+		c.FinishReason = &finish
+	}
+	if a == apiCompletions {
+		c.Text = &text
+		return c
+	}
+	c.Delta = &delta{}
+	if text != "" {
+		c.Delta.Content = &text
+	}
+	return c
+}
+
+func chunkObject(a api) string {
+	if a == apiChat {
+		return "chat.completion.chunk"
+	}
+	return "text_completion"
+}
+
+// responseID follows vLLM, which derives the response id from the request id.
+func (s *Server) responseID(x *exchange) string {
+	rid := x.rec.RequestID
+	if rid == "" {
+		rid = randomHex(16)
+	}
+	if x.req.api == apiChat {
+		return "chatcmpl-" + rid
+	}
+	return "cmpl-" + rid
+}
+
+// sleep waits for d unless ctx ends first.
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}

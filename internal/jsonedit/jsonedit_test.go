@@ -1,0 +1,89 @@
+package jsonedit
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestParse(t *testing.T) {
+	tests := []struct {
+		name    string
+		in      string
+		keys    []string
+		wantErr string
+	}{
+		{name: "empty object", in: ` { } `, keys: []string{}},
+		{name: "order kept", in: `{"z":1,"a":{"b":[1,"]}"]},"m":"x\"y"}`, keys: []string{"z", "a", "m"}},
+		{name: "escaped key unescaped", in: `{"kv_transfer_param\u0073":1}`, keys: []string{"kv_transfer_params"}},
+		{name: "whitespace everywhere", in: "\n{\t\"a\" :\n 1 , \"b\":true\r}\n", keys: []string{"a", "b"}},
+		{name: "invalid", in: `{"a":}`, wantErr: "not valid JSON"},
+		{name: "truncated", in: `{"a":1`, wantErr: "not valid JSON"},
+		{name: "array", in: `[1,2]`, wantErr: "not an object"},
+		{name: "string", in: `"{}"`, wantErr: "not an object"},
+		{name: "duplicate", in: `{"model":"a","model":"b"}`, wantErr: `"model" more than once`},
+		{name: "duplicate via escape", in: `{"model":"a","mod\u0065l":"b"}`, wantErr: `"model" more than once`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			o, err := Parse([]byte(tc.in))
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			require.Equal(t, tc.keys, o.Keys())
+		})
+	}
+}
+
+func TestRaw(t *testing.T) {
+	o, err := Parse([]byte(`{"room": 18446744073709551615 ,"n":null,"s":"a\u00e9", "o":{"x":[1, 2]}}`))
+	require.NoError(t, err)
+	for key, want := range map[string]string{
+		"room": "18446744073709551615",
+		"n":    "null",
+		"s":    `"a\u00e9"`,
+		"o":    `{"x":[1, 2]}`,
+	} {
+		got, ok := o.Raw(key)
+		require.True(t, ok, key)
+		require.Equal(t, want, string(got), key)
+	}
+	_, ok := o.Raw("missing")
+	require.False(t, ok)
+	require.True(t, o.Has("n"))
+}
+
+func TestAppendEdited(t *testing.T) {
+	tests := []struct {
+		name  string
+		in    string
+		edits []Edit
+		want  string
+	}{
+		{name: "no edits compacts only between members", in: `{ "a" : 1.50 , "b":[1, 2] }`, want: `{"a" : 1.50,"b":[1, 2]}`},
+		{name: "replace in place", in: `{"a":1,"b":2,"c":3}`, edits: []Edit{Set("b", []byte(`false`))}, want: `{"a":1,"b":false,"c":3}`},
+		{name: "delete first", in: `{"a":1,"b":2}`, edits: []Edit{Delete("a")}, want: `{"b":2}`},
+		{name: "delete last", in: `{"a":1,"b":2}`, edits: []Edit{Delete("b")}, want: `{"a":1}`},
+		{name: "delete absent", in: `{"a":1}`, edits: []Edit{Delete("z")}, want: `{"a":1}`},
+		{name: "append", in: `{"a":1}`, edits: []Edit{Set("z", []byte(`{"k":null}`))}, want: `{"a":1,"z":{"k":null}}`},
+		{name: "append to empty", in: `{}`, edits: []Edit{Set("z", []byte(`1`))}, want: `{"z":1}`},
+		{name: "delete all", in: `{"a":1}`, edits: []Edit{Delete("a")}, want: `{}`},
+		{name: "later edit wins", in: `{"a":1}`, edits: []Edit{Set("a", []byte(`2`)), Delete("a")}, want: `{}`},
+		{name: "later append wins", in: `{}`, edits: []Edit{Set("z", []byte(`1`)), Set("z", []byte(`2`))}, want: `{"z":2}`},
+		{name: "escaped key replaced", in: `{"strea\u006d":true}`, edits: []Edit{Set("stream", []byte(`false`))}, want: `{"strea\u006d":false}`},
+		{name: "big integer kept", in: `{"room":9223372036854775807,"x":1e400}`, edits: []Edit{Delete("x")}, want: `{"room":9223372036854775807}`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			o, err := Parse([]byte(tc.in))
+			require.NoError(t, err)
+			got := o.AppendEdited(nil, tc.edits...)
+			require.Equal(t, tc.want, string(got))
+			require.LessOrEqual(t, len(got), o.EditedLen(tc.edits...))
+			_, err = Parse(got)
+			require.NoError(t, err)
+		})
+	}
+}

@@ -1,0 +1,74 @@
+// Package routing maps a request's model to its pool: the connector and the
+// engines that serve it. A Table is immutable once built; a stream takes one
+// snapshot when it starts and keeps it to its end.
+package routing
+
+import (
+	"fmt"
+	"time"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/picker"
+)
+
+// Pool is a set of prefill and decode engines serving some models with one
+// connector.
+type Pool struct {
+	Name           string
+	ConnectorName  string
+	Connector      connectors.Connector
+	Prefill        *picker.RoundRobin
+	Decode         *picker.RoundRobin
+	PrefillTimeout time.Duration
+}
+
+// Table finds the pool of a model.
+type Table struct {
+	byModel  map[string]*Pool
+	fallback *Pool
+}
+
+// New builds a table from a validated config. It fails on a connector name
+// that is not registered.
+func New(cfg *configv1.Config) (*Table, error) {
+	t := &Table{byModel: map[string]*Pool{}}
+	for i, pc := range cfg.GetPools() {
+		conn, ok := connectors.Lookup(pc.GetConnector())
+		if !ok {
+			return nil, fmt.Errorf("pools[%d].connector: unknown connector %q (known: %v)", i, pc.GetConnector(), connectors.Names())
+		}
+		p := &Pool{
+			Name:           pc.GetName(),
+			ConnectorName:  pc.GetConnector(),
+			Connector:      conn,
+			Prefill:        picker.NewRoundRobin(endpoints(pc.GetPrefill())),
+			Decode:         picker.NewRoundRobin(endpoints(pc.GetDecode())),
+			PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
+		}
+		for _, m := range pc.GetModels() {
+			t.byModel[m] = p
+		}
+		if pc.GetDefault() {
+			t.fallback = p
+		}
+	}
+	return t, nil
+}
+
+// Lookup returns the pool serving model: the pool that lists it, else the
+// default pool.
+func (t *Table) Lookup(model string) (*Pool, bool) {
+	if p, ok := t.byModel[model]; ok {
+		return p, true
+	}
+	return t.fallback, t.fallback != nil
+}
+
+func endpoints(eps []*configv1.Endpoint) []connectors.Endpoint {
+	out := make([]connectors.Endpoint, len(eps))
+	for i, e := range eps {
+		out[i] = connectors.Endpoint{Address: e.GetAddress()}
+	}
+	return out
+}

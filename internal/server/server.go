@@ -1,0 +1,139 @@
+// Package server runs pdx: the ext_proc gRPC service with its health
+// services, and the HTTP admin endpoint.
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/processor"
+)
+
+// healthServices are the gRPC health service names pdx answers for: the
+// endpoint-picker convention plus the empty name for plain checkers.
+var healthServices = []string{"", "liveness", "readiness", extprocv3.ExternalProcessor_ServiceDesc.ServiceName}
+
+// grpcOverhead is room for the ext_proc message around a body of
+// max_body_bytes: headers, metadata and framing.
+const grpcOverhead = 1 << 20
+
+// Server is a running pdx.
+type Server struct {
+	log     *slog.Logger
+	grpc    *grpc.Server
+	health  *health.Server
+	admin   *http.Server
+	engine  *connectors.HTTPEngine
+	grpcLn  net.Listener
+	adminLn net.Listener
+	ready   atomic.Bool
+	served  chan error
+}
+
+// Start listens on the config's addresses and serves until Shutdown.
+func Start(cfg *configv1.Config, log *slog.Logger) (*Server, error) {
+	table, err := routing.New(cfg)
+	if err != nil {
+		return nil, err
+	}
+	grpcLn, err := net.Listen("tcp", cfg.GetGrpcAddress())
+	if err != nil {
+		return nil, fmt.Errorf("grpc_address: %w", err)
+	}
+	adminLn, err := net.Listen("tcp", cfg.GetAdminAddress())
+	if err != nil {
+		grpcLn.Close()
+		return nil, fmt.Errorf("admin_address: %w", err)
+	}
+	maxMsg := int(cfg.GetMaxBodyBytes()) + grpcOverhead
+	s := &Server{
+		log:    log,
+		engine: connectors.NewHTTPEngine(),
+		grpc: grpc.NewServer(
+			grpc.MaxRecvMsgSize(maxMsg),
+			grpc.MaxSendMsgSize(maxMsg),
+			// Large windows let a multi-megabyte body arrive in one go.
+			grpc.InitialWindowSize(16<<20),
+			grpc.InitialConnWindowSize(64<<20),
+			grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+		),
+		health:  health.NewServer(),
+		grpcLn:  grpcLn,
+		adminLn: adminLn,
+		served:  make(chan error, 2),
+	}
+	extprocv3.RegisterExternalProcessorServer(s.grpc, processor.New(table, s.engine, log))
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	for _, name := range healthServices {
+		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
+	}
+	s.admin = &http.Server{Handler: s.adminHandler(), ReadHeaderTimeout: 5 * time.Second}
+	s.ready.Store(true)
+	go func() { s.served <- s.grpc.Serve(grpcLn) }()
+	go func() { s.served <- s.admin.Serve(adminLn) }()
+	log.Info("pdx serving", slog.String("grpc", s.GRPCAddr()), slog.String("admin", s.AdminAddr()),
+		slog.Int("pools", len(cfg.GetPools())))
+	return s, nil
+}
+
+// GRPCAddr is the ext_proc listener's address.
+func (s *Server) GRPCAddr() string { return s.grpcLn.Addr().String() }
+
+// AdminAddr is the HTTP admin listener's address.
+func (s *Server) AdminAddr() string { return s.adminLn.Addr().String() }
+
+// Shutdown stops taking streams, lets in-flight ones finish until ctx ends,
+// then cuts the rest.
+func (s *Server) Shutdown(ctx context.Context) error {
+	s.ready.Store(false)
+	s.health.Shutdown() // NOT_SERVING everywhere: Envoy stops sending new streams
+	stopped := make(chan struct{})
+	go func() {
+		s.grpc.GracefulStop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-ctx.Done():
+		s.grpc.Stop()
+		<-stopped
+	}
+	err := s.admin.Shutdown(ctx)
+	s.engine.CloseIdleConnections()
+	for range 2 {
+		if e := <-s.served; e != nil && !errors.Is(e, http.ErrServerClosed) && !errors.Is(e, grpc.ErrServerStopped) {
+			err = errors.Join(err, e)
+		}
+	}
+	return err
+}
+
+func (s *Server) adminHandler() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
+		w.Write([]byte("ok\n"))
+	})
+	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
+		if !s.ready.Load() {
+			http.Error(w, "draining", http.StatusServiceUnavailable)
+			return
+		}
+		w.Write([]byte("ok\n"))
+	})
+	return mux
+}

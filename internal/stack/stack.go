@@ -1,0 +1,179 @@
+// Package stack starts a whole pdx deployment on loopback: simulated prefill
+// and decode engines, pdx, and a real Envoy in front. The demo, the
+// end-to-end tests and the benchmarks all run on it.
+package stack
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/pdx-router/pdx/envoy"
+	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/enginesim"
+	"github.com/pdx-router/pdx/internal/logbuf"
+	"github.com/pdx-router/pdx/internal/server"
+)
+
+// Model is the model name the stack's pool serves.
+const Model = "demo-model"
+
+// Options shape a stack. The zero value is two prefill and two decode NIXL
+// engines with no simulated latency.
+type Options struct {
+	// Prefill and Decode are the numbers of simulated engines (default 2).
+	Prefill, Decode int
+	// Connector is the pool's KV connector (default "nixl").
+	Connector string
+	// Engine sets the simulators' latencies; Role and EngineID are ignored.
+	Engine enginesim.Config
+	// PrefillTimeout is the pool's prefill_timeout (default 30s).
+	PrefillTimeout time.Duration
+	// ListenPort is Envoy's client port; 0 picks a free one.
+	ListenPort int
+	// EnvoyBin overrides envoy.Binary().
+	EnvoyBin string
+	// LogLevel is pdx's log level (default Info).
+	LogLevel slog.Level
+}
+
+// Stack is a running deployment.
+type Stack struct {
+	Envoy   *envoy.Process
+	Pdx     *server.Server
+	Prefill []*enginesim.Server
+	Decode  []*enginesim.Server
+
+	pdxLog *logbuf.Buffer
+}
+
+// Start brings the stack up and returns once Envoy routes to pdx.
+func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
+	if opts.Prefill == 0 {
+		opts.Prefill = 2
+	}
+	if opts.Decode == 0 {
+		opts.Decode = 2
+	}
+	if opts.Connector == "" {
+		opts.Connector = "nixl"
+	}
+	if opts.PrefillTimeout == 0 {
+		opts.PrefillTimeout = 30 * time.Second
+	}
+	bin := opts.EnvoyBin
+	if bin == "" {
+		if bin, err = envoy.Binary(); err != nil {
+			return nil, err
+		}
+	}
+	s := &Stack{pdxLog: &logbuf.Buffer{}}
+	defer func() {
+		if err != nil {
+			s.Close()
+		}
+	}()
+	for range opts.Prefill {
+		sim, err := startSim(ctx, opts.Engine, enginesim.RolePrefill)
+		if err != nil {
+			return nil, err
+		}
+		s.Prefill = append(s.Prefill, sim)
+	}
+	for range opts.Decode {
+		sim, err := startSim(ctx, opts.Engine, enginesim.RoleDecode)
+		if err != nil {
+			return nil, err
+		}
+		s.Decode = append(s.Decode, sim)
+	}
+
+	cfg, err := config.Parse([]byte(s.pdxConfig(opts)))
+	if err != nil {
+		return nil, fmt.Errorf("stack config: %w", err)
+	}
+	log := slog.New(slog.NewJSONHandler(s.pdxLog, &slog.HandlerOptions{Level: opts.LogLevel}))
+	if s.Pdx, err = server.Start(cfg, log); err != nil {
+		return nil, err
+	}
+	var defaults []string
+	for _, d := range s.Decode {
+		defaults = append(defaults, d.Addr())
+	}
+	s.Envoy, err = envoy.Start(ctx, bin, envoy.Config{
+		ListenPort:       opts.ListenPort,
+		PdxAddress:       s.Pdx.GRPCAddr(),
+		DefaultEndpoints: defaults,
+		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
+		BufferLimitBytes: int(cfg.GetMaxBodyBytes()),
+	}, nil)
+	if err != nil {
+		return nil, err
+	}
+	return s, nil
+}
+
+func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role) (*enginesim.Server, error) {
+	cfg := base
+	cfg.Role = role
+	cfg.EngineID = ""
+	return enginesim.Start(ctx, "127.0.0.1:0", cfg)
+}
+
+// pdxConfig is the YAML a user would write for this stack.
+func (s *Stack) pdxConfig(opts Options) string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\npools:\n")
+	fmt.Fprintf(&b, "- name: demo\n  models: [%s]\n  default: true\n  connector: %s\n  prefill_timeout: %s\n",
+		Model, opts.Connector, opts.PrefillTimeout)
+	fmt.Fprintf(&b, "  prefill:\n")
+	for _, p := range s.Prefill {
+		fmt.Fprintf(&b, "  - address: %s\n", p.Addr())
+	}
+	fmt.Fprintf(&b, "  decode:\n")
+	for _, d := range s.Decode {
+		fmt.Fprintf(&b, "  - address: %s\n", d.Addr())
+	}
+	return b.String()
+}
+
+// URL is the base URL clients use, e.g. "http://127.0.0.1:10000".
+func (s *Stack) URL() string { return s.Envoy.URL() }
+
+// Engines returns every simulator, prefill first.
+func (s *Stack) Engines() []*enginesim.Server {
+	return append(append([]*enginesim.Server(nil), s.Prefill...), s.Decode...)
+}
+
+// PdxLog returns what pdx has logged so far.
+func (s *Stack) PdxLog() string { return s.pdxLog.String() }
+
+// Logs returns Envoy's and pdx's logs, for a failing test.
+func (s *Stack) Logs() string {
+	var b strings.Builder
+	if s.Envoy != nil {
+		fmt.Fprintf(&b, "----- envoy log -----\n%s\n", s.Envoy.Log())
+	}
+	fmt.Fprintf(&b, "----- pdx log -----\n%s\n", s.pdxLog.String())
+	return b.String()
+}
+
+// Close stops everything, Envoy first so no request is cut mid-way by pdx.
+func (s *Stack) Close() error {
+	var errs []error
+	if s.Envoy != nil {
+		errs = append(errs, s.Envoy.Stop())
+	}
+	if s.Pdx != nil {
+		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+		errs = append(errs, s.Pdx.Shutdown(ctx))
+		cancel()
+	}
+	for _, e := range s.Engines() {
+		errs = append(errs, e.Close())
+	}
+	return errors.Join(errs...)
+}

@@ -1,0 +1,115 @@
+package processor
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+// OpenAI error types.
+const (
+	typeInvalidRequest = "invalid_request_error"
+	typeServer         = "server_error"
+)
+
+var (
+	errPrefillTimeout = errors.New("prefill timed out")
+	errConfig         = errors.New("pdx is misconfigured")
+	errProtocol       = errors.New("unexpected ext_proc message")
+)
+
+// apiError is an error with the HTTP answer the client gets for it.
+type apiError struct {
+	status int
+	typ    string
+	code   string
+	msg    string
+}
+
+func (e *apiError) Error() string { return e.msg }
+
+func badRequest(code, msg string) *apiError {
+	return &apiError{status: 400, typ: typeInvalidRequest, code: code, msg: msg}
+}
+
+func bodyError(err error) *apiError {
+	var dup *jsonedit.DuplicateKeyError
+	switch {
+	case errors.As(err, &dup):
+		return badRequest("duplicate_key", err.Error())
+	case errors.Is(err, jsonedit.ErrNotObject):
+		return badRequest("invalid_json", "the request body must be a JSON object")
+	}
+	return badRequest("invalid_json", "the request body is not valid JSON")
+}
+
+func protocolError(kind string, s state) error {
+	return fmt.Errorf("%w: %s in state %s", errProtocol, kind, s)
+}
+
+// toAPIError is the one place where a failure becomes the client's answer.
+func toAPIError(err error) *apiError {
+	if e, ok := errors.AsType[*apiError](err); ok {
+		return e
+	}
+	msg := err.Error()
+	switch {
+	case errors.Is(err, errPrefillTimeout):
+		return &apiError{status: 504, typ: typeServer, code: "prefill_timeout", msg: msg}
+	case errors.Is(err, context.Canceled):
+		// The client is gone; Envoy drops this answer, but say what happened.
+		return &apiError{status: 503, typ: typeServer, code: "cancelled", msg: "request cancelled: " + msg}
+	case errors.Is(err, errProtocol), errors.Is(err, errConfig):
+		return &apiError{status: 500, typ: typeServer, code: "internal_error", msg: msg}
+	}
+	if ee, ok := errors.AsType[*connectors.EngineError](err); ok {
+		switch {
+		case ee.Status == 0 && !errors.Is(err, connectors.ErrBadAnswer):
+			return &apiError{status: 503, typ: typeServer, code: "prefill_unavailable", msg: msg}
+		case ee.Status == 400 || ee.Status == 413 || ee.Status == 422:
+			// The engine refused the request itself (too long a prompt, a bad
+			// parameter): the client can fix it, so say so with the same status.
+			return &apiError{status: ee.Status, typ: typeInvalidRequest, code: "prefill_rejected", msg: msg}
+		case ee.Status == 429:
+			return &apiError{status: 429, typ: typeServer, code: "prefill_overloaded", msg: msg}
+		}
+		return &apiError{status: 502, typ: typeServer, code: "prefill_failed", msg: msg}
+	}
+	return &apiError{status: 500, typ: typeServer, code: "internal_error", msg: msg}
+}
+
+func (e *apiError) logLevel() slog.Level {
+	if e.status >= 500 {
+		return slog.LevelWarn
+	}
+	return slog.LevelInfo
+}
+
+// immediateResponse is the OpenAI-style error answer Envoy sends the client
+// instead of proxying the request.
+func (e *apiError) immediateResponse() *extprocv3.ProcessingResponse {
+	body, _ := json.Marshal(map[string]any{"error": map[string]any{
+		"message": e.msg,
+		"type":    e.typ,
+		"code":    e.code,
+	}})
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
+		ImmediateResponse: &extprocv3.ImmediateResponse{
+			Status: &typev3.HttpStatus{Code: typev3.StatusCode(e.status)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+				setHeader("content-type", "application/json"),
+			}},
+			Body:    body,
+			Details: "pdx_" + e.code,
+		},
+	}}
+}

@@ -1,0 +1,96 @@
+package processor
+
+import (
+	"strconv"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	filterextprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/protobuf/types/known/structpb"
+
+	"github.com/pdx-router/pdx/connectors"
+)
+
+// DestinationHeader names the decode endpoint for Envoy's ORIGINAL_DST
+// cluster (the Gateway API Inference Extension endpoint-picker convention).
+const DestinationHeader = "x-gateway-destination-endpoint"
+
+// MetadataNamespace carries the same endpoint as dynamic metadata.
+const MetadataNamespace = "envoy.lb"
+
+func setHeader(key, value string) *corev3.HeaderValueOption {
+	return &corev3.HeaderValueOption{
+		Header:       &corev3.HeaderValue{Key: key, RawValue: []byte(value)},
+		AppendAction: corev3.HeaderValueOption_OVERWRITE_IF_EXISTS_OR_ADD,
+	}
+}
+
+// routeHeaders answers the headers of an inference request: a client never
+// gets to name the destination, whatever happens next.
+func routeHeaders() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
+		RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{
+			HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: []string{DestinationHeader}},
+		}},
+	}}
+}
+
+// passThroughMode asks Envoy to send nothing more of a request pdx does not
+// route (honoured when the filter sets allow_mode_override).
+var passThroughMode = &filterextprocv3.ProcessingMode{
+	RequestHeaderMode:   filterextprocv3.ProcessingMode_SEND,
+	ResponseHeaderMode:  filterextprocv3.ProcessingMode_SKIP,
+	RequestBodyMode:     filterextprocv3.ProcessingMode_NONE,
+	ResponseBodyMode:    filterextprocv3.ProcessingMode_NONE,
+	RequestTrailerMode:  filterextprocv3.ProcessingMode_SKIP,
+	ResponseTrailerMode: filterextprocv3.ProcessingMode_SKIP,
+}
+
+func passThroughHeaders() *extprocv3.ProcessingResponse {
+	resp := routeHeaders()
+	resp.ModeOverride = passThroughMode
+	return resp
+}
+
+// decodeMutation turns the request into the decode request: new body and
+// content-length (Envoy does not recompute it in BUFFERED mode), the decode
+// endpoint as header and as metadata, and the request id both legs share.
+func decodeMutation(body []byte, decode connectors.Endpoint, requestID string) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
+			Response: &extprocv3.CommonResponse{
+				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+					setHeader(DestinationHeader, decode.Address),
+					setHeader("content-length", strconv.Itoa(len(body))),
+					setHeader("x-request-id", requestID),
+				}},
+				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}},
+			},
+		}},
+		DynamicMetadata: &structpb.Struct{Fields: map[string]*structpb.Value{
+			MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+				DestinationHeader: structpb.NewStringValue(decode.Address),
+			}}),
+		}},
+	}
+}
+
+func continueRequestBody() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{}}}
+}
+
+func continueRequestTrailers() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}}
+}
+
+func continueResponseHeaders() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}}
+}
+
+func continueResponseBody() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{}}}
+}
+
+func continueResponseTrailers() *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseTrailers{ResponseTrailers: &extprocv3.TrailersResponse{}}}
+}

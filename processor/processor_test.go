@@ -1,0 +1,374 @@
+package processor
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"io"
+	"log/slog"
+	"strconv"
+	"sync"
+	"testing"
+	"time"
+
+	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// fakeStream feeds Process the messages of in and collects its answers.
+type fakeStream struct {
+	grpc.ServerStream
+	ctx  context.Context
+	in   chan *extprocv3.ProcessingRequest
+	out  chan *extprocv3.ProcessingResponse
+	recv error // returned once in is drained; io.EOF by default
+}
+
+func newFakeStream(ctx context.Context) *fakeStream {
+	return &fakeStream{ctx: ctx, in: make(chan *extprocv3.ProcessingRequest, 8), out: make(chan *extprocv3.ProcessingResponse, 8)}
+}
+
+func (s *fakeStream) Context() context.Context { return s.ctx }
+
+func (s *fakeStream) Recv() (*extprocv3.ProcessingRequest, error) {
+	select {
+	case m, ok := <-s.in:
+		if !ok {
+			if s.recv != nil {
+				return nil, s.recv
+			}
+			return nil, io.EOF
+		}
+		return m, nil
+	case <-s.ctx.Done():
+		return nil, s.ctx.Err()
+	}
+}
+
+func (s *fakeStream) Send(r *extprocv3.ProcessingResponse) error {
+	s.out <- r
+	return nil
+}
+
+// fakeEngine answers prefill calls with answer (or err) and records them.
+type fakeEngine struct {
+	answer string
+	err    error
+	block  bool // wait for the context to end instead of answering
+
+	mu    sync.Mutex
+	calls []engineCall
+}
+
+type engineCall struct {
+	endpoint  string
+	path, id  string
+	body      string
+	ctxErrEnd error
+}
+
+func (e *fakeEngine) Post(ctx context.Context, ep connectors.Endpoint, path, id string, body []byte) ([]byte, error) {
+	call := engineCall{endpoint: ep.Address, path: path, id: id, body: string(body)}
+	if e.block {
+		<-ctx.Done()
+		call.ctxErrEnd = ctx.Err()
+	}
+	e.mu.Lock()
+	e.calls = append(e.calls, call)
+	e.mu.Unlock()
+	if e.block {
+		return nil, &connectors.EngineError{Endpoint: ep, Err: ctx.Err()}
+	}
+	return []byte(e.answer), e.err
+}
+
+func (e *fakeEngine) Calls() []engineCall {
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	return append([]engineCall(nil), e.calls...)
+}
+
+const kvAnswer = `{"id":"p","choices":[{"text":"x"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]],"remote_request_id":"r","remote_host":"127.0.0.1","remote_port":8100}}`
+
+func testTable(t *testing.T, withDefault bool, timeout time.Duration) *routing.Table {
+	t.Helper()
+	table, err := routing.New(&configv1.Config{Pools: []*configv1.Pool{{
+		Name:           "p",
+		Models:         []string{"m"},
+		Default:        withDefault,
+		Connector:      "nixl",
+		Prefill:        []*configv1.Endpoint{{Address: "127.0.0.1:8100"}, {Address: "127.0.0.1:8101"}},
+		Decode:         []*configv1.Endpoint{{Address: "127.0.0.1:8200"}},
+		PrefillTimeout: durationpb.New(timeout),
+	}}})
+	require.NoError(t, err)
+	return table
+}
+
+func headers(method, path string, endOfStream bool, extra ...string) *extprocv3.ProcessingRequest {
+	hs := []*corev3.HeaderValue{
+		{Key: ":method", RawValue: []byte(method)},
+		{Key: ":path", RawValue: []byte(path)},
+	}
+	for i := 0; i+1 < len(extra); i += 2 {
+		hs = append(hs, &corev3.HeaderValue{Key: extra[i], RawValue: []byte(extra[i+1])})
+	}
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
+		RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: hs}, EndOfStream: endOfStream},
+	}}
+}
+
+func body(b string, endOfStream bool) *extprocv3.ProcessingRequest {
+	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestBody{
+		RequestBody: &extprocv3.HttpBody{Body: []byte(b), EndOfStream: endOfStream},
+	}}
+}
+
+var (
+	responseHeaders = &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{}}}
+	responseBody    = &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{}}}
+	requestTrailers = &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}}
+	noPhase         = &extprocv3.ProcessingRequest{}
+)
+
+// run feeds msgs to a fresh Process call and returns its answers.
+func run(t *testing.T, table *routing.Table, eng connectors.Engine, msgs ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingResponse {
+	t.Helper()
+	stream := newFakeStream(t.Context())
+	for _, m := range msgs {
+		stream.in <- m
+	}
+	close(stream.in)
+	srv := New(table, eng, slog.New(slog.DiscardHandler))
+	require.NoError(t, srv.Process(stream))
+	close(stream.out)
+	var out []*extprocv3.ProcessingResponse
+	for r := range stream.out {
+		out = append(out, r)
+	}
+	return out
+}
+
+func setHeaders(m *extprocv3.HeaderMutation) map[string]string {
+	out := map[string]string{}
+	for _, h := range m.GetSetHeaders() {
+		out[h.GetHeader().GetKey()] = string(h.GetHeader().GetRawValue())
+	}
+	return out
+}
+
+func TestRoutesInferenceRequest(t *testing.T) {
+	const client = `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":9}`
+	tests := []struct {
+		name      string
+		path      string
+		clientID  string
+		wantKeep  bool
+		extraMsgs []*extprocv3.ProcessingRequest
+		wantExtra int // answers to extraMsgs
+	}{
+		{name: "chat, client request id kept", path: "/v1/chat/completions", clientID: "client-id-1", wantKeep: true},
+		{name: "completions with query, id generated", path: "/v1/completions?x=1"},
+		{name: "unprintable client id replaced", path: "/v1/completions", clientID: "bad id"},
+		{name: "response phases continue", path: "/v1/chat/completions", extraMsgs: []*extprocv3.ProcessingRequest{responseHeaders, noPhase, responseBody}, wantExtra: 2},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			eng := &fakeEngine{answer: kvAnswer}
+			msgs := []*extprocv3.ProcessingRequest{
+				headers("POST", tc.path, false, "x-request-id", tc.clientID, DestinationHeader, "10.6.6.6:80"),
+				body(client, true),
+			}
+			out := run(t, testTable(t, false, time.Second), eng, append(msgs, tc.extraMsgs...)...)
+			require.Len(t, out, 2+tc.wantExtra)
+
+			hr := out[0].GetRequestHeaders().GetResponse()
+			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders(), "client's destination removed")
+
+			calls := eng.Calls()
+			require.Len(t, calls, 1)
+			require.Equal(t, "127.0.0.1:8100", calls[0].endpoint)
+			require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":1,
+				"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`, calls[0].body)
+
+			br := out[1].GetRequestBody().GetResponse()
+			decodeBody := br.GetBodyMutation().GetBody()
+			require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":9,
+				"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]],"remote_request_id":"r","remote_host":"127.0.0.1","remote_port":8100}}`, string(decodeBody))
+			hs := setHeaders(br.GetHeaderMutation())
+			require.Equal(t, "127.0.0.1:8200", hs[DestinationHeader])
+			require.Equal(t, strconv.Itoa(len(decodeBody)), hs["content-length"])
+			require.Equal(t, calls[0].id, hs["x-request-id"], "one request id on both legs")
+			if tc.wantKeep {
+				require.Equal(t, tc.clientID, calls[0].id)
+			} else {
+				require.Regexp(t, `^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`, calls[0].id)
+			}
+			lb := out[1].GetDynamicMetadata().GetFields()[MetadataNamespace].GetStructValue().GetFields()
+			require.Equal(t, "127.0.0.1:8200", lb[DestinationHeader].GetStringValue())
+
+			for _, r := range out[2:] {
+				require.Nil(t, r.GetImmediateResponse(), "response phases continue")
+			}
+		})
+	}
+}
+
+func TestPassThrough(t *testing.T) {
+	tests := []struct {
+		name string
+		msgs []*extprocv3.ProcessingRequest
+	}{
+		{name: "GET models", msgs: []*extprocv3.ProcessingRequest{headers("GET", "/v1/models", true)}},
+		{name: "GET on an inference path", msgs: []*extprocv3.ProcessingRequest{headers("GET", "/v1/chat/completions", true)}},
+		{name: "POST elsewhere with body", msgs: []*extprocv3.ProcessingRequest{headers("POST", "/v1/embeddings", false), body(`not json`, true), responseHeaders}},
+		{name: "prefix is not the path", msgs: []*extprocv3.ProcessingRequest{headers("POST", "/v1/completions/x", false), body(`{}`, true), requestTrailers}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			eng := &fakeEngine{}
+			out := run(t, testTable(t, true, time.Second), eng, tc.msgs...)
+			require.Len(t, out, len(tc.msgs))
+			hr := out[0].GetRequestHeaders().GetResponse()
+			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders())
+			require.Equal(t, passThroughMode, out[0].GetModeOverride())
+			for _, r := range out[1:] {
+				require.Nil(t, r.GetImmediateResponse())
+				require.Nil(t, r.GetRequestBody().GetResponse().GetBodyMutation(), "body untouched")
+			}
+			require.Empty(t, eng.Calls())
+		})
+	}
+}
+
+type apiErrorBody struct {
+	Error struct {
+		Message string `json:"message"`
+		Type    string `json:"type"`
+		Code    string `json:"code"`
+	} `json:"error"`
+}
+
+// immediate returns the status and error body of an ImmediateResponse.
+func immediate(t *testing.T, r *extprocv3.ProcessingResponse) (int, apiErrorBody) {
+	t.Helper()
+	ir := r.GetImmediateResponse()
+	require.NotNil(t, ir, "want an ImmediateResponse, got %v", r)
+	require.Equal(t, "application/json", setHeaders(ir.GetHeaders())["content-type"])
+	var b apiErrorBody
+	require.NoError(t, json.Unmarshal(ir.GetBody(), &b))
+	require.NotEmpty(t, b.Error.Message)
+	require.NotEmpty(t, b.Error.Type)
+	return int(ir.GetStatus().GetCode()), b
+}
+
+func TestErrors(t *testing.T) {
+	post := headers("POST", "/v1/chat/completions", false)
+	tests := []struct {
+		name       string
+		msgs       []*extprocv3.ProcessingRequest
+		engine     *fakeEngine
+		noDefault  bool
+		timeout    time.Duration
+		wantStatus int
+		wantCode   string
+		wantMsg    string
+		wantCalls  int
+	}{
+		{name: "invalid JSON", msgs: msgs(post, body(`{"model":`, true)), wantStatus: 400, wantCode: "invalid_json"},
+		{name: "not an object", msgs: msgs(post, body(`["m"]`, true)), wantStatus: 400, wantCode: "invalid_json", wantMsg: "JSON object"},
+		{name: "missing model", msgs: msgs(post, body(`{"prompt":"x"}`, true)), wantStatus: 400, wantCode: "missing_model"},
+		{name: "model not a string", msgs: msgs(post, body(`{"model":7}`, true)), wantStatus: 400, wantCode: "invalid_type", wantMsg: `"model" must be a string`},
+		{name: "empty model", msgs: msgs(post, body(`{"model":""}`, true)), wantStatus: 400, wantCode: "missing_model"},
+		{name: "stream not a bool", msgs: msgs(post, body(`{"model":"m","stream":"yes"}`, true)), wantStatus: 400, wantCode: "invalid_type"},
+		{name: "duplicate key", msgs: msgs(post, body(`{"model":"m","model":"other"}`, true)), wantStatus: 400, wantCode: "duplicate_key"},
+		{name: "unknown model without default pool", noDefault: true, msgs: msgs(post, body(`{"model":"gpt-9"}`, true)), wantStatus: 404, wantCode: "model_not_found", wantMsg: `"gpt-9"`},
+		{name: "compressed body", msgs: msgs(headers("POST", "/v1/completions", false, "content-encoding", "gzip")), wantStatus: 415, wantCode: "unsupported_content_encoding"},
+		{name: "no body", msgs: msgs(headers("POST", "/v1/completions", true)), wantStatus: 400, wantCode: "missing_body"},
+		{name: "streamed body chunk", msgs: msgs(post, body(`{"model":`, false)), wantStatus: 500, wantCode: "internal_error", wantMsg: "BUFFERED"},
+		{name: "body before headers", msgs: msgs(body(`{}`, true)), wantStatus: 500, wantCode: "internal_error", wantMsg: "request body in state request_headers"},
+		{name: "headers twice", msgs: msgs(post, post), wantStatus: 500, wantCode: "internal_error"},
+		{name: "response headers before body", msgs: msgs(post, responseHeaders), wantStatus: 500, wantCode: "internal_error"},
+		{
+			name: "prefill 500", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			engine:     &fakeEngine{err: &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}},
+			wantStatus: 502, wantCode: "prefill_failed", wantMsg: "127.0.0.1:8100 answered 500: boom", wantCalls: 1,
+		},
+		{
+			name: "prefill refuses the request", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			engine:     &fakeEngine{err: &connectors.EngineError{Status: 400, Message: "prompt too long"}},
+			wantStatus: 400, wantCode: "prefill_rejected", wantMsg: "prompt too long", wantCalls: 1,
+		},
+		{
+			name: "prefill unreachable", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			engine:     &fakeEngine{err: &connectors.EngineError{Err: errors.New("connection refused")}},
+			wantStatus: 503, wantCode: "prefill_unavailable", wantCalls: 1,
+		},
+		{
+			name: "prefill answer not JSON", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			engine: &fakeEngine{answer: `<html>`}, wantStatus: 502, wantCode: "prefill_failed", wantMsg: "invalid prefill answer", wantCalls: 1,
+		},
+		{
+			name: "prefill timeout", msgs: msgs(post, body(`{"model":"m"}`, true)), timeout: 50 * time.Millisecond,
+			engine: &fakeEngine{block: true}, wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "after 50ms on 127.0.0.1:8100", wantCalls: 1,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			eng := tc.engine
+			if eng == nil {
+				eng = &fakeEngine{answer: kvAnswer}
+			}
+			timeout := tc.timeout
+			if timeout == 0 {
+				timeout = time.Second
+			}
+			out := run(t, testTable(t, !tc.noDefault, timeout), eng, tc.msgs...)
+			status, b := immediate(t, out[len(out)-1])
+			require.Equal(t, tc.wantStatus, status)
+			require.Equal(t, tc.wantCode, b.Error.Code)
+			require.Contains(t, b.Error.Message, tc.wantMsg)
+			require.Len(t, eng.Calls(), tc.wantCalls)
+		})
+	}
+}
+
+// A client that goes away mid-prefill cancels the prefill call, and Process
+// ends quietly: a cancelled stream is how every request ends.
+func TestCancellationDuringPrefill(t *testing.T) {
+	ctx, cancel := context.WithCancel(t.Context())
+	stream := newFakeStream(ctx)
+	eng := &fakeEngine{block: true}
+	stream.in <- headers("POST", "/v1/completions", false)
+	stream.in <- body(`{"model":"m","prompt":"p"}`, true)
+	srv := New(testTable(t, false, time.Minute), eng, slog.New(slog.DiscardHandler))
+	done := make(chan error, 1)
+	go func() { done <- srv.Process(stream) }()
+	<-stream.out // headers answer
+	require.Eventually(t, func() bool {
+		cancel() // the prefill may not have started yet; cancelling again is harmless
+		return len(eng.Calls()) == 1
+	}, 5*time.Second, 5*time.Millisecond)
+	require.NoError(t, <-done)
+	require.ErrorIs(t, eng.Calls()[0].ctxErrEnd, context.Canceled)
+}
+
+func TestStreamErrorsAreReturned(t *testing.T) {
+	stream := newFakeStream(t.Context())
+	stream.recv = errors.New("transport is broken")
+	close(stream.in)
+	srv := New(testTable(t, false, time.Second), &fakeEngine{}, slog.New(slog.DiscardHandler))
+	require.ErrorContains(t, srv.Process(stream), "transport is broken")
+}
+
+func msgs(m ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingRequest { return m }

@@ -1,0 +1,253 @@
+package processor
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+// state is the phase a request is in.
+type state int
+
+const (
+	// stateRequestHeaders waits for the request headers, the first message.
+	stateRequestHeaders state = iota
+	// stateRequestBody waits for the buffered body of an inference request.
+	stateRequestBody
+	// stateRouted has sent the decode mutation; only response phases follow.
+	stateRouted
+	// statePassThrough is a request pdx does not route; it is left untouched.
+	statePassThrough
+	// stateFailed has sent an ImmediateResponse.
+	stateFailed
+)
+
+func (s state) String() string {
+	switch s {
+	case stateRequestHeaders:
+		return "request_headers"
+	case stateRequestBody:
+		return "request_body"
+	case stateRouted:
+		return "routed"
+	case statePassThrough:
+		return "pass_through"
+	case stateFailed:
+		return "failed"
+	}
+	return fmt.Sprintf("state(%d)", int(s))
+}
+
+// request is everything pdx knows about one HTTP request. It is created in
+// Process and dies with the stream.
+type request struct {
+	table  *routing.Table
+	engine connectors.Engine
+	log    *slog.Logger
+
+	state state
+	id    string // X-Request-Id for both legs
+	path  string // without the query string
+	start time.Time
+}
+
+func newRequest(table *routing.Table, engine connectors.Engine, log *slog.Logger) *request {
+	return &request{table: table, engine: engine, log: log, start: time.Now()}
+}
+
+// handle answers one message. A nil answer means the message needs none.
+func (r *request) handle(ctx context.Context, msg *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
+	resp, err := r.dispatch(ctx, msg)
+	if err != nil {
+		r.state = stateFailed
+		e := toAPIError(err)
+		r.log.LogAttrs(ctx, e.logLevel(), "request failed",
+			slog.Int("status", e.status), slog.String("code", e.code), slog.String("error", err.Error()),
+			slog.Duration("elapsed", time.Since(r.start)))
+		return e.immediateResponse()
+	}
+	return resp
+}
+
+func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest) (*extprocv3.ProcessingResponse, error) {
+	switch m := msg.GetRequest().(type) {
+	case *extprocv3.ProcessingRequest_RequestHeaders:
+		if r.state != stateRequestHeaders {
+			return nil, protocolError("request headers", r.state)
+		}
+		return r.requestHeaders(m.RequestHeaders)
+	case *extprocv3.ProcessingRequest_RequestBody:
+		switch r.state {
+		case statePassThrough:
+			return continueRequestBody(), nil
+		case stateRequestBody:
+			return r.requestBody(ctx, m.RequestBody)
+		}
+		return nil, protocolError("request body", r.state)
+	case *extprocv3.ProcessingRequest_RequestTrailers:
+		if r.state == stateRequestHeaders {
+			return nil, protocolError("request trailers", r.state)
+		}
+		return continueRequestTrailers(), nil
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		if r.state != stateRouted && r.state != statePassThrough {
+			return nil, protocolError("response headers", r.state)
+		}
+		return continueResponseHeaders(), nil
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		if r.state != stateRouted && r.state != statePassThrough {
+			return nil, protocolError("response body", r.state)
+		}
+		return continueResponseBody(), nil
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		if r.state != stateRouted && r.state != statePassThrough {
+			return nil, protocolError("response trailers", r.state)
+		}
+		return continueResponseTrailers(), nil
+	}
+	// Flow-control messages and kinds newer than pdx carry no request phase.
+	return nil, nil
+}
+
+// Inference paths pdx routes; everything else passes through untouched.
+var inferencePaths = map[string]bool{
+	"/v1/chat/completions": true,
+	"/v1/completions":      true,
+}
+
+func (r *request) requestHeaders(h *extprocv3.HttpHeaders) (*extprocv3.ProcessingResponse, error) {
+	path, _, _ := strings.Cut(header(h, ":path"), "?")
+	r.path = path
+	r.id = requestID(header(h, "x-request-id"))
+	r.log = r.log.With(slog.String("request_id", r.id), slog.String("path", path))
+
+	if !inferencePaths[path] || header(h, ":method") != "POST" {
+		r.state = statePassThrough
+		return passThroughHeaders(), nil
+	}
+	if enc := header(h, "content-encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
+		return nil, &apiError{status: 415, typ: typeInvalidRequest, code: "unsupported_content_encoding",
+			msg: fmt.Sprintf("content-encoding %q is not supported; send the JSON body uncompressed", enc)}
+	}
+	if h.GetEndOfStream() {
+		return nil, badRequest("missing_body", "the request has no body; send a JSON object")
+	}
+	r.state = stateRequestBody
+	return routeHeaders(), nil
+}
+
+func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extprocv3.ProcessingResponse, error) {
+	if !b.GetEndOfStream() {
+		// Only a buffered body can be rewritten together with the headers.
+		return nil, fmt.Errorf("%w: got a partial request body; configure request_body_mode BUFFERED", errConfig)
+	}
+	body, err := jsonedit.Parse(b.GetBody())
+	if err != nil {
+		return nil, bodyError(err)
+	}
+	model, err := modelOf(body)
+	if err != nil {
+		return nil, err
+	}
+	if raw, ok := body.Raw("stream"); ok && string(raw) != "true" && string(raw) != "false" {
+		return nil, badRequest("invalid_type", fmt.Sprintf(`"stream" must be a boolean, got %.40s`, raw))
+	}
+	pool, ok := r.table.Lookup(model)
+	if !ok {
+		return nil, &apiError{status: 404, typ: typeInvalidRequest, code: "model_not_found",
+			msg: fmt.Sprintf("the model %q does not exist", model)}
+	}
+	creq := &connectors.Request{
+		ID:      r.id,
+		Path:    r.path,
+		Body:    body,
+		Prefill: pool.Prefill.Pick(),
+		Decode:  pool.Decode.Pick(),
+	}
+	pctx, cancel := context.WithTimeoutCause(ctx, pool.PrefillTimeout, errPrefillTimeout)
+	defer cancel()
+	decode, err := pool.Connector.Prepare(pctx, r.engine, creq)
+	if err != nil {
+		if context.Cause(pctx) == errPrefillTimeout {
+			err = fmt.Errorf("%w after %s on %s", errPrefillTimeout, pool.PrefillTimeout, creq.Prefill.Address)
+		}
+		return nil, fmt.Errorf("pool %s: %w", pool.Name, err)
+	}
+	r.state = stateRouted
+	r.log.LogAttrs(ctx, slog.LevelDebug, "routed",
+		slog.String("model", model), slog.String("pool", pool.Name),
+		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
+		slog.Duration("elapsed", time.Since(r.start)))
+	return decodeMutation(decode.Body, creq.Decode, r.id), nil
+}
+
+func modelOf(body jsonedit.Object) (string, error) {
+	raw, ok := body.Raw("model")
+	if !ok {
+		return "", badRequest("missing_model", `the request has no "model"`)
+	}
+	var model string
+	if raw[0] != '"' || json.Unmarshal(raw, &model) != nil {
+		return "", badRequest("invalid_type", fmt.Sprintf(`"model" must be a string, got %.40s`, raw))
+	}
+	if model == "" {
+		return "", badRequest("missing_model", `"model" is empty`)
+	}
+	return model, nil
+}
+
+// header returns the value of a request header; Envoy sends raw_value.
+func header(h *extprocv3.HttpHeaders, name string) string {
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		if hv.GetKey() == name {
+			if raw := hv.GetRawValue(); raw != nil {
+				return string(raw)
+			}
+			return hv.GetValue()
+		}
+	}
+	return ""
+}
+
+// requestID keeps a client's X-Request-Id when it is sane and otherwise makes
+// one: engines use it as a key, so it must be printable and bounded.
+func requestID(client string) string {
+	if n := len(client); n > 0 && n <= 128 && printable(client) {
+		return client
+	}
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40 // UUID version 4
+	b[8] = b[8]&0x3f | 0x80
+	var out [36]byte
+	hex.Encode(out[0:8], b[0:4])
+	out[8] = '-'
+	hex.Encode(out[9:13], b[4:6])
+	out[13] = '-'
+	hex.Encode(out[14:18], b[6:8])
+	out[18] = '-'
+	hex.Encode(out[19:23], b[8:10])
+	out[23] = '-'
+	hex.Encode(out[24:], b[10:])
+	return string(out[:])
+}
+
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] <= ' ' || s[i] > '~' {
+			return false
+		}
+	}
+	return true
+}

@@ -1,0 +1,70 @@
+// Package processor is pdx's Envoy external processor. Each HTTP request is
+// one ext_proc stream; Process creates the request's only state, a *request,
+// and drives it through the stream's messages. Nothing of a request is kept
+// outside that call.
+package processor
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"sync/atomic"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+// Server implements Envoy's ExternalProcessor service.
+type Server struct {
+	extprocv3.UnimplementedExternalProcessorServer
+
+	table  atomic.Pointer[routing.Table]
+	engine connectors.Engine
+	log    *slog.Logger
+}
+
+// New returns a server routing by table and calling engines through engine.
+func New(table *routing.Table, engine connectors.Engine, log *slog.Logger) *Server {
+	s := &Server{engine: engine, log: log}
+	s.table.Store(table)
+	return s
+}
+
+// SetTable replaces the routing table for streams that start from now on.
+func (s *Server) SetTable(t *routing.Table) { s.table.Store(t) }
+
+// Process implements [extprocv3.ExternalProcessorServer].
+func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
+	ctx := stream.Context()
+	req := newRequest(s.table.Load(), s.engine, s.log)
+	for {
+		msg, err := stream.Recv()
+		if err != nil {
+			return streamErr(ctx, err)
+		}
+		resp := req.handle(ctx, msg)
+		if resp == nil {
+			continue
+		}
+		if err := stream.Send(resp); err != nil {
+			return streamErr(ctx, err)
+		}
+	}
+}
+
+// streamErr turns the end of a stream into the value Process returns. Envoy
+// closes or resets the stream when its request ends; that is normal.
+func streamErr(ctx context.Context, err error) error {
+	if errors.Is(err, io.EOF) || errors.Is(err, context.Canceled) || ctx.Err() != nil {
+		return nil
+	}
+	if c := status.Code(err); c == codes.Canceled || c == codes.DeadlineExceeded {
+		return nil
+	}
+	return err
+}
