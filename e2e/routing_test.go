@@ -100,6 +100,26 @@ func TestRouting(t *testing.T) {
 		require.NotContains(t, string(recs["plain"][0].Body), "kv_transfer_params")
 	})
 
+	t.Run("chunked request body gets a content-length that fits the rewrite", func(t *testing.T) {
+		id := newRequestID(t)
+		// An io.Reader of unknown length makes Go send the body chunked.
+		body := io.MultiReader(strings.NewReader(`{"model":"demo-model",`), strings.NewReader(`"prompt":"chunked"}`))
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, st.URL()+"/v1/completions", body)
+		require.NoError(t, err)
+		req.Header.Set("X-Request-Id", id)
+		a := do(t, hc, req)
+		require.Equal(t, 200, a.status, a.body)
+		requireHandoff(t, st, id, "chunked")
+	})
+
+	t.Run("long prompt", func(t *testing.T) {
+		id, text := newRequestID(t), strings.Repeat("long context ", 4<<20/13) // 4 MiB
+		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"`+text+`","max_tokens":2}`, "X-Request-Id", id)
+		require.Equal(t, 200, a.status, a.body)
+		require.Contains(t, a.body, wantPrefix(text))
+		requireHandoff(t, st, id, text)
+	})
+
 	t.Run("requests pdx does not route pass through", func(t *testing.T) {
 		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, st.URL()+"/v1/models", nil)
 		require.NoError(t, err)

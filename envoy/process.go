@@ -189,6 +189,11 @@ func Validate(ctx context.Context, bin string, c Config) error {
 	if err != nil {
 		return err
 	}
+	return ValidateFile(ctx, bin, path)
+}
+
+// ValidateFile checks a bootstrap file with `envoy --mode validate`.
+func ValidateFile(ctx context.Context, bin, path string) error {
 	out, err := exec.CommandContext(ctx, bin, "--mode", "validate", "-c", path, "--disable-hot-restart").CombinedOutput()
 	if err != nil {
 		return fmt.Errorf("envoy --mode validate: %w\n%s", err, out)

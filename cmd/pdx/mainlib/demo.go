@@ -28,21 +28,21 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	keep := fs.Bool("keep", false, "keep everything running after the batch, until interrupted")
 	n := fs.Int("requests", 16, "number of concurrent requests")
+	port := fs.Int("port", demoPort, "Envoy's client port; 0 or a busy port picks a free one")
 	prefillLatency := fs.Duration("prefill-latency", 20*time.Millisecond, "simulated prefill time")
 	tokenLatency := fs.Duration("token-latency", 2*time.Millisecond, "simulated time per output token")
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
 
-	port := demoPort
-	if ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port)); err != nil {
-		port = 0
+	if ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", *port)); err != nil {
+		*port = 0
 	} else {
 		ln.Close()
 	}
 	fmt.Fprintln(stdout, "Starting 2 prefill + 2 decode simulated vLLM engines (NIXL), pdx and Envoy on loopback...")
 	st, err := stack.Start(ctx, stack.Options{
-		ListenPort: port,
+		ListenPort: *port,
 		Engine:     enginesim.Config{PrefillLatency: *prefillLatency, DecodePerToken: *tokenLatency},
 	})
 	if err != nil {

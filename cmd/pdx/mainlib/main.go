@@ -9,8 +9,10 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
 	"time"
 
+	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/server"
 )
@@ -20,6 +22,7 @@ const usage = `usage: pdx <command> [flags]
 commands:
   serve --config FILE   run the ext_proc service
   demo [--keep]         run Envoy, pdx and simulated engines, send traffic, print what happened
+  envoy-config          print the Envoy bootstrap for a pdx at --pdx-address
 `
 
 // ErrUsage is returned for a command line pdx does not understand.
@@ -37,6 +40,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return serve(ctx, args[1:], stderr)
 	case "demo":
 		return demo(ctx, args[1:], stdout, stderr)
+	case "envoy-config":
+		return envoyConfig(args[1:], stdout, stderr)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil
@@ -75,4 +80,24 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	sctx, cancel := context.WithTimeout(context.Background(), *drain)
 	defer cancel()
 	return srv.Shutdown(sctx)
+}
+
+func envoyConfig(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("envoy-config", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	var c envoy.Config
+	fs.StringVar(&c.PdxAddress, "pdx-address", config.DefaultGRPCAddress, "pdx's gRPC address (host:port; a DNS name works)")
+	fs.StringVar(&c.ListenAddress, "listen-address", "127.0.0.1", "address Envoy listens on for clients")
+	fs.IntVar(&c.ListenPort, "listen-port", 10000, "port Envoy listens on for clients")
+	fs.IntVar(&c.AdminPort, "admin-port", 9901, "Envoy admin port (on 127.0.0.1)")
+	fs.DurationVar(&c.MessageTimeout, "message-timeout", envoy.DefaultMessageTimeout, "ext_proc message timeout; keep it above every pool's prefill_timeout")
+	fs.IntVar(&c.BufferLimitBytes, "buffer-limit", envoy.DefaultBufferLimitBytes, "largest request body Envoy buffers; match pdx's max_body_bytes")
+	passThrough := fs.String("pass-through", "", "comma-separated host:port engines for requests pdx does not route (GET /v1/models, ...)")
+	if err := fs.Parse(args); err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if *passThrough != "" {
+		c.DefaultEndpoints = strings.Split(*passThrough, ",")
+	}
+	return envoy.Render(stdout, c)
 }

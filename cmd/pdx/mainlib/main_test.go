@@ -1,0 +1,67 @@
+package mainlib
+
+import (
+	"bytes"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/pdx-router/pdx/envoy"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func TestUsageAndConfigErrors(t *testing.T) {
+	bad := filepath.Join(t.TempDir(), "pdx.yaml")
+	require.NoError(t, os.WriteFile(bad, []byte("pools:\n- name: p\n  modles: [m]\n"), 0o600))
+	tests := []struct {
+		name    string
+		args    []string
+		wantErr string
+		usage   bool
+	}{
+		{name: "no command", args: nil, wantErr: "bad usage", usage: true},
+		{name: "unknown command", args: []string{"srve"}, wantErr: `unknown command "srve"`, usage: true},
+		{name: "serve without config", args: []string{"serve"}, wantErr: "serve needs --config"},
+		{name: "serve with missing file", args: []string{"serve", "--config", "/nonexistent/pdx.yaml"}, wantErr: "no such file"},
+		{name: "serve with a typo in the config", args: []string{"serve", "--config", bad}, wantErr: `unknown field "pools[0].modles"`},
+		{name: "bad log level", args: []string{"serve", "--config", bad, "--log-level", "loud"}, wantErr: "--log-level"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var stdout, stderr bytes.Buffer
+			err := Main(t.Context(), tc.args, &stdout, &stderr)
+			require.ErrorContains(t, err, tc.wantErr)
+			if tc.usage {
+				require.Contains(t, stderr.String(), "usage: pdx")
+			}
+		})
+	}
+}
+
+func TestEnvoyConfigValidates(t *testing.T) {
+	var out bytes.Buffer
+	require.NoError(t, Main(t.Context(), []string{"envoy-config", "--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0",
+		"--pass-through", "decode-0:8000,decode-1:8000"}, &out, &out))
+	require.Contains(t, out.String(), "address: pdx")
+	bin, err := envoy.Binary()
+	require.NoError(t, err)
+	path := filepath.Join(t.TempDir(), "envoy.yaml")
+	require.NoError(t, os.WriteFile(path, out.Bytes(), 0o600))
+	require.NoError(t, envoy.ValidateFile(t.Context(), bin, path))
+}
+
+// The demo is the first thing a user runs: it must work and say so.
+func TestDemo(t *testing.T) {
+	var stdout, stderr bytes.Buffer
+	err := Main(t.Context(), []string{"demo", "--port", "0", "--requests", "8"}, &stdout, &stderr)
+	require.NoError(t, err, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
+	out := stdout.String()
+	require.Contains(t, out, "KV hand-off (checked by decode engine)")
+	require.Equal(t, 8, strings.Count(out, "verified: own prompt's KV pulled"), out)
+	require.Contains(t, out, "All 8 requests succeeded")
+}
