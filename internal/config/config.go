@@ -8,8 +8,8 @@
 // "pools[0].decode[1].address", and all problems are reported at once.
 //
 // Connector names are not checked here, because the connector registry lives
-// elsewhere: after Load or Parse, the server must call ValidateConnectors with
-// the names it supports.
+// in package connectors: routing.New calls ValidateConnectors with the
+// registered names when it builds the routing table.
 package config
 
 import (

@@ -239,7 +239,7 @@ func TestLoad(t *testing.T) {
 }
 
 func TestExampleConfig(t *testing.T) {
-	cfg, err := Load("testdata/example.yaml")
+	cfg, err := Load("../../deploy/pdx.yaml")
 	require.NoError(t, err)
 	require.NoError(t, ValidateConnectors(cfg, []string{"nixl"}))
 

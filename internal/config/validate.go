@@ -83,7 +83,7 @@ func validate(cfg *configv1.Config) []error {
 // ValidateConnectors reports every pool whose connector is not in known, the
 // names supported by the server's connector registry. Load and Parse only
 // check that a connector is named, since this package cannot see the
-// registry; the server must call ValidateConnectors after loading.
+// registry; routing.New calls ValidateConnectors when it builds its table.
 func ValidateConnectors(cfg *configv1.Config, known []string) error {
 	list := "none"
 	if len(known) > 0 {

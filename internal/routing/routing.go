@@ -4,11 +4,11 @@
 package routing
 
 import (
-	"fmt"
 	"time"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/picker"
 )
 
@@ -29,15 +29,15 @@ type Table struct {
 	fallback *Pool
 }
 
-// New builds a table from a validated config. It fails on a connector name
-// that is not registered.
+// New builds a table from a config that config.Parse accepted. It fails on
+// connector names that are not registered.
 func New(cfg *configv1.Config) (*Table, error) {
+	if err := config.ValidateConnectors(cfg, connectors.Names()); err != nil {
+		return nil, err
+	}
 	t := &Table{byModel: map[string]*Pool{}}
-	for i, pc := range cfg.GetPools() {
-		conn, ok := connectors.Lookup(pc.GetConnector())
-		if !ok {
-			return nil, fmt.Errorf("pools[%d].connector: unknown connector %q (known: %v)", i, pc.GetConnector(), connectors.Names())
-		}
+	for _, pc := range cfg.GetPools() {
+		conn, _ := connectors.Lookup(pc.GetConnector())
 		p := &Pool{
 			Name:           pc.GetName(),
 			ConnectorName:  pc.GetConnector(),
