@@ -31,6 +31,14 @@ var ErrUsage = errors.New("bad usage")
 // Main runs the pdx command with args (without the program name) until ctx
 // ends or the command finishes.
 func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	err := run(ctx, args, stdout, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return nil // the flag package printed the help asked for
+	}
+	return err
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
 		return ErrUsage

@@ -43,6 +43,14 @@ func TestUsageAndConfigErrors(t *testing.T) {
 	}
 }
 
+func TestHelp(t *testing.T) {
+	for _, args := range [][]string{{"help"}, {"serve", "--help"}, {"demo", "-h"}, {"envoy-config", "--help"}} {
+		var stdout, stderr bytes.Buffer
+		require.NoError(t, Main(t.Context(), args, &stdout, &stderr), args)
+		require.NotEmpty(t, stdout.String()+stderr.String(), args)
+	}
+}
+
 func TestEnvoyConfigValidates(t *testing.T) {
 	var out bytes.Buffer
 	require.NoError(t, Main(t.Context(), []string{"envoy-config", "--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0",
