@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -43,6 +44,9 @@ type Server struct {
 	adminLn net.Listener
 	ready   atomic.Bool
 	served  chan error
+
+	shutdownOnce sync.Once
+	shutdownErr  error
 }
 
 // Start listens on the config's addresses and serves until Shutdown.
@@ -98,8 +102,13 @@ func (s *Server) GRPCAddr() string { return s.grpcLn.Addr().String() }
 func (s *Server) AdminAddr() string { return s.adminLn.Addr().String() }
 
 // Shutdown stops taking streams, lets in-flight ones finish until ctx ends,
-// then cuts the rest.
+// then cuts the rest. Later calls return the first call's result.
 func (s *Server) Shutdown(ctx context.Context) error {
+	s.shutdownOnce.Do(func() { s.shutdownErr = s.shutdown(ctx) })
+	return s.shutdownErr
+}
+
+func (s *Server) shutdown(ctx context.Context) error {
 	s.ready.Store(false)
 	s.health.Shutdown() // NOT_SERVING everywhere: Envoy stops sending new streams
 	stopped := make(chan struct{})
@@ -114,6 +123,10 @@ func (s *Server) Shutdown(ctx context.Context) error {
 		<-stopped
 	}
 	err := s.admin.Shutdown(ctx)
+	if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
+		// Admin connections still open when ctx ends are cut like the streams.
+		err = s.admin.Close()
+	}
 	s.engine.CloseIdleConnections()
 	for range 2 {
 		if e := <-s.served; e != nil && !errors.Is(e, http.ErrServerClosed) && !errors.Is(e, grpc.ErrServerStopped) {

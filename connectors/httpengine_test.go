@@ -1,0 +1,303 @@
+package connectors
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync/atomic"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// newEngine returns an engine whose idle connections are closed when the test
+// ends, so that no keep-alive connection outlives its test server.
+func newEngine(t *testing.T) *HTTPEngine {
+	t.Helper()
+	e := NewHTTPEngine()
+	t.Cleanup(e.CloseIdleConnections)
+	return e
+}
+
+// endpointOf is the Endpoint of a test server: Post takes "ip:port", not a URL.
+func endpointOf(srv *httptest.Server) Endpoint {
+	return Endpoint{Address: srv.Listener.Addr().String()}
+}
+
+func TestHTTPEnginePostRequest(t *testing.T) {
+	const body = `{"model":"m","prompt":"hi","max_tokens":1}`
+	const answer = `{"id":"cmpl-1","choices":[{"text":"x"}]}`
+	type seen struct {
+		method, path, contentType, requestID string
+		body                                 []byte
+	}
+	got := make(chan seen, 1)
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		b, err := io.ReadAll(r.Body)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		got <- seen{r.Method, r.URL.Path, r.Header.Get("Content-Type"), r.Header.Get("X-Request-Id"), b}
+		w.Header().Set("Content-Type", "application/json")
+		io.WriteString(w, answer)
+	}))
+	defer srv.Close()
+
+	out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "req-42", []byte(body))
+	require.NoError(t, err)
+	require.Equal(t, answer, string(out))
+
+	s := <-got
+	require.Equal(t, http.MethodPost, s.method)
+	require.Equal(t, "/v1/completions", s.path)
+	require.Equal(t, "application/json", s.contentType)
+	require.Equal(t, "req-42", s.requestID)
+	require.Equal(t, body, string(s.body), "the body must reach the engine byte for byte")
+}
+
+func TestHTTPEnginePostErrorAnswer(t *testing.T) {
+	long := strings.Repeat("x", 300)
+	tests := []struct {
+		name    string
+		status  int
+		answer  string
+		message string
+	}{
+		{
+			name:    "OpenAI error object",
+			status:  http.StatusBadRequest,
+			answer:  `{"error":{"message":"max_tokens is too large","type":"invalid_request_error","code":400}}`,
+			message: "max_tokens is too large",
+		},
+		{
+			name:    "vLLM older top-level message",
+			status:  http.StatusBadRequest,
+			answer:  `{"object":"error","message":"prompt too long","type":"BadRequestError","code":400}`,
+			message: "prompt too long",
+		},
+		{
+			name:    "nested message wins over top-level",
+			status:  http.StatusInternalServerError,
+			answer:  `{"error":{"message":"inner"},"message":"outer"}`,
+			message: "inner",
+		},
+		{
+			// A string "error" is not OpenAI's shape; the raw answer is kept.
+			name:    "error as a string",
+			status:  http.StatusBadGateway,
+			answer:  `{"error":"boom"}`,
+			message: `{"error":"boom"}`,
+		},
+		{
+			name:    "plain text",
+			status:  http.StatusServiceUnavailable,
+			answer:  "upstream overloaded",
+			message: "upstream overloaded",
+		},
+		{
+			// Engines may answer with an HTML page; a log line needs a prefix only.
+			name:    "long plain text is truncated",
+			status:  http.StatusInternalServerError,
+			answer:  long,
+			message: long[:200] + "...",
+		},
+		{
+			name:    "empty",
+			status:  http.StatusNotFound,
+			answer:  "",
+			message: "",
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+				w.WriteHeader(tc.status)
+				io.WriteString(w, tc.answer)
+			}))
+			defer srv.Close()
+			ep := endpointOf(srv)
+
+			out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", []byte(`{}`))
+			require.Nil(t, out)
+			ee, ok := errors.AsType[*EngineError](err)
+			require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+			require.Equal(t, ep, ee.Endpoint)
+			require.Equal(t, tc.status, ee.Status)
+			require.Equal(t, tc.message, ee.Message)
+			require.NoError(t, ee.Err, "an error answer is not a transport failure")
+			require.Contains(t, err.Error(), fmt.Sprintf("prefill engine %s answered %d", ep.Address, tc.status))
+		})
+	}
+}
+
+func TestHTTPEnginePostAnswerSize(t *testing.T) {
+	tests := []struct {
+		name   string
+		status int
+		size   int
+		tooBig bool
+	}{
+		{name: "at the limit", status: http.StatusOK, size: maxAnswerBytes},
+		{name: "over the limit", status: http.StatusOK, size: maxAnswerBytes + 1, tooBig: true},
+		// The size check comes first, so a huge error page is not parsed.
+		{name: "error answer over the limit", status: http.StatusInternalServerError, size: maxAnswerBytes + 1, tooBig: true},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+				w.WriteHeader(tc.status)
+				w.Write(make([]byte, tc.size))
+			}))
+			defer srv.Close()
+
+			out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "r", []byte(`{}`))
+			if !tc.tooBig {
+				require.NoError(t, err)
+				require.Len(t, out, tc.size)
+				return
+			}
+			require.Nil(t, out)
+			require.ErrorIs(t, err, ErrBadAnswer)
+			ee, ok := errors.AsType[*EngineError](err)
+			require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+			require.Equal(t, tc.status, ee.Status)
+		})
+	}
+}
+
+func TestHTTPEnginePostConnectionRefused(t *testing.T) {
+	// A listener closed right away leaves a loopback port nobody listens on.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	ep := Endpoint{Address: ln.Addr().String()}
+	require.NoError(t, ln.Close())
+
+	out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", []byte(`{}`))
+	require.Nil(t, out)
+	ee, ok := errors.AsType[*EngineError](err)
+	require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+	require.Equal(t, ep, ee.Endpoint)
+	require.Zero(t, ee.Status, "no answer was received")
+	require.ErrorIs(t, err, syscall.ECONNREFUSED, "the cause must stay visible through EngineError")
+	require.Contains(t, err.Error(), "prefill engine "+ep.Address)
+	// *url.Error's prefix would repeat the address EngineError already names.
+	require.NotContains(t, err.Error(), `Post "http://`)
+}
+
+func TestHTTPEnginePostContextEnds(t *testing.T) {
+	tests := []struct {
+		name string
+		// ctx returns the call's context and, for a cancellation, the function
+		// to call once the engine holds the request.
+		ctx  func(t *testing.T) (context.Context, func())
+		want error
+	}{
+		{
+			name: "cancelled",
+			ctx: func(t *testing.T) (context.Context, func()) {
+				ctx, cancel := context.WithCancel(t.Context())
+				return ctx, cancel
+			},
+			want: context.Canceled,
+		},
+		{
+			name: "deadline",
+			ctx: func(t *testing.T) (context.Context, func()) {
+				ctx, cancel := context.WithTimeout(t.Context(), 50*time.Millisecond)
+				t.Cleanup(cancel)
+				return ctx, func() {}
+			},
+			want: context.DeadlineExceeded,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			arrived := make(chan struct{})
+			// The handler hangs like a stuck engine until the client goes away.
+			// The server notices a closed connection only once the body is read.
+			srv := httptest.NewServer(http.HandlerFunc(func(_ http.ResponseWriter, r *http.Request) {
+				io.Copy(io.Discard, r.Body)
+				close(arrived)
+				<-r.Context().Done()
+			}))
+			defer srv.Close()
+
+			ctx, cancel := tc.ctx(t)
+			e := newEngine(t)
+			done := make(chan error, 1)
+			go func() {
+				_, err := e.Post(ctx, endpointOf(srv), "/v1/completions", "r", []byte(`{}`))
+				done <- err
+			}()
+			// A deadline may pass before the request arrives; either way the
+			// context has ended by the time Post returns.
+			select {
+			case <-arrived:
+			case <-ctx.Done():
+			}
+			cancel()
+
+			var err error
+			select {
+			case err = <-done:
+			case <-time.After(10 * time.Second): // a guard against hanging, not a speed check
+				t.Fatal("Post did not return after its context ended")
+			}
+			require.ErrorIs(t, err, tc.want)
+			ee, ok := errors.AsType[*EngineError](err)
+			require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+			require.Zero(t, ee.Status)
+			require.NotContains(t, err.Error(), `Post "http://`)
+		})
+	}
+}
+
+func TestHTTPEngineReusesConnections(t *testing.T) {
+	var conns, calls atomic.Int64
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+		// Every other answer is an error: reading error answers to the end
+		// must keep their connections reusable too.
+		if calls.Add(1)%2 == 0 {
+			http.Error(w, `{"error":{"message":"busy"}}`, http.StatusServiceUnavailable)
+			return
+		}
+		io.WriteString(w, `{"ok":true}`)
+	}))
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	defer srv.Close()
+
+	e := newEngine(t)
+	for i := range 20 {
+		_, err := e.Post(t.Context(), endpointOf(srv), "/v1/completions", "r", []byte(`{}`))
+		if i%2 == 0 {
+			require.NoError(t, err, "call %d", i)
+		} else {
+			require.Error(t, err, "call %d", i)
+		}
+	}
+	require.EqualValues(t, 20, calls.Load())
+	require.EqualValues(t, 1, conns.Load(), "sequential calls must share one keep-alive connection")
+}
+
+func TestNewTransport(t *testing.T) {
+	tr := NewTransport()
+	// Go's default of 2 idle connections per host makes a busy router redial.
+	require.GreaterOrEqual(t, tr.MaxIdleConnsPerHost, 100*http.DefaultMaxIdleConnsPerHost)
+	require.True(t, tr.MaxIdleConns == 0 || tr.MaxIdleConns >= tr.MaxIdleConnsPerHost,
+		"the pool-wide cap must not undercut the per-host one")
+	// Engines are addressed directly; HTTP_PROXY in the environment must not apply.
+	require.Nil(t, tr.Proxy)
+}
