@@ -12,6 +12,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"slices"
 	"strings"
 
@@ -20,8 +21,30 @@ import (
 
 // Endpoint is an engine picked for one leg of a request.
 type Endpoint struct {
-	// Address is a literal "ip:port".
+	// Address is the engine's HTTP address, a literal "ip:port".
 	Address string
+	// BootstrapPort is a prefill engine's KV bootstrap port (SGLang, upstream
+	// vLLM Mooncake); 0 means DefaultBootstrapPort.
+	BootstrapPort int
+	// KVAddress is the engine's P2P NCCL ZMQ "ip:port".
+	KVAddress string
+}
+
+// DefaultBootstrapPort is SGLang's and vLLM Mooncake's default bootstrap port.
+const DefaultBootstrapPort = 8998
+
+// Host is the IP part of Address.
+func (e Endpoint) Host() string {
+	host, _, _ := net.SplitHostPort(e.Address)
+	return host
+}
+
+// Bootstrap returns the bootstrap port, defaulted.
+func (e Endpoint) Bootstrap() int {
+	if e.BootstrapPort == 0 {
+		return DefaultBootstrapPort
+	}
+	return e.BootstrapPort
 }
 
 // Request is one client request as a connector sees it.
@@ -40,6 +63,15 @@ type Request struct {
 type Decode struct {
 	// Body replaces the client's body.
 	Body []byte
+	// RequestID, when set, replaces Request.ID as the decode leg's
+	// X-Request-Id (P2P NCCL encodes the engines' addresses in it).
+	RequestID string
+	// Prefill is set by concurrent connectors (SGLang, upstream Mooncake),
+	// whose prefill still runs while Envoy sends the decode. It delivers the
+	// prefill's outcome exactly once (nil on success) and is buffered, so the
+	// prefill never waits for a reader. The prefill runs under the ctx given
+	// to Prepare: cancelling it ends the prefill.
+	Prefill <-chan error
 }
 
 // Connector prepares the decode leg of one request, calling the prefill engine
@@ -48,11 +80,21 @@ type Connector interface {
 	Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error)
 }
 
+// Concurrent reports whether c returns the decode while its prefill still
+// runs (see Decode.Prefill). A connector says so with a Concurrent method.
+func Concurrent(c Connector) bool {
+	cc, ok := c.(interface{ Concurrent() bool })
+	return ok && cc.Concurrent()
+}
+
 // Engine sends requests to inference engines.
 type Engine interface {
 	// Post sends body to path on endpoint with the given X-Request-Id and
 	// returns the answer's body. A non-2xx answer is an *EngineError.
 	Post(ctx context.Context, endpoint Endpoint, path, requestID string, body []byte) ([]byte, error)
+	// Get fetches http://address+path (a bootstrap server's, for example)
+	// and returns the answer's body. A non-2xx answer is an *EngineError.
+	Get(ctx context.Context, address, path string) ([]byte, error)
 }
 
 // EngineError reports a prefill call that did not produce a usable answer.
@@ -87,16 +129,26 @@ func (e *EngineError) Unwrap() error { return e.Err }
 // ErrBadAnswer marks a prefill answer that does not follow the protocol.
 var ErrBadAnswer = errors.New("invalid prefill answer")
 
-// registry maps connector names to their strategies. It is written only here,
-// at package initialization, and never changed.
-var registry = map[string]Connector{
-	"nixl": NIXL{},
+// Options are a pool's connector settings.
+type Options struct {
+	// MooncakeProtocol selects the "mooncake" connector's protocol: "nixl"
+	// or "vllm".
+	MooncakeProtocol string
 }
 
-// Lookup returns the connector registered under name.
-func Lookup(name string) (Connector, bool) {
-	c, ok := registry[name]
-	return c, ok
+// registry maps connector names to constructors. It is written only here,
+// at package initialization, and never changed.
+var registry = map[string]func(Options) (Connector, error){
+	"nixl": func(Options) (Connector, error) { return NIXL{}, nil },
+}
+
+// New returns the connector registered under name, configured by opts.
+func New(name string, opts Options) (Connector, error) {
+	newConnector, ok := registry[name]
+	if !ok {
+		return nil, fmt.Errorf("unknown connector %q (known: %s)", name, strings.Join(Names(), ", "))
+	}
+	return newConnector(opts)
 }
 
 // Names lists the registered connector names, sorted.

@@ -59,6 +59,12 @@ func (e *HTTPEngine) Post(ctx context.Context, ep Endpoint, path, requestID stri
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", requestID)
+	return e.do(req, ep)
+}
+
+// do sends req and reads a bounded answer, turning every failure into an
+// *EngineError.
+func (e *HTTPEngine) do(req *http.Request, ep Endpoint) ([]byte, error) {
 	resp, err := e.client.Do(req)
 	if err != nil {
 		return nil, &EngineError{Endpoint: ep, Err: unwrapURLError(err)}
@@ -110,4 +116,13 @@ func engineMessage(answer []byte) string {
 		return string(answer[:max]) + "..."
 	}
 	return string(answer)
+}
+
+// Get implements [Engine].
+func (e *HTTPEngine) Get(ctx context.Context, address, path string) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+address+path, nil)
+	if err != nil {
+		return nil, &EngineError{Endpoint: Endpoint{Address: address}, Err: err}
+	}
+	return e.do(req, Endpoint{Address: address})
 }

@@ -17,6 +17,10 @@ func (f engineFunc) Post(ctx context.Context, ep Endpoint, path, requestID strin
 	return f(ctx, ep, path, requestID, body)
 }
 
+func (f engineFunc) Get(context.Context, string, string) ([]byte, error) {
+	return nil, errors.New("unexpected GET")
+}
+
 const prefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
 
 func TestNIXLPrefillBody(t *testing.T) {
@@ -112,7 +116,7 @@ func TestNIXLPrepare(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			obj, err := jsonedit.Parse([]byte(tc.client))
 			require.NoError(t, err)
-			req := &Request{ID: "req-1", Path: "/v1/completions", Body: obj, Prefill: Endpoint{"127.0.0.1:8100"}, Decode: Endpoint{"127.0.0.1:8200"}}
+			req := &Request{ID: "req-1", Path: "/v1/completions", Body: obj, Prefill: Endpoint{Address: "127.0.0.1:8100"}, Decode: Endpoint{Address: "127.0.0.1:8200"}}
 			var calls int
 			eng := engineFunc(func(_ context.Context, ep Endpoint, path, id string, body []byte) ([]byte, error) {
 				calls++

@@ -92,6 +92,10 @@ func (e *fakeEngine) Post(ctx context.Context, ep connectors.Endpoint, path, id 
 	return []byte(e.answer), e.err
 }
 
+func (e *fakeEngine) Get(context.Context, string, string) ([]byte, error) {
+	return nil, errors.New("unexpected GET")
+}
+
 func (e *fakeEngine) Calls() []engineCall {
 	e.mu.Lock()
 	defer e.mu.Unlock()

@@ -80,6 +80,9 @@ func applyDefaults(cfg *configv1.Config) {
 		if p.PrefillTimeout == nil {
 			p.PrefillTimeout = durationpb.New(DefaultPrefillTimeout)
 		}
+		if p.Connector == "mooncake" && p.MooncakeProtocol == "" {
+			p.MooncakeProtocol = "nixl"
+		}
 	}
 }
 

@@ -1,6 +1,7 @@
 package config
 
 import (
+	"fmt"
 	"os"
 	"path/filepath"
 	"slices"
@@ -110,9 +111,9 @@ func TestParseErrors(t *testing.T) {
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
 			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
-			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address)`}},
+			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
 		{"all unknown fields reported", minimal + "b: 1\na: 2\n", []string{`unknown field "a"`, `unknown field "b"`}},
 
@@ -256,4 +257,50 @@ func TestExampleConfig(t *testing.T) {
 	}
 	require.Equal(t, []string{"127.0.0.1:8100", "127.0.0.1:8101"}, addrs(p.GetPrefill()))
 	require.Equal(t, []string{"127.0.0.1:8102", "127.0.0.1:8103"}, addrs(p.GetDecode()))
+}
+
+func TestConnectorOptions(t *testing.T) {
+	const base = `
+pools:
+- name: p
+  default: true
+  connector: %s%s
+  prefill: [{address: 127.0.0.1:1%s}]
+  decode: [{address: 127.0.0.1:2%s}]
+`
+	tests := []struct {
+		name, connector, poolExtra, prefillExtra, decodeExtra string
+		wantErr                                               string
+		check                                                 func(t *testing.T, p *configv1.Pool)
+	}{
+		{name: "bootstrap port kept", connector: "sglang", prefillExtra: ", bootstrap_port: 9100", check: func(t *testing.T, p *configv1.Pool) {
+			require.EqualValues(t, 9100, p.GetPrefill()[0].GetBootstrapPort())
+		}},
+		{name: "bootstrap port too big", connector: "sglang", prefillExtra: ", bootstrap_port: 70000", wantErr: "pools[0].prefill[0].bootstrap_port: 70000 is not a port"},
+		{name: "mooncake defaults to nixl", connector: "mooncake", check: func(t *testing.T, p *configv1.Pool) {
+			require.Equal(t, "nixl", p.GetMooncakeProtocol())
+		}},
+		{name: "mooncake vllm", connector: "mooncake", poolExtra: "\n  mooncake_protocol: vllm", check: func(t *testing.T, p *configv1.Pool) {
+			require.Equal(t, "vllm", p.GetMooncakeProtocol())
+		}},
+		{name: "mooncake protocol unknown", connector: "mooncake", poolExtra: "\n  mooncake_protocol: rdma", wantErr: `pools[0].mooncake_protocol: "rdma" is not "nixl" or "vllm"`},
+		{name: "mooncake protocol on another connector", connector: "nixl", poolExtra: "\n  mooncake_protocol: vllm", wantErr: `pools[0].mooncake_protocol: only valid with connector "mooncake"`},
+		{name: "p2p needs kv_address", connector: "p2p-nccl", prefillExtra: ", kv_address: 127.0.0.1:21001", wantErr: `pools[0].decode[0].kv_address: required with connector "p2p-nccl"`},
+		{name: "p2p kv_address must be ip:port", connector: "p2p-nccl", prefillExtra: ", kv_address: host:1", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].prefill[0].kv_address: "host:1" is not ip:port`},
+		{name: "p2p ok", connector: "p2p-nccl", prefillExtra: ", kv_address: 127.0.0.1:21001", decodeExtra: ", kv_address: 127.0.0.1:22001", check: func(t *testing.T, p *configv1.Pool) {
+			require.Equal(t, "127.0.0.1:22001", p.GetDecode()[0].GetKvAddress())
+		}},
+		{name: "kv_address elsewhere", connector: "nixl", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].decode[0].kv_address: only valid with connector "p2p-nccl"`},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, err := Parse(fmt.Appendf(nil, base, tc.connector, tc.poolExtra, tc.prefillExtra, tc.decodeExtra))
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			tc.check(t, cfg.GetPools()[0])
+		})
+	}
 }

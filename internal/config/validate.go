@@ -69,6 +69,7 @@ func validate(cfg *configv1.Config) []error {
 		}
 		v.endpoints(path+".prefill", p.GetPrefill())
 		v.endpoints(path+".decode", p.GetDecode())
+		v.connectorOptions(path, p)
 
 		switch d := p.GetPrefillTimeout().AsDuration(); {
 		case d <= 0:
@@ -99,6 +100,35 @@ func ValidateConnectors(cfg *configv1.Config, known []string) error {
 		return nil
 	}
 	return joinErrors("config", v.errs)
+}
+
+// connectorOptions checks the fields that only some connectors use.
+func (v *validator) connectorOptions(path string, p *configv1.Pool) {
+	switch mp := p.GetMooncakeProtocol(); {
+	case p.GetConnector() != "mooncake" && mp != "":
+		v.fail(path+".mooncake_protocol", "only valid with connector \"mooncake\", not %q", p.GetConnector())
+	case p.GetConnector() == "mooncake" && mp != "nixl" && mp != "vllm":
+		v.fail(path+".mooncake_protocol", "%q is not \"nixl\" or \"vllm\"", mp)
+	}
+	for _, role := range []struct {
+		name string
+		eps  []*configv1.Endpoint
+	}{{"prefill", p.GetPrefill()}, {"decode", p.GetDecode()}} {
+		for i, ep := range role.eps {
+			kp := fmt.Sprintf("%s.%s[%d].kv_address", path, role.name, i)
+			switch {
+			case p.GetConnector() == "p2p-nccl" && ep.GetKvAddress() == "":
+				v.fail(kp, "required with connector \"p2p-nccl\" (the engine's ZMQ kv_ip:kv_port)")
+			case p.GetConnector() != "p2p-nccl" && ep.GetKvAddress() != "":
+				v.fail(kp, "only valid with connector \"p2p-nccl\"")
+			case ep.GetKvAddress() != "":
+				v.endpointAddress(kp, ep.GetKvAddress())
+			}
+			if ep.GetBootstrapPort() > 65535 {
+				v.fail(fmt.Sprintf("%s.%s[%d].bootstrap_port", path, role.name, i), "%d is not a port (1-65535)", ep.GetBootstrapPort())
+			}
+		}
+	}
 }
 
 type validator struct {

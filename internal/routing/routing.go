@@ -4,6 +4,7 @@
 package routing
 
 import (
+	"fmt"
 	"time"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
@@ -25,9 +26,15 @@ type Pool struct {
 
 // Table finds the pool of a model.
 type Table struct {
-	byModel  map[string]*Pool
-	fallback *Pool
+	byModel    map[string]*Pool
+	fallback   *Pool
+	concurrent bool
 }
+
+// HasConcurrent reports whether some pool's connector prefills concurrently
+// with the decode. Such requests need Envoy to send the response headers to
+// pdx, which is decided before the body says which pool a request is for.
+func (t *Table) HasConcurrent() bool { return t.concurrent }
 
 // New builds a table from a config that config.Parse accepted. It fails on
 // connector names that are not registered.
@@ -36,8 +43,12 @@ func New(cfg *configv1.Config) (*Table, error) {
 		return nil, err
 	}
 	t := &Table{byModel: map[string]*Pool{}}
-	for _, pc := range cfg.GetPools() {
-		conn, _ := connectors.Lookup(pc.GetConnector())
+	for i, pc := range cfg.GetPools() {
+		conn, err := connectors.New(pc.GetConnector(), connectors.Options{MooncakeProtocol: pc.GetMooncakeProtocol()})
+		if err != nil {
+			return nil, fmt.Errorf("pools[%d].connector: %w", i, err)
+		}
+		t.concurrent = t.concurrent || connectors.Concurrent(conn)
 		p := &Pool{
 			Name:           pc.GetName(),
 			ConnectorName:  pc.GetConnector(),
@@ -68,7 +79,7 @@ func (t *Table) Lookup(model string) (*Pool, bool) {
 func endpoints(eps []*configv1.Endpoint) []connectors.Endpoint {
 	out := make([]connectors.Endpoint, len(eps))
 	for i, e := range eps {
-		out[i] = connectors.Endpoint{Address: e.GetAddress()}
+		out[i] = connectors.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress()}
 	}
 	return out
 }

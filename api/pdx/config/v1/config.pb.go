@@ -119,8 +119,9 @@ type Pool struct {
 	// Whether this pool serves requests for models that no pool lists. At most
 	// one pool may be the default.
 	Default bool `protobuf:"varint,3,opt,name=default,proto3" json:"default,omitempty"`
-	// KV-transfer connector used between prefill and decode endpoints, for
-	// example "nixl". Required; the server rejects names it does not support.
+	// KV-transfer connector used between prefill and decode endpoints: "nixl",
+	// "http" (alias "lmcache"), "mooncake", "sglang", "p2p-nccl" or "trtllm".
+	// Required; the server rejects names it does not support.
 	Connector string `protobuf:"bytes,4,opt,name=connector,proto3" json:"connector,omitempty"`
 	// Prefill endpoints. At least one is required.
 	Prefill []*Endpoint `protobuf:"bytes,5,rep,name=prefill,proto3" json:"prefill,omitempty"`
@@ -130,8 +131,15 @@ type Pool struct {
 	// written as a Go duration string such as "30s", "1m30s" or "2.5s". Must be
 	// greater than zero and at most 10m. Default: 30s.
 	PrefillTimeout *durationpb.Duration `protobuf:"bytes,7,opt,name=prefill_timeout,json=prefillTimeout,proto3" json:"prefill_timeout,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// Which protocol the "mooncake" connector speaks: "nixl" (the default; the
+	// NixlConnector protocol, as Kthena and vllm-ascend use it: prefill, then
+	// decode with the prefill's kv_transfer_params) or "vllm" (upstream vLLM's
+	// MooncakeConnector: prefill and decode sent at once, the decode pulling by
+	// transfer_id from the prefill's bootstrap server). Only valid with
+	// connector "mooncake".
+	MooncakeProtocol string `protobuf:"bytes,8,opt,name=mooncake_protocol,json=mooncakeProtocol,proto3" json:"mooncake_protocol,omitempty"`
+	unknownFields    protoimpl.UnknownFields
+	sizeCache        protoimpl.SizeCache
 }
 
 func (x *Pool) Reset() {
@@ -213,13 +221,29 @@ func (x *Pool) GetPrefillTimeout() *durationpb.Duration {
 	return nil
 }
 
+func (x *Pool) GetMooncakeProtocol() string {
+	if x != nil {
+		return x.MooncakeProtocol
+	}
+	return ""
+}
+
 // Endpoint is one model server instance.
 type Endpoint struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Address as "ip:port", where ip is a literal IPv4 or IPv6 address (IPv6 in
 	// brackets, e.g. "[::1]:8000") and port is 1-65535. Hostnames are not
 	// accepted because Envoy's ORIGINAL_DST cluster routes to an IP address.
-	Address       string `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
+	Address string `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
+	// Port of the prefill engine's KV bootstrap server: SGLang's
+	// --disaggregation-bootstrap-port, or vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT
+	// for the "mooncake" connector with mooncake_protocol "vllm". Used by those
+	// connectors on prefill endpoints only. 0 or unset means 8998.
+	BootstrapPort uint32 `protobuf:"varint,2,opt,name=bootstrap_port,json=bootstrapPort,proto3" json:"bootstrap_port,omitempty"`
+	// The engine's P2P NCCL ZMQ address as "ip:port" (vLLM's P2pNcclConnector
+	// kv_ip and kv_port). Required on every endpoint of a "p2p-nccl" pool,
+	// unused otherwise.
+	KvAddress     string `protobuf:"bytes,3,opt,name=kv_address,json=kvAddress,proto3" json:"kv_address,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -261,6 +285,20 @@ func (x *Endpoint) GetAddress() string {
 	return ""
 }
 
+func (x *Endpoint) GetBootstrapPort() uint32 {
+	if x != nil {
+		return x.BootstrapPort
+	}
+	return 0
+}
+
+func (x *Endpoint) GetKvAddress() string {
+	if x != nil {
+		return x.KvAddress
+	}
+	return ""
+}
+
 var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
@@ -270,7 +308,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
 	"\x0emax_body_bytes\x18\x03 \x01(\rR\fmaxBodyBytes\x12)\n" +
-	"\x05pools\x18\x04 \x03(\v2\x13.pdx.config.v1.PoolR\x05pools\"\x92\x02\n" +
+	"\x05pools\x18\x04 \x03(\v2\x13.pdx.config.v1.PoolR\x05pools\"\xbf\x02\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -278,9 +316,13 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\tconnector\x18\x04 \x01(\tR\tconnector\x121\n" +
 	"\aprefill\x18\x05 \x03(\v2\x17.pdx.config.v1.EndpointR\aprefill\x12/\n" +
 	"\x06decode\x18\x06 \x03(\v2\x17.pdx.config.v1.EndpointR\x06decode\x12B\n" +
-	"\x0fprefill_timeout\x18\a \x01(\v2\x19.google.protobuf.DurationR\x0eprefillTimeout\"$\n" +
+	"\x0fprefill_timeout\x18\a \x01(\v2\x19.google.protobuf.DurationR\x0eprefillTimeout\x12+\n" +
+	"\x11mooncake_protocol\x18\b \x01(\tR\x10mooncakeProtocol\"j\n" +
 	"\bEndpoint\x12\x18\n" +
-	"\aaddress\x18\x01 \x01(\tR\aaddressB6Z4github.com/pdx-router/pdx/api/pdx/config/v1;configv1b\x06proto3"
+	"\aaddress\x18\x01 \x01(\tR\aaddress\x12%\n" +
+	"\x0ebootstrap_port\x18\x02 \x01(\rR\rbootstrapPort\x12\x1d\n" +
+	"\n" +
+	"kv_address\x18\x03 \x01(\tR\tkvAddressB6Z4github.com/pdx-router/pdx/api/pdx/config/v1;configv1b\x06proto3"
 
 var (
 	file_pdx_config_v1_config_proto_rawDescOnce sync.Once
