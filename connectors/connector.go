@@ -131,15 +131,22 @@ var ErrBadAnswer = errors.New("invalid prefill answer")
 
 // Options are a pool's connector settings.
 type Options struct {
-	// MooncakeProtocol selects the "mooncake" connector's protocol: "nixl"
-	// or "vllm".
+	// MooncakeProtocol selects the "mooncake" connector's protocol:
+	// MooncakeNIXL ("nixl", the default when empty) or MooncakeVLLM
+	// ("vllm"). Other connectors ignore it.
 	MooncakeProtocol string
 }
 
 // registry maps connector names to constructors. It is written only here,
 // at package initialization, and never changed.
 var registry = map[string]func(Options) (Connector, error){
-	"nixl": func(Options) (Connector, error) { return NIXL{}, nil },
+	"nixl":     func(Options) (Connector, error) { return NIXL{}, nil },
+	"http":     func(Options) (Connector, error) { return HTTP{}, nil },
+	"lmcache":  func(Options) (Connector, error) { return HTTP{}, nil },
+	"mooncake": newMooncake,
+	"sglang":   func(Options) (Connector, error) { return SGLang{}, nil },
+	"p2p-nccl": func(Options) (Connector, error) { return P2PNCCL{}, nil },
+	"trtllm":   func(Options) (Connector, error) { return TRTLLM{}, nil },
 }
 
 // New returns the connector registered under name, configured by opts.

@@ -9,9 +9,12 @@ import (
 
 // NIXL is vLLM's NixlConnector protocol: a sequential prefill, then a decode
 // that pulls the prefilled KV blocks named by the prefill's kv_transfer_params.
+// The "mooncake" connector with mooncake_protocol "nixl" (Kthena,
+// vllm-ascend) is this connector too.
 type NIXL struct{}
 
-// nixlPrefillParams asks the prefill engine to keep the KV for a remote decode.
+// nixlPrefillParams asks the prefill engine to keep the KV for a remote
+// decode. It is only ever read (see stateless_test.go).
 var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
@@ -19,7 +22,7 @@ var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":fal
 func (NIXL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
 	answer, err := engine.Post(ctx, req.Prefill, req.Path, req.ID, nixlPrefillBody(req.Body))
 	if err != nil {
-		return Decode{}, err
+		return Decode{}, engineFailure(req.Prefill, err)
 	}
 	params, err := kvTransferParams(answer)
 	if err != nil {
@@ -32,13 +35,16 @@ func (NIXL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, e
 }
 
 func nixlPrefillBody(client jsonedit.Object) []byte {
-	edits := append(prefillOnlyEdits(client), jsonedit.Set("kv_transfer_params", nixlPrefillParams))
-	return client.AppendEdited(make([]byte, 0, client.EditedLen(edits...)), edits...)
+	return engineBody(client, append(prefillOnlyEdits(client), jsonedit.Set(keyKVTransferParams, nixlPrefillParams))...)
 }
 
+// nixlDecodeBody sets the prefill's kv_transfer_params; nil params leave the
+// key out.
 func nixlDecodeBody(client jsonedit.Object, params []byte) []byte {
-	edit := jsonedit.Edit{Key: "kv_transfer_params", Value: params}
-	return client.AppendEdited(make([]byte, 0, client.EditedLen(edit)), edit)
+	if params == nil {
+		return engineBody(client)
+	}
+	return engineBody(client, jsonedit.Set(keyKVTransferParams, params))
 }
 
 // prefillOnlyEdits turns a client body into a one-token, non-streaming
@@ -67,7 +73,7 @@ func kvTransferParams(answer []byte) ([]byte, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", ErrBadAnswer, err)
 	}
-	raw, ok := obj.Raw("kv_transfer_params")
+	raw, ok := obj.Raw(keyKVTransferParams)
 	if !ok || string(raw) == "null" {
 		return nil, nil
 	}

@@ -1,25 +1,14 @@
 package connectors
 
 import (
-	"context"
 	"errors"
+	"net/http"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
-
-// engineFunc adapts a function to [Engine].
-type engineFunc func(ctx context.Context, ep Endpoint, path, requestID string, body []byte) ([]byte, error)
-
-func (f engineFunc) Post(ctx context.Context, ep Endpoint, path, requestID string, body []byte) ([]byte, error) {
-	return f(ctx, ep, path, requestID, body)
-}
-
-func (f engineFunc) Get(context.Context, string, string) ([]byte, error) {
-	return nil, errors.New("unexpected GET")
-}
 
 const prefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
 
@@ -51,6 +40,16 @@ func TestNIXLPrefillBody(t *testing.T) {
 			name:   "client kv_transfer_params replaced",
 			client: `{"model":"m","prompt":"p","kv_transfer_params":{"remote_host":"10.0.0.66"}}`,
 			want:   `{"model":"m","prompt":"p","kv_transfer_params":` + prefillParams + `,"stream":false,"max_tokens":1}`,
+		},
+		{
+			name:   "client bootstrap and disaggregated_params removed",
+			client: `{"model":"m","bootstrap_host":"10.6.6.6","prompt":"p","bootstrap_port":1,"bootstrap_room":9223372036854775807,"disaggregated_params":{"request_type":"generation_only","ctx_request_id":1}}`,
+			want:   `{"model":"m","prompt":"p","stream":false,"max_tokens":1,"kv_transfer_params":` + prefillParams + `}`,
+		},
+		{
+			name:   "escaped protocol keys removed or replaced",
+			client: `{"model":"m","kv_transfer_param\u0073":{"remote_host":"10.6.6.6"},"bootstrap_roo\u006d":7,"prompt":"p"}`,
+			want:   `{"model":"m","kv_transfer_param\u0073":` + prefillParams + `,"prompt":"p","stream":false,"max_tokens":1}`,
 		},
 		{
 			name:   "other fields keep bytes and order",
@@ -110,32 +109,44 @@ func TestNIXLPrepare(t *testing.T) {
 		},
 		{name: "non-JSON answer", client: `{"model":"m"}`, answer: `<html>`, wantErr: "invalid prefill answer"},
 		{name: "params not an object", client: `{"model":"m"}`, answer: `{"kv_transfer_params":[1]}`, wantErr: "not an object"},
-		{name: "engine error passed up", client: `{"model":"m"}`, engineErr: &EngineError{Status: 500}, wantErr: "answered 500"},
+		{
+			name:   "client protocol fields never reach decode",
+			client: `{"model":"m","bootstrap_host":"10.6.6.6","bootstrap_port":1,"bootstrap_room":3,"disaggregated_params":{},"prompt":"p","kv_transfer_param\u0073":{"remote_host":"10.6.6.6"}}`,
+			answer: `{"kv_transfer_params":` + kv + `}`,
+			want:   `{"model":"m","prompt":"p","kv_transfer_param\u0073":` + kv + `}`,
+		},
+		{
+			name:   "params bytes kept, big integers included",
+			client: `{"model":"m","prompt":"p"}`,
+			answer: `{"kv_transfer_params":{"remote_block_ids":[[18446744073709551615, 9007199254740993]],"x":1.0e0}}`,
+			want:   `{"model":"m","prompt":"p","kv_transfer_params":{"remote_block_ids":[[18446744073709551615, 9007199254740993]],"x":1.0e0}}`,
+		},
+		{name: "engine error passed up", client: `{"model":"m"}`, engineErr: &EngineError{Endpoint: testPrefill, Status: 500}, wantErr: "answered 500"},
+		{name: "engine error named by its endpoint", client: `{"model":"m"}`, engineErr: &EngineError{Status: 503}, wantErr: "prefill engine 10.0.0.1:8100 answered 503"},
+		{name: "other engine errors become EngineErrors", client: `{"model":"m"}`, engineErr: errors.New("boom"), wantErr: "prefill engine 10.0.0.1:8100: boom"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			obj, err := jsonedit.Parse([]byte(tc.client))
-			require.NoError(t, err)
-			req := &Request{ID: "req-1", Path: "/v1/completions", Body: obj, Prefill: Endpoint{Address: "127.0.0.1:8100"}, Decode: Endpoint{Address: "127.0.0.1:8200"}}
-			var calls int
-			eng := engineFunc(func(_ context.Context, ep Endpoint, path, id string, body []byte) ([]byte, error) {
-				calls++
-				require.Equal(t, req.Prefill, ep)
-				require.Equal(t, "/v1/completions", path)
-				require.Equal(t, "req-1", id)
-				require.Equal(t, string(nixlPrefillBody(obj)), string(body))
-				return []byte(tc.answer), tc.engineErr
-			})
+			req := newRequest(t, tc.client)
+			req.Path = "/v1/completions"
+			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, "/v1/completions", reply{body: tc.answer, err: tc.engineErr})
 			got, err := NIXL{}.Prepare(t.Context(), eng, req)
-			require.Equal(t, 1, calls)
+			require.Equal(t, []engineCall{{
+				method: http.MethodPost, endpoint: testPrefill, path: "/v1/completions",
+				requestID: "req-1", body: string(nixlPrefillBody(req.Body)),
+			}}, eng.recorded())
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)
-				var ee *EngineError
-				require.True(t, errors.As(err, &ee), "connector errors are EngineErrors")
+				requireEngineError(t, err, testPrefill)
+				if tc.engineErr == nil {
+					require.ErrorIs(t, err, ErrBadAnswer)
+				}
 				return
 			}
 			require.NoError(t, err)
 			require.Equal(t, tc.want, string(got.Body))
+			require.Empty(t, got.RequestID)
+			require.Nil(t, got.Prefill)
 		})
 	}
 }

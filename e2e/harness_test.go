@@ -61,12 +61,31 @@ func newRequestID(t *testing.T) string {
 	return fmt.Sprintf("%s-%d", t.Name(), ids.Add(1))
 }
 
+// connectorCases are the connectors every end-to-end behaviour is checked
+// with, each against engines speaking its protocol.
+var connectorCases = []struct {
+	name string
+	opts stack.Options
+}{
+	{"nixl", stack.Options{Connector: "nixl"}},
+	{"http", stack.Options{Connector: "http"}},
+	{"mooncake-nixl", stack.Options{Connector: "mooncake"}},
+	{"mooncake-vllm", stack.Options{Connector: "mooncake", MooncakeProtocol: "vllm"}},
+	{"sglang", stack.Options{Connector: "sglang"}},
+	{"p2p-nccl", stack.Options{Connector: "p2p-nccl"}},
+	{"trtllm", stack.Options{Connector: "trtllm"}},
+}
+
 // records returns every engine record with the given request id, by kind.
 func records(st *stack.Stack, requestID string) map[string][]recordAt {
+	return recordsWhere(st, func(r enginesim.Record) bool { return r.RequestID == requestID })
+}
+
+func recordsWhere(st *stack.Stack, keep func(enginesim.Record) bool) map[string][]recordAt {
 	out := map[string][]recordAt{}
 	for _, e := range st.Engines() {
 		for _, r := range e.Records() {
-			if r.RequestID == requestID {
+			if keep(r) {
 				out[r.Kind] = append(out[r.Kind], recordAt{Record: r, Engine: e.Addr()})
 			}
 		}
@@ -79,21 +98,26 @@ type recordAt struct {
 	Engine string
 }
 
-// requireHandoff checks, from the engines' own records, that request id had
-// exactly one prefill and one decode, and that the decode pulled the KV of
-// that very prefill for the same prompt.
-func requireHandoff(t *testing.T, st *stack.Stack, id, promptText string) {
+// requireHandoff checks, from the engines' own records, that the prompt (unique
+// within its test) had exactly one prefill and one decode, and that the
+// decode got the KV of that very prefill. Prompts, not request ids, identify
+// requests: P2P NCCL rewrites the id.
+func requireHandoff(t *testing.T, st *stack.Stack, promptText string) {
 	t.Helper()
-	recs := records(st, id)
-	require.Len(t, recs["prefill"], 1, "one prefill for %s: %v", id, recs)
-	require.Len(t, recs["decode"], 1, "one decode for %s: %v", id, recs)
-	require.Empty(t, recs["rejected"], "no engine rejected %s", id)
-	require.Empty(t, recs["plain"], "no recomputation for %s", id)
+	fp := enginesim.Fingerprint(promptText)
+	recs := recordsWhere(st, func(r enginesim.Record) bool { return r.Fingerprint == fp })
+	requireOneHandoff(t, st, fp, recs)
+}
+
+func requireOneHandoff(t *testing.T, st *stack.Stack, fp string, recs map[string][]recordAt) {
+	t.Helper()
+	require.Len(t, recs["prefill"], 1, "one prefill for %s: %v", fp, recs)
+	require.Len(t, recs["decode"], 1, "one decode for %s: %v", fp, recs)
+	require.Empty(t, recs["rejected"], "no engine rejected %s", fp)
+	require.Empty(t, recs["plain"], "no recomputation for %s", fp)
 	p, d := recs["prefill"][0], recs["decode"][0]
-	require.Equal(t, "pulled", d.KV)
-	require.Equal(t, p.Engine, d.KVSource, "decode pulled from the prefill that ran this request")
-	require.Equal(t, enginesim.Fingerprint(promptText), p.Fingerprint)
-	require.Equal(t, p.Fingerprint, d.Fingerprint)
+	require.Equal(t, "pulled", d.KV, fp)
+	require.Equal(t, p.Engine, d.KVSource, "decode of %s got the KV of the prefill that ran it", fp)
 	require.True(t, isEngine(st.Prefill, p.Engine), "prefill ran on a prefill engine")
 	require.True(t, isEngine(st.Decode, d.Engine), "decode ran on a decode engine")
 }

@@ -18,18 +18,26 @@ import (
 // isolationRequests is how many distinct requests are in flight at once.
 const isolationRequests = 1000
 
-// TestIsolation is the Kthena connector race, attempted: many concurrent
-// requests with distinct prompts through Envoy and pdx. If any per-request
-// value leaked between requests, a decode engine would be handed another
-// request's KV (and reject it) or a client would get another prompt's
-// answer. The engines' latency keeps all of them in flight together.
+// TestIsolation is the Kthena connector race, attempted with every
+// connector: many concurrent requests with distinct prompts through Envoy
+// and pdx. If any per-request value leaked between requests, a decode engine
+// would be handed another request's KV (and reject it) or a client would get
+// another prompt's answer. The engines' latency keeps all of them in flight
+// together.
 func TestIsolation(t *testing.T) {
-	st := startStack(t, stack.Options{
-		Prefill: 3, Decode: 3,
-		Engine: enginesim.Config{PrefillLatency: 200 * time.Millisecond, DecodeLatency: 50 * time.Millisecond, DecodePerToken: time.Millisecond},
-	})
-	client, _ := newClient(t, st)
+	for _, cc := range connectorCases {
+		t.Run(cc.name, func(t *testing.T) {
+			opts := cc.opts
+			opts.Prefill, opts.Decode = 3, 3
+			opts.Engine = enginesim.Config{PrefillLatency: 200 * time.Millisecond, DecodeLatency: 50 * time.Millisecond, DecodePerToken: time.Millisecond}
+			st := startStack(t, opts)
+			isolation(t, st, cc.name)
+		})
+	}
+}
 
+func isolation(t *testing.T, st *stack.Stack, name string) {
+	client, _ := newClient(t, st)
 	type outcome struct {
 		id, prompt, got string
 		err             error
@@ -41,8 +49,8 @@ func TestIsolation(t *testing.T) {
 		wg.Go(func() {
 			<-start
 			o := &outcomes[i]
-			o.id = fmt.Sprintf("iso-%d", i)
-			text := fmt.Sprintf("isolation prompt %d: %s", i, strings.Repeat(string(rune('a'+i%26)), i%50))
+			o.id = fmt.Sprintf("iso-%s-%d", name, i)
+			text := fmt.Sprintf("%s isolation prompt %d: %s", name, i, strings.Repeat(string(rune('a'+i%26)), i%50))
 			o.got, o.err = isolationRequest(t, client, i, o.id, text)
 			o.prompt = text
 			if i%2 == 0 {
@@ -64,25 +72,19 @@ func TestIsolation(t *testing.T) {
 	}
 	require.Empty(t, failures[:min(len(failures), 20)], "%d of %d requests failed or were mixed up (first 20 shown)", len(failures), isolationRequests)
 
-	// The engines' side: every decode pulled exactly its own prefill's KV.
-	byID := map[string]map[string][]recordAt{}
+	// The engines' side: every decode got exactly its own prefill's KV.
+	byPrompt := map[string]map[string][]recordAt{}
 	for _, e := range st.Engines() {
 		for _, r := range e.Records() {
-			if byID[r.RequestID] == nil {
-				byID[r.RequestID] = map[string][]recordAt{}
+			if byPrompt[r.Fingerprint] == nil {
+				byPrompt[r.Fingerprint] = map[string][]recordAt{}
 			}
-			byID[r.RequestID][r.Kind] = append(byID[r.RequestID][r.Kind], recordAt{Record: r, Engine: e.Addr()})
+			byPrompt[r.Fingerprint][r.Kind] = append(byPrompt[r.Fingerprint][r.Kind], recordAt{Record: r, Engine: e.Addr()})
 		}
 	}
 	for _, o := range outcomes {
-		recs := byID[o.id]
-		require.Len(t, recs["prefill"], 1, o.id)
-		require.Len(t, recs["decode"], 1, o.id)
-		require.Empty(t, recs["rejected"], o.id)
-		p, d := recs["prefill"][0], recs["decode"][0]
-		require.Equal(t, "pulled", d.KV, o.id)
-		require.Equal(t, p.Engine, d.KVSource, o.id)
-		require.Equal(t, enginesim.Fingerprint(o.prompt), d.Fingerprint, o.id)
+		fp := enginesim.Fingerprint(o.prompt)
+		requireOneHandoff(t, st, fp, byPrompt[fp])
 	}
 }
 

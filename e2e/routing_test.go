@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
 	"net/http"
 	"strings"
@@ -71,22 +72,21 @@ func TestRouting(t *testing.T) {
 		// Point the spoofed header at a prefill engine, which would happily
 		// serve a plain request: it must see only its prefill.
 		target := st.Prefill[0].Addr()
-		for range 4 { // round robin must not matter
-			id := newRequestID(t)
-			a := post(t, hc, chatURL, `{"model":"demo-model","messages":[{"role":"user","content":"spoof"}],"max_tokens":2}`,
-				"X-Request-Id", id, "X-Gateway-Destination-Endpoint", target)
+		for i := range 4 { // round robin must not matter
+			text := fmt.Sprintf("spoof %d", i)
+			a := post(t, hc, chatURL, `{"model":"demo-model","messages":[{"role":"user","content":"`+text+`"}],"max_tokens":2}`,
+				"X-Gateway-Destination-Endpoint", target)
 			require.Equal(t, 200, a.status, a.body)
 			require.True(t, isEngine(st.Decode, a.header.Get("X-Pdx-Sim-Engine")), "answered by a decode engine")
-			requireHandoff(t, st, id, chatPrompt("spoof"))
+			requireHandoff(t, st, chatPrompt(text))
 		}
 	})
 
 	t.Run("client kv_transfer_params are replaced", func(t *testing.T) {
-		id := newRequestID(t)
 		fake := `{"do_remote_prefill":true,"remote_engine_id":"evil","remote_block_ids":[[1]],"remote_request_id":"x","remote_host":"127.0.0.1","remote_port":1}`
-		a := post(t, hc, chatURL, `{"model":"demo-model","kv_transfer_params":`+fake+`,"messages":[{"role":"user","content":"inject"}]}`, "X-Request-Id", id)
+		a := post(t, hc, chatURL, `{"model":"demo-model","kv_transfer_params":`+fake+`,"messages":[{"role":"user","content":"inject"}]}`)
 		require.Equal(t, 200, a.status, a.body)
-		requireHandoff(t, st, id, chatPrompt("inject"))
+		requireHandoff(t, st, chatPrompt("inject"))
 	})
 
 	t.Run("prefill finished on EOS: decode recomputes from the plain body", func(t *testing.T) {
@@ -101,23 +101,21 @@ func TestRouting(t *testing.T) {
 	})
 
 	t.Run("chunked request body gets a content-length that fits the rewrite", func(t *testing.T) {
-		id := newRequestID(t)
 		// An io.Reader of unknown length makes Go send the body chunked.
 		body := io.MultiReader(strings.NewReader(`{"model":"demo-model",`), strings.NewReader(`"prompt":"chunked"}`))
 		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, st.URL()+"/v1/completions", body)
 		require.NoError(t, err)
-		req.Header.Set("X-Request-Id", id)
 		a := do(t, hc, req)
 		require.Equal(t, 200, a.status, a.body)
-		requireHandoff(t, st, id, "chunked")
+		requireHandoff(t, st, "chunked")
 	})
 
 	t.Run("long prompt", func(t *testing.T) {
-		id, text := newRequestID(t), strings.Repeat("long context ", 4<<20/13) // 4 MiB
-		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"`+text+`","max_tokens":2}`, "X-Request-Id", id)
+		text := strings.Repeat("long context ", 4<<20/13) // 4 MiB
+		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"`+text+`","max_tokens":2}`)
 		require.Equal(t, 200, a.status, a.body)
 		require.Contains(t, a.body, wantPrefix(text))
-		requireHandoff(t, st, id, text)
+		requireHandoff(t, st, text)
 	})
 
 	t.Run("requests pdx does not route pass through", func(t *testing.T) {
@@ -171,4 +169,55 @@ func TestPrefillFailures(t *testing.T) {
 		require.Less(t, time.Since(start), 5*time.Second, "the client is answered at the timeout, not when the engine finishes")
 		require.Empty(t, st.Decode[0].Records(), "nothing reached decode")
 	})
+}
+
+// A concurrent connector's decode is already on its way when its prefill
+// fails. The client must get pdx's error at once, not wait on a decode that
+// waits for KV that will never come.
+func TestConcurrentPrefillFailures(t *testing.T) {
+	for _, cc := range connectorCases {
+		if cc.opts.Connector != "sglang" && cc.opts.MooncakeProtocol != "vllm" {
+			continue
+		}
+		t.Run(cc.name+": prefill engine down", func(t *testing.T) {
+			opts := cc.opts
+			opts.Prefill, opts.Decode = 1, 1
+			st := startStack(t, opts)
+			_, hc := newClient(t, st)
+			addr := st.Prefill[0].Addr()
+			require.NoError(t, st.Prefill[0].Close())
+			for _, stream := range []bool{false, true} {
+				start := time.Now()
+				a := post(t, hc, st.URL()+"/v1/chat/completions",
+					fmt.Sprintf(`{"model":"demo-model","messages":[{"role":"user","content":"down %v"}],"stream":%v}`, stream, stream))
+				require.Equal(t, 503, a.status, a.body)
+				require.Contains(t, a.body, addr)
+				require.Less(t, time.Since(start), 10*time.Second, "answered when the prefill failed, not when the decode gave up")
+			}
+		})
+
+		t.Run(cc.name+": prefill slower than prefill_timeout", func(t *testing.T) {
+			opts := cc.opts
+			opts.Prefill, opts.Decode = 1, 1
+			opts.PrefillTimeout = 500 * time.Millisecond
+			opts.Engine = enginesim.Config{PrefillLatency: 20 * time.Second}
+			st := startStack(t, opts)
+			_, hc := newClient(t, st)
+			for _, stream := range []bool{false, true} {
+				a := post(t, hc, st.URL()+"/v1/completions",
+					fmt.Sprintf(`{"model":"demo-model","prompt":"slow %v","stream":%v}`, stream, stream))
+				requireAPIError(t, a, 504, "prefill_timeout", "after 500ms")
+			}
+			// Envoy reset the decode when pdx answered: the decode engine saw
+			// its client go away instead of finishing.
+			require.Eventually(t, func() bool {
+				for _, r := range st.Decode[0].Records() {
+					if r.Kind == "decode" && r.KV == "pulled" {
+						return false
+					}
+				}
+				return len(st.Decode[0].Records()) == 2
+			}, 10*time.Second, 20*time.Millisecond, "decode records: %v", st.Decode[0].Records())
+		})
+	}
 }

@@ -35,6 +35,23 @@ func routeHeaders() *extprocv3.ProcessingResponse {
 	}}
 }
 
+// holdResponseMode is the filter's mode plus response headers: a concurrent
+// prefill's failure must be able to replace the decode's answer.
+var holdResponseMode = &filterextprocv3.ProcessingMode{
+	RequestHeaderMode:   filterextprocv3.ProcessingMode_SEND,
+	ResponseHeaderMode:  filterextprocv3.ProcessingMode_SEND,
+	RequestBodyMode:     filterextprocv3.ProcessingMode_BUFFERED,
+	ResponseBodyMode:    filterextprocv3.ProcessingMode_NONE,
+	RequestTrailerMode:  filterextprocv3.ProcessingMode_SKIP,
+	ResponseTrailerMode: filterextprocv3.ProcessingMode_SKIP,
+}
+
+func routeHeadersHoldingResponse() *extprocv3.ProcessingResponse {
+	resp := routeHeaders()
+	resp.ModeOverride = holdResponseMode
+	return resp
+}
+
 // passThroughMode asks Envoy to send nothing more of a request pdx does not
 // route (honoured when the filter sets allow_mode_override).
 var passThroughMode = &filterextprocv3.ProcessingMode{

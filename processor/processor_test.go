@@ -198,6 +198,7 @@ func TestRoutesInferenceRequest(t *testing.T) {
 
 			hr := out[0].GetRequestHeaders().GetResponse()
 			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders(), "client's destination removed")
+			require.Nil(t, out[0].GetModeOverride(), "sequential connectors need no response phase")
 
 			calls := eng.Calls()
 			require.Len(t, calls, 1)
@@ -324,7 +325,7 @@ func TestErrors(t *testing.T) {
 		},
 		{
 			name: "prefill timeout", msgs: msgs(post, body(`{"model":"m"}`, true)), timeout: 50 * time.Millisecond,
-			engine: &fakeEngine{block: true}, wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "after 50ms on 127.0.0.1:8100", wantCalls: 1,
+			engine: &fakeEngine{block: true}, wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill on 127.0.0.1:8100: prefill timed out after 50ms", wantCalls: 1,
 		},
 	}
 	for _, tc := range tests {

@@ -60,6 +60,17 @@ type request struct {
 	id    string // X-Request-Id for both legs
 	path  string // without the query string
 	start time.Time
+
+	// A concurrent connector's prefill, still running while Envoy sends the
+	// decode; nil once its outcome is in (or for sequential connectors).
+	prefill        <-chan error
+	prefillCtx     context.Context
+	cancelPrefill  context.CancelFunc
+	prefillAbout   string // "pool X, prefill on ip:port", for errors
+	prefillTimeout time.Duration
+	// heldHeaders is set while pdx withholds its answer to the decode's
+	// response headers until the prefill has succeeded.
+	heldHeaders bool
 }
 
 func newRequest(table *routing.Table, engine connectors.Engine, log *slog.Logger) *request {
@@ -70,17 +81,62 @@ func newRequest(table *routing.Table, engine connectors.Engine, log *slog.Logger
 func (r *request) handle(ctx context.Context, msg *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
 	resp, err := r.dispatch(ctx, msg)
 	if err != nil {
-		r.state = stateFailed
-		e := toAPIError(err)
-		r.log.LogAttrs(ctx, e.logLevel(), "request failed",
-			slog.Int("status", e.status), slog.String("code", e.code), slog.String("error", err.Error()),
-			slog.Duration("elapsed", time.Since(r.start)))
-		return e.immediateResponse()
+		return r.handleErr(ctx, err)
 	}
 	return resp
 }
 
+// close ends whatever of the request still runs.
+func (r *request) close() {
+	if r.cancelPrefill != nil {
+		r.cancelPrefill()
+	}
+}
+
+// pendingPrefill is the channel of a concurrent prefill still running, or nil.
+func (r *request) pendingPrefill() <-chan error { return r.prefill }
+
+// prefillDone takes a concurrent prefill's outcome. On failure the client
+// gets pdx's error instead of the decode's answer: Envoy is still waiting for
+// the decode's response headers, either with pdx holding its answer to them
+// or before they arrived, and an ImmediateResponse then resets the decode.
+func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.ProcessingResponse {
+	r.prefill = nil
+	r.cancelPrefill()
+	if err != nil {
+		return r.handleErr(ctx, r.prefillErr(err))
+	}
+	r.log.LogAttrs(ctx, slog.LevelDebug, "prefill done", slog.Duration("elapsed", time.Since(r.start)))
+	if r.heldHeaders {
+		r.heldHeaders = false
+		return continueResponseHeaders()
+	}
+	return nil
+}
+
+// prefillErr says which prefill failed, and names a timeout as such rather
+// than as the context error it surfaces as.
+func (r *request) prefillErr(err error) error {
+	if context.Cause(r.prefillCtx) == errPrefillTimeout {
+		err = fmt.Errorf("%w after %s", errPrefillTimeout, r.prefillTimeout)
+	}
+	return fmt.Errorf("%s: %w", r.prefillAbout, err)
+}
+
+func (r *request) handleErr(ctx context.Context, err error) *extprocv3.ProcessingResponse {
+	r.state = stateFailed
+	e := toAPIError(err)
+	r.log.LogAttrs(ctx, e.logLevel(), "request failed",
+		slog.Int("status", e.status), slog.String("code", e.code), slog.String("error", err.Error()),
+		slog.Duration("elapsed", time.Since(r.start)))
+	return e.immediateResponse()
+}
+
 func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest) (*extprocv3.ProcessingResponse, error) {
+	if r.state == stateFailed {
+		// pdx has answered the client; whatever Envoy still sends is moot.
+		return nil, nil
+	}
 	switch m := msg.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
 		if r.state != stateRequestHeaders {
@@ -103,6 +159,13 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
 		if r.state != stateRouted && r.state != statePassThrough {
 			return nil, protocolError("response headers", r.state)
+		}
+		if r.prefill != nil {
+			// The decode answered before its KV is known to be complete
+			// (SGLang streams headers at once): hold the answer, so the
+			// client sees either the decode's output or pdx's error.
+			r.heldHeaders = true
+			return nil, nil
 		}
 		return continueResponseHeaders(), nil
 	case *extprocv3.ProcessingRequest_ResponseBody:
@@ -144,6 +207,9 @@ func (r *request) requestHeaders(h *extprocv3.HttpHeaders) (*extprocv3.Processin
 		return nil, badRequest("missing_body", "the request has no body; send a JSON object")
 	}
 	r.state = stateRequestBody
+	if r.table.HasConcurrent() {
+		return routeHeadersHoldingResponse(), nil
+	}
 	return routeHeaders(), nil
 }
 
@@ -175,14 +241,21 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 		Prefill: pool.Prefill.Pick(),
 		Decode:  pool.Decode.Pick(),
 	}
-	pctx, cancel := context.WithTimeoutCause(ctx, pool.PrefillTimeout, errPrefillTimeout)
-	defer cancel()
-	decode, err := pool.Connector.Prepare(pctx, r.engine, creq)
+	// A concurrent prefill outlives this call, so its context is the
+	// request's to cancel (close); a sequential one ends here.
+	r.prefillCtx, r.cancelPrefill = context.WithTimeoutCause(ctx, pool.PrefillTimeout, errPrefillTimeout)
+	r.prefillAbout = fmt.Sprintf("pool %s, prefill on %s", pool.Name, creq.Prefill.Address)
+	r.prefillTimeout = pool.PrefillTimeout
+	decode, err := pool.Connector.Prepare(r.prefillCtx, r.engine, creq)
+	if decode.Prefill == nil {
+		r.cancelPrefill()
+	}
 	if err != nil {
-		if context.Cause(pctx) == errPrefillTimeout {
-			err = fmt.Errorf("%w after %s on %s", errPrefillTimeout, pool.PrefillTimeout, creq.Prefill.Address)
-		}
-		return nil, fmt.Errorf("pool %s: %w", pool.Name, err)
+		return nil, r.prefillErr(err)
+	}
+	r.prefill = decode.Prefill
+	if decode.RequestID != "" {
+		r.id = decode.RequestID
 	}
 	r.state = stateRouted
 	r.log.LogAttrs(ctx, slog.LevelDebug, "routed",

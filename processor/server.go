@@ -42,17 +42,61 @@ func (s *Server) SetTable(t *routing.Table) { s.table.Store(t) }
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	ctx := stream.Context()
 	req := newRequest(s.table.Load(), s.engine, s.log)
+	defer req.close()
+	// While a concurrent prefill runs, pdx must hear both Envoy and the
+	// prefill, so Recv moves to a goroutine; other requests never pay for it.
+	var received chan recvResult
 	for {
-		msg, err := stream.Recv()
-		if err != nil {
-			return streamErr(ctx, err)
+		var resp *extprocv3.ProcessingResponse
+		if received == nil && req.pendingPrefill() == nil {
+			msg, err := stream.Recv()
+			if err != nil {
+				return streamErr(ctx, err)
+			}
+			resp = req.handle(ctx, msg)
+		} else {
+			if received == nil {
+				received = make(chan recvResult, 1)
+				go receive(ctx, stream, received)
+			}
+			select {
+			case r := <-received:
+				if r.err != nil {
+					return streamErr(ctx, r.err)
+				}
+				resp = req.handle(ctx, r.msg)
+			case err := <-req.pendingPrefill():
+				resp = req.prefillDone(ctx, err)
+			case <-ctx.Done():
+				return nil // the stream is over; receive may have left quietly
+			}
 		}
-		resp := req.handle(ctx, msg)
 		if resp == nil {
 			continue
 		}
 		if err := stream.Send(resp); err != nil {
 			return streamErr(ctx, err)
+		}
+	}
+}
+
+type recvResult struct {
+	msg *extprocv3.ProcessingRequest
+	err error
+}
+
+// receive passes the stream's messages to out until the stream ends. It
+// exits at the latest when the stream's context ends after Process returns.
+func receive(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, out chan<- recvResult) {
+	for {
+		msg, err := stream.Recv()
+		select {
+		case out <- recvResult{msg, err}:
+		case <-ctx.Done():
+			return
+		}
+		if err != nil {
+			return
 		}
 	}
 }

@@ -1,6 +1,7 @@
 // Command pdx-engine-sim runs a simulated vLLM engine (see package enginesim)
-// in the prefill, decode or both role, for testing the pdx router end to end
-// without GPUs.
+// in the prefill, decode or both role, speaking one KV connector protocol,
+// for testing the pdx router end to end without GPUs. With --store it runs
+// the shared KV store that engines of --connector http use instead.
 package main
 
 import (
@@ -17,13 +18,17 @@ import (
 )
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:])
+	stop()
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "pdx-engine-sim:", err)
 		os.Exit(1)
 	}
 }
 
-func run(args []string) error {
+// run serves until ctx is done.
+func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("pdx-engine-sim", flag.ContinueOnError)
 	addr := fs.String("addr", "127.0.0.1:8000", "address to listen on")
 	role := fs.String("role", string(enginesim.RoleBoth), "engine role: prefill, decode or both")
@@ -34,6 +39,14 @@ func run(args []string) error {
 	fs.DurationVar(&cfg.DecodeLatency, "decode-latency", 0, "time to first output token")
 	fs.DurationVar(&cfg.DecodePerToken, "decode-per-token", 0, "time per further output token")
 	fs.DurationVar(&cfg.KVTTL, "kv-ttl", 0, "how long unpulled KV is kept (default 2m)")
+	fs.StringVar(&cfg.Connector, "connector", enginesim.ConnectorNIXL,
+		"KV connector protocol: nixl, http (alias lmcache), mooncake, sglang, p2p-nccl or trtllm")
+	fs.StringVar(&cfg.MooncakeProtocol, "mooncake-protocol", enginesim.MooncakeNIXL, "protocol of --connector mooncake: nixl or vllm")
+	fs.StringVar(&cfg.BootstrapAddr, "bootstrap-addr", "127.0.0.1:0", "bootstrap server address (sglang, mooncake vllm; prefill and both roles)")
+	fs.StringVar(&cfg.KVAddr, "kv-addr", "127.0.0.1:0", "KV listener address (p2p-nccl)")
+	fs.StringVar(&cfg.StoreAddr, "store-addr", "", "address of the KV store (http; see --store)")
+	fs.DurationVar(&cfg.KVWaitTimeout, "kv-wait-timeout", 0, "how long a decode waits for a concurrent or late prefill's KV (default 30s)")
+	store := fs.Bool("store", false, "run the shared KV store of --connector http on --addr instead of an engine")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -41,14 +54,23 @@ func run(args []string) error {
 		return err
 	}
 	cfg.Role = enginesim.Role(*role)
-	cfg.Logger = slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	logger := slog.New(slog.NewJSONHandler(os.Stderr, nil))
+	cfg.Logger = logger
 
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	defer stop()
+	if *store {
+		st, err := enginesim.StartStore(ctx, *addr)
+		if err != nil {
+			return err
+		}
+		logger.Info("KV store listening", "addr", st.Addr())
+		<-ctx.Done()
+		return st.Close()
+	}
 	srv, err := enginesim.Start(ctx, *addr, cfg)
 	if err != nil {
 		return err
 	}
+	logger.Info("engine ready", "addr", srv.Addr(), "bootstrap_port", srv.BootstrapPort(), "kv_addr", srv.KVAddr())
 	<-ctx.Done()
 	return srv.Close()
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"context"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -15,11 +16,40 @@ func TestRunRejectsBadArguments(t *testing.T) {
 		{"unknown role", []string{"--addr", "127.0.0.1:0", "--role", "router"}, "unknown role"},
 		{"bad latency", []string{"--decode-latency", "soon"}, "invalid value"},
 		{"unknown flag", []string{"--gpu"}, "flag provided but not defined"},
+		{"unknown connector", []string{"--addr", "127.0.0.1:0", "--connector", "ucx"}, "unknown connector"},
+		{"unknown mooncake protocol", []string{"--addr", "127.0.0.1:0", "--connector", "mooncake", "--mooncake-protocol", "rdma"}, "unknown Mooncake protocol"},
+		{"http without store", []string{"--addr", "127.0.0.1:0", "--connector", "http"}, "needs StoreAddr"},
+		{"bad wait timeout", []string{"--kv-wait-timeout", "-1s"}, "KVWaitTimeout must not be negative"},
+		{"store on a bad address", []string{"--store", "--addr", "127.0.0.1:bad"}, "store listen"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			require.ErrorContains(t, run(tt.args), tt.wantErr)
+			require.ErrorContains(t, run(t.Context(), tt.args), tt.wantErr)
 		})
 	}
-	require.NoError(t, run([]string{"-h"}), "help is not an error")
+	require.NoError(t, run(t.Context(), []string{"-h"}), "help is not an error")
+}
+
+func TestRunServesUntilDone(t *testing.T) {
+	tests := []struct {
+		name string
+		args []string
+	}{
+		{"store", []string{"--store"}},
+		{"nixl", nil},
+		{"sglang prefill", []string{"--connector", "sglang", "--role", "prefill"}},
+		{"mooncake vllm prefill", []string{"--connector", "mooncake", "--mooncake-protocol", "vllm", "--role", "prefill"}},
+		{"p2p-nccl decode", []string{"--connector", "p2p-nccl", "--role", "decode", "--kv-wait-timeout", "1s"}},
+		{"trtllm", []string{"--connector", "trtllm"}},
+		{"lmcache", []string{"--connector", "lmcache", "--store-addr", "127.0.0.1:1"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithCancel(t.Context())
+			done := make(chan error, 1)
+			go func() { done <- run(ctx, append([]string{"--addr", "127.0.0.1:0"}, tt.args...)) }()
+			cancel()
+			require.NoError(t, <-done)
+		})
+	}
 }

@@ -17,6 +17,7 @@ type exchange struct {
 	req *inferenceRequest
 	w   http.ResponseWriter
 	r   *http.Request
+	leg any // what the protocol's classify parsed for its serve method
 }
 
 func (s *Server) handleInference(a api) http.HandlerFunc {
@@ -39,11 +40,16 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 			return
 		}
 		x.rec.Fingerprint = Fingerprint(x.req.prompt)
-		switch x.req.mode {
+		m, err := s.proto.classify(x)
+		if err != nil {
+			s.reject(x, err)
+			return
+		}
+		switch m {
 		case modePrefill:
-			s.servePrefill(x)
+			s.proto.prefill(x)
 		case modeDecode:
-			s.serveDecode(x)
+			s.proto.decode(x)
 		default:
 			s.servePlain(x)
 		}
@@ -183,7 +189,7 @@ func outputTokens(fingerprint string, n int) []string {
 func (s *Server) generate(x *exchange) {
 	toks := outputTokens(x.rec.Fingerprint, x.req.maxTokens)
 	if x.req.stream {
-		s.stream(x, toks)
+		s.stream(x, toks, s.tokenDelay, "length")
 		return
 	}
 	var total time.Duration
@@ -199,9 +205,23 @@ func (s *Server) generate(x *exchange) {
 	writeJSON(x.w, http.StatusOK, s.completion(x, toks, "length", nil))
 }
 
-// stream answers with server-sent events, one chunk per token, flushed as
-// produced so that a client sees the simulated inter-token latency.
-func (s *Server) stream(x *exchange, toks []string) {
+// answerPrefill answers a prefill leg at once with its one token, as SSE
+// when the request streams, and records it.
+func (s *Server) answerPrefill(x *exchange, finish string) {
+	first := outputTokens(x.rec.Fingerprint, 1)
+	if x.req.stream {
+		s.stream(x, first, func(int) time.Duration { return 0 }, finish)
+		return
+	}
+	x.rec.Status = http.StatusOK
+	s.commit(x.seq, x.rec)
+	writeJSON(x.w, http.StatusOK, s.completion(x, first, finish, nil))
+}
+
+// stream answers with server-sent events, one chunk per token, each after
+// delay(i) and flushed as produced so that a client sees the simulated
+// inter-token latency; the last chunk has finish as its finish reason.
+func (s *Server) stream(x *exchange, toks []string, delay func(int) time.Duration, finish string) {
 	ctx := x.r.Context()
 	h := x.w.Header()
 	h.Set("Content-Type", "text/event-stream")
@@ -226,7 +246,7 @@ func (s *Server) stream(x *exchange, toks []string) {
 		}
 	}
 	for i, tok := range toks {
-		if err := sleep(ctx, s.tokenDelay(i)); err != nil {
+		if err := sleep(ctx, delay(i)); err != nil {
 			s.abandon(x, err)
 			return
 		}
@@ -235,7 +255,7 @@ func (s *Server) stream(x *exchange, toks []string) {
 			return
 		}
 	}
-	if err := send(chunk(tokenChoice(x.req.api, "", "length"))); err != nil {
+	if err := send(chunk(tokenChoice(x.req.api, "", finish))); err != nil {
 		s.abandon(x, err)
 		return
 	}
@@ -275,6 +295,8 @@ type choice struct {
 	Text         *string      `json:"text,omitempty"`    // completions
 	Logprobs     *struct{}    `json:"logprobs"`          // always null
 	FinishReason *string      `json:"finish_reason"`
+	// DisaggregatedParams is TensorRT-LLM's, on a context_only answer.
+	DisaggregatedParams json.RawMessage `json:"disaggregated_params,omitempty"`
 }
 
 type chatMessage struct {

@@ -54,35 +54,7 @@ func validatePrefill(req *inferenceRequest, requestID string) error {
 	if requestID == "" {
 		problems = append(problems, "missing X-Request-Id header (prefill and decode must share one)")
 	}
-	if req.stream {
-		problems = append(problems, "stream must be false on a prefill request")
-	}
-	for _, name := range []string{"stream_options", "min_tokens", "min_completion_tokens"} {
-		if req.has(name) {
-			problems = append(problems, name+" must be absent on a prefill request")
-		}
-	}
-	limits := limitFields(req.api)
-	var set []string
-	for _, name := range limits {
-		if req.has(name) {
-			set = append(set, name)
-		}
-	}
-	switch {
-	case len(set) == 0:
-		problems = append(problems, "output limit missing: "+strings.Join(limits, " or ")+" must be 1 on a prefill request")
-	case len(set) > 1:
-		problems = append(problems, "both max_completion_tokens and max_tokens are set; exactly one must be 1 on a prefill request")
-	default:
-		// parseRequest already checked it is an integer.
-		if n, _ := req.intField(set[0]); n != 1 {
-			problems = append(problems, fmt.Sprintf("%s must be 1 on a prefill request, got %d", set[0], n))
-		}
-	}
-	if req.api == apiCompletions && req.has("max_completion_tokens") {
-		problems = append(problems, "max_completion_tokens is ignored by /v1/completions; use max_tokens")
-	}
+	problems = append(problems, prefillEditProblems(req, false)...)
 	kv := req.kv
 	for name, isSet := range map[string]bool{
 		"remote_engine_id":  kv.RemoteEngineID != nil,

@@ -9,14 +9,14 @@ import (
 	"net/http"
 )
 
-// Record is what the simulator saw of one inference request or KV pull.
+// Record is what the simulator saw of one inference request or KV transfer.
 type Record struct {
 	RequestID   string `json:"request_id"` // X-Request-Id header received
 	Path        string `json:"path"`
 	Kind        string `json:"kind"`        // one of the Kind constants
 	Fingerprint string `json:"fingerprint"` // Fingerprint of the prompt (for a pull: of the KV's prompt)
 	KV          string `json:"kv"`          // for decode-capable engines: "pulled" or "recomputed"; else ""
-	KVSource    string `json:"kv_source"`   // host:port the KV was (or was to be) pulled from
+	KVSource    string `json:"kv_source"`   // HTTP host:port of the prefill engine whose KV a decode pulled (nixl: also when refused)
 	// Status is the HTTP status sent, or 499 when the client went away
 	// before the response was complete.
 	Status int             `json:"status"`
@@ -26,12 +26,14 @@ type Record struct {
 
 // Record kinds. An inference request refused with an error status is
 // KindRejected whatever it asked for, so a test can look for any refusal in
-// one place; a refused KV pull stays KindKVPull with its error status.
+// one place; a refused KV transfer stays KindKVPull or KindKVPush with its
+// error status.
 const (
 	KindPrefill  = "prefill"
 	KindDecode   = "decode"
-	KindPlain    = "plain" // no KV transfer params
-	KindKVPull   = "kv-pull"
+	KindPlain    = "plain"   // no KV transfer params
+	KindKVPull   = "kv-pull" // a decode took KV from this (prefill) engine
+	KindKVPush   = "kv-push" // a prefill sent KV to this (decode) engine: P2P NCCL
 	KindRejected = "rejected"
 )
 
@@ -93,8 +95,12 @@ func errorType(status int) string {
 		return "MethodNotAllowedError"
 	case http.StatusConflict:
 		return "ConflictError"
+	case http.StatusBadGateway:
+		return "BadGatewayError"
 	case http.StatusServiceUnavailable:
 		return "ServiceUnavailableError"
+	case http.StatusGatewayTimeout:
+		return "GatewayTimeoutError"
 	}
 	return "InternalServerError"
 }

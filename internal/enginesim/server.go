@@ -2,12 +2,14 @@
 // API, in the prefill, decode or combined role of prefill/decode (P/D)
 // disaggregated serving.
 //
-// It speaks the request side of vLLM's NixlConnector protocol faithfully and
-// stands in for the NIXL KV transfer with an HTTP side channel, so that a
-// router which derives a prefill request wrongly, or hands a decode engine the
-// KV of another request, is caught by the engine itself rather than producing
-// plausible-looking output. Generated text starts with the fingerprint of the
-// prompt, so a response can be matched to the prompt it belongs to.
+// It speaks the request side of one KV connector protocol faithfully (vLLM's
+// NixlConnector by default; see Config.Connector for LMCache, Mooncake,
+// SGLang, P2P NCCL and TensorRT-LLM) and stands in for the KV transfer with
+// HTTP side channels, so that a router which derives a prefill request
+// wrongly, or hands a decode engine the KV of another request, is caught by
+// the engine itself rather than producing plausible-looking output. Generated
+// text starts with the fingerprint of the prompt, so a response can be matched
+// to the prompt it belongs to.
 package enginesim
 
 import (
@@ -21,6 +23,7 @@ import (
 	"net/http"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 )
@@ -46,6 +49,27 @@ type Config struct {
 	DecodeLatency   time.Duration // fixed time to first output token
 	DecodePerToken  time.Duration // per further output token (SSE chunks are spaced by it)
 	KVTTL           time.Duration // prefilled KV kept this long if never pulled; default 2m
+	// Connector is the KV connector protocol the engine speaks; like vLLM's
+	// --kv-transfer-config, one engine speaks one: "nixl" (default), "http"
+	// (alias "lmcache"), "mooncake", "sglang", "p2p-nccl" or "trtllm".
+	Connector string
+	// MooncakeProtocol is the flavour of Connector "mooncake": "nixl"
+	// (default; Kthena, vllm-ascend) or "vllm" (upstream vLLM's
+	// MooncakeConnector, with a bootstrap server and transfer ids).
+	MooncakeProtocol string
+	// BootstrapAddr is the listen address of the bootstrap server that a
+	// prefill-capable engine of Connector "sglang", or "mooncake" with
+	// MooncakeProtocol "vllm", runs; default "127.0.0.1:0".
+	BootstrapAddr string
+	// KVAddr is the listen address of the KV listener of Connector
+	// "p2p-nccl" (the stand-in for its ZMQ socket); default "127.0.0.1:0".
+	KVAddr string
+	// StoreAddr is the address of the shared KV store (see StartStore) that
+	// engines of Connector "http" use; required for it.
+	StoreAddr string
+	// KVWaitTimeout bounds how long a decode waits for the KV of a prefill
+	// that runs concurrently with it or has not arrived yet; default 30s.
+	KVWaitTimeout time.Duration
 	// Client is used for KV pulls. The default has a tuned transport, a 10s
 	// timeout and dials loopback addresses only (the simulator is a test
 	// fixture, and a tampered remote_host must not send traffic elsewhere).
@@ -54,7 +78,9 @@ type Config struct {
 }
 
 const (
-	defaultKVTTL = 2 * time.Minute
+	defaultKVTTL         = 2 * time.Minute
+	defaultKVWaitTimeout = 30 * time.Second
+	defaultSideAddr      = "127.0.0.1:0"
 	// shutdownGrace bounds how long Close lets in-flight requests finish
 	// before their contexts are cancelled.
 	shutdownGrace = 5 * time.Second
@@ -82,6 +108,7 @@ func (c Config) withDefaults() (Config, error) {
 	for name, d := range map[string]time.Duration{
 		"PrefillLatency": c.PrefillLatency, "PrefillPerToken": c.PrefillPerToken,
 		"DecodeLatency": c.DecodeLatency, "DecodePerToken": c.DecodePerToken, "KVTTL": c.KVTTL,
+		"KVWaitTimeout": c.KVWaitTimeout,
 	} {
 		if d < 0 {
 			return c, fmt.Errorf("enginesim: %s must not be negative, got %v", name, d)
@@ -92,6 +119,31 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.KVTTL == 0 {
 		c.KVTTL = defaultKVTTL
+	}
+	if c.KVWaitTimeout == 0 {
+		c.KVWaitTimeout = defaultKVWaitTimeout
+	}
+	if c.BootstrapAddr == "" {
+		c.BootstrapAddr = defaultSideAddr
+	}
+	if c.KVAddr == "" {
+		c.KVAddr = defaultSideAddr
+	}
+	if c.Connector == "" {
+		c.Connector = ConnectorNIXL
+	}
+	if !slices.Contains(connectorNames, c.Connector) {
+		return c, fmt.Errorf("enginesim: unknown connector %q (want %s)", c.Connector, strings.Join(connectorNames, ", "))
+	}
+	switch c.MooncakeProtocol {
+	case "":
+		c.MooncakeProtocol = MooncakeNIXL
+	case MooncakeNIXL, MooncakeVLLM:
+	default:
+		return c, fmt.Errorf("enginesim: unknown Mooncake protocol %q (want %s or %s)", c.MooncakeProtocol, MooncakeNIXL, MooncakeVLLM)
+	}
+	if (c.Connector == ConnectorHTTP || c.Connector == ConnectorLMCache) && c.StoreAddr == "" {
+		return c, fmt.Errorf("enginesim: connector %q needs StoreAddr, the address of a KV store (see StartStore)", c.Connector)
 	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
@@ -112,6 +164,12 @@ type Server struct {
 	srv       *http.Server
 	served    chan struct{} // closed when Serve has returned
 	cancel    context.CancelFunc
+	proto     protocol
+	sides     []*sideServer // bootstrap servers and KV listeners of the protocol
+	// waitsDone is cancelled when Close starts, so that requests waiting for
+	// KV give up at once rather than holding Close for its grace period.
+	waitsDone   context.Context
+	stopWaiting context.CancelFunc
 
 	mu        sync.Mutex
 	nextSeq   uint64
@@ -133,7 +191,8 @@ type sequenced struct {
 }
 
 // Start listens on addr (e.g. "127.0.0.1:0") and serves until Close is called
-// or ctx is done.
+// or ctx is done. A protocol that needs a bootstrap server or a KV listener
+// (see Config) gets it started too; it stops with the engine.
 func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 	cfg, err := cfg.withDefaults()
 	if err != nil {
@@ -144,33 +203,44 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 	if err != nil {
 		return nil, fmt.Errorf("enginesim: listen: %w", err)
 	}
-	tcp := ln.Addr().(*net.TCPAddr)
-	host := tcp.IP.String()
-	if tcp.IP.IsUnspecified() {
-		// A wildcard listener is reachable on loopback; advertise that.
-		host = "127.0.0.1"
-	}
+	host, port := advertised(ln)
 	baseCtx, cancel := context.WithCancel(context.Background())
+	waitsDone, stopWaiting := context.WithCancel(context.Background())
 	s := &Server{
-		cfg:    cfg,
-		addr:   net.JoinHostPort(host, strconv.Itoa(tcp.Port)),
-		host:   host,
-		port:   tcp.Port,
-		log:    cfg.Logger.With("engine_id", cfg.EngineID, "role", string(cfg.Role)),
-		client: cfg.Client,
-		kv:     newKVStore(cfg.KVTTL),
-		served: make(chan struct{}),
-		cancel: cancel,
+		cfg:         cfg,
+		addr:        net.JoinHostPort(host, strconv.Itoa(port)),
+		host:        host,
+		port:        port,
+		log:         cfg.Logger.With("engine_id", cfg.EngineID, "role", string(cfg.Role), "connector", cfg.Connector),
+		client:      cfg.Client,
+		kv:          newKVStore(cfg.KVTTL),
+		served:      make(chan struct{}),
+		cancel:      cancel,
+		waitsDone:   waitsDone,
+		stopWaiting: stopWaiting,
 	}
 	if s.client == nil {
 		s.client, s.ownClient = newPullClient(), true
 	}
+	errorLog := slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)
+	s.proto, err = newProtocol(ctx, s)
+	if err != nil {
+		_ = ln.Close()
+		for _, side := range s.sides {
+			_ = side.ln.Close()
+		}
+		cancel()
+		stopWaiting()
+		return nil, err
+	}
+	mux := http.NewServeMux()
+	s.routes(mux)
 	s.srv = &http.Server{
-		Handler:           s.routes(),
+		Handler:           s.guard(mux),
 		ReadHeaderTimeout: 10 * time.Second,
 		// Close cancels this to abort simulated work that outlives the grace period.
 		BaseContext: func(net.Listener) context.Context { return baseCtx },
-		ErrorLog:    slog.NewLogLogger(s.log.Handler(), slog.LevelWarn),
+		ErrorLog:    errorLog,
 	}
 	go func() {
 		defer close(s.served)
@@ -178,6 +248,21 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 			s.log.Error("serve failed", "err", err)
 		}
 	}()
+	for _, side := range s.sides {
+		side.srv = &http.Server{
+			Handler:           s.guard(side.handler),
+			ReadHeaderTimeout: 10 * time.Second,
+			BaseContext:       func(net.Listener) context.Context { return baseCtx },
+			ErrorLog:          errorLog,
+		}
+		go func() {
+			defer close(side.served)
+			if err := side.srv.Serve(side.ln); !errors.Is(err, http.ErrServerClosed) {
+				s.log.Error("serve failed", "listener", side.name, "err", err)
+			}
+		}()
+		s.log.Info("side channel listening", "listener", side.name, "addr", side.addr)
+	}
 	stop := context.AfterFunc(ctx, func() { _ = s.Close() })
 	s.mu.Lock()
 	s.stopWatch = stop
@@ -186,8 +271,69 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 	return s, nil
 }
 
+// advertised is the host and port others reach a listener on. A wildcard
+// listener is reachable on loopback; that is advertised.
+func advertised(ln net.Listener) (string, int) {
+	tcp := ln.Addr().(*net.TCPAddr)
+	host := tcp.IP.String()
+	if tcp.IP.IsUnspecified() {
+		host = "127.0.0.1"
+	}
+	return host, tcp.Port
+}
+
+// sideServer is an extra listener of the engine: a bootstrap server or a KV
+// listener, served like the engine itself and closed with it.
+type sideServer struct {
+	name    string
+	ln      net.Listener
+	addr    string // advertised host:port
+	port    int
+	handler http.Handler
+	srv     *http.Server
+	served  chan struct{}
+}
+
+// listenSide opens a side channel listener; Start serves it once the engine
+// is complete.
+func (s *Server) listenSide(ctx context.Context, name, addr string, h http.Handler) (*sideServer, error) {
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", addr)
+	if err != nil {
+		return nil, fmt.Errorf("enginesim: listen for %s: %w", name, err)
+	}
+	host, port := advertised(ln)
+	side := &sideServer{name: name, ln: ln, addr: net.JoinHostPort(host, strconv.Itoa(port)), port: port,
+		handler: h, served: make(chan struct{})}
+	s.sides = append(s.sides, side)
+	return side, nil
+}
+
 // Addr is the "host:port" the simulator is reachable on, e.g. "127.0.0.1:41234".
 func (s *Server) Addr() string { return s.addr }
+
+// BootstrapPort is the port of the engine's bootstrap server (Connector
+// "sglang", or "mooncake" with MooncakeProtocol "vllm", in role prefill or
+// both), or 0 when it runs none.
+func (s *Server) BootstrapPort() int {
+	for _, side := range s.sides {
+		if side.name == sideBootstrap {
+			return side.port
+		}
+	}
+	return 0
+}
+
+// KVAddr is the "host:port" of the engine's KV listener (Connector
+// "p2p-nccl"), or "" when it runs none.
+func (s *Server) KVAddr() string {
+	for _, side := range s.sides {
+		if side.name == sideKV {
+			return side.addr
+		}
+	}
+	return ""
+}
 
 // Close stops serving and waits for in-flight handlers. They get a grace
 // period to finish; after it their contexts are cancelled. Close is safe to
@@ -201,16 +347,28 @@ func (s *Server) Close() error {
 		if stop != nil {
 			stop()
 		}
+		s.stopWaiting()
 		ctx, cancel := context.WithTimeout(context.Background(), shutdownGrace)
 		defer cancel()
-		if err := s.srv.Shutdown(ctx); err != nil {
-			s.log.Warn("grace period over, aborting in-flight requests", "err", err)
-			s.cancel()
-			s.closeErr = s.srv.Close()
+		servers := []*http.Server{s.srv}
+		for _, side := range s.sides {
+			servers = append(servers, side.srv)
+		}
+		for _, srv := range servers {
+			if err := srv.Shutdown(ctx); err != nil {
+				s.log.Warn("grace period over, aborting in-flight requests", "err", err)
+				s.cancel()
+				if err := srv.Close(); s.closeErr == nil {
+					s.closeErr = err
+				}
+			}
 		}
 		s.cancel()
 		s.inflight.Wait()
 		<-s.served
+		for _, side := range s.sides {
+			<-side.served
+		}
 		if s.ownClient {
 			s.client.CloseIdleConnections()
 		}
@@ -220,8 +378,9 @@ func (s *Server) Close() error {
 }
 
 // Records returns a copy of every recorded request, in arrival order. Only
-// inference requests and KV pulls are recorded; a record appears once its
-// response is decided, before the response is complete on the wire.
+// inference requests and KV transfers (pulls, and P2P NCCL pushes) are
+// recorded; a record appears once its response is decided, before the
+// response is complete on the wire.
 func (s *Server) Records() []Record {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -286,8 +445,7 @@ func (s *Server) enter() bool {
 	return true
 }
 
-func (s *Server) routes() http.Handler {
-	mux := http.NewServeMux()
+func (s *Server) routes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/chat/completions", s.handleInference(apiChat))
 	mux.HandleFunc("POST /v1/completions", s.handleInference(apiCompletions))
 	mux.HandleFunc("POST /sim/kv/pull", s.handlePull)
@@ -298,9 +456,23 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("GET /sim/requests", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, s.Records())
 	})
-	// Without these the mux would answer in plain text rather than the
-	// OpenAI error shape clients expect.
-	for _, p := range []string{"/v1/chat/completions", "/v1/completions", "/sim/kv/pull", "/health", "/v1/models", "/sim/requests"} {
+	paths := []string{"/v1/chat/completions", "/v1/completions", "/sim/kv/pull", "/health", "/v1/models", "/sim/requests"}
+	if r, ok := s.proto.(routeAdder); ok {
+		paths = append(paths, r.addRoutes(mux)...)
+	}
+	fallbackRoutes(mux, paths...)
+}
+
+// routeAdder is a protocol that serves side channel routes on the engine's
+// own HTTP server. addRoutes returns their paths.
+type routeAdder interface {
+	addRoutes(mux *http.ServeMux) []string
+}
+
+// fallbackRoutes answers wrong methods on paths, and unknown paths, in the
+// OpenAI error shape; without them the mux would answer in plain text.
+func fallbackRoutes(mux *http.ServeMux, paths ...string) {
+	for _, p := range paths {
 		mux.HandleFunc(p, func(w http.ResponseWriter, r *http.Request) {
 			writeError(w, &apiError{status: http.StatusMethodNotAllowed, msg: "method " + r.Method + " not allowed on " + p})
 		})
@@ -308,6 +480,10 @@ func (s *Server) routes() http.Handler {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, &apiError{status: http.StatusNotFound, msg: "no route for " + r.URL.Path})
 	})
+}
+
+// guard names the engine on every response and tracks in-flight handlers.
+func (s *Server) guard(h http.Handler) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set(HeaderEngine, s.addr)
 		if !s.enter() {
@@ -315,7 +491,7 @@ func (s *Server) routes() http.Handler {
 			return
 		}
 		defer s.inflight.Done()
-		mux.ServeHTTP(w, r)
+		h.ServeHTTP(w, r)
 	})
 }
 

@@ -83,3 +83,8 @@ func endpoints(eps []*configv1.Endpoint) []connectors.Endpoint {
 	}
 	return out
 }
+
+// Fixed returns a table that sends every model to pool.
+func Fixed(pool *Pool) *Table {
+	return &Table{byModel: map[string]*Pool{}, fallback: pool, concurrent: connectors.Concurrent(pool.Connector)}
+}

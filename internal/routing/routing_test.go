@@ -57,5 +57,5 @@ pools:
 `))
 	require.NoError(t, err)
 	_, err = New(cfg)
-	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel" (known: nixl)`)
+	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, p2p-nccl, sglang, trtllm)`)
 }

@@ -26,8 +26,12 @@ const Model = "demo-model"
 type Options struct {
 	// Prefill and Decode are the numbers of simulated engines (default 2).
 	Prefill, Decode int
-	// Connector is the pool's KV connector (default "nixl").
+	// Connector is the pool's KV connector (default "nixl"); the engines
+	// speak its protocol.
 	Connector string
+	// MooncakeProtocol is the "mooncake" connector's protocol ("nixl" or
+	// "vllm").
+	MooncakeProtocol string
 	// Engine sets the simulators' latencies; Role and EngineID are ignored.
 	Engine enginesim.Config
 	// PrefillTimeout is the pool's prefill_timeout (default 30s).
@@ -46,6 +50,8 @@ type Stack struct {
 	Pdx     *server.Server
 	Prefill []*enginesim.Server
 	Decode  []*enginesim.Server
+	// Store is the shared KV store of the "http"/"lmcache" connector.
+	Store *enginesim.Store
 
 	pdxLog *logbuf.Buffer
 }
@@ -76,15 +82,24 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 			s.Close()
 		}
 	}()
+	engine := opts.Engine
+	engine.Connector = opts.Connector
+	engine.MooncakeProtocol = opts.MooncakeProtocol
+	if opts.Connector == "http" || opts.Connector == "lmcache" {
+		if s.Store, err = enginesim.StartStore(ctx, "127.0.0.1:0"); err != nil {
+			return nil, err
+		}
+		engine.StoreAddr = s.Store.Addr()
+	}
 	for range opts.Prefill {
-		sim, err := startSim(ctx, opts.Engine, enginesim.RolePrefill)
+		sim, err := startSim(ctx, engine, enginesim.RolePrefill)
 		if err != nil {
 			return nil, err
 		}
 		s.Prefill = append(s.Prefill, sim)
 	}
 	for range opts.Decode {
-		sim, err := startSim(ctx, opts.Engine, enginesim.RoleDecode)
+		sim, err := startSim(ctx, engine, enginesim.RoleDecode)
 		if err != nil {
 			return nil, err
 		}
@@ -129,13 +144,25 @@ func (s *Stack) pdxConfig(opts Options) string {
 	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\npools:\n")
 	fmt.Fprintf(&b, "- name: demo\n  models: [%s]\n  default: true\n  connector: %s\n  prefill_timeout: %s\n",
 		Model, opts.Connector, opts.PrefillTimeout)
+	if opts.MooncakeProtocol != "" {
+		fmt.Fprintf(&b, "  mooncake_protocol: %s\n", opts.MooncakeProtocol)
+	}
 	fmt.Fprintf(&b, "  prefill:\n")
 	for _, p := range s.Prefill {
 		fmt.Fprintf(&b, "  - address: %s\n", p.Addr())
+		if port := p.BootstrapPort(); port != 0 {
+			fmt.Fprintf(&b, "    bootstrap_port: %d\n", port)
+		}
+		if kv := p.KVAddr(); kv != "" {
+			fmt.Fprintf(&b, "    kv_address: %s\n", kv)
+		}
 	}
 	fmt.Fprintf(&b, "  decode:\n")
 	for _, d := range s.Decode {
 		fmt.Fprintf(&b, "  - address: %s\n", d.Addr())
+		if kv := d.KVAddr(); kv != "" {
+			fmt.Fprintf(&b, "    kv_address: %s\n", kv)
+		}
 	}
 	return b.String()
 }
@@ -174,6 +201,9 @@ func (s *Stack) Close() error {
 	}
 	for _, e := range s.Engines() {
 		errs = append(errs, e.Close())
+	}
+	if s.Store != nil {
+		errs = append(errs, s.Store.Close())
 	}
 	return errors.Join(errs...)
 }

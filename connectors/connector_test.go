@@ -1,0 +1,190 @@
+package connectors
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+// registered returns every registered connector, built by New, the
+// "mooncake" one once per protocol, by a descriptive name.
+func registered(t *testing.T) map[string]Connector {
+	t.Helper()
+	all := map[string]Connector{}
+	for _, name := range Names() {
+		protocols := []string{""}
+		if name == "mooncake" {
+			protocols = []string{"", MooncakeNIXL, MooncakeVLLM}
+		}
+		for _, p := range protocols {
+			c, err := New(name, Options{MooncakeProtocol: p})
+			require.NoError(t, err, name)
+			all[strings.TrimSuffix(name+"/"+p, "/")] = c
+		}
+	}
+	return all
+}
+
+func TestNames(t *testing.T) {
+	require.Equal(t, []string{"http", "lmcache", "mooncake", "nixl", "p2p-nccl", "sglang", "trtllm"}, Names())
+	_, err := New("nixel", Options{})
+	require.EqualError(t, err, `unknown connector "nixel" (known: http, lmcache, mooncake, nixl, p2p-nccl, sglang, trtllm)`)
+}
+
+func TestConcurrent(t *testing.T) {
+	want := map[string]bool{"mooncake/vllm": true, "sglang": true}
+	for name, c := range registered(t) {
+		require.Equal(t, want[name], Concurrent(c), name)
+	}
+}
+
+// answerFor answers a prefill with what every protocol reads back, echoing
+// the request's prompt into the per-request parameters.
+func answerFor(c engineCall) ([]byte, error) {
+	body, err := jsonedit.Parse([]byte(c.body))
+	if err != nil {
+		return nil, err
+	}
+	prompt, ok := body.Raw("prompt")
+	if !ok {
+		prompt = []byte(`null`)
+	}
+	return fmt.Appendf(nil, `{"id":"x","choices":[{"index":0,"text":"a","finish_reason":"not_finished",`+
+		`"disaggregated_params":{"request_type":"context_only","ctx_request_id":18446744073709551615,"encoded_opaque_state":%s}}],`+
+		`"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_request_id":%s}}`, prompt, prompt), nil
+}
+
+// echoEngine answers prefill calls on testPrefill with answerFor, and the
+// Mooncake bootstrap query.
+func echoEngine() *fakeEngine {
+	return newFakeEngine().
+		on(http.MethodPost, testPrefill.Address, "/v1/completions", reply{fn: answerFor}).
+		on(http.MethodPost, testPrefill.Address, "/v1/chat/completions", reply{fn: answerFor}).
+		on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: mooncakeQuery})
+}
+
+// TestProtocolFieldsStripped checks, for every connector, that nothing of
+// client-sent protocol fields reaches either engine.
+func TestProtocolFieldsStripped(t *testing.T) {
+	clients := []string{
+		`{"model":"m","prompt":"p","kv_transfer_params":{"remote_host":"10.6.6.6","remote_engine_id":"EVIL"},"bootstrap_host":"10.6.6.6","bootstrap_port":6666,"bootstrap_room":6666666666666666666,"disaggregated_params":{"request_type":"generation_only","ctx_request_id":6666666666666666666,"encoded_opaque_state":"EVIL"}}`,
+		`{"kv_transfer_param\u0073":{"remote_host":"10.6.6.6"},"model":"m","\u0062ootstrap_host":"10.6.6.6","bootstrap_por\u0074":6666,"bootstrap_roo\u006d":6666666666666666666,"disaggregated_param\u0073":{"encoded_opaque_state":"EVIL"},"prompt":"p"}`,
+		`{"model":"m","prompt":"p","kv_transfer_params":null,"bootstrap_host":null,"bootstrap_port":null,"bootstrap_room":null,"disaggregated_params":null}`,
+	}
+	for name, c := range registered(t) {
+		for i, client := range clients {
+			t.Run(fmt.Sprintf("%s/%d", name, i), func(t *testing.T) {
+				req := newRequest(t, client)
+				req.Path = "/v1/completions"
+				eng := echoEngine()
+				got, err := c.Prepare(t.Context(), eng, req)
+				require.NoError(t, err)
+				if got.Prefill != nil {
+					require.NoError(t, prefillOutcome(t, got.Prefill))
+				}
+				legs := []string{string(got.Body)}
+				for _, call := range eng.recorded() {
+					if call.method == http.MethodPost {
+						legs = append(legs, call.body)
+					}
+				}
+				require.Len(t, legs, 2)
+				for _, leg := range legs {
+					for _, marker := range []string{"10.6.6.6", "6666", "EVIL"} {
+						require.NotContains(t, leg, marker)
+					}
+					obj, err := jsonedit.Parse([]byte(leg))
+					require.NoError(t, err)
+					for _, key := range []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disaggregated_params"} {
+						raw, ok := obj.Raw(key)
+						require.False(t, ok && string(raw) == "null", "the client's %s: null kept", key)
+					}
+				}
+			})
+		}
+	}
+}
+
+// TestConcurrentPrepareOnOneValue runs many requests at once through one
+// connector value, the way the processor shares a pool's connector, and
+// checks that each request's legs carry its own prompt and parameters. Run
+// with -race.
+func TestConcurrentPrepareOnOneValue(t *testing.T) {
+	const n = 200
+	for name, c := range registered(t) {
+		t.Run(name, func(t *testing.T) {
+			eng := echoEngine()
+			decodes := make([]Decode, n)
+			errs := make([]error, n)
+			var wg sync.WaitGroup
+			for i := range n {
+				wg.Go(func() {
+					req := newRequest(t, fmt.Sprintf(`{"model":"m","prompt":"p-%d","max_tokens":%d}`, i, 100+i))
+					req.ID = fmt.Sprintf("req-%d", i)
+					req.Path = "/v1/completions"
+					decodes[i], errs[i] = c.Prepare(t.Context(), eng, req)
+					if errs[i] == nil && decodes[i].Prefill != nil {
+						errs[i] = <-decodes[i].Prefill
+					}
+				})
+			}
+			wg.Wait()
+
+			prefills := map[string][]engineCall{}
+			for _, call := range eng.recorded() {
+				if call.method == http.MethodPost {
+					prefills[call.requestID] = append(prefills[call.requestID], call)
+				}
+			}
+			for i, d := range decodes {
+				require.NoError(t, errs[i])
+				prompt := fmt.Sprintf(`"p-%d"`, i)
+				body, err := jsonedit.Parse(d.Body)
+				require.NoError(t, err)
+				requireRaw(t, body, "prompt", prompt)
+				requireRaw(t, body, "max_tokens", fmt.Sprint(100+i))
+
+				id := d.RequestID
+				if id == "" {
+					id = fmt.Sprintf("req-%d", i)
+				}
+				require.Len(t, prefills[id], 1, "one prefill per request, under the decode's id")
+				prefill, err := jsonedit.Parse([]byte(prefills[id][0].body))
+				require.NoError(t, err)
+				requireRaw(t, prefill, "prompt", prompt)
+
+				if raw, ok := body.Raw("kv_transfer_params"); ok {
+					params, err := jsonedit.Parse(raw)
+					require.NoError(t, err)
+					if params.Has("transfer_id") {
+						raw, _ := params.Raw("transfer_id")
+						require.Contains(t, prefills[id][0].body, string(raw), "prefill and decode share the transfer id")
+					} else {
+						requireRaw(t, params, "remote_request_id", prompt)
+					}
+				}
+				if raw, ok := body.Raw("disaggregated_params"); ok {
+					params, err := jsonedit.Parse(raw)
+					require.NoError(t, err)
+					requireRaw(t, params, "encoded_opaque_state", prompt)
+				}
+				if room, ok := body.Raw("bootstrap_room"); ok {
+					requireRaw(t, prefill, "bootstrap_room", string(room))
+				}
+			}
+		})
+	}
+}
+
+func requireRaw(t *testing.T, obj jsonedit.Object, key, want string) {
+	t.Helper()
+	raw, ok := obj.Raw(key)
+	require.True(t, ok, "no %s", key)
+	require.Equal(t, want, string(raw), key)
+}

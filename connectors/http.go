@@ -1,0 +1,27 @@
+package connectors
+
+import (
+	"context"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+// HTTP is the out-of-band KV protocol (LMCache and other shared KV stores):
+// the prefill engine writes the prompt's KV to the store, the decode engine
+// finds it there by the prompt's hash. Nothing about the transfer travels in
+// the requests, so the decode body is the client's (minus any client-sent
+// protocol fields). Registered as "http" and "lmcache".
+type HTTP struct{}
+
+// Prepare implements [Connector]. The prefill runs to its end before the
+// decode is sent, so the KV is in the store when the decode looks for it.
+func (HTTP) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
+	if _, err := engine.Post(ctx, req.Prefill, req.Path, req.ID, httpPrefillBody(req.Body)); err != nil {
+		return Decode{}, engineFailure(req.Prefill, err)
+	}
+	return Decode{Body: engineBody(req.Body)}, nil
+}
+
+func httpPrefillBody(client jsonedit.Object) []byte {
+	return engineBody(client, prefillOnlyEdits(client)...)
+}

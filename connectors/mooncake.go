@@ -1,0 +1,120 @@
+package connectors
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+// Mooncake protocols (Options.MooncakeProtocol).
+const (
+	// MooncakeNIXL is the NIXL-style protocol Kthena and vllm-ascend use
+	// with Mooncake: exactly the "nixl" connector. The default.
+	MooncakeNIXL = "nixl"
+	// MooncakeVLLM is upstream vLLM's MooncakeConnector protocol.
+	MooncakeVLLM = "vllm"
+)
+
+// newMooncake returns the "mooncake" connector for opts.MooncakeProtocol.
+func newMooncake(opts Options) (Connector, error) {
+	switch opts.MooncakeProtocol {
+	case "", MooncakeNIXL:
+		return NIXL{}, nil
+	case MooncakeVLLM:
+		return MooncakeVLLMConnector{}, nil
+	}
+	return nil, fmt.Errorf("unknown mooncake protocol %q (known: %s, %s)", opts.MooncakeProtocol, MooncakeNIXL, MooncakeVLLM)
+}
+
+// MooncakeVLLMConnector is upstream vLLM's MooncakeConnector protocol, as its
+// example proxy (mooncake_connector_proxy.py) drives it. Prefill and decode
+// run at the same time and meet on a transfer id: the prefill engine keeps
+// the KV under it, the decode engine asks the prefill's bootstrap server for
+// it. The decode needs the prefill engine's id, which pdx reads from that
+// bootstrap server's /query before it starts either leg.
+type MooncakeVLLMConnector struct{}
+
+// Concurrent reports that the prefill still runs when Prepare returns.
+func (MooncakeVLLMConnector) Concurrent() bool { return true }
+
+// Prepare implements [Connector].
+func (MooncakeVLLMConnector) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
+	host := req.Prefill.Host()
+	if host == "" {
+		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "address is not ip:port"}
+	}
+	bootstrap := net.JoinHostPort(host, strconv.Itoa(req.Prefill.Bootstrap()))
+	answer, err := engine.Get(ctx, bootstrap, "/query")
+	if err != nil {
+		// Status 0: whatever the bootstrap server said, the client's request
+		// is not at fault; the prefill engine is unavailable.
+		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "querying Mooncake bootstrap server " + bootstrap, Err: err}
+	}
+	engineID, err := mooncakeEngineID(answer)
+	if err != nil {
+		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "reading Mooncake bootstrap server " + bootstrap + " /query", Err: err}
+	}
+	// As upstream's proxy does, both legs carry a fresh request id and the
+	// transfer id "xfer-<id>", under which both engines name the KV. Fresh
+	// per attempt: a client's X-Request-Id may repeat, and two requests on
+	// one transfer id would hand each other's KV over.
+	id := uuidHex()
+	transferID := appendJSONString(nil, "xfer-"+id)
+	prefill := engineBody(req.Body, append(prefillOnlyEdits(req.Body),
+		jsonedit.Set(keyKVTransferParams, mooncakePrefillParams(transferID)))...)
+	decode := engineBody(req.Body,
+		jsonedit.Set(keyKVTransferParams, mooncakeDecodeParams(transferID, "http://"+bootstrap, engineID)))
+	return Decode{Body: decode, RequestID: id, Prefill: startPrefill(ctx, engine, req.Prefill, req.Path, id, prefill)}, nil
+}
+
+// mooncakePrefillParams asks the prefill engine to keep the KV for a remote
+// decode under transferID (a JSON string).
+func mooncakePrefillParams(transferID []byte) []byte {
+	b := make([]byte, 0, 64+len(transferID))
+	b = append(b, `{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":`...)
+	b = append(b, transferID...)
+	return append(b, '}')
+}
+
+// mooncakeDecodeParams asks the decode engine to pull the KV kept under
+// transferID by engineID (a JSON string) from the bootstrap server at
+// bootstrapURL.
+func mooncakeDecodeParams(transferID []byte, bootstrapURL string, engineID []byte) []byte {
+	b := make([]byte, 0, 128+len(transferID)+len(bootstrapURL)+len(engineID))
+	b = append(b, `{"do_remote_decode":false,"do_remote_prefill":true,"remote_bootstrap_addr":`...)
+	b = appendJSONString(b, bootstrapURL)
+	b = append(b, `,"remote_engine_id":`...)
+	b = append(b, engineID...)
+	b = append(b, `,"transfer_id":`...)
+	b = append(b, transferID...)
+	return append(b, '}')
+}
+
+// mooncakeEngineID returns the engine id of data-parallel rank 0, as a JSON
+// string, from a bootstrap server's /query answer. The answer maps each dp
+// rank to its engine: {"0":{"engine_id":"...","worker_addr":{...}}, ...}.
+// Upstream's proxy pins each prefill to a rank with an X-data-parallel-rank
+// header; [Engine] sends none, so pdx supports prefill engines with one dp
+// rank, rank 0.
+func mooncakeEngineID(answer []byte) ([]byte, error) {
+	ranks, err := jsonedit.Parse(answer)
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrBadAnswer, err)
+	}
+	raw, ok := ranks.Raw("0")
+	if !ok {
+		return nil, fmt.Errorf("%w: no dp rank 0 registered (answer %.80s)", ErrBadAnswer, answer)
+	}
+	rank, err := jsonedit.Parse(raw)
+	if err != nil {
+		return nil, fmt.Errorf("%w: dp rank 0 is %.40s, not an object", ErrBadAnswer, raw)
+	}
+	id, ok := rank.Raw("engine_id")
+	if !ok || id[0] != '"' || len(id) == 2 {
+		return nil, fmt.Errorf("%w: dp rank 0 has no engine_id string", ErrBadAnswer)
+	}
+	return id, nil
+}

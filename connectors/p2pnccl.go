@@ -1,0 +1,35 @@
+package connectors
+
+import (
+	"context"
+	"fmt"
+)
+
+// P2PNCCL is vLLM's P2pNcclConnector protocol, as its xPyD proxy
+// (disagg_proxy_p2p_nccl_xpyd.py) drives it: the request id names both
+// engines' KV (ZMQ) addresses; the prefill engine sends the KV to the decode
+// engine named in the id, which takes it by the same id. The prefill runs to
+// its end before the decode is sent.
+type P2PNCCL struct{}
+
+// Prepare implements [Connector].
+func (P2PNCCL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
+	if req.Prefill.KVAddress == "" || req.Decode.KVAddress == "" {
+		// Config validation requires kv_address with p2p-nccl; this is a
+		// configuration error, not an engine failure.
+		return Decode{}, fmt.Errorf("p2p-nccl: prefill %s or decode %s has no kv_address", req.Prefill.Address, req.Decode.Address)
+	}
+	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
+	if _, err := engine.Post(ctx, req.Prefill, req.Path, id, engineBody(req.Body, prefillOnlyEdits(req.Body)...)); err != nil {
+		return Decode{}, engineFailure(req.Prefill, err)
+	}
+	return Decode{Body: engineBody(req.Body), RequestID: id}, nil
+}
+
+// p2pRequestID returns
+// "___prefill_addr_<prefill kv>___decode_addr_<decode kv>_<uuid4 hex>".
+// The fresh uuid keeps the KV of concurrent requests between the same two
+// engines apart (the engines key the KV by the whole id).
+func p2pRequestID(prefillKV, decodeKV string) string {
+	return "___prefill_addr_" + prefillKV + "___decode_addr_" + decodeKV + "_" + uuidHex()
+}

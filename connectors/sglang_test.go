@@ -1,0 +1,207 @@
+package connectors
+
+import (
+	"context"
+	"errors"
+	"math"
+	"net/http"
+	"regexp"
+	"strconv"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+func TestSGLangBody(t *testing.T) {
+	tests := []struct {
+		name   string
+		client string
+		host   string
+		port   int
+		room   uint64
+		want   string
+	}{
+		{
+			name:   "fields appended, client body unchanged",
+			client: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":64,"stream_options":{"include_usage":true}}`,
+			host:   "10.0.0.1", port: 8998, room: 42,
+			want: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":64,"stream_options":{"include_usage":true},"bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":42}`,
+		},
+		{
+			name:   "room 0",
+			client: `{"model":"m","prompt":"p"}`,
+			host:   "10.0.0.1", port: 8998, room: 0,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":0}`,
+		},
+		{
+			name:   "room above 2^53 written exactly",
+			client: `{"model":"m","prompt":"p"}`,
+			host:   "10.0.0.1", port: 8998, room: 1<<53 + 1,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9007199254740993}`,
+		},
+		{
+			name:   "largest room",
+			client: `{"model":"m","prompt":"p"}`,
+			host:   "10.0.0.1", port: 8998, room: math.MaxInt64,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775807}`,
+		},
+		{
+			name:   "IPv6 host, own port",
+			client: `{"model":"m","prompt":"p"}`,
+			host:   "fd00::1", port: 9100, room: 7,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"fd00::1","bootstrap_port":9100,"bootstrap_room":7}`,
+		},
+		{
+			name:   "client fields replaced in place, others stripped, rest kept",
+			client: `{"bootstrap_room":9223372036854775807,"model":"m","bootstrap_host":"10.6.6.6","seed":18446744073709551615,"bootstrap_port":1,"kv_transfer_params":{},"disaggregated_params":{"request_type":"generation_only"},"prompt":"caf\u00e9","temperature":0.70}`,
+			host:   "10.0.0.1", port: 8998, room: 5,
+			want: `{"bootstrap_room":5,"model":"m","bootstrap_host":"10.0.0.1","seed":18446744073709551615,"bootstrap_port":8998,"prompt":"caf\u00e9","temperature":0.70}`,
+		},
+		{
+			name:   "escaped client keys replaced too",
+			client: `{"model":"m","bootstrap_roo\u006d":1,"prompt":"p","kv_transfer_param\u0073":{"remote_host":"10.6.6.6"}}`,
+			host:   "10.0.0.1", port: 8998, room: 5,
+			want: `{"model":"m","bootstrap_roo\u006d":5,"prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998}`,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			obj, err := jsonedit.Parse([]byte(tc.client))
+			require.NoError(t, err)
+			got := sglangBody(obj, tc.host, tc.port, tc.room)
+			require.Equal(t, tc.want, string(got))
+		})
+	}
+}
+
+// roomOf returns the bootstrap_room text of an SGLang body.
+func roomOf(t *testing.T, body []byte) string {
+	t.Helper()
+	obj, err := jsonedit.Parse(body)
+	require.NoError(t, err)
+	raw, ok := obj.Raw("bootstrap_room")
+	require.True(t, ok)
+	return string(raw)
+}
+
+func TestSGLangPrepare(t *testing.T) {
+	tests := []struct {
+		name     string
+		prefill  Endpoint
+		client   string
+		wantBody string // with ROOM for the room
+	}{
+		{
+			name:     "default bootstrap port",
+			prefill:  testPrefill,
+			client:   `{"model":"m","messages":[],"stream":true}`,
+			wantBody: `{"model":"m","messages":[],"stream":true,"bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":ROOM}`,
+		},
+		{
+			name:     "own bootstrap port, IPv6",
+			prefill:  Endpoint{Address: "[fd00::1]:8100", BootstrapPort: 9100},
+			client:   `{"model":"m","prompt":"p","bootstrap_host":"10.6.6.6"}`,
+			wantBody: `{"model":"m","prompt":"p","bootstrap_host":"fd00::1","bootstrap_port":9100,"bootstrap_room":ROOM}`,
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req := newRequest(t, tc.client)
+			req.Prefill = tc.prefill
+			eng := newFakeEngine().on(http.MethodPost, tc.prefill.Address, req.Path, reply{body: "data: {}\n\ndata: [DONE]\n\n"})
+			got, err := SGLang{}.Prepare(t.Context(), eng, req)
+			require.NoError(t, err)
+			require.NoError(t, prefillOutcome(t, got.Prefill))
+			require.Empty(t, got.RequestID)
+			room := roomOf(t, got.Body)
+			require.Regexp(t, `^[0-9]+$`, room)
+			require.Equal(t, regexp.MustCompile(`ROOM`).ReplaceAllLiteralString(tc.wantBody, room), string(got.Body))
+			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: tc.prefill, path: req.Path, requestID: "req-1", body: string(got.Body)}},
+				eng.recorded(), "both legs get the same body, the room included")
+		})
+	}
+}
+
+// TestSGLangRoom checks rooms are fresh per Prepare call, within
+// [0, 2^63-1] and written as exact integer text.
+func TestSGLangRoom(t *testing.T) {
+	const calls = 2000
+	req := newRequest(t, `{"model":"m","prompt":"p"}`)
+	eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
+	seen := make(map[string]bool, calls)
+	var high int // rooms >= 2^62: the top bit of the range is used
+	for range calls {
+		got, err := SGLang{}.Prepare(t.Context(), eng, req)
+		require.NoError(t, err)
+		require.NoError(t, <-got.Prefill)
+		text := roomOf(t, got.Body)
+		require.Regexp(t, `^(0|[1-9][0-9]*)$`, text, "integer text, no sign, exponent or fraction")
+		room, err := strconv.ParseUint(text, 10, 64)
+		require.NoError(t, err)
+		require.LessOrEqual(t, room, uint64(math.MaxInt64))
+		require.Equal(t, text, strconv.FormatUint(room, 10), "round-trips exactly")
+		require.False(t, seen[text], "room %s reused", text)
+		seen[text] = true
+		if room >= 1<<62 {
+			high++
+		}
+	}
+	require.Greater(t, high, calls/4, "rooms span the whole 63-bit range")
+	for _, c := range eng.recorded() {
+		require.True(t, seen[roomOf(t, []byte(c.body))], "each prefill carries its own request's room")
+	}
+}
+
+func TestSGLangPrefillOutcome(t *testing.T) {
+	tests := []struct {
+		name    string
+		reply   reply
+		wantErr string
+	}{
+		{name: "success", reply: reply{body: `{"text":"a"}`}},
+		{name: "engine error", reply: reply{err: &EngineError{Endpoint: testPrefill, Status: 400, Message: "bad room"}}, wantErr: "answered 400: bad room"},
+		{name: "plain error named by the endpoint", reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req := newRequest(t, `{"model":"m","prompt":"p"}`)
+			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
+			got, err := SGLang{}.Prepare(t.Context(), eng, req)
+			require.NoError(t, err, "prefill failures arrive on the channel")
+			require.NotEmpty(t, got.Body)
+			err = prefillOutcome(t, got.Prefill)
+			if tc.wantErr == "" {
+				require.NoError(t, err)
+				return
+			}
+			requireEngineError(t, err, testPrefill)
+			require.ErrorContains(t, err, tc.wantErr)
+		})
+	}
+}
+
+func TestSGLangCancelledWhilePrefillHangs(t *testing.T) {
+	defer goleak.VerifyNone(t)
+	req := newRequest(t, `{"model":"m","prompt":"p"}`)
+	eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{block: true})
+	ctx, cancel := context.WithCancel(t.Context())
+	got, err := SGLang{}.Prepare(ctx, eng, req)
+	require.NoError(t, err, "Prepare returns while the prefill runs")
+	<-eng.blocked
+	cancel()
+	err = prefillOutcome(t, got.Prefill)
+	requireEngineError(t, err, testPrefill)
+	require.ErrorIs(t, err, context.Canceled)
+}
+
+func TestSGLangNotIPPort(t *testing.T) {
+	req := newRequest(t, `{"model":"m","prompt":"p"}`)
+	req.Prefill = Endpoint{Address: "no-port"}
+	eng := newFakeEngine()
+	_, err := SGLang{}.Prepare(t.Context(), eng, req)
+	requireEngineError(t, err, req.Prefill)
+	require.Empty(t, eng.recorded())
+}

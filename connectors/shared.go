@@ -1,0 +1,99 @@
+package connectors
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+// The members through which engines take KV transfer instructions. A client
+// must never be able to set them: a kv_transfer_params or bootstrap_* of its
+// choosing would make an engine pull (or push) another request's KV blocks.
+const (
+	keyKVTransferParams    = "kv_transfer_params"   // vLLM (NIXL, Mooncake)
+	keyBootstrapHost       = "bootstrap_host"       // SGLang
+	keyBootstrapPort       = "bootstrap_port"       // SGLang
+	keyBootstrapRoom       = "bootstrap_room"       // SGLang
+	keyDisaggregatedParams = "disaggregated_params" // TensorRT-LLM
+)
+
+// stripped returns the edits that remove every client-sent protocol field,
+// followed by edits. Since the last edit of a key wins, a connector's own
+// value for one of those keys replaces the client's in place; keys the
+// connector does not write are removed. jsonedit compares keys unescaped, so
+// "kv_transfer_param\u0073" is removed (or replaced) too.
+func stripped(edits ...jsonedit.Edit) []jsonedit.Edit {
+	all := make([]jsonedit.Edit, 0, 5+len(edits))
+	all = append(all,
+		jsonedit.Delete(keyKVTransferParams),
+		jsonedit.Delete(keyBootstrapHost),
+		jsonedit.Delete(keyBootstrapPort),
+		jsonedit.Delete(keyBootstrapRoom),
+		jsonedit.Delete(keyDisaggregatedParams),
+	)
+	return append(all, edits...)
+}
+
+// engineBody returns the client body without client-sent protocol fields and
+// with edits applied; every other member keeps its bytes and position.
+func engineBody(client jsonedit.Object, edits ...jsonedit.Edit) []byte {
+	all := stripped(edits...)
+	return client.AppendEdited(make([]byte, 0, client.EditedLen(all...)), all...)
+}
+
+// appendJSONString appends s as a JSON string.
+func appendJSONString(dst []byte, s string) []byte {
+	// Marshalling a string cannot fail; invalid UTF-8 becomes U+FFFD.
+	quoted, _ := json.Marshal(s)
+	return append(dst, quoted...)
+}
+
+// engineFailure makes sure an engine call's error is an *EngineError naming
+// ep, as [Engine] promises and the processor relies on to choose the
+// client's status. Errors of conforming engines pass unchanged.
+func engineFailure(ep Endpoint, err error) error {
+	if ee, ok := err.(*EngineError); ok {
+		if ee.Endpoint == (Endpoint{}) {
+			named := *ee
+			named.Endpoint = ep
+			return &named
+		}
+		return err
+	}
+	if _, ok := errors.AsType[*EngineError](err); ok {
+		return err
+	}
+	return &EngineError{Endpoint: ep, Err: err}
+}
+
+// startPrefill posts the prefill in a goroutine of its own and returns the
+// channel that receives its outcome: exactly one value, nil on success. The
+// channel is buffered, so the goroutine never waits for a reader; it ends
+// when Post returns, which an [Engine] does once ctx is done. The answer's
+// body is discarded (the engine client has read it to the end).
+func startPrefill(ctx context.Context, engine Engine, ep Endpoint, path, requestID string, body []byte) <-chan error {
+	done := make(chan error, 1)
+	go func() {
+		_, err := engine.Post(ctx, ep, path, requestID, body)
+		if err != nil {
+			err = engineFailure(ep, err)
+		}
+		done <- err
+	}()
+	return done
+}
+
+// uuidHex returns a random UUID (version 4) as 32 hex digits, as Python's
+// uuid4().hex spells it. Ids that engines key KV by are made fresh per
+// attempt, never taken from the client, whose X-Request-Id may repeat.
+func uuidHex() string {
+	var u [16]byte
+	_, _ = rand.Read(u[:])  // never fails (crypto/rand since Go 1.24)
+	u[6] = u[6]&0x0f | 0x40 // version 4
+	u[8] = u[8]&0x3f | 0x80 // RFC 4122 variant
+	return hex.EncodeToString(u[:])
+}

@@ -1,0 +1,464 @@
+package enginesim
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+)
+
+// Values of Config.Connector.
+const (
+	ConnectorNIXL     = "nixl"
+	ConnectorHTTP     = "http"
+	ConnectorLMCache  = "lmcache" // alias of ConnectorHTTP
+	ConnectorMooncake = "mooncake"
+	ConnectorSGLang   = "sglang"
+	ConnectorP2PNCCL  = "p2p-nccl"
+	ConnectorTRTLLM   = "trtllm"
+)
+
+// Values of Config.MooncakeProtocol.
+const (
+	MooncakeNIXL = "nixl"
+	MooncakeVLLM = "vllm"
+)
+
+var connectorNames = []string{
+	ConnectorNIXL, ConnectorHTTP, ConnectorLMCache, ConnectorMooncake,
+	ConnectorSGLang, ConnectorP2PNCCL, ConnectorTRTLLM,
+}
+
+// Names of side channel listeners.
+const (
+	sideBootstrap = "bootstrap"
+	sideKV        = "kv"
+)
+
+// protocol is the KV connector protocol an engine speaks. The engine parses
+// and validates the OpenAI request; the protocol decides which leg it is and
+// serves it, answering and recording through the engine.
+type protocol interface {
+	// classify tells what a parsed request asks of this engine, or refuses
+	// it. It may leave what it parsed in x.leg for the serve methods.
+	classify(x *exchange) (mode, error)
+	prefill(x *exchange)
+	decode(x *exchange)
+}
+
+// newProtocol returns the protocol of s.cfg.Connector, with its listeners
+// opened (but not yet served).
+func newProtocol(ctx context.Context, s *Server) (protocol, error) {
+	switch s.cfg.Connector {
+	case ConnectorHTTP, ConnectorLMCache:
+		return &lmcacheProtocol{s: s}, nil
+	case ConnectorMooncake:
+		if s.cfg.MooncakeProtocol == MooncakeVLLM {
+			return newMooncakeProtocol(ctx, s)
+		}
+		return nixlProtocol{s: s}, nil
+	case ConnectorSGLang:
+		return newSGLangProtocol(ctx, s)
+	case ConnectorP2PNCCL:
+		return newP2PProtocol(ctx, s)
+	case ConnectorTRTLLM:
+		return newTRTLLMProtocol(s), nil
+	}
+	return nixlProtocol{s: s}, nil
+}
+
+// nixlProtocol is vLLM's NixlConnector, which Mooncake's "nixl" flavour
+// speaks too.
+type nixlProtocol struct{ s *Server }
+
+func (p nixlProtocol) classify(x *exchange) (mode, error) { return x.req.mode, nil }
+func (p nixlProtocol) prefill(x *exchange)                { p.s.servePrefill(x) }
+func (p nixlProtocol) decode(x *exchange)                 { p.s.serveDecode(x) }
+
+// protocolFields are the request fields of all the KV connector protocols. A
+// router strips the client's copies and writes only those of its connector,
+// so an engine refuses those of another protocol: their presence means a
+// client-sent field leaked through.
+var protocolFields = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disaggregated_params"}
+
+// foreignFields refuses protocol fields that protocol name does not use.
+func foreignFields(req *inferenceRequest, name string, own ...string) error {
+	var found []string
+	for _, f := range protocolFields {
+		if req.has(f) && !slices.Contains(own, f) {
+			found = append(found, f)
+		}
+	}
+	if len(found) == 0 {
+		return nil
+	}
+	verb := "are"
+	if len(found) == 1 {
+		verb = "is"
+	}
+	return badRequest("%s %s not part of the %s protocol (a router must strip client-sent protocol fields)",
+		strings.Join(found, ", "), verb, name)
+}
+
+// prefillEditProblems lists how a prefill request departs from the
+// prefill-only edits of a client request: stream false, no stream_options,
+// min_tokens or min_completion_tokens, and an output limit of 1. With
+// bothLimits, max_tokens and max_completion_tokens may both be present if
+// both are 1 (upstream vLLM's Mooncake proxy sets both).
+func prefillEditProblems(req *inferenceRequest, bothLimits bool) []string {
+	var problems []string
+	if req.stream {
+		problems = append(problems, "stream must be false on a prefill request")
+	}
+	for _, name := range []string{"stream_options", "min_tokens", "min_completion_tokens"} {
+		if req.has(name) {
+			problems = append(problems, name+" must be absent on a prefill request")
+		}
+	}
+	limits := limitFields(req.api)
+	var set []string
+	for _, name := range limits {
+		if req.has(name) {
+			set = append(set, name)
+		}
+	}
+	switch {
+	case len(set) == 0:
+		problems = append(problems, "output limit missing: "+strings.Join(limits, " or ")+" must be 1 on a prefill request")
+	case len(set) > 1 && !bothLimits:
+		problems = append(problems, "both max_completion_tokens and max_tokens are set; exactly one must be 1 on a prefill request")
+	default:
+		for _, name := range set {
+			// parseRequest already checked it is an integer.
+			if n, _ := req.intField(name); n != 1 {
+				problems = append(problems, fmt.Sprintf("%s must be 1 on a prefill request, got %d", name, n))
+			}
+		}
+	}
+	if req.api == apiCompletions && req.has("max_completion_tokens") {
+		problems = append(problems, "max_completion_tokens is ignored by /v1/completions; use max_tokens")
+	}
+	return problems
+}
+
+// validatePrefillEdits refuses a prefill request whose prefill-only edits
+// are wrong, naming every problem.
+func validatePrefillEdits(req *inferenceRequest, name string) error {
+	problems := prefillEditProblems(req, true)
+	if len(problems) == 0 {
+		return nil
+	}
+	slices.Sort(problems)
+	return badRequest("invalid %s prefill request: %s", name, strings.Join(problems, "; "))
+}
+
+// kvAnswer is what a side channel says of the KV it handed over: whose
+// prompt it holds, the request that prefilled it, and the HTTP address of the
+// prefill engine that computed it.
+type kvAnswer struct {
+	Fingerprint string `json:"fingerprint"`
+	RequestID   string `json:"request_id"`
+	Source      string `json:"source"`
+}
+
+// handoff is KV a prefill left for a decode, under a protocol's key (a
+// bootstrap room, a transfer id, ...).
+type handoff struct {
+	kvAnswer
+	created    time.Time
+	consumedBy string // X-Request-Id of the decode that took it, "" until then
+}
+
+// handoffs holds an engine's KV under one kind of key. A decode may wait for
+// a key that a concurrent prefill has not registered yet.
+type handoffs struct {
+	what string // the key's name in messages, e.g. "bootstrap_room"
+	ttl  time.Duration
+
+	mu      sync.Mutex
+	entries map[string]*handoff
+	changed chan struct{} // closed and replaced whenever an entry is added
+	waiters int           // takes waiting for a registration (for tests)
+}
+
+func newHandoffs(what string, ttl time.Duration) *handoffs {
+	return &handoffs{what: what, ttl: ttl, entries: make(map[string]*handoff), changed: make(chan struct{})}
+}
+
+// put registers KV under key. A key in use (registered and not yet taken) is
+// a conflict; a key whose KV was taken may be registered again, as upstream
+// engines only need ids to be unique among requests in flight. Expired
+// entries are swept here.
+func (h *handoffs) put(key string, a kvAnswer, now time.Time) *apiError {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	for k, e := range h.entries {
+		if now.Sub(e.created) > h.ttl {
+			delete(h.entries, k)
+		}
+	}
+	if e, ok := h.entries[key]; ok && e.consumedBy == "" {
+		return &apiError{status: http.StatusConflict,
+			msg: fmt.Sprintf("%s %s is already in use (prefilled for request %q and not yet taken)", h.what, key, e.RequestID)}
+	}
+	h.entries[key] = &handoff{kvAnswer: a, created: now}
+	close(h.changed)
+	h.changed = make(chan struct{})
+	return nil
+}
+
+// take hands out the KV under key once, waiting up to wait for a prefill to
+// register it (again, if its last KV was taken). The error is ctx's, or an
+// *apiError: 409 when the KV was already taken and none came since, 504 when
+// nothing was registered in time (404 when wait is 0).
+func (h *handoffs) take(ctx context.Context, key, consumer string, wait time.Duration) (kvAnswer, error) {
+	var timeout <-chan time.Time
+	if wait > 0 {
+		t := time.NewTimer(wait)
+		defer t.Stop()
+		timeout = t.C
+	}
+	for {
+		a, takenBy, changed := h.tryTake(key, consumer, time.Now())
+		if changed == nil {
+			return a, nil
+		}
+		err := h.await(ctx, changed, timeout)
+		switch {
+		case err == nil:
+			continue
+		case !errors.Is(err, errTimedOut):
+			return kvAnswer{}, err
+		case takenBy != "":
+			return kvAnswer{}, &apiError{status: http.StatusConflict,
+				msg: fmt.Sprintf("KV of %s %s was already taken by request %q (and no prefill registered it again)", h.what, key, takenBy)}
+		case wait <= 0:
+			return kvAnswer{}, &apiError{status: http.StatusNotFound,
+				msg: fmt.Sprintf("no KV for %s %s (unknown or expired)", h.what, key)}
+		}
+		return kvAnswer{}, &apiError{status: http.StatusGatewayTimeout,
+			msg: fmt.Sprintf("no prefill registered KV for %s %s within %v", h.what, key, wait)}
+	}
+}
+
+var errTimedOut = errors.New("timed out")
+
+// await waits for changed, counting itself as a waiter. Without a timeout it
+// does not wait.
+func (h *handoffs) await(ctx context.Context, changed <-chan struct{}, timeout <-chan time.Time) error {
+	if timeout == nil {
+		return errTimedOut
+	}
+	h.mu.Lock()
+	h.waiters++
+	h.mu.Unlock()
+	defer func() {
+		h.mu.Lock()
+		h.waiters--
+		h.mu.Unlock()
+	}()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-timeout:
+		return errTimedOut
+	case <-changed:
+		return nil
+	}
+}
+
+// waiting is the number of takes waiting for a registration.
+func (h *handoffs) waiting() int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.waiters
+}
+
+// tryTake takes the KV under key if it is there and not taken; otherwise it
+// returns who took the last KV under key, if anyone, and the channel that
+// signals the next registration.
+func (h *handoffs) tryTake(key, consumer string, now time.Time) (kvAnswer, string, <-chan struct{}) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	e, ok := h.entries[key]
+	if ok && now.Sub(e.created) > h.ttl {
+		delete(h.entries, key)
+		ok = false
+	}
+	switch {
+	case !ok:
+		return kvAnswer{}, "", h.changed
+	case e.consumedBy != "":
+		return kvAnswer{}, e.consumedBy, h.changed
+	}
+	e.consumedBy = consumer
+	if e.consumedBy == "" {
+		e.consumedBy = "(no request id)"
+	}
+	return e.kvAnswer, "", nil
+}
+
+// maxSideWait caps the wait a side channel request may ask for.
+const maxSideWait = 10 * time.Minute
+
+// sideWait is the wait a side channel request asked for, in milliseconds.
+func sideWait(ms int64) time.Duration {
+	return min(time.Duration(max(ms, 0))*time.Millisecond, maxSideWait)
+}
+
+// waitContext is ctx, also cancelled when the engine starts closing, so that
+// a wait for KV never holds Close.
+func (s *Server) waitContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	ctx, cancel := context.WithCancel(ctx)
+	stop := context.AfterFunc(s.waitsDone, cancel)
+	return ctx, func() {
+		stop()
+		cancel()
+	}
+}
+
+// waitClient is the client for side channel calls that wait for KV: the
+// pull client without its overall timeout (the caller's context bounds it).
+func (s *Server) waitClient() *http.Client {
+	c := *s.client
+	c.Timeout = 0
+	return &c
+}
+
+// sideCall POSTs in as JSON to url, a peer's side channel, and decodes its
+// answer into out. what describes the call in errors. An error is ctx's or an
+// *apiError fit to return: the peer's 409, 503 and 504 are passed on, its
+// other failures become 400 since they stem from the request's protocol
+// fields.
+func (s *Server) sideCall(ctx context.Context, client *http.Client, what, url, requestID string, in, out any) error {
+	body, err := json.Marshal(in)
+	if err != nil {
+		return err
+	}
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(body))
+	if err != nil {
+		return badRequest("%s failed: %v", what, err)
+	}
+	hreq.Header.Set("Content-Type", "application/json")
+	if requestID != "" {
+		hreq.Header.Set(headerReqID, requestID)
+	}
+	return s.roundTrip(ctx, client, what, hreq, out)
+}
+
+// roundTrip sends hreq and decodes a 200 answer into out (see sideCall).
+func (s *Server) roundTrip(ctx context.Context, client *http.Client, what string, hreq *http.Request, out any) error {
+	resp, err := client.Do(hreq)
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return badRequest("%s failed: %v", what, err)
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return badRequest("%s failed reading the answer: %v", what, err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		status := http.StatusBadRequest
+		switch resp.StatusCode {
+		case http.StatusConflict, http.StatusServiceUnavailable, http.StatusGatewayTimeout:
+			status = resp.StatusCode
+		}
+		return &apiError{status: status, msg: fmt.Sprintf("%s failed with %d: %s", what, resp.StatusCode, errorMessage(data))}
+	}
+	if err := decodeJSON(data, out); err != nil {
+		return badRequest("%s returned an invalid answer: %v", what, err)
+	}
+	return nil
+}
+
+// finishDecode ends a decode leg once its KV source has answered: it refuses
+// the request if the KV could not be had or holds another prompt, and
+// otherwise generates from the pulled KV. what names the KV in messages.
+func (s *Server) finishDecode(x *exchange, what string, got kvAnswer, err error) {
+	switch {
+	case x.r.Context().Err() != nil:
+		s.abandon(x, x.r.Context().Err())
+		return
+	case (errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded)) && s.waitsDone.Err() != nil:
+		s.reject(x, &apiError{status: http.StatusServiceUnavailable, msg: "engine is shutting down"})
+		return
+	case errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded):
+		s.reject(x, &apiError{status: http.StatusGatewayTimeout, msg: "gave up waiting for the KV of " + what + ": " + err.Error()})
+		return
+	case err != nil:
+		s.reject(x, err)
+		return
+	case got.Fingerprint != x.rec.Fingerprint:
+		s.reject(x, badRequest("KV of %s holds a different prompt: prefilled prompt fingerprint %s (by %s), this request's prompt has %s",
+			what, got.Fingerprint, got.Source, x.rec.Fingerprint))
+		return
+	}
+	s.servePulled(x, got.Source)
+}
+
+// servePulled generates from KV pulled from src, the prefill's HTTP address.
+func (s *Server) servePulled(x *exchange, src string) {
+	x.rec.KV, x.rec.KVSource = KVPulled, src
+	x.w.Header().Set(HeaderKV, KVPulled)
+	x.w.Header().Set(HeaderKVSource, src)
+	s.generate(x)
+}
+
+// sideRecord starts the record of a side channel request served by s.
+type sideRecord struct {
+	seq uint64
+	rec Record
+}
+
+func (s *Server) startSide(r *http.Request, kind string) *sideRecord {
+	return &sideRecord{seq: s.arrive(), rec: Record{RequestID: r.Header.Get(headerReqID), Path: r.URL.Path, Kind: kind}}
+}
+
+// readSide reads and decodes a side channel request body into v.
+func (sr *sideRecord) readSide(w http.ResponseWriter, r *http.Request, v any) *apiError {
+	body, err := readBody(w, r)
+	sr.rec.Body = recordBody(body)
+	if err != nil {
+		return badRequest("reading side channel request: %v", err)
+	}
+	if err := decodeJSON(body, v); err != nil {
+		return badRequest("invalid side channel request: %v", err)
+	}
+	return nil
+}
+
+// answer records and sends the outcome of a side channel request: v on
+// success, else err (ctx's when the caller went away or the engine closes).
+func (s *Server) answerSide(w http.ResponseWriter, r *http.Request, sr *sideRecord, v any, err error) {
+	if err != nil {
+		if r.Context().Err() != nil {
+			sr.rec.Status, sr.rec.Error = statusClientGone, "client went away: "+r.Context().Err().Error()
+			s.commit(sr.seq, sr.rec)
+			return
+		}
+		ae := asAPIError(err)
+		if errors.Is(err, context.Canceled) {
+			ae = &apiError{status: http.StatusServiceUnavailable, msg: "engine is shutting down"}
+		}
+		sr.rec.Status, sr.rec.Error = ae.status, ae.msg
+		s.commit(sr.seq, sr.rec)
+		writeError(w, ae)
+		return
+	}
+	sr.rec.Status = http.StatusOK
+	s.commit(sr.seq, sr.rec)
+	writeJSON(w, http.StatusOK, v)
+}

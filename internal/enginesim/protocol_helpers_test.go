@@ -1,0 +1,210 @@
+package enginesim
+
+import (
+	"bufio"
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// asyncReply is the outcome of a request sent in the background.
+type asyncReply struct {
+	reply
+	err error
+}
+
+// goPost sends a request in the background, so that the two legs of a
+// concurrent protocol can be in flight at once.
+func goPost(t *testing.T, s *Server, path, requestID string, body any) <-chan asyncReply {
+	t.Helper()
+	data := marshal(t, body)
+	client := testClient(t)
+	url := "http://" + s.Addr() + path
+	ch := make(chan asyncReply, 1)
+	go func() {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, url, bytes.NewReader(data))
+		if err != nil {
+			ch <- asyncReply{err: err}
+			return
+		}
+		req.Header.Set("Content-Type", "application/json")
+		if requestID != "" {
+			req.Header.Set("X-Request-Id", requestID)
+		}
+		resp, err := client.Do(req)
+		if err != nil {
+			ch <- asyncReply{err: err}
+			return
+		}
+		defer resp.Body.Close()
+		var buf bytes.Buffer
+		_, err = buf.ReadFrom(resp.Body)
+		ch <- asyncReply{reply: reply{status: resp.StatusCode, header: resp.Header, body: buf.Bytes()}, err: err}
+	}()
+	return ch
+}
+
+// await takes a background reply.
+func await(t *testing.T, ch <-chan asyncReply) reply {
+	t.Helper()
+	r := <-ch
+	require.NoError(t, r.err)
+	return r.reply
+}
+
+func marshal(t *testing.T, body any) []byte {
+	t.Helper()
+	if data, ok := body.([]byte); ok {
+		return data
+	}
+	data, err := json.Marshal(body)
+	require.NoError(t, err)
+	return data
+}
+
+// sseText checks an SSE answer and returns its generated text and last
+// finish reason.
+func sseText(t *testing.T, r reply) (string, string) {
+	t.Helper()
+	require.Equal(t, http.StatusOK, r.status, "body: %s", r.body)
+	require.Equal(t, "text/event-stream", r.header.Get("Content-Type"))
+	var text, finish string
+	var done bool
+	sc := bufio.NewScanner(bytes.NewReader(r.body))
+	for sc.Scan() {
+		line, ok := strings.CutPrefix(sc.Text(), "data: ")
+		if !ok {
+			continue
+		}
+		if line == "[DONE]" {
+			done = true
+			continue
+		}
+		var chunk struct {
+			Choices []struct {
+				Text         *string                  `json:"text"`
+				Delta        struct{ Content string } `json:"delta"`
+				FinishReason *string                  `json:"finish_reason"`
+			} `json:"choices"`
+		}
+		require.NoError(t, json.Unmarshal([]byte(line), &chunk), line)
+		for _, c := range chunk.Choices {
+			if c.Text != nil {
+				text += *c.Text
+			}
+			text += c.Delta.Content
+			if c.FinishReason != nil {
+				finish = *c.FinishReason
+			}
+		}
+	}
+	require.True(t, done, "stream ends with [DONE]")
+	return text, finish
+}
+
+// answerText is the generated text of a JSON or SSE answer.
+func answerText(t *testing.T, r reply, stream bool) string {
+	t.Helper()
+	if stream {
+		text, _ := sseText(t, r)
+		return text
+	}
+	return r.decode(t).text()
+}
+
+// clientEdits applies the prefill-only edits to a client body.
+func (b body) prefillEdits() body {
+	out := b.with("stream", false, "stream_options", nil, "min_tokens", nil, "min_completion_tokens", nil)
+	if _, ok := b["max_completion_tokens"]; ok {
+		return out.with("max_completion_tokens", 1, "max_tokens", nil)
+	}
+	return out.with("max_tokens", 1)
+}
+
+// streaming makes a client body stream (with usage) or not.
+func (b body) streaming(stream bool) body {
+	if !stream {
+		return b
+	}
+	return b.with("stream", true, "stream_options", map[string]any{"include_usage": true})
+}
+
+// requireDecodePulled checks a successful decode answer and the decode
+// engine's record of it.
+func requireDecodePulled(t *testing.T, d, p *Server, r reply, b body, stream bool, want string) {
+	t.Helper()
+	require.Equal(t, KVPulled, r.header.Get(HeaderKV), "body: %s", r.body)
+	require.Equal(t, p.Addr(), r.header.Get(HeaderKVSource))
+	require.Equal(t, d.Addr(), r.header.Get(HeaderEngine))
+	require.Equal(t, want, answerText(t, r, stream))
+	rec := lastKind(t, d, KindDecode)
+	require.Equal(t, KVPulled, rec.KV)
+	require.Equal(t, p.Addr(), rec.KVSource)
+	require.Equal(t, http.StatusOK, rec.Status)
+	require.Equal(t, Fingerprint(promptOf(t, b)), rec.Fingerprint)
+}
+
+// lastKind is the latest record of a kind.
+func lastKind(t *testing.T, s *Server, kind string) Record {
+	t.Helper()
+	recs := s.Records()
+	for i := len(recs) - 1; i >= 0; i-- {
+		if recs[i].Kind == kind {
+			return recs[i]
+		}
+	}
+	require.Failf(t, "no record", "no %s record in %+v", kind, recs)
+	return Record{}
+}
+
+// requireRejected checks a refused request and its record.
+func requireRejected(t *testing.T, s *Server, r reply, status int, wantMsg string) {
+	t.Helper()
+	require.Contains(t, r.errorMessage(t, status), wantMsg)
+	require.Equal(t, "application/json", r.header.Get("Content-Type"), "refused before any token, even when streaming")
+	require.Empty(t, r.header.Get(HeaderKV))
+	rec := lastRecord(t, s)
+	require.Equal(t, KindRejected, rec.Kind)
+	require.Equal(t, status, rec.Status)
+	require.Contains(t, rec.Error, wantMsg)
+}
+
+// bothAPIs are the client bodies of the hand-off tests.
+var bothAPIs = []struct {
+	name string
+	body body
+}{
+	{"chat", chatBody("Tell me about KV caches.").with("max_tokens", 3)},
+	{"completions", completionBody("Once upon a time").with("max_tokens", 3)},
+}
+
+// wantText is the text a decode of b with 3 output tokens generates.
+func wantText(t *testing.T, b body) string {
+	t.Helper()
+	return "pdx-sim:" + Fingerprint(promptOf(t, b)) + " t1 t2"
+}
+
+func itoa(n int) string { return strconv.Itoa(n) }
+
+// bytesOf is a request body reader of b.
+func bytesOf(t *testing.T, b any) *bytes.Reader {
+	t.Helper()
+	return bytes.NewReader(marshal(t, b))
+}
+
+// requireRecordsAnyOrder compares records without their bodies, in any
+// order (the legs of a concurrent protocol race).
+func requireRecordsAnyOrder(t *testing.T, s *Server, want ...Record) {
+	t.Helper()
+	got := s.Records()
+	for i := range got {
+		require.NotEmpty(t, got[i].Body)
+		got[i].Body = nil
+	}
+	require.ElementsMatch(t, want, got)
+}

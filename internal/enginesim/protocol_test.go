@@ -1,0 +1,201 @@
+package enginesim
+
+import (
+	"context"
+	"net/http"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestStartProtocolConfig(t *testing.T) {
+	tests := []struct {
+		name    string
+		cfg     Config
+		wantErr string
+	}{
+		{"unknown connector", Config{Connector: "ucx"}, `unknown connector "ucx" (want nixl, http, lmcache, mooncake, sglang, p2p-nccl, trtllm)`},
+		{"unknown Mooncake protocol", Config{Connector: ConnectorMooncake, MooncakeProtocol: "rdma"}, `unknown Mooncake protocol "rdma"`},
+		{"http without a store", Config{Connector: ConnectorHTTP}, `connector "http" needs StoreAddr`},
+		{"lmcache without a store", Config{Connector: ConnectorLMCache}, `connector "lmcache" needs StoreAddr`},
+		{"negative wait", Config{KVWaitTimeout: -time.Second}, "KVWaitTimeout must not be negative"},
+		{"bad bootstrap address", Config{Connector: ConnectorSGLang, BootstrapAddr: "127.0.0.1:bad"}, "listen for bootstrap"},
+		{"bad KV address", Config{Connector: ConnectorP2PNCCL, KVAddr: "127.0.0.1:bad"}, "listen for kv"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := Start(t.Context(), "127.0.0.1:0", tt.cfg)
+			require.ErrorContains(t, err, tt.wantErr)
+		})
+	}
+
+	s := startSim(t, Config{})
+	require.Equal(t, ConnectorNIXL, s.cfg.Connector)
+	require.Equal(t, defaultKVWaitTimeout, s.cfg.KVWaitTimeout)
+	require.Zero(t, s.BootstrapPort())
+	require.Empty(t, s.KVAddr())
+}
+
+func TestSideListenersOnGivenAddresses(t *testing.T) {
+	boot, kv := closedPort(t), closedPort(t)
+	s := startSim(t, Config{Role: RolePrefill, Connector: ConnectorSGLang, BootstrapAddr: "127.0.0.1:" + strconv.Itoa(boot)})
+	require.Equal(t, boot, s.BootstrapPort())
+	m := startSim(t, Config{Role: RolePrefill, Connector: ConnectorMooncake, MooncakeProtocol: MooncakeVLLM})
+	require.NotZero(t, m.BootstrapPort())
+	p := startSim(t, Config{Connector: ConnectorP2PNCCL, KVAddr: "127.0.0.1:" + strconv.Itoa(kv)})
+	require.Equal(t, "127.0.0.1:"+strconv.Itoa(kv), p.KVAddr())
+	require.Zero(t, p.BootstrapPort())
+
+	// Side listeners name their engine and answer in the OpenAI error shape.
+	for _, url := range []string{
+		"http://127.0.0.1:" + strconv.Itoa(boot) + "/sim/room",
+		"http://" + p.KVAddr() + "/sim/p2p/kv",
+	} {
+		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, url, nil)
+		require.NoError(t, err)
+		r := do(t, req)
+		r.errorMessage(t, http.StatusMethodNotAllowed)
+		require.NotEmpty(t, r.header.Get(HeaderEngine))
+	}
+	require.Equal(t, http.StatusOK, get(t, s, "/health").status)
+}
+
+// TestCloseEndsWaits closes engines while a decode waits for KV: the wait
+// ends at once and nothing leaks (goleak checks).
+func TestCloseEndsWaits(t *testing.T) {
+	t.Run("decode engine closes", func(t *testing.T) {
+		p := startSim(t, Config{Role: RolePrefill, Connector: ConnectorSGLang})
+		d, err := Start(t.Context(), "127.0.0.1:0", Config{Role: RoleDecode, Connector: ConnectorSGLang, KVWaitTimeout: time.Hour})
+		require.NoError(t, err)
+		dc := goPost(t, d, "/v1/chat/completions", "req-1", withRoom(chatBody("x"), p, 1))
+		waitForWaiters(t, p.proto.(*sglangProtocol).rooms)
+		require.NoError(t, d.Close())
+		r := await(t, dc)
+		require.Contains(t, r.errorMessage(t, http.StatusServiceUnavailable), "engine is shutting down")
+	})
+	t.Run("prefill engine closes", func(t *testing.T) {
+		p, err := Start(t.Context(), "127.0.0.1:0", Config{Role: RolePrefill, Connector: ConnectorSGLang})
+		require.NoError(t, err)
+		d := startSim(t, Config{Role: RoleDecode, Connector: ConnectorSGLang, KVWaitTimeout: time.Hour})
+		dc := goPost(t, d, "/v1/chat/completions", "req-1", withRoom(chatBody("x"), p, 1))
+		waitForWaiters(t, p.proto.(*sglangProtocol).rooms)
+		require.NoError(t, p.Close())
+		requireRejected(t, d, await(t, dc), http.StatusServiceUnavailable, "failed with 503: engine is shutting down")
+	})
+	t.Run("p2p decode closes", func(t *testing.T) {
+		d, err := Start(t.Context(), "127.0.0.1:0", Config{Role: RoleDecode, Connector: ConnectorP2PNCCL, KVWaitTimeout: time.Hour})
+		require.NoError(t, err)
+		dc := goPost(t, d, "/v1/chat/completions", p2pID("127.0.0.1:1", d.KVAddr()), chatBody("x"))
+		waitForWaiters(t, d.proto.(*p2pProtocol).received)
+		require.NoError(t, d.Close())
+		require.Contains(t, await(t, dc).errorMessage(t, http.StatusServiceUnavailable), "engine is shutting down")
+	})
+}
+
+// waitForWaiters waits until someone waits on h (its change channel is
+// watched by a take).
+func waitForWaiters(t *testing.T, h *handoffs) {
+	t.Helper()
+	require.Eventually(t, func() bool { return h.waiting() > 0 }, 5*time.Second, time.Millisecond)
+}
+
+func TestHandoffs(t *testing.T) {
+	now := time.Now()
+	a := kvAnswer{Fingerprint: "fp", RequestID: "r1", Source: "p"}
+	t.Run("put and take once", func(t *testing.T) {
+		h := newHandoffs("room", time.Minute)
+		require.Nil(t, h.put("1", a, now))
+		require.Equal(t, http.StatusConflict, h.put("1", a, now).status)
+		got, err := h.take(t.Context(), "1", "d1", 0)
+		require.NoError(t, err)
+		require.Equal(t, a, got)
+		_, err = h.take(t.Context(), "1", "d2", 10*time.Millisecond)
+		require.ErrorContains(t, err, `KV of room 1 was already taken by request "d1" (and no prefill registered it again)`)
+		require.Equal(t, http.StatusConflict, asAPIError(err).status)
+		_, err = h.take(t.Context(), "1", "d2", 0)
+		require.Equal(t, http.StatusConflict, asAPIError(err).status)
+
+		// Ids need only be unique among requests in flight: a taken key may be used again.
+		b := kvAnswer{Fingerprint: "fp2", RequestID: "r1", Source: "p"}
+		require.Nil(t, h.put("1", b, now))
+		got, err = h.take(t.Context(), "1", "d3", 0)
+		require.NoError(t, err)
+		require.Equal(t, b, got)
+	})
+	t.Run("a waiting take gets the key's next KV", func(t *testing.T) {
+		h := newHandoffs("room", time.Minute)
+		require.Nil(t, h.put("1", a, now))
+		_, err := h.take(t.Context(), "1", "d1", 0)
+		require.NoError(t, err)
+		done := make(chan kvAnswer, 1)
+		go func() {
+			got, _ := h.take(t.Context(), "1", "d2", time.Hour)
+			done <- got
+		}()
+		waitForWaiters(t, h)
+		b := kvAnswer{Fingerprint: "fp2", RequestID: "r2", Source: "p"}
+		require.Nil(t, h.put("1", b, time.Now()))
+		require.Equal(t, b, <-done)
+	})
+	t.Run("unknown", func(t *testing.T) {
+		h := newHandoffs("room", time.Minute)
+		_, err := h.take(t.Context(), "1", "d1", 0)
+		require.Equal(t, http.StatusNotFound, asAPIError(err).status)
+		_, err = h.take(t.Context(), "1", "d1", 10*time.Millisecond)
+		require.Equal(t, http.StatusGatewayTimeout, asAPIError(err).status)
+		require.ErrorContains(t, err, "no prefill registered KV for room 1 within 10ms")
+	})
+	t.Run("waits for a put", func(t *testing.T) {
+		h := newHandoffs("room", time.Minute)
+		done := make(chan error, 1)
+		go func() {
+			_, err := h.take(t.Context(), "1", "d1", time.Hour)
+			done <- err
+		}()
+		waitForWaiters(t, h)
+		require.Nil(t, h.put("2", a, time.Now()), "another key does not end the wait")
+		require.Nil(t, h.put("1", a, time.Now()))
+		require.NoError(t, <-done)
+	})
+	t.Run("context ends the wait", func(t *testing.T) {
+		h := newHandoffs("room", time.Minute)
+		ctx, cancel := context.WithCancel(t.Context())
+		cancel()
+		_, err := h.take(ctx, "1", "d1", time.Hour)
+		require.ErrorIs(t, err, context.Canceled)
+	})
+	t.Run("expiry", func(t *testing.T) {
+		h := newHandoffs("room", time.Millisecond)
+		require.Nil(t, h.put("1", a, now.Add(-time.Second)))
+		_, err := h.take(t.Context(), "1", "d1", 0)
+		require.Equal(t, http.StatusNotFound, asAPIError(err).status)
+		require.Nil(t, h.put("1", a, now.Add(-time.Second)), "an expired key is free again")
+		require.Nil(t, h.put("2", a, now))
+		require.NotContains(t, h.entries, "1", "put sweeps expired entries")
+	})
+}
+
+func TestPrefillEditProblems(t *testing.T) {
+	tests := []struct {
+		name       string
+		body       body
+		bothLimits bool
+		want       []string
+	}{
+		{"good", chatBody("x").prefillEdits(), false, nil},
+		{"both limits 1, allowed", chatBody("x").with("max_tokens", 1, "max_completion_tokens", 1), true, nil},
+		{"both limits, one not 1", chatBody("x").with("max_tokens", 1, "max_completion_tokens", 2), true,
+			[]string{"max_completion_tokens must be 1 on a prefill request, got 2"}},
+		{"both limits, not allowed", chatBody("x").with("max_tokens", 1, "max_completion_tokens", 1), false,
+			[]string{"both max_completion_tokens and max_tokens are set; exactly one must be 1 on a prefill request"}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			req, err := parseRequest(apiChat, marshal(t, tt.body))
+			require.NoError(t, err)
+			require.Equal(t, tt.want, prefillEditProblems(req, tt.bothLimits))
+		})
+	}
+}

@@ -1,0 +1,144 @@
+package processor
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+// concurrentConnector plays SGLang: the decode body comes back at once and
+// the prefill's outcome arrives later, from the test.
+type concurrentConnector struct {
+	outcome chan error
+	ended   chan error // the prefill context's end, when it ends first
+}
+
+func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Engine, _ *connectors.Request) (connectors.Decode, error) {
+	done := make(chan error, 1)
+	go func() {
+		select {
+		case err := <-c.outcome:
+			done <- err
+		case <-ctx.Done():
+			c.ended <- context.Cause(ctx)
+			done <- &connectors.EngineError{Err: ctx.Err()}
+		}
+	}()
+	return connectors.Decode{Body: []byte(`{"model":"m","bootstrap_room":7}`), Prefill: done}, nil
+}
+
+func (concurrentConnector) Concurrent() bool { return true }
+
+// concurrentStream starts Process on a stream for a concurrent connector and
+// sends the request phase.
+func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurrentConnector, context.CancelFunc, chan error) {
+	t.Helper()
+	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
+	eps := []connectors.Endpoint{{Address: "127.0.0.1:8100"}}
+	table := routing.Fixed(&routing.Pool{
+		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: timeout,
+		Prefill: picker.NewRoundRobin(eps), Decode: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}),
+	})
+	ctx, cancel := context.WithCancel(t.Context())
+	stream := newFakeStream(ctx)
+	done := make(chan error, 1)
+	go func() { done <- New(table, &fakeEngine{}, slog.New(slog.DiscardHandler)).Process(stream) }()
+	t.Cleanup(func() {
+		cancel()
+		require.NoError(t, <-done)
+	})
+
+	stream.in <- headers("POST", "/v1/chat/completions", false)
+	hr := next(t, stream)
+	require.Equal(t, holdResponseMode, hr.GetModeOverride(), "response headers are asked for")
+	stream.in <- body(`{"model":"m"}`, true)
+	br := next(t, stream)
+	require.Equal(t, "127.0.0.1:8200", setHeaders(br.GetRequestBody().GetResponse().GetHeaderMutation())[DestinationHeader])
+	return stream, conn, cancel, done
+}
+
+func next(t *testing.T, s *fakeStream) *extprocv3.ProcessingResponse {
+	t.Helper()
+	select {
+	case r := <-s.out:
+		return r
+	case <-time.After(10 * time.Second):
+		t.Fatal("no answer from Process")
+		return nil
+	}
+}
+
+func requireNoAnswer(t *testing.T, s *fakeStream) {
+	t.Helper()
+	select {
+	case r := <-s.out:
+		t.Fatalf("unexpected answer %v", r)
+	case <-time.After(50 * time.Millisecond):
+	}
+}
+
+func TestConcurrentPrefill(t *testing.T) {
+	t.Run("response headers wait for the prefill", func(t *testing.T) {
+		stream, conn, _, _ := concurrentStream(t, time.Minute)
+		stream.in <- responseHeaders
+		requireNoAnswer(t, stream)
+		conn.outcome <- nil
+		require.NotNil(t, next(t, stream).GetResponseHeaders(), "headers released once the prefill succeeded")
+	})
+
+	t.Run("prefill done before the response headers", func(t *testing.T) {
+		stream, conn, _, _ := concurrentStream(t, time.Minute)
+		conn.outcome <- nil
+		requireNoAnswer(t, stream)
+		stream.in <- responseHeaders
+		require.NotNil(t, next(t, stream).GetResponseHeaders())
+	})
+
+	t.Run("prefill fails while the decode runs", func(t *testing.T) {
+		stream, conn, _, _ := concurrentStream(t, time.Minute)
+		conn.outcome <- &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}
+		status, b := immediate(t, next(t, stream))
+		require.Equal(t, 502, status)
+		require.Equal(t, "prefill_failed", b.Error.Code)
+		require.Contains(t, b.Error.Message, "pool p, prefill on 127.0.0.1:8100: prefill engine 127.0.0.1:8100 answered 500: boom")
+		stream.in <- responseHeaders
+		requireNoAnswer(t, stream)
+	})
+
+	t.Run("prefill fails while the response headers wait", func(t *testing.T) {
+		stream, conn, _, _ := concurrentStream(t, time.Minute)
+		stream.in <- responseHeaders
+		requireNoAnswer(t, stream)
+		conn.outcome <- &connectors.EngineError{Err: errors.New("connection refused")}
+		status, b := immediate(t, next(t, stream))
+		require.Equal(t, 503, status)
+		require.Equal(t, "prefill_unavailable", b.Error.Code)
+	})
+
+	t.Run("prefill timeout", func(t *testing.T) {
+		stream, conn, _, _ := concurrentStream(t, 50*time.Millisecond)
+		stream.in <- responseHeaders
+		status, b := immediate(t, next(t, stream))
+		require.Equal(t, 504, status)
+		require.Equal(t, "prefill_timeout", b.Error.Code)
+		require.Contains(t, b.Error.Message, "prefill timed out after 50ms")
+		require.ErrorIs(t, <-conn.ended, errPrefillTimeout)
+	})
+
+	t.Run("client gone: the prefill is cancelled and Process ends", func(t *testing.T) {
+		_, conn, cancel, done := concurrentStream(t, time.Minute)
+		cancel()
+		require.ErrorIs(t, <-conn.ended, context.Canceled)
+		require.NoError(t, <-done)
+		done <- nil // for the cleanup
+	})
+}
