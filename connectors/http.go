@@ -25,3 +25,7 @@ func (HTTP) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, e
 func httpPrefillBody(client jsonedit.Object) []byte {
 	return engineBody(client, prefillOnlyEdits(client)...)
 }
+
+// MultipleChoices reports that n > 1 works: the decode engine finds the
+// prompt's KV in the store and samples as many sequences as asked.
+func (HTTP) MultipleChoices() bool { return true }

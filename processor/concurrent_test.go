@@ -45,8 +45,8 @@ func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurr
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
 	eps := []connectors.Endpoint{{Address: "127.0.0.1:8100"}}
 	table := routing.Fixed(&routing.Pool{
-		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: timeout,
-		Prefill: picker.NewRoundRobin(eps), Decode: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}),
+		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
+		Prefill: picker.NewRoundRobin(eps, picker.Options{}), Decode: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
 	})
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)
@@ -60,7 +60,7 @@ func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurr
 	stream.in <- headers("POST", "/v1/chat/completions", false)
 	hr := next(t, stream)
 	require.Equal(t, holdResponseMode, hr.GetModeOverride(), "response headers are asked for")
-	stream.in <- body(`{"model":"m"}`, true)
+	stream.in <- body(chatBody, true)
 	br := next(t, stream)
 	require.Equal(t, "127.0.0.1:8200", setHeaders(br.GetRequestBody().GetResponse().GetHeaderMutation())[DestinationHeader])
 	return stream, conn, cancel, done
@@ -109,7 +109,7 @@ func TestConcurrentPrefill(t *testing.T) {
 		status, b := immediate(t, next(t, stream))
 		require.Equal(t, 502, status)
 		require.Equal(t, "prefill_failed", b.Error.Code)
-		require.Contains(t, b.Error.Message, "pool p, prefill on 127.0.0.1:8100: prefill engine 127.0.0.1:8100 answered 500: boom")
+		require.Contains(t, b.Error.Message, "pool p: prefill engine 127.0.0.1:8100 answered 500: boom")
 		stream.in <- responseHeaders
 		requireNoAnswer(t, stream)
 	})

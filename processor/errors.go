@@ -25,6 +25,7 @@ var (
 	errPrefillTimeout = errors.New("prefill timed out")
 	errConfig         = errors.New("pdx is misconfigured")
 	errProtocol       = errors.New("unexpected ext_proc message")
+	errNoEndpoint     = errors.New("no endpoint available")
 )
 
 // apiError is an error with the HTTP answer the client gets for it.
@@ -33,6 +34,7 @@ type apiError struct {
 	typ    string
 	code   string
 	msg    string
+	allow  string // the Allow header of a 405
 }
 
 func (e *apiError) Error() string { return e.msg }
@@ -68,6 +70,10 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, context.Canceled):
 		// The client is gone; Envoy drops this answer, but say what happened.
 		return &apiError{status: 503, typ: typeServer, code: "cancelled", msg: "request cancelled: " + msg}
+	case errors.Is(err, errNoEndpoint):
+		return &apiError{status: 503, typ: typeServer, code: "no_endpoint", msg: msg}
+	case errors.Is(err, errAttemptTimeout):
+		return &apiError{status: 504, typ: typeServer, code: "prefill_timeout", msg: msg}
 	case errors.Is(err, errProtocol), errors.Is(err, errConfig):
 		return &apiError{status: 500, typ: typeServer, code: "internal_error", msg: msg}
 	}
@@ -102,12 +108,14 @@ func (e *apiError) immediateResponse() *extprocv3.ProcessingResponse {
 		"type":    e.typ,
 		"code":    e.code,
 	}})
+	headers := []*corev3.HeaderValueOption{setHeader("content-type", "application/json")}
+	if e.allow != "" {
+		headers = append(headers, setHeader("allow", e.allow))
+	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{
-			Status: &typev3.HttpStatus{Code: typev3.StatusCode(e.status)},
-			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-				setHeader("content-type", "application/json"),
-			}},
+			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(e.status)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: headers},
 			Body:    body,
 			Details: "pdx_" + e.code,
 		},

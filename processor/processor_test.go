@@ -172,7 +172,7 @@ func setHeaders(m *extprocv3.HeaderMutation) map[string]string {
 }
 
 func TestRoutesInferenceRequest(t *testing.T) {
-	const client = `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":9}`
+	const client = `{"model":"m","messages":[{"role":"user","content":"hi"}],"prompt":"hi","stream":true,"max_tokens":9}`
 	tests := []struct {
 		name      string
 		path      string
@@ -203,12 +203,12 @@ func TestRoutesInferenceRequest(t *testing.T) {
 			calls := eng.Calls()
 			require.Len(t, calls, 1)
 			require.Equal(t, "127.0.0.1:8100", calls[0].endpoint)
-			require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_tokens":1,
+			require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"prompt":"hi","stream":false,"max_tokens":1,
 				"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`, calls[0].body)
 
 			br := out[1].GetRequestBody().GetResponse()
 			decodeBody := br.GetBodyMutation().GetBody()
-			require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":9,
+			require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"prompt":"hi","stream":true,"max_tokens":9,
 				"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]],"remote_request_id":"r","remote_host":"127.0.0.1","remote_port":8100}}`, string(decodeBody))
 			hs := setHeaders(br.GetHeaderMutation())
 			require.Equal(t, "127.0.0.1:8200", hs[DestinationHeader])
@@ -235,7 +235,6 @@ func TestPassThrough(t *testing.T) {
 		msgs []*extprocv3.ProcessingRequest
 	}{
 		{name: "GET models", msgs: []*extprocv3.ProcessingRequest{headers("GET", "/v1/models", true)}},
-		{name: "GET on an inference path", msgs: []*extprocv3.ProcessingRequest{headers("GET", "/v1/chat/completions", true)}},
 		{name: "POST elsewhere with body", msgs: []*extprocv3.ProcessingRequest{headers("POST", "/v1/embeddings", false), body(`not json`, true), responseHeaders}},
 		{name: "prefix is not the path", msgs: []*extprocv3.ProcessingRequest{headers("POST", "/v1/completions/x", false), body(`{}`, true), requestTrailers}},
 	}
@@ -277,6 +276,9 @@ func immediate(t *testing.T, r *extprocv3.ProcessingResponse) (int, apiErrorBody
 	return int(ir.GetStatus().GetCode()), b
 }
 
+// chatBody is a valid chat request for model "m".
+const chatBody = `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
+
 func TestErrors(t *testing.T) {
 	post := headers("POST", "/v1/chat/completions", false)
 	tests := []struct {
@@ -298,6 +300,17 @@ func TestErrors(t *testing.T) {
 		{name: "stream not a bool", msgs: msgs(post, body(`{"model":"m","stream":"yes"}`, true)), wantStatus: 400, wantCode: "invalid_type"},
 		{name: "duplicate key", msgs: msgs(post, body(`{"model":"m","model":"other"}`, true)), wantStatus: 400, wantCode: "duplicate_key"},
 		{name: "unknown model without default pool", noDefault: true, msgs: msgs(post, body(`{"model":"gpt-9"}`, true)), wantStatus: 404, wantCode: "model_not_found", wantMsg: `"gpt-9"`},
+		{name: "GET on an inference path", msgs: msgs(headers("GET", "/v1/chat/completions", true)), wantStatus: 405, wantCode: "method_not_allowed", wantMsg: "use POST"},
+		{name: "max_tokens not an integer", msgs: msgs(post, body(`{"model":"m","messages":[{}],"max_tokens":"9"}`, true)), wantStatus: 400, wantCode: "invalid_type", wantMsg: `"max_tokens" must be an integer`},
+		{name: "max_tokens fractional", msgs: msgs(post, body(`{"model":"m","messages":[{}],"max_tokens":1.5}`, true)), wantStatus: 400, wantCode: "invalid_type"},
+		{name: "max_completion_tokens zero", msgs: msgs(post, body(`{"model":"m","messages":[{}],"max_completion_tokens":0}`, true)), wantStatus: 400, wantCode: "invalid_value", wantMsg: "at least 1"},
+		{name: "messages missing", msgs: msgs(post, body(`{"model":"m"}`, true)), wantStatus: 400, wantCode: "missing_messages"},
+		{name: "messages not an array", msgs: msgs(post, body(`{"model":"m","messages":"hi"}`, true)), wantStatus: 400, wantCode: "invalid_type", wantMsg: `"messages" must be an array`},
+		{name: "messages empty", msgs: msgs(post, body(`{"model":"m","messages":[ ]}`, true)), wantStatus: 400, wantCode: "empty_messages"},
+		{name: "prompt missing", msgs: msgs(headers("POST", "/v1/completions", false), body(`{"model":"m"}`, true)), wantStatus: 400, wantCode: "missing_prompt"},
+		{name: "prompt a number", msgs: msgs(headers("POST", "/v1/completions", false), body(`{"model":"m","prompt":5}`, true)), wantStatus: 400, wantCode: "invalid_type"},
+		{name: "n above 1 with a KV hand-off of one sequence", msgs: msgs(post, body(`{"model":"m","messages":[{}],"n":2}`, true)), wantStatus: 400, wantCode: "unsupported_value", wantMsg: `connector "nixl"`},
+		{name: "n not an integer", msgs: msgs(post, body(`{"model":"m","messages":[{}],"n":"2"}`, true)), wantStatus: 400, wantCode: "invalid_type"},
 		{name: "compressed body", msgs: msgs(headers("POST", "/v1/completions", false, "content-encoding", "gzip")), wantStatus: 415, wantCode: "unsupported_content_encoding"},
 		{name: "no body", msgs: msgs(headers("POST", "/v1/completions", true)), wantStatus: 400, wantCode: "missing_body"},
 		{name: "streamed body chunk", msgs: msgs(post, body(`{"model":`, false)), wantStatus: 500, wantCode: "internal_error", wantMsg: "BUFFERED"},
@@ -305,26 +318,26 @@ func TestErrors(t *testing.T) {
 		{name: "headers twice", msgs: msgs(post, post), wantStatus: 500, wantCode: "internal_error"},
 		{name: "response headers before body", msgs: msgs(post, responseHeaders), wantStatus: 500, wantCode: "internal_error"},
 		{
-			name: "prefill 500", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			name: "prefill 500", msgs: msgs(post, body(chatBody, true)),
 			engine:     &fakeEngine{err: &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}},
 			wantStatus: 502, wantCode: "prefill_failed", wantMsg: "127.0.0.1:8100 answered 500: boom", wantCalls: 1,
 		},
 		{
-			name: "prefill refuses the request", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			name: "prefill refuses the request", msgs: msgs(post, body(chatBody, true)),
 			engine:     &fakeEngine{err: &connectors.EngineError{Status: 400, Message: "prompt too long"}},
 			wantStatus: 400, wantCode: "prefill_rejected", wantMsg: "prompt too long", wantCalls: 1,
 		},
 		{
-			name: "prefill unreachable", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			name: "prefill unreachable", msgs: msgs(post, body(chatBody, true)),
 			engine:     &fakeEngine{err: &connectors.EngineError{Err: errors.New("connection refused")}},
 			wantStatus: 503, wantCode: "prefill_unavailable", wantCalls: 1,
 		},
 		{
-			name: "prefill answer not JSON", msgs: msgs(post, body(`{"model":"m"}`, true)),
+			name: "prefill answer not JSON", msgs: msgs(post, body(chatBody, true)),
 			engine: &fakeEngine{answer: `<html>`}, wantStatus: 502, wantCode: "prefill_failed", wantMsg: "invalid prefill answer", wantCalls: 1,
 		},
 		{
-			name: "prefill timeout", msgs: msgs(post, body(`{"model":"m"}`, true)), timeout: 50 * time.Millisecond,
+			name: "prefill timeout", msgs: msgs(post, body(chatBody, true)), timeout: 50 * time.Millisecond,
 			engine: &fakeEngine{block: true}, wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill on 127.0.0.1:8100: prefill timed out after 50ms", wantCalls: 1,
 		},
 	}

@@ -61,13 +61,14 @@ type request struct {
 	path  string // without the query string
 	start time.Time
 
+	// The context of the request's prefill attempts, and what it runs on.
+	prefillCtx    context.Context
+	cancelPrefill context.CancelFunc
+	prefillPool   *routing.Pool
+	prefillOn     connectors.Endpoint
 	// A concurrent connector's prefill, still running while Envoy sends the
 	// decode; nil once its outcome is in (or for sequential connectors).
-	prefill        <-chan error
-	prefillCtx     context.Context
-	cancelPrefill  context.CancelFunc
-	prefillAbout   string // "pool X, prefill on ip:port", for errors
-	prefillTimeout time.Duration
+	prefill <-chan error
 	// heldHeaders is set while pdx withholds its answer to the decode's
 	// response headers until the prefill has succeeded.
 	heldHeaders bool
@@ -100,11 +101,14 @@ func (r *request) pendingPrefill() <-chan error { return r.prefill }
 // gets pdx's error instead of the decode's answer: Envoy is still waiting for
 // the decode's response headers, either with pdx holding its answer to them
 // or before they arrived, and an ImmediateResponse then resets the decode.
+// Neither a retry nor the fallback is possible any more: the decode is on
+// its way, waiting for this prefill's KV.
 func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.ProcessingResponse {
 	r.prefill = nil
 	r.cancelPrefill()
+	r.report(ctx, r.prefillPool, r.prefillOn, err)
 	if err != nil {
-		return r.handleErr(ctx, r.prefillErr(err))
+		return r.handleErr(ctx, r.prefillErr(r.prefillPool, r.prefillOn, err))
 	}
 	r.log.LogAttrs(ctx, slog.LevelDebug, "prefill done", slog.Duration("elapsed", time.Since(r.start)))
 	if r.heldHeaders {
@@ -112,15 +116,6 @@ func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.Process
 		return continueResponseHeaders()
 	}
 	return nil
-}
-
-// prefillErr says which prefill failed, and names a timeout as such rather
-// than as the context error it surfaces as.
-func (r *request) prefillErr(err error) error {
-	if context.Cause(r.prefillCtx) == errPrefillTimeout {
-		err = fmt.Errorf("%w after %s", errPrefillTimeout, r.prefillTimeout)
-	}
-	return fmt.Errorf("%s: %w", r.prefillAbout, err)
 }
 
 func (r *request) handleErr(ctx context.Context, err error) *extprocv3.ProcessingResponse {
@@ -195,9 +190,13 @@ func (r *request) requestHeaders(h *extprocv3.HttpHeaders) (*extprocv3.Processin
 	r.id = requestID(header(h, "x-request-id"))
 	r.log = r.log.With(slog.String("request_id", r.id), slog.String("path", path))
 
-	if !inferencePaths[path] || header(h, ":method") != "POST" {
+	if !inferencePaths[path] {
 		r.state = statePassThrough
 		return passThroughHeaders(), nil
+	}
+	if method := header(h, ":method"); method != "POST" {
+		return nil, &apiError{status: 405, typ: typeInvalidRequest, code: "method_not_allowed",
+			msg: fmt.Sprintf("%s %s is not supported; use POST", method, path), allow: "POST"}
 	}
 	if enc := header(h, "content-encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
 		return nil, &apiError{status: 415, typ: typeInvalidRequest, code: "unsupported_content_encoding",
@@ -218,6 +217,10 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 		// Only a buffered body can be rewritten together with the headers.
 		return nil, fmt.Errorf("%w: got a partial request body; configure request_body_mode BUFFERED", errConfig)
 	}
+	if n, max := len(b.GetBody()), r.table.MaxBodyBytes(); max > 0 && n > max {
+		return nil, &apiError{status: 413, typ: typeInvalidRequest, code: "body_too_large",
+			msg: fmt.Sprintf("the request body is %d bytes, over the limit of %d", n, max)}
+	}
 	body, err := jsonedit.Parse(b.GetBody())
 	if err != nil {
 		return nil, bodyError(err)
@@ -226,32 +229,26 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 	if err != nil {
 		return nil, err
 	}
-	if raw, ok := body.Raw("stream"); ok && string(raw) != "true" && string(raw) != "false" {
-		return nil, badRequest("invalid_type", fmt.Sprintf(`"stream" must be a boolean, got %.40s`, raw))
-	}
 	pool, ok := r.table.Lookup(model)
 	if !ok {
 		return nil, &apiError{status: 404, typ: typeInvalidRequest, code: "model_not_found",
 			msg: fmt.Sprintf("the model %q does not exist", model)}
 	}
-	creq := &connectors.Request{
-		ID:      r.id,
-		Path:    r.path,
-		Body:    body,
-		Prefill: pool.Prefill.Pick(),
-		Decode:  pool.Decode.Pick(),
+	if err := validate(body, r.path, pool); err != nil {
+		return nil, err
 	}
-	// A concurrent prefill outlives this call, so its context is the
-	// request's to cancel (close); a sequential one ends here.
-	r.prefillCtx, r.cancelPrefill = context.WithTimeoutCause(ctx, pool.PrefillTimeout, errPrefillTimeout)
-	r.prefillAbout = fmt.Sprintf("pool %s, prefill on %s", pool.Name, creq.Prefill.Address)
-	r.prefillTimeout = pool.PrefillTimeout
-	decode, err := pool.Connector.Prepare(r.prefillCtx, r.engine, creq)
-	if decode.Prefill == nil {
-		r.cancelPrefill()
-	}
-	if err != nil {
-		return nil, r.prefillErr(err)
+	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body}
+	creq.Decode, _ = pool.Decode.Pick() // a pool has decode endpoints; picking skips only ejected ones
+	decode, err := r.prefillWithRetries(ctx, pool, creq)
+	switch {
+	case err != nil && pool.Fallback && fallbackable(ctx, err):
+		// The decode engine can compute the prompt itself: slower, but the
+		// client gets an answer.
+		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
+			slog.String("pool", pool.Name), slog.String("error", err.Error()))
+		decode = connectors.Decode{Body: connectors.Plain(body)}
+	case err != nil:
+		return nil, err
 	}
 	r.prefill = decode.Prefill
 	if decode.RequestID != "" {

@@ -31,6 +31,15 @@ const (
 	DefaultPrefillTimeout = 30 * time.Second
 )
 
+// Defaults of a pool's failure handling.
+const (
+	DefaultPrefillAttempts    = 3
+	MaxPrefillAttempts        = 10
+	DefaultEjectAfterFailures = 3
+	DefaultEjectDuration      = 10 * time.Second
+	MaxEjectDuration          = time.Hour
+)
+
 // MaxPrefillTimeout is the largest prefill_timeout accepted.
 const MaxPrefillTimeout = 10 * time.Minute
 
@@ -82,6 +91,21 @@ func applyDefaults(cfg *configv1.Config) {
 		}
 		if p.Connector == "mooncake" && p.MooncakeProtocol == "" {
 			p.MooncakeProtocol = "nixl"
+		}
+		if p.PrefillAttempts == 0 {
+			p.PrefillAttempts = DefaultPrefillAttempts
+		}
+		if p.PrefillAttemptTimeout == nil {
+			p.PrefillAttemptTimeout = durationpb.New(p.PrefillTimeout.AsDuration())
+		}
+		if p.OnPrefillFailure == "" {
+			p.OnPrefillFailure = "fail"
+		}
+		if p.EjectAfterFailures == 0 {
+			p.EjectAfterFailures = DefaultEjectAfterFailures
+		}
+		if p.EjectDuration == nil {
+			p.EjectDuration = durationpb.New(DefaultEjectDuration)
 		}
 	}
 }

@@ -64,6 +64,12 @@ func TestParseAppliesDefaults(t *testing.T) {
 			Prefill:        []*configv1.Endpoint{{Address: "10.0.0.1:8000"}},
 			Decode:         []*configv1.Endpoint{{Address: "10.0.0.2:8000"}},
 			PrefillTimeout: durationpb.New(30 * time.Second),
+
+			PrefillAttempts:       3,
+			PrefillAttemptTimeout: durationpb.New(30 * time.Second),
+			OnPrefillFailure:      "fail",
+			EjectAfterFailures:    3,
+			EjectDuration:         durationpb.New(10 * time.Second),
 		}},
 	}, cfg)
 }
@@ -76,7 +82,9 @@ func TestParseAllFields(t *testing.T) {
 			{"name": "a-1", "models": ["x", "y"], "connector": "nixl", "prefill_timeout": "1m30s",
 			 "prefill": [{"address": "[::1]:1"}], "decode": [{"address": "192.168.0.1:65535"}]},
 			{"name": "b", "default": true, "connector": "nixl", "prefill_timeout": "250ms",
-			 "prefill": [{"address": "10.0.0.1:1"}], "decode": [{"address": "10.0.0.1:2"}]}
+			 "prefill": [{"address": "10.0.0.1:1"}], "decode": [{"address": "10.0.0.1:2"}],
+			 "prefill_attempts": 2, "prefill_attempt_timeout": "100ms", "on_prefill_failure": "fallback",
+			 "eject_after_failures": 5, "eject_duration": "1m"}
 		]}`))
 	require.NoError(t, err)
 	requireProtoEqual(t, &configv1.Config{
@@ -90,6 +98,12 @@ func TestParseAllFields(t *testing.T) {
 			Prefill:        []*configv1.Endpoint{{Address: "[::1]:1"}},
 			Decode:         []*configv1.Endpoint{{Address: "192.168.0.1:65535"}},
 			PrefillTimeout: durationpb.New(90 * time.Second),
+
+			PrefillAttempts:       3,
+			PrefillAttemptTimeout: durationpb.New(90 * time.Second),
+			OnPrefillFailure:      "fail",
+			EjectAfterFailures:    3,
+			EjectDuration:         durationpb.New(10 * time.Second),
 		}, {
 			Name:           "b",
 			Default:        true,
@@ -97,6 +111,12 @@ func TestParseAllFields(t *testing.T) {
 			Prefill:        []*configv1.Endpoint{{Address: "10.0.0.1:1"}},
 			Decode:         []*configv1.Endpoint{{Address: "10.0.0.1:2"}},
 			PrefillTimeout: durationpb.New(250 * time.Millisecond),
+
+			PrefillAttempts:       2,
+			PrefillAttemptTimeout: durationpb.New(100 * time.Millisecond),
+			OnPrefillFailure:      "fallback",
+			EjectAfterFailures:    5,
+			EjectDuration:         durationpb.New(time.Minute),
 		}},
 	}, cfg)
 }
@@ -111,7 +131,7 @@ func TestParseErrors(t *testing.T) {
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
 			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
 			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
@@ -301,6 +321,36 @@ pools:
 			}
 			require.NoError(t, err)
 			tc.check(t, cfg.GetPools()[0])
+		})
+	}
+}
+
+func TestFailureHandling(t *testing.T) {
+	const base = `
+pools:
+- name: p
+  default: true
+  connector: nixl
+  prefill_timeout: 10s
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:2}]
+`
+	tests := []struct{ name, extra, wantErr string }{
+		{name: "attempts too many", extra: "  prefill_attempts: 11\n", wantErr: "pools[0].prefill_attempts: 11 exceeds the maximum of 10"},
+		{name: "attempt timeout above the budget", extra: "  prefill_attempt_timeout: 11s\n", wantErr: "pools[0].prefill_attempt_timeout: 11s exceeds prefill_timeout (10s)"},
+		{name: "attempt timeout zero", extra: "  prefill_attempt_timeout: 0s\n", wantErr: "pools[0].prefill_attempt_timeout: 0s must be greater than 0"},
+		{name: "unknown policy", extra: "  on_prefill_failure: retry\n", wantErr: `pools[0].on_prefill_failure: "retry" is not "fail" or "fallback"`},
+		{name: "eject duration too long", extra: "  eject_duration: 2h\n", wantErr: "pools[0].eject_duration: 2h0m0s exceeds the maximum of 1h0m0s"},
+		{name: "all fine", extra: "  prefill_attempts: 10\n  prefill_attempt_timeout: 10s\n  on_prefill_failure: fallback\n"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := Parse([]byte(base + tc.extra))
+			if tc.wantErr == "" {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorContains(t, err, tc.wantErr)
 		})
 	}
 }

@@ -70,6 +70,7 @@ func validate(cfg *configv1.Config) []error {
 		v.endpoints(path+".prefill", p.GetPrefill())
 		v.endpoints(path+".decode", p.GetDecode())
 		v.connectorOptions(path, p)
+		v.failureHandling(path, p)
 
 		switch d := p.GetPrefillTimeout().AsDuration(); {
 		case d <= 0:
@@ -100,6 +101,28 @@ func ValidateConnectors(cfg *configv1.Config, known []string) error {
 		return nil
 	}
 	return joinErrors("config", v.errs)
+}
+
+// failureHandling checks retries, the failure policy and passive health.
+func (v *validator) failureHandling(path string, p *configv1.Pool) {
+	if n := p.GetPrefillAttempts(); n > MaxPrefillAttempts {
+		v.fail(path+".prefill_attempts", "%d exceeds the maximum of %d", n, MaxPrefillAttempts)
+	}
+	switch d, total := p.GetPrefillAttemptTimeout().AsDuration(), p.GetPrefillTimeout().AsDuration(); {
+	case d <= 0:
+		v.fail(path+".prefill_attempt_timeout", "%v must be greater than 0", d)
+	case d > total:
+		v.fail(path+".prefill_attempt_timeout", "%v exceeds prefill_timeout (%v), the budget of all attempts", d, total)
+	}
+	if f := p.GetOnPrefillFailure(); f != "fail" && f != "fallback" {
+		v.fail(path+".on_prefill_failure", "%q is not \"fail\" or \"fallback\"", f)
+	}
+	switch d := p.GetEjectDuration().AsDuration(); {
+	case d <= 0:
+		v.fail(path+".eject_duration", "%v must be greater than 0", d)
+	case d > MaxEjectDuration:
+		v.fail(path+".eject_duration", "%v exceeds the maximum of %v", d, MaxEjectDuration)
+	}
 }
 
 // connectorOptions checks the fields that only some connectors use.

@@ -31,9 +31,10 @@ func testClient(t *testing.T) *http.Client {
 }
 
 type reply struct {
-	status int
-	header http.Header
-	body   []byte
+	status  int
+	header  http.Header
+	trailer http.Header // read after the body
+	body    []byte
 }
 
 // post sends body (marshaled unless already []byte) with an X-Request-Id
@@ -69,7 +70,7 @@ func do(t *testing.T, req *http.Request) reply {
 	defer resp.Body.Close()
 	body, err := io.ReadAll(resp.Body)
 	require.NoError(t, err)
-	return reply{status: resp.StatusCode, header: resp.Header, body: body}
+	return reply{status: resp.StatusCode, header: resp.Header, trailer: resp.Trailer, body: body}
 }
 
 // body is a request body under construction.

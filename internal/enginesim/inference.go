@@ -18,6 +18,9 @@ type exchange struct {
 	w   http.ResponseWriter
 	r   *http.Request
 	leg any // what the protocol's classify parsed for its serve method
+	// headersSent is set once the 200 headers of an SSE answer are out
+	// (see openStream): from then on a refusal is an SSE error event.
+	headersSent bool
 }
 
 func (s *Server) handleInference(a api) http.HandlerFunc {
@@ -40,6 +43,10 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 			return
 		}
 		x.rec.Fingerprint = Fingerprint(x.req.prompt)
+		if s.cfg.FailStatus != 0 {
+			s.reject(x, &apiError{status: s.cfg.FailStatus, msg: fmt.Sprintf("simulated engine failure (FailStatus %d)", s.cfg.FailStatus)})
+			return
+		}
 		m, err := s.proto.classify(x)
 		if err != nil {
 			s.reject(x, err)
@@ -56,11 +63,17 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 	}
 }
 
-// reject records and answers a refused request.
+// reject records and answers a refused request: with an error status, or,
+// once an SSE answer's headers are out, with an SSE error event (the record
+// keeps the status the refusal would have had).
 func (s *Server) reject(x *exchange, err error) {
 	ae := asAPIError(err)
 	x.rec.Kind, x.rec.Status, x.rec.Error = KindRejected, ae.status, ae.msg
 	s.commit(x.seq, x.rec)
+	if x.headersSent {
+		streamError(x.w, ae)
+		return
+	}
 	writeError(x.w, ae)
 }
 
@@ -223,10 +236,9 @@ func (s *Server) answerPrefill(x *exchange, finish string) {
 // inter-token latency; the last chunk has finish as its finish reason.
 func (s *Server) stream(x *exchange, toks []string, delay func(int) time.Duration, finish string) {
 	ctx := x.r.Context()
-	h := x.w.Header()
-	h.Set("Content-Type", "text/event-stream")
-	h.Set("Cache-Control", "no-cache")
-	x.w.WriteHeader(http.StatusOK)
+	if !x.headersSent {
+		x.writeStreamHeader()
+	}
 	rc := http.NewResponseController(x.w)
 	send := func(v any) error {
 		if _, err := fmt.Fprintf(x.w, "data: %s\n\n", mustJSON(v)); err != nil {
@@ -274,6 +286,51 @@ func (s *Server) stream(x *exchange, toks []string, delay func(int) time.Duratio
 	if _, err := fmt.Fprint(x.w, "data: [DONE]\n\n"); err == nil {
 		_ = rc.Flush()
 	}
+}
+
+// writeStreamHeader writes the 200 headers of an SSE answer, declaring
+// trailers: the headers among them that are set afterwards are sent after
+// the body.
+func (x *exchange) writeStreamHeader(trailers ...string) {
+	h := x.w.Header()
+	h.Set("Content-Type", "text/event-stream")
+	h.Set("Cache-Control", "no-cache")
+	if len(trailers) > 0 {
+		h.Set("Trailer", strings.Join(trailers, ", "))
+	}
+	x.w.WriteHeader(http.StatusOK)
+	x.headersSent = true
+}
+
+// openStream sends the 200 headers of an SSE answer at once, before its
+// content is known, as a server that answers with a stream right away does
+// (SGLang's). The error is the client's, gone already.
+func (x *exchange) openStream(trailers ...string) error {
+	x.writeStreamHeader(trailers...)
+	return http.NewResponseController(x.w).Flush()
+}
+
+// streamError ends an SSE answer with an error event and the terminator,
+// the way SGLang's OpenAI server reports an error mid-stream.
+func streamError(w http.ResponseWriter, e *apiError) {
+	ev := streamErrorBody{Error: streamErrorDetail{Object: "error", Message: e.msg, Type: errorType(e.status), Code: e.status}}
+	if _, err := fmt.Fprintf(w, "data: %s\n\ndata: [DONE]\n\n", mustJSON(ev)); err == nil {
+		_ = http.NewResponseController(w).Flush()
+	}
+}
+
+// streamErrorBody is SGLang's SSE error event: its ErrorResponse under
+// "error".
+type streamErrorBody struct {
+	Error streamErrorDetail `json:"error"`
+}
+
+type streamErrorDetail struct {
+	Object  string  `json:"object"`
+	Message string  `json:"message"`
+	Type    string  `json:"type"`
+	Param   *string `json:"param"`
+	Code    int     `json:"code"`
 }
 
 // completionResponse is both a response and a stream chunk of either endpoint;

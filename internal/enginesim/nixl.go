@@ -284,14 +284,17 @@ func (k *kvStore) take(pr pullRequest, now time.Time) (kvEntry, *apiError) {
 // addresses: remote_host comes from the request, and a test fixture must not
 // be talked into sending traffic anywhere else.
 func newPullClient() *http.Client {
-	dialer := &net.Dialer{Timeout: 2 * time.Second, KeepAlive: 30 * time.Second, Control: loopbackOnly}
+	// Under a thousand concurrent hand-offs a loaded machine drops SYNs, and
+	// the kernel's retry comes after a second or three: the dial timeout
+	// leaves room for it, as an engine's own retries would.
+	dialer := &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second, Control: loopbackOnly}
 	return &http.Client{
 		Timeout: 10 * time.Second,
 		Transport: &http.Transport{
 			Proxy:               nil, // pulls are engine-to-engine, never via a proxy
 			DialContext:         dialer.DialContext,
-			MaxIdleConns:        64,
-			MaxIdleConnsPerHost: 16,
+			MaxIdleConns:        4096,
+			MaxIdleConnsPerHost: 1024,
 			IdleConnTimeout:     30 * time.Second,
 		},
 	}

@@ -44,7 +44,7 @@ func goPost(t *testing.T, s *Server, path, requestID string, body any) <-chan as
 		defer resp.Body.Close()
 		var buf bytes.Buffer
 		_, err = buf.ReadFrom(resp.Body)
-		ch <- asyncReply{reply: reply{status: resp.StatusCode, header: resp.Header, body: buf.Bytes()}, err: err}
+		ch <- asyncReply{reply: reply{status: resp.StatusCode, header: resp.Header, trailer: resp.Trailer, body: buf.Bytes()}, err: err}
 	}()
 	return ch
 }
@@ -138,8 +138,16 @@ func (b body) streaming(stream bool) body {
 // engine's record of it.
 func requireDecodePulled(t *testing.T, d, p *Server, r reply, b body, stream bool, want string) {
 	t.Helper()
-	require.Equal(t, KVPulled, r.header.Get(HeaderKV), "body: %s", r.body)
-	require.Equal(t, p.Addr(), r.header.Get(HeaderKVSource))
+	kv := r.header
+	if stream && d.cfg.Connector == ConnectorSGLang {
+		// The headers went out before the KV was there: it is named in
+		// trailers.
+		require.Empty(t, r.header.Get(HeaderKV), "body: %s", r.body)
+		require.Empty(t, r.header.Get(HeaderKVSource))
+		kv = r.trailer
+	}
+	require.Equal(t, KVPulled, kv.Get(HeaderKV), "body: %s", r.body)
+	require.Equal(t, p.Addr(), kv.Get(HeaderKVSource))
 	require.Equal(t, d.Addr(), r.header.Get(HeaderEngine))
 	require.Equal(t, want, answerText(t, r, stream))
 	rec := lastKind(t, d, KindDecode)
@@ -172,6 +180,38 @@ func requireRejected(t *testing.T, s *Server, r reply, status int, wantMsg strin
 	require.Equal(t, KindRejected, rec.Kind)
 	require.Equal(t, status, rec.Status)
 	require.Contains(t, rec.Error, wantMsg)
+}
+
+// requireStreamError checks a refusal sent, after a 200 SSE answer's
+// headers, as one SGLang error event and the terminator, and its record.
+func requireStreamError(t *testing.T, s *Server, r reply, status int, wantMsg string) {
+	t.Helper()
+	require.Equal(t, http.StatusOK, r.status, "body: %s", r.body)
+	require.Equal(t, "text/event-stream", r.header.Get("Content-Type"))
+	require.Equal(t, s.Addr(), r.header.Get(HeaderEngine))
+	require.Empty(t, r.header.Get(HeaderKV))
+	require.Empty(t, r.trailer.Get(HeaderKV), "no KV was pulled")
+	require.Empty(t, r.trailer.Get(HeaderKVSource))
+	event, ok := strings.CutPrefix(string(r.body), "data: ")
+	require.True(t, ok, "body: %s", r.body)
+	event, ok = strings.CutSuffix(event, "\n\ndata: [DONE]\n\n")
+	require.True(t, ok, "one error event, then [DONE]: %s", r.body)
+	var eb struct {
+		Error map[string]any `json:"error"`
+	}
+	require.NoError(t, json.Unmarshal([]byte(event), &eb), "event: %s", event)
+	require.Equal(t, "error", eb.Error["object"])
+	require.EqualValues(t, status, eb.Error["code"])
+	require.Equal(t, errorType(status), eb.Error["type"])
+	require.Contains(t, eb.Error, "param")
+	require.Nil(t, eb.Error["param"])
+	msg, _ := eb.Error["message"].(string)
+	require.Contains(t, msg, wantMsg)
+	rec := lastRecord(t, s)
+	require.Equal(t, KindRejected, rec.Kind)
+	require.Equal(t, status, rec.Status)
+	require.Contains(t, rec.Error, wantMsg)
+	require.Empty(t, rec.KV)
 }
 
 // bothAPIs are the client bodies of the hand-off tests.

@@ -75,6 +75,15 @@ func TestCloseEndsWaits(t *testing.T) {
 		r := await(t, dc)
 		require.Contains(t, r.errorMessage(t, http.StatusServiceUnavailable), "engine is shutting down")
 	})
+	t.Run("decode engine closes, streaming", func(t *testing.T) {
+		p := startSim(t, Config{Role: RolePrefill, Connector: ConnectorSGLang})
+		d, err := Start(t.Context(), "127.0.0.1:0", Config{Role: RoleDecode, Connector: ConnectorSGLang, KVWaitTimeout: time.Hour})
+		require.NoError(t, err)
+		dc := goPost(t, d, "/v1/chat/completions", "req-1", withRoom(chatBody("x").streaming(true), p, 1))
+		waitForWaiters(t, p.proto.(*sglangProtocol).rooms)
+		require.NoError(t, d.Close())
+		requireStreamError(t, d, await(t, dc), http.StatusServiceUnavailable, "engine is shutting down")
+	})
 	t.Run("prefill engine closes", func(t *testing.T) {
 		p, err := Start(t.Context(), "127.0.0.1:0", Config{Role: RolePrefill, Connector: ConnectorSGLang})
 		require.NoError(t, err)

@@ -18,7 +18,9 @@ type Record struct {
 	KV          string `json:"kv"`          // for decode-capable engines: "pulled" or "recomputed"; else ""
 	KVSource    string `json:"kv_source"`   // HTTP host:port of the prefill engine whose KV a decode pulled (nixl: also when refused)
 	// Status is the HTTP status sent, or 499 when the client went away
-	// before the response was complete.
+	// before the response was complete. A refusal sent as an SSE error
+	// event after a 200 (an SGLang streaming decode) has the status the
+	// event names.
 	Status int             `json:"status"`
 	Error  string          `json:"error,omitempty"`
 	Body   json.RawMessage `json:"body"` // the request body as received (compact)

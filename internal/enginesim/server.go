@@ -75,6 +75,9 @@ type Config struct {
 	// fixture, and a tampered remote_host must not send traffic elsewhere).
 	Client *http.Client
 	Logger *slog.Logger // default: discard
+	// FailStatus, when set, answers every inference request with this
+	// status and an OpenAI-style error: a sick engine, for failure tests.
+	FailStatus int
 }
 
 const (

@@ -329,3 +329,16 @@ func TestStopsWithContext(t *testing.T) {
 	}, 5*time.Second, 10*time.Millisecond)
 	require.NoError(t, s.Close(), "Close after the context stopped the server is fine")
 }
+
+func TestFailStatus(t *testing.T) {
+	s, err := Start(t.Context(), "127.0.0.1:0", Config{Role: RolePrefill, FailStatus: 503})
+	require.NoError(t, err)
+	t.Cleanup(func() { s.Close() })
+	resp, err := http.Post("http://"+s.Addr()+"/v1/completions", "application/json", strings.NewReader(`{"model":"m","prompt":"p"}`))
+	require.NoError(t, err)
+	defer resp.Body.Close()
+	require.Equal(t, 503, resp.StatusCode)
+	recs := s.Records()
+	require.Len(t, recs, 1)
+	require.Equal(t, KindRejected, recs[0].Kind)
+}

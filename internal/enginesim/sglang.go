@@ -159,10 +159,21 @@ type roomRequest struct {
 	WaitMS int64  `json:"wait_ms"`
 }
 
+// decode waits for the room's KV and generates from it. A streaming decode
+// answers 200 at once, as SGLang's server starts its streaming response
+// before the request reaches the scheduler: X-Pdx-Sim-Kv and
+// X-Pdx-Sim-Kv-Source come as trailers, and a failure to get the KV is an
+// SSE error event.
 func (p *sglangProtocol) decode(x *exchange) {
 	s := p.s
 	x.rec.Kind = KindDecode
 	b := x.leg.(bootstrap)
+	if x.req.stream {
+		if err := x.openStream(HeaderKV, HeaderKVSource); err != nil {
+			s.abandon(x, err)
+			return
+		}
+	}
 	ctx, cancel := s.waitContext(x.r.Context())
 	defer cancel()
 	wait := s.cfg.KVWaitTimeout

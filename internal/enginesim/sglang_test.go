@@ -3,6 +3,7 @@ package enginesim
 import (
 	"context"
 	"encoding/json"
+	"io"
 	"net/http"
 	"strconv"
 	"testing"
@@ -68,6 +69,43 @@ func TestSGLangDecodeBeforePrefill(t *testing.T) {
 	requireDecodePulled(t, d, p, await(t, dc), b, false, wantText(t, b))
 }
 
+// A streaming decode answers 200 before the prefill is even sent, as
+// SGLang's server does; the KV it then pulls is named in trailers.
+func TestSGLangStreamingHeadersFirst(t *testing.T) {
+	for _, api := range bothAPIs {
+		t.Run(api.name, func(t *testing.T) {
+			p, d := sglangPair(t, Config{}, time.Minute)
+			b := withRoom(api.body.streaming(true), p, json.Number(bigRoom))
+			path := pathFor(b)
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, "http://"+d.Addr()+path, bytesOf(t, b))
+			require.NoError(t, err)
+			req.Header.Set("X-Request-Id", "req-1")
+			resp, err := testClient(t).Do(req) // returns once the headers are in
+			require.NoError(t, err)
+			defer resp.Body.Close()
+
+			require.Empty(t, p.Records(), "no prefill was sent yet")
+			require.Equal(t, http.StatusOK, resp.StatusCode)
+			require.Equal(t, "text/event-stream", resp.Header.Get("Content-Type"))
+			require.Equal(t, d.Addr(), resp.Header.Get(HeaderEngine))
+			require.Empty(t, resp.Header.Get(HeaderKV), "the KV is not there yet")
+			require.Empty(t, resp.Header.Get(HeaderKVSource))
+			require.Contains(t, resp.Trailer, HeaderKV, "declared as a trailer")
+			require.Contains(t, resp.Trailer, HeaderKVSource, "declared as a trailer")
+			require.Empty(t, d.Records(), "the decode is still waiting for the room")
+
+			waitForWaiters(t, p.proto.(*sglangProtocol).rooms)
+			pr := post(t, p, path, "req-1", b)
+			require.Equal(t, "pdx-sim:"+Fingerprint(promptOf(t, b)), answerText(t, pr, true))
+
+			data, err := io.ReadAll(resp.Body)
+			require.NoError(t, err)
+			r := reply{status: resp.StatusCode, header: resp.Header, trailer: resp.Trailer, body: data}
+			requireDecodePulled(t, d, p, r, b, true, wantText(t, b))
+		})
+	}
+}
+
 func TestSGLangLosslessRoom(t *testing.T) {
 	p, d := sglangPair(t, Config{}, 200*time.Millisecond)
 	raw := func(room string) []byte {
@@ -95,28 +133,25 @@ func rooms(p *Server) []string {
 	return out
 }
 
+// A decode that cannot have the room's KV is refused: with an error status,
+// or, when it streams, with an SSE error event after the 200 headers (those
+// went out before the wait), as SGLang reports errors mid-stream.
 func TestSGLangDecodeFailures(t *testing.T) {
 	const prompt = "What is a bootstrap room?"
 	tests := []struct {
 		name string
 		// run prefills (or not) on p, then returns the decode body for d.
 		run     func(t *testing.T, p, d *Server) body
-		stream  bool
 		status  int
 		wantMsg string
+		// early: refused before the wait, so never with a 200.
+		early bool
 	}{
 		{
 			name:    "no prefill in time",
 			run:     func(_ *testing.T, p, _ *Server) body { return withRoom(chatBody(prompt), p, 42) },
 			status:  http.StatusGatewayTimeout,
 			wantMsg: "no prefill registered KV for bootstrap_room 42 within 200ms",
-		},
-		{
-			name:    "no prefill in time, streaming",
-			run:     func(_ *testing.T, p, _ *Server) body { return withRoom(chatBody(prompt), p, 42) },
-			stream:  true,
-			status:  http.StatusGatewayTimeout,
-			wantMsg: "no prefill registered KV for bootstrap_room 42",
 		},
 		{
 			name: "wrong prompt",
@@ -151,14 +186,22 @@ func TestSGLangDecodeFailures(t *testing.T) {
 			run:     func(*testing.T, *Server, *Server) body { return chatBody(prompt) },
 			status:  http.StatusBadRequest,
 			wantMsg: "missing bootstrap_host, bootstrap_port and bootstrap_room: an SGLang decode engine needs them",
+			early:   true,
 		},
 	}
 	for _, tt := range tests {
-		t.Run(tt.name, func(t *testing.T) {
-			p, d := sglangPair(t, Config{}, 200*time.Millisecond)
-			b := tt.run(t, p, d).streaming(tt.stream)
-			requireRejected(t, d, post(t, d, "/v1/chat/completions", "req-1", b), tt.status, tt.wantMsg)
-		})
+		for _, stream := range []bool{false, true} {
+			t.Run(tt.name+streamName(stream), func(t *testing.T) {
+				p, d := sglangPair(t, Config{}, 200*time.Millisecond)
+				b := tt.run(t, p, d).streaming(stream)
+				r := post(t, d, "/v1/chat/completions", "req-1", b)
+				if stream && !tt.early {
+					requireStreamError(t, d, r, tt.status, tt.wantMsg)
+					return
+				}
+				requireRejected(t, d, r, tt.status, tt.wantMsg)
+			})
+		}
 	}
 }
 
@@ -216,19 +259,29 @@ func TestSGLangRoleBothIgnoresBootstrap(t *testing.T) {
 }
 
 func TestSGLangDecodeClientGone(t *testing.T) {
-	p, d := sglangPair(t, Config{}, time.Minute)
-	ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
-	defer cancel()
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+d.Addr()+"/v1/chat/completions",
-		bytesOf(t, withRoom(chatBody("x"), p, 5)))
-	require.NoError(t, err)
-	req.Header.Set("X-Request-Id", "gone")
-	_, err = testClient(t).Do(req)
-	require.ErrorIs(t, err, context.DeadlineExceeded)
-	requireAbandoned(t, d, KindDecode)
-	// The bootstrap server stops waiting for the room too.
-	require.Eventually(t, func() bool { return len(p.Records()) == 1 }, 5*time.Second, 5*time.Millisecond)
-	require.Equal(t, statusClientGone, p.Records()[0].Status)
+	for _, stream := range []bool{false, true} {
+		t.Run("decode"+streamName(stream), func(t *testing.T) {
+			p, d := sglangPair(t, Config{}, time.Minute)
+			ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+			defer cancel()
+			req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+d.Addr()+"/v1/chat/completions",
+				bytesOf(t, withRoom(chatBody("x").streaming(stream), p, 5)))
+			require.NoError(t, err)
+			req.Header.Set("X-Request-Id", "gone")
+			resp, err := testClient(t).Do(req)
+			if stream {
+				require.NoError(t, err, "a streaming decode answers 200 at once")
+				require.Equal(t, http.StatusOK, resp.StatusCode)
+				_, err = io.ReadAll(resp.Body)
+				resp.Body.Close()
+			}
+			require.ErrorIs(t, err, context.DeadlineExceeded)
+			requireAbandoned(t, d, KindDecode)
+			// The bootstrap server stops waiting for the room too.
+			require.Eventually(t, func() bool { return len(p.Records()) == 1 }, 5*time.Second, 5*time.Millisecond)
+			require.Equal(t, statusClientGone, p.Records()[0].Status)
+		})
+	}
 }
 
 func TestUintText(t *testing.T) {

@@ -1,34 +1,312 @@
 package picker
 
 import (
+	"fmt"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/connectors"
 )
 
-func TestRoundRobin(t *testing.T) {
-	eps := []connectors.Endpoint{{Address: "127.0.0.1:1"}, {Address: "127.0.0.1:2"}, {Address: "127.0.0.1:3"}}
-	rr := NewRoundRobin(eps)
-	for i := range 7 {
-		require.Equal(t, eps[i%3], rr.Pick())
+var (
+	epA = connectors.Endpoint{Address: "127.0.0.1:1"}
+	epB = connectors.Endpoint{Address: "127.0.0.1:2"}
+	epC = connectors.Endpoint{Address: "127.0.0.1:3"}
+	abc = []connectors.Endpoint{epA, epB, epC}
+)
+
+// fakeClock is a settable clock, safe for concurrent use.
+type fakeClock struct {
+	mu sync.Mutex
+	t  time.Time
+}
+
+func newFakeClock() *fakeClock { return &fakeClock{t: time.Unix(1_700_000_000, 0)} }
+
+func (c *fakeClock) Now() time.Time {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.t
+}
+
+func (c *fakeClock) Advance(d time.Duration) {
+	c.mu.Lock()
+	c.t = c.t.Add(d)
+	c.mu.Unlock()
+}
+
+func newTestRR(t testing.TB, threshold int, coolDown time.Duration) (*RoundRobin, *fakeClock) {
+	t.Helper()
+	clk := newFakeClock()
+	return NewRoundRobin(abc, Options{FailureThreshold: threshold, CoolDown: coolDown, Now: clk.Now}), clk
+}
+
+// picks calls Pick n times and returns what it got, failing on ok=false.
+func picks(t *testing.T, rr *RoundRobin, n int, exclude ...connectors.Endpoint) []connectors.Endpoint {
+	t.Helper()
+	var got []connectors.Endpoint
+	for range n {
+		ep, ok := rr.Pick(exclude...)
+		require.True(t, ok)
+		got = append(got, ep)
 	}
-	require.True(t, rr.Contains(eps[1]))
-	require.False(t, rr.Contains(connectors.Endpoint{Address: "10.0.0.1:1"}))
+	return got
+}
+
+func eject(rr *RoundRobin, ep connectors.Endpoint, threshold int) {
+	for range threshold {
+		rr.Report(ep, false)
+	}
+}
+
+func TestPickOrder(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		ejected []connectors.Endpoint
+		exclude []connectors.Endpoint
+		want    []connectors.Endpoint
+	}{
+		{name: "all healthy", want: []connectors.Endpoint{epA, epB, epC, epA, epB, epC, epA}},
+		{name: "exclude one", exclude: []connectors.Endpoint{epB}, want: []connectors.Endpoint{epA, epC, epA, epC}},
+		{name: "exclude two", exclude: []connectors.Endpoint{epA, epC}, want: []connectors.Endpoint{epB, epB, epB}},
+		{name: "exclude unknown", exclude: []connectors.Endpoint{{Address: "10.0.0.1:1"}}, want: []connectors.Endpoint{epA, epB, epC, epA}},
+		// A passed-over endpoint uses up its turn, so the others keep an
+		// even share instead of its successor getting double.
+		{name: "one ejected", ejected: []connectors.Endpoint{epB}, want: []connectors.Endpoint{epA, epC, epA, epC, epA, epC}},
+		{name: "two ejected", ejected: []connectors.Endpoint{epA, epB}, want: []connectors.Endpoint{epC, epC, epC}},
+		{name: "ejected and excluded", ejected: []connectors.Endpoint{epA}, exclude: []connectors.Endpoint{epC}, want: []connectors.Endpoint{epB, epB}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rr, _ := newTestRR(t, 3, time.Minute)
+			for _, ep := range tc.ejected {
+				eject(rr, ep, 3)
+			}
+			require.Equal(t, tc.want, picks(t, rr, len(tc.want), tc.exclude...))
+		})
+	}
+}
+
+func TestOutlierDetection(t *testing.T) {
+	// Each step is "F" (report a failure on B), "S" (a success), or "+d"
+	// (advance the clock by d), followed by whether B is then healthy.
+	type step struct {
+		op      string
+		healthy bool
+	}
+	for _, tc := range []struct {
+		name      string
+		threshold int // 0: the default, 3
+		steps     []step
+	}{
+		{name: "not ejected before the threshold", steps: []step{{"F", true}, {"F", true}, {"+1h", true}, {"F", false}}},
+		{name: "ejected at the threshold", threshold: 3, steps: []step{{"F", true}, {"F", true}, {"F", false}}},
+		{name: "threshold 1", threshold: 1, steps: []step{{"F", false}}},
+		{name: "success resets the count", steps: []step{{"F", true}, {"F", true}, {"S", true}, {"F", true}, {"F", true}, {"F", false}}},
+		{name: "success re-admits", steps: []step{{"F", true}, {"F", true}, {"F", false}, {"S", true}, {"F", true}, {"F", true}, {"F", false}}},
+		{name: "cool-down expiry re-admits", steps: []step{
+			{"F", true}, {"F", true}, {"F", false}, {"+9s", false}, {"+999ms", false}, {"+1ms", true}, {"+1h", true}}},
+		{name: "half-open: one failure re-ejects", steps: []step{
+			{"F", true}, {"F", true}, {"F", false}, {"+10s", true}, {"F", false}, {"+9s", false}, {"+1s", true}}},
+		{name: "half-open: success closes", steps: []step{
+			{"F", true}, {"F", true}, {"F", false}, {"+10s", true}, {"S", true}, {"F", true}, {"F", true}, {"F", false}}},
+		{name: "failures while ejected do not extend it", steps: []step{
+			{"F", true}, {"F", true}, {"F", false}, {"+5s", false}, {"F", false}, {"F", false}, {"+5s", true}, {"F", false}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := newFakeClock()
+			rr := NewRoundRobin(abc, Options{FailureThreshold: tc.threshold, CoolDown: 10 * time.Second, Now: clk.Now})
+			for i, s := range tc.steps {
+				switch {
+				case s.op == "F":
+					rr.Report(epB, false)
+				case s.op == "S":
+					rr.Report(epB, true)
+				case strings.HasPrefix(s.op, "+"):
+					d, err := time.ParseDuration(s.op[1:])
+					require.NoError(t, err)
+					clk.Advance(d)
+				default:
+					t.Fatalf("bad step %q", s.op)
+				}
+				require.Equal(t, s.healthy, rr.Healthy(epB), "after step %d (%s)", i, s.op)
+				// Pick agrees with Healthy, and the others are untouched.
+				got := picks(t, rr, 3)
+				require.Equal(t, s.healthy, containsEP(got, epB), "picks after step %d: %v", i, got)
+				require.True(t, rr.Healthy(epA) && rr.Healthy(epC))
+			}
+		})
+	}
+}
+
+func containsEP(eps []connectors.Endpoint, ep connectors.Endpoint) bool {
+	for _, e := range eps {
+		if e == ep {
+			return true
+		}
+	}
+	return false
+}
+
+func TestPanicMode(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		exclude []connectors.Endpoint
+		want    connectors.Endpoint
+		ok      bool
+	}{
+		{name: "earliest cool-down end", want: epA, ok: true},
+		{name: "earliest not excluded", exclude: []connectors.Endpoint{epA}, want: epC, ok: true},
+		{name: "only one not excluded", exclude: []connectors.Endpoint{epA, epC}, want: epB, ok: true},
+		{name: "all excluded", exclude: abc, ok: false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rr, clk := newTestRR(t, 2, 10*time.Second)
+			// Ejections end at A: +10s, C: +11s, B: +12s.
+			eject(rr, epA, 2)
+			clk.Advance(time.Second)
+			eject(rr, epC, 2)
+			clk.Advance(time.Second)
+			eject(rr, epB, 2)
+			for range 4 {
+				ep, ok := rr.Pick(tc.exclude...)
+				require.Equal(t, tc.ok, ok)
+				require.Equal(t, tc.want, ep)
+			}
+		})
+	}
+
+	t.Run("healthy but excluded, rest ejected", func(t *testing.T) {
+		rr, clk := newTestRR(t, 1, 10*time.Second)
+		eject(rr, epC, 1)
+		clk.Advance(time.Second)
+		eject(rr, epB, 1)
+		for range 4 {
+			ep, ok := rr.Pick(epA)
+			require.True(t, ok)
+			require.Equal(t, epC, ep)
+		}
+	})
+
+	t.Run("a panic pick that succeeds re-admits", func(t *testing.T) {
+		rr, _ := newTestRR(t, 1, 10*time.Second)
+		for _, ep := range abc {
+			eject(rr, ep, 1)
+		}
+		ep, ok := rr.Pick()
+		require.True(t, ok)
+		require.Equal(t, epA, ep)
+		rr.Report(ep, true)
+		require.True(t, rr.Healthy(epA))
+		require.Equal(t, []connectors.Endpoint{epA, epA, epA}, picks(t, rr, 3))
+	})
+}
+
+func TestAllExcluded(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		endpoints []connectors.Endpoint
+		exclude   []connectors.Endpoint
+	}{
+		{name: "all excluded", endpoints: abc, exclude: []connectors.Endpoint{epC, epB, epA}},
+		{name: "single excluded", endpoints: []connectors.Endpoint{epA}, exclude: []connectors.Endpoint{epA}},
+		{name: "empty picker", endpoints: nil},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rr := NewRoundRobin(tc.endpoints, Options{})
+			ep, ok := rr.Pick(tc.exclude...)
+			require.False(t, ok)
+			require.Zero(t, ep)
+		})
+	}
+}
+
+func TestContainsHealthyEndpoints(t *testing.T) {
+	eps := []connectors.Endpoint{epA, epB, epA}
+	rr := NewRoundRobin(eps, Options{FailureThreshold: 1})
+	require.True(t, rr.Contains(epB))
+	require.False(t, rr.Contains(epC))
+	require.False(t, rr.Healthy(epC), "unknown endpoints are not healthy")
+	rr.Report(epC, false) // ignored
+
+	got := rr.Endpoints()
+	require.Equal(t, eps, got)
+	got[0] = epC
+	require.Equal(t, eps, rr.Endpoints(), "Endpoints returns a copy")
+	eps[1] = epC
+	require.Equal(t, []connectors.Endpoint{epA, epB, epA}, rr.Endpoints(), "NewRoundRobin keeps a copy")
+
+	// A repeated endpoint has one health: ejecting it takes out both turns.
+	rr.Report(epA, false)
+	require.Equal(t, []connectors.Endpoint{epB, epB, epB}, picks(t, rr, 3))
+}
+
+func TestLargePool(t *testing.T) {
+	// Past scanMax endpoints are found through a map; same behaviour.
+	var eps []connectors.Endpoint
+	for i := range scanMax + 4 {
+		eps = append(eps, connectors.Endpoint{Address: fmt.Sprintf("10.0.0.%d:8000", i+1)})
+	}
+	eps = append(eps, eps[3]) // a repeat shares its health
+	rr := NewRoundRobin(eps, Options{FailureThreshold: 1})
+	require.True(t, rr.Contains(eps[5]))
+	require.False(t, rr.Contains(epA))
+	require.False(t, rr.Healthy(epA))
+	rr.Report(eps[3], false)
+	require.False(t, rr.Healthy(eps[3]))
+	require.True(t, rr.Healthy(eps[4]))
+	for range 2 * len(eps) {
+		ep, ok := rr.Pick()
+		require.True(t, ok)
+		require.NotEqual(t, eps[3], ep)
+	}
+	rr.Report(eps[3], true)
+	require.True(t, rr.Healthy(eps[3]))
+}
+
+func TestDefaults(t *testing.T) {
+	clk := newFakeClock()
+	rr := NewRoundRobin(abc, Options{Now: clk.Now})
+	eject(rr, epA, DefaultFailureThreshold-1)
+	require.True(t, rr.Healthy(epA))
+	rr.Report(epA, false)
+	require.False(t, rr.Healthy(epA))
+	clk.Advance(DefaultCoolDown - time.Nanosecond)
+	require.False(t, rr.Healthy(epA))
+	clk.Advance(time.Nanosecond)
+	require.True(t, rr.Healthy(epA))
+
+	// The real clock works too.
+	rr = NewRoundRobin(abc, Options{FailureThreshold: 1, CoolDown: time.Hour})
+	rr.Report(epA, false)
+	require.False(t, rr.Healthy(epA))
+}
+
+func TestPickDoesNotAllocate(t *testing.T) {
+	rr, _ := newTestRR(t, 1, time.Minute)
+	require.Zero(t, testing.AllocsPerRun(100, func() { rr.Pick() }))
+	require.Zero(t, testing.AllocsPerRun(100, func() { rr.Pick(epA) }))
+	require.Zero(t, testing.AllocsPerRun(100, func() { rr.Report(epA, true) }))
+	rr.Report(epB, false)
+	require.Zero(t, testing.AllocsPerRun(100, func() { rr.Pick() }))
 }
 
 func TestRoundRobinConcurrentIsEven(t *testing.T) {
-	eps := []connectors.Endpoint{{Address: "127.0.0.1:1"}, {Address: "127.0.0.1:2"}}
-	rr := NewRoundRobin(eps)
+	eps := []connectors.Endpoint{epA, epB}
+	rr := NewRoundRobin(eps, Options{})
 	var mu sync.Mutex
 	counts := map[connectors.Endpoint]int{}
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Go(func() {
 			for range 100 {
-				ep := rr.Pick()
+				ep, ok := rr.Pick()
+				assert.True(t, ok)
+				rr.Report(ep, true)
 				mu.Lock()
 				counts[ep]++
 				mu.Unlock()
@@ -36,14 +314,135 @@ func TestRoundRobinConcurrentIsEven(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	require.Equal(t, map[connectors.Endpoint]int{eps[0]: 400, eps[1]: 400}, counts)
+	require.Equal(t, map[connectors.Endpoint]int{epA: 400, epB: 400}, counts)
 }
 
-func BenchmarkRoundRobinPick(b *testing.B) {
-	rr := NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:1"}, {Address: "127.0.0.1:2"}})
-	b.RunParallel(func(pb *testing.PB) {
-		for pb.Next() {
-			rr.Pick()
+// TestConcurrentPickReport runs Picks and Reports together (for -race) with B
+// kept ejected, and checks that A and C share the load evenly.
+func TestConcurrentPickReport(t *testing.T) {
+	const goroutines, perGoroutine = 8, 500
+	rr, clk := newTestRR(t, 3, time.Hour)
+	eject(rr, epB, 3)
+
+	// Goroutines use assert: require's FailNow must run on the test's own.
+	stop := make(chan struct{})
+	var bg sync.WaitGroup
+	// Meanwhile B keeps failing (which must not re-admit it), the clock
+	// moves (not past the cool-down), and metrics read health.
+	bg.Go(func() {
+		for {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			rr.Report(epB, false)
+			clk.Advance(time.Millisecond)
+			assert.False(t, rr.Healthy(epB))
+			assert.True(t, rr.Healthy(epA))
 		}
 	})
+
+	var mu sync.Mutex
+	counts := map[connectors.Endpoint]int{}
+	var wg sync.WaitGroup
+	for range goroutines {
+		wg.Go(func() {
+			local := map[connectors.Endpoint]int{}
+			for range perGoroutine {
+				ep, ok := rr.Pick()
+				assert.True(t, ok)
+				rr.Report(ep, true)
+				local[ep]++
+			}
+			mu.Lock()
+			for ep, n := range local {
+				counts[ep] += n
+			}
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	close(stop)
+	bg.Wait()
+
+	const total = goroutines * perGoroutine
+	require.Zero(t, counts[epB])
+	require.Equal(t, total, counts[epA]+counts[epC])
+	// Sequentially the split is exact; concurrently a Pick that draws only
+	// B's turns falls back to scanning, which may shift a turn or two.
+	require.InDelta(t, total/2, counts[epA], total/50, "counts: %v", counts)
+}
+
+// TestConcurrentStateChanges flips endpoints in and out while picking, for
+// -race: every Pick must still succeed and honour exclude.
+func TestConcurrentStateChanges(t *testing.T) {
+	rr, clk := newTestRR(t, 2, 5*time.Millisecond)
+	var wg sync.WaitGroup
+	// Goroutines use assert: require's FailNow must run on the test's own.
+	for g := range 8 {
+		wg.Go(func() {
+			for i := range 2000 {
+				exclude := abc[:g%3]
+				ep, ok := rr.Pick(exclude...)
+				assert.True(t, ok)
+				assert.False(t, containsEP(exclude, ep))
+				rr.Report(ep, (i+g)%3 != 0)
+				if i%50 == 0 {
+					clk.Advance(time.Millisecond)
+				}
+				rr.Healthy(ep)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+func BenchmarkPick(b *testing.B) {
+	for _, bc := range []struct {
+		name    string
+		ejected []connectors.Endpoint
+		exclude []connectors.Endpoint
+	}{
+		{name: "healthy"},
+		{name: "exclude", exclude: []connectors.Endpoint{epA}},
+		{name: "one ejected", ejected: []connectors.Endpoint{epB}},
+		{name: "all ejected", ejected: abc},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			rr := NewRoundRobin(abc, Options{FailureThreshold: 1, CoolDown: time.Hour})
+			for _, ep := range bc.ejected {
+				rr.Report(ep, false)
+			}
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				for pb.Next() {
+					rr.Pick(bc.exclude...)
+				}
+			})
+		})
+	}
+}
+
+func BenchmarkPickReport(b *testing.B) {
+	for _, bc := range []struct {
+		name      string
+		failEvery int // 0: never
+	}{
+		{name: "success"},
+		{name: "fail 1 in 100", failEvery: 100},
+	} {
+		b.Run(bc.name, func(b *testing.B) {
+			rr := NewRoundRobin(abc, Options{CoolDown: time.Millisecond})
+			b.ReportAllocs()
+			b.RunParallel(func(pb *testing.PB) {
+				i := 0
+				for pb.Next() {
+					ep, _ := rr.Pick()
+					i++
+					rr.Report(ep, bc.failEvery == 0 || i%bc.failEvery != 0)
+				}
+			})
+		})
+	}
 }

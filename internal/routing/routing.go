@@ -16,12 +16,20 @@ import (
 // Pool is a set of prefill and decode engines serving some models with one
 // connector.
 type Pool struct {
-	Name           string
-	ConnectorName  string
-	Connector      connectors.Connector
-	Prefill        *picker.RoundRobin
-	Decode         *picker.RoundRobin
+	Name          string
+	ConnectorName string
+	Connector     connectors.Connector
+	Prefill       *picker.RoundRobin
+	Decode        *picker.RoundRobin
+	// PrefillTimeout bounds all prefill attempts of a request together;
+	// AttemptTimeout bounds each.
 	PrefillTimeout time.Duration
+	AttemptTimeout time.Duration
+	// Attempts is how many prefill endpoints a request may try.
+	Attempts int
+	// Fallback sends a request whose prefill attempts all failed to a decode
+	// endpoint with the plain client body, instead of failing it.
+	Fallback bool
 }
 
 // Table finds the pool of a model.
@@ -29,7 +37,11 @@ type Table struct {
 	byModel    map[string]*Pool
 	fallback   *Pool
 	concurrent bool
+	maxBody    int
 }
+
+// MaxBodyBytes is the largest request body pdx routes.
+func (t *Table) MaxBodyBytes() int { return t.maxBody }
 
 // HasConcurrent reports whether some pool's connector prefills concurrently
 // with the decode. Such requests need Envoy to send the response headers to
@@ -42,20 +54,30 @@ func New(cfg *configv1.Config) (*Table, error) {
 	if err := config.ValidateConnectors(cfg, connectors.Names()); err != nil {
 		return nil, err
 	}
-	t := &Table{byModel: map[string]*Pool{}}
+	t := &Table{byModel: map[string]*Pool{}, maxBody: int(cfg.GetMaxBodyBytes())}
 	for i, pc := range cfg.GetPools() {
 		conn, err := connectors.New(pc.GetConnector(), connectors.Options{MooncakeProtocol: pc.GetMooncakeProtocol()})
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].connector: %w", i, err)
 		}
 		t.concurrent = t.concurrent || connectors.Concurrent(conn)
+		health := picker.Options{
+			FailureThreshold: int(pc.GetEjectAfterFailures()),
+			CoolDown:         pc.GetEjectDuration().AsDuration(),
+		}
 		p := &Pool{
 			Name:           pc.GetName(),
 			ConnectorName:  pc.GetConnector(),
 			Connector:      conn,
-			Prefill:        picker.NewRoundRobin(endpoints(pc.GetPrefill())),
-			Decode:         picker.NewRoundRobin(endpoints(pc.GetDecode())),
+			Prefill:        picker.NewRoundRobin(endpoints(pc.GetPrefill()), health),
+			Decode:         picker.NewRoundRobin(endpoints(pc.GetDecode()), health),
 			PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
+			AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
+			Attempts:       max(1, int(pc.GetPrefillAttempts())),
+			Fallback:       pc.GetOnPrefillFailure() == "fallback",
+		}
+		if p.AttemptTimeout <= 0 { // a config not through config.Parse
+			p.AttemptTimeout = p.PrefillTimeout
 		}
 		for _, m := range pc.GetModels() {
 			t.byModel[m] = p

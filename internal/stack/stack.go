@@ -42,6 +42,11 @@ type Options struct {
 	EnvoyBin string
 	// LogLevel is pdx's log level (default Info).
 	LogLevel slog.Level
+	// PoolYAML is added to the pool's config, e.g. "prefill_attempts: 2".
+	PoolYAML string
+	// Tune, when set, adjusts engine i of a role before it starts (a sick
+	// or slow engine among healthy ones).
+	Tune func(role enginesim.Role, i int, c *enginesim.Config)
 }
 
 // Stack is a running deployment.
@@ -91,15 +96,15 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		}
 		engine.StoreAddr = s.Store.Addr()
 	}
-	for range opts.Prefill {
-		sim, err := startSim(ctx, engine, enginesim.RolePrefill)
+	for i := range opts.Prefill {
+		sim, err := startSim(ctx, engine, enginesim.RolePrefill, i, opts.Tune)
 		if err != nil {
 			return nil, err
 		}
 		s.Prefill = append(s.Prefill, sim)
 	}
-	for range opts.Decode {
-		sim, err := startSim(ctx, engine, enginesim.RoleDecode)
+	for i := range opts.Decode {
+		sim, err := startSim(ctx, engine, enginesim.RoleDecode, i, opts.Tune)
 		if err != nil {
 			return nil, err
 		}
@@ -131,10 +136,13 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	return s, nil
 }
 
-func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role) (*enginesim.Server, error) {
+func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role, i int, tune func(enginesim.Role, int, *enginesim.Config)) (*enginesim.Server, error) {
 	cfg := base
 	cfg.Role = role
 	cfg.EngineID = ""
+	if tune != nil {
+		tune(role, i, &cfg)
+	}
 	return enginesim.Start(ctx, "127.0.0.1:0", cfg)
 }
 
@@ -146,6 +154,9 @@ func (s *Stack) pdxConfig(opts Options) string {
 		Model, opts.Connector, opts.PrefillTimeout)
 	if opts.MooncakeProtocol != "" {
 		fmt.Fprintf(&b, "  mooncake_protocol: %s\n", opts.MooncakeProtocol)
+	}
+	for line := range strings.Lines(opts.PoolYAML) {
+		fmt.Fprintf(&b, "  %s\n", strings.TrimSpace(line))
 	}
 	fmt.Fprintf(&b, "  prefill:\n")
 	for _, p := range s.Prefill {

@@ -138,8 +138,32 @@ type Pool struct {
 	// transfer_id from the prefill's bootstrap server). Only valid with
 	// connector "mooncake".
 	MooncakeProtocol string `protobuf:"bytes,8,opt,name=mooncake_protocol,json=mooncakeProtocol,proto3" json:"mooncake_protocol,omitempty"`
-	unknownFields    protoimpl.UnknownFields
-	sizeCache        protoimpl.SizeCache
+	// How many prefill endpoints a request tries before giving up, each a
+	// different endpoint: a refused connection, an answer of 5xx or 429, an
+	// answer that breaks the protocol, or an attempt slower than
+	// prefill_attempt_timeout moves on to the next. A refusal of the request
+	// itself (400, 413, 422) does not. Concurrent connectors (sglang, mooncake
+	// with "vllm") retry only failures before the decode is sent. All attempts
+	// together stay within prefill_timeout. 0 or unset means 3; at most 10.
+	PrefillAttempts uint32 `protobuf:"varint,9,opt,name=prefill_attempts,json=prefillAttempts,proto3" json:"prefill_attempts,omitempty"`
+	// Longest single prefill attempt, as a Go duration string; a slower
+	// endpoint counts as failed and the next is tried. Default: prefill_timeout
+	// (one hanging endpoint then uses the whole budget).
+	PrefillAttemptTimeout *durationpb.Duration `protobuf:"bytes,10,opt,name=prefill_attempt_timeout,json=prefillAttemptTimeout,proto3" json:"prefill_attempt_timeout,omitempty"`
+	// What a request gets when every attempt failed: "fail" (the default: an
+	// OpenAI-style error, 502/503/504, naming the cause) or "fallback" (the
+	// client's body goes to a decode endpoint, which computes the prompt
+	// itself: slower, but the request succeeds). "fallback" applies to
+	// failures before the decode is sent.
+	OnPrefillFailure string `protobuf:"bytes,11,opt,name=on_prefill_failure,json=onPrefillFailure,proto3" json:"on_prefill_failure,omitempty"`
+	// Passive health: an endpoint that fails this many calls in a row is left
+	// out of picking for eject_duration, then tried again. 0 or unset means 3.
+	EjectAfterFailures uint32 `protobuf:"varint,12,opt,name=eject_after_failures,json=ejectAfterFailures,proto3" json:"eject_after_failures,omitempty"`
+	// How long an ejected endpoint is left out, as a Go duration string.
+	// Default: 10s.
+	EjectDuration *durationpb.Duration `protobuf:"bytes,13,opt,name=eject_duration,json=ejectDuration,proto3" json:"eject_duration,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Pool) Reset() {
@@ -228,6 +252,41 @@ func (x *Pool) GetMooncakeProtocol() string {
 	return ""
 }
 
+func (x *Pool) GetPrefillAttempts() uint32 {
+	if x != nil {
+		return x.PrefillAttempts
+	}
+	return 0
+}
+
+func (x *Pool) GetPrefillAttemptTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.PrefillAttemptTimeout
+	}
+	return nil
+}
+
+func (x *Pool) GetOnPrefillFailure() string {
+	if x != nil {
+		return x.OnPrefillFailure
+	}
+	return ""
+}
+
+func (x *Pool) GetEjectAfterFailures() uint32 {
+	if x != nil {
+		return x.EjectAfterFailures
+	}
+	return 0
+}
+
+func (x *Pool) GetEjectDuration() *durationpb.Duration {
+	if x != nil {
+		return x.EjectDuration
+	}
+	return nil
+}
+
 // Endpoint is one model server instance.
 type Endpoint struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -308,7 +367,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
 	"\x0emax_body_bytes\x18\x03 \x01(\rR\fmaxBodyBytes\x12)\n" +
-	"\x05pools\x18\x04 \x03(\v2\x13.pdx.config.v1.PoolR\x05pools\"\xbf\x02\n" +
+	"\x05pools\x18\x04 \x03(\v2\x13.pdx.config.v1.PoolR\x05pools\"\xdf\x04\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -317,7 +376,13 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\aprefill\x18\x05 \x03(\v2\x17.pdx.config.v1.EndpointR\aprefill\x12/\n" +
 	"\x06decode\x18\x06 \x03(\v2\x17.pdx.config.v1.EndpointR\x06decode\x12B\n" +
 	"\x0fprefill_timeout\x18\a \x01(\v2\x19.google.protobuf.DurationR\x0eprefillTimeout\x12+\n" +
-	"\x11mooncake_protocol\x18\b \x01(\tR\x10mooncakeProtocol\"j\n" +
+	"\x11mooncake_protocol\x18\b \x01(\tR\x10mooncakeProtocol\x12)\n" +
+	"\x10prefill_attempts\x18\t \x01(\rR\x0fprefillAttempts\x12Q\n" +
+	"\x17prefill_attempt_timeout\x18\n" +
+	" \x01(\v2\x19.google.protobuf.DurationR\x15prefillAttemptTimeout\x12,\n" +
+	"\x12on_prefill_failure\x18\v \x01(\tR\x10onPrefillFailure\x120\n" +
+	"\x14eject_after_failures\x18\f \x01(\rR\x12ejectAfterFailures\x12@\n" +
+	"\x0eeject_duration\x18\r \x01(\v2\x19.google.protobuf.DurationR\rejectDuration\"j\n" +
 	"\bEndpoint\x12\x18\n" +
 	"\aaddress\x18\x01 \x01(\tR\aaddress\x12%\n" +
 	"\x0ebootstrap_port\x18\x02 \x01(\rR\rbootstrapPort\x12\x1d\n" +
@@ -348,11 +413,13 @@ var file_pdx_config_v1_config_proto_depIdxs = []int32{
 	2, // 1: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
 	2, // 2: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
 	3, // 3: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	4, // [4:4] is the sub-list for method output_type
-	4, // [4:4] is the sub-list for method input_type
-	4, // [4:4] is the sub-list for extension type_name
-	4, // [4:4] is the sub-list for extension extendee
-	0, // [0:4] is the sub-list for field type_name
+	3, // 4: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	3, // 5: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	6, // [6:6] is the sub-list for method output_type
+	6, // [6:6] is the sub-list for method input_type
+	6, // [6:6] is the sub-list for extension type_name
+	6, // [6:6] is the sub-list for extension extendee
+	0, // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
