@@ -15,7 +15,7 @@ GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -
 
 include mk/proto.mk
 
-.PHONY: all build envoy demo test vet fmt-check unit bench-compile clean
+.PHONY: all build envoy demo test vet fmt-check unit bench-compile fuzz clean
 
 all: build
 
@@ -37,7 +37,7 @@ demo: envoy
 	$(GO) run ./cmd/pdx demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
-test: envoy fmt-check vet proto-check unit bench-compile
+test: envoy fmt-check vet proto-check unit bench-compile fuzz
 
 fmt-check:
 	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -51,6 +51,17 @@ unit:
 # Benchmarks report speed; CI only runs each once to keep them working.
 bench-compile:
 	$(GO) test -run '^$$' -bench . -benchtime 1x ./...
+
+# Each fuzz target briefly (seed corpora also run in `unit`); FUZZTIME=1m
+# for a longer hunt. go test -fuzz takes one target of one package per run.
+FUZZTIME ?= 5s
+FUZZ_PKGS := ./connectors/ ./internal/jsonedit/
+fuzz:
+	@set -e; for pkg in $(FUZZ_PKGS); do \
+	  for fz in $$($(GO) test -list 'Fuzz.*' $$pkg | grep '^Fuzz'); do \
+	    $(GO) test -run '^$$' -fuzz "^$$fz\$$" -fuzztime $(FUZZTIME) $$pkg; \
+	  done; \
+	done
 
 clean:
 	rm -rf $(TOOLS)
