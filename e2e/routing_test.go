@@ -136,6 +136,14 @@ func TestRouting(t *testing.T) {
 		{name: "duplicate key", path: "/v1/completions", body: `{"model":"demo-model","prompt":"x","prompt":"y"}`, status: 400, code: "duplicate_key", msg: `"prompt"`},
 		{name: "gzip body", path: "/v1/completions", body: `{}`, status: 415, code: "unsupported_content_encoding", headers: []string{"Content-Encoding", "gzip"}},
 		{name: "empty body", path: "/v1/completions", body: ``, status: 400, code: "missing_body"},
+		{name: "not an object", path: "/v1/completions", body: `["demo-model"]`, status: 400, code: "invalid_json", msg: "JSON object"},
+		{name: "model not a string", path: "/v1/completions", body: `{"model":1,"prompt":"x"}`, status: 400, code: "invalid_type", msg: `"model"`},
+		{name: "stream not a boolean", path: "/v1/completions", body: `{"model":"demo-model","prompt":"x","stream":"yes"}`, status: 400, code: "invalid_type", msg: `"stream"`},
+		{name: "max_tokens not an integer", path: "/v1/completions", body: `{"model":"demo-model","prompt":"x","max_tokens":"8"}`, status: 400, code: "invalid_type", msg: `"max_tokens"`},
+		{name: "messages not an array", path: "/v1/chat/completions", body: `{"model":"demo-model","messages":{"role":"user"}}`, status: 400, code: "invalid_type", msg: `"messages"`},
+		{name: "empty messages", path: "/v1/chat/completions", body: `{"model":"demo-model","messages":[]}`, status: 400, code: "empty_messages"},
+		{name: "n above 1", path: "/v1/chat/completions", body: `{"model":"demo-model","messages":[{"role":"user","content":"x"}],"n":3}`, status: 400, code: "unsupported_value", msg: `"n" is 3`},
+		{name: "duplicated protocol key", path: "/v1/completions", body: `{"model":"demo-model","prompt":"x","kv_transfer_params":{},"kv_transfer_param\u0073":{}}`, status: 400, code: "duplicate_key", msg: "kv_transfer_params"},
 	} {
 		t.Run("bad input: "+tc.name, func(t *testing.T) {
 			for _, e := range st.Engines() {
@@ -146,6 +154,21 @@ func TestRouting(t *testing.T) {
 			requireNoEngineTraffic(t, st)
 		})
 	}
+}
+
+func TestWrongMethodAndBodyLimit(t *testing.T) {
+	st := startStack(t, stack.Options{MaxBodyBytes: 64 << 10})
+	_, hc := newClient(t, st)
+
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, st.URL()+"/v1/chat/completions", nil)
+	require.NoError(t, err)
+	a := do(t, hc, req)
+	requireAPIError(t, a, 405, "method_not_allowed", "use POST")
+	require.Equal(t, "POST", a.header.Get("Allow"))
+
+	big := `{"model":"demo-model","prompt":"` + strings.Repeat("x", 64<<10) + `"}`
+	requireAPIError(t, post(t, hc, st.URL()+"/v1/completions", big), 413, "body_too_large", "over the limit of 65536")
+	requireNoEngineTraffic(t, st)
 }
 
 func TestPrefillFailures(t *testing.T) {

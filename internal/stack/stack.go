@@ -42,6 +42,9 @@ type Options struct {
 	EnvoyBin string
 	// LogLevel is pdx's log level (default Info).
 	LogLevel slog.Level
+	// MaxBodyBytes is pdx's max_body_bytes (default 16 MiB); Envoy buffers a
+	// little more, so that pdx, not Envoy, answers bodies over it.
+	MaxBodyBytes int
 	// PoolYAML is added to the pool's config, e.g. "prefill_attempts: 2".
 	PoolYAML string
 	// Tune, when set, adjusts engine i of a role before it starts (a sick
@@ -128,7 +131,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		PdxAddress:       s.Pdx.GRPCAddr(),
 		DefaultEndpoints: defaults,
 		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
-		BufferLimitBytes: int(cfg.GetMaxBodyBytes()),
+		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + 1<<20,
 	}, nil)
 	if err != nil {
 		return nil, err
@@ -149,7 +152,11 @@ func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role, i
 // pdxConfig is the YAML a user would write for this stack.
 func (s *Stack) pdxConfig(opts Options) string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\npools:\n")
+	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\n")
+	if opts.MaxBodyBytes > 0 {
+		fmt.Fprintf(&b, "max_body_bytes: %d\n", opts.MaxBodyBytes)
+	}
+	fmt.Fprintf(&b, "pools:\n")
 	fmt.Fprintf(&b, "- name: demo\n  models: [%s]\n  default: true\n  connector: %s\n  prefill_timeout: %s\n",
 		Model, opts.Connector, opts.PrefillTimeout)
 	if opts.MooncakeProtocol != "" {
