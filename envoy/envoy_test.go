@@ -2,10 +2,17 @@ package envoy
 
 import (
 	"bytes"
+	"encoding/json"
+	"maps"
 	"testing"
 	"time"
 
+	celv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/access_loggers/filters/cel/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+	"sigs.k8s.io/yaml"
 )
 
 func TestRenderValidates(t *testing.T) {
@@ -40,4 +47,82 @@ func TestRender(t *testing.T) {
 
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "nope"}), "pdx address")
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", DefaultEndpoints: []string{"x:0"}}), "bad port")
+}
+
+// TestRenderErrorReplies checks how the bootstrap makes Envoy answer when pdx
+// fails: the ext_proc filter answers 503, and only its own failures
+// (response code details starting with "ext_proc_error") get the
+// OpenAI-style JSON body; pdx's ImmediateResponses (details "pdx_<code>")
+// match no mapper. The typed configs are decoded as Envoy's own protos. The
+// end-to-end tests check the same with a real Envoy.
+func TestRenderErrorReplies(t *testing.T) {
+	var buf bytes.Buffer
+	require.NoError(t, Render(&buf, Config{PdxAddress: "127.0.0.1:9002"}))
+	var bs map[string]any
+	require.NoError(t, yaml.Unmarshal(buf.Bytes(), &bs))
+	hcm := dig(t, bs, "static_resources", "listeners", 0, "filter_chains", 0, "filters", 0, "typed_config").(map[string]any)
+
+	var ep extprocv3.ExternalProcessor
+	require.Equal(t, "envoy.filters.http.ext_proc", dig(t, hcm, "http_filters", 0, "name"))
+	typedConfig(t, dig(t, hcm, "http_filters", 0, "typed_config"), "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor", &ep)
+	require.False(t, ep.GetFailureModeAllow())
+	require.EqualValues(t, 503, ep.GetStatusOnError().GetCode())
+
+	type mapper struct{ expr, contentType, typ, code string }
+	var got []mapper
+	for i := range dig(t, hcm, "local_reply_config", "mappers").([]any) {
+		m := dig(t, hcm, "local_reply_config", "mappers", i).(map[string]any)
+		require.Equal(t, "envoy.access_loggers.extension_filters.cel", dig(t, m, "filter", "extension_filter", "name"))
+		var cel celv3.ExpressionFilter
+		typedConfig(t, dig(t, m, "filter", "extension_filter", "typed_config"), "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter", &cel)
+		require.NotContains(t, m, "status_code", "the mapper keeps the filter's status")
+		require.Contains(t, dig(t, m, "body_format_override", "json_format", "error", "message"), "%RESPONSE_CODE_DETAILS%")
+		got = append(got, mapper{
+			expr:        cel.GetExpression(),
+			contentType: dig(t, m, "body_format_override", "content_type").(string),
+			typ:         dig(t, m, "body_format_override", "json_format", "error", "type").(string),
+			code:        dig(t, m, "body_format_override", "json_format", "error", "code").(string),
+		})
+	}
+	// First match wins: the timeout before every other ext_proc failure.
+	require.Equal(t, []mapper{
+		{"response.code_details.startsWith('ext_proc_error_per-message_timeout')", "application/json", "server_error", "router_timeout"},
+		{"response.code_details.startsWith('ext_proc_error')", "application/json", "server_error", "router_unavailable"},
+	}, got)
+}
+
+// dig follows map keys and list indexes into a decoded YAML document.
+func dig(t *testing.T, v any, path ...any) any {
+	t.Helper()
+	for _, p := range path {
+		switch k := p.(type) {
+		case string:
+			m, ok := v.(map[string]any)
+			require.True(t, ok, "%v: not a map at %q", path, k)
+			require.Contains(t, m, k, "%v", path)
+			v = m[k]
+		case int:
+			l, ok := v.([]any)
+			require.True(t, ok, "%v: not a list at %d", path, k)
+			require.Less(t, k, len(l), "%v", path)
+			v = l[k]
+		}
+	}
+	return v
+}
+
+// typedConfig decodes a typed_config of type typeName into msg and
+// validates it with Envoy's proto constraints.
+func typedConfig(t *testing.T, v any, typeName string, msg interface {
+	proto.Message
+	ValidateAll() error
+}) {
+	t.Helper()
+	m := maps.Clone(v.(map[string]any))
+	require.Equal(t, "type.googleapis.com/"+typeName, m["@type"])
+	delete(m, "@type")
+	js, err := json.Marshal(m)
+	require.NoError(t, err)
+	require.NoError(t, protojson.Unmarshal(js, msg))
+	require.NoError(t, msg.ValidateAll())
 }
