@@ -148,12 +148,11 @@ func TestClientDisconnectMidPrefill(t *testing.T) {
 // down fail closed with a 503 that says the router is unavailable; once pdx
 // is back, Envoy reconnects and requests succeed again.
 //
-// Requests that pdx had already routed are cut too when it dies: Envoy keeps
-// the ext_proc stream open until the request ends, and a failed stream fails
-// the request even though pdx has nothing left to do for it. A decode engine
-// may then have finished work for a client that got a 503; the test counts
-// those and checks that they are only requests that were in flight at the
-// kill.
+// pdx ends a request's ext_proc stream once it is routed, so requests whose
+// decode had started are not cut by the kill. A request killed in the instant
+// between pdx's answer and the stream's end could still be: the test counts
+// decodes that finished for a client that got a 503 and checks that they are
+// only requests that were in flight at the kill.
 func TestPdxKilledUnderLoad(t *testing.T) {
 	const (
 		clients = 32

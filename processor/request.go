@@ -94,6 +94,14 @@ func (r *request) close() {
 	}
 }
 
+// finished reports whether pdx has nothing left to do for the request: it
+// has been routed, no prefill runs on, and Envoy will send no response phase
+// (the Envoy configs pdx ships skip them, and pdx asks for response headers
+// only in tables with concurrent connectors).
+func (r *request) finished() bool {
+	return r.state == stateRouted && r.prefill == nil && !r.heldHeaders && !r.table.HasConcurrent()
+}
+
 // pendingPrefill is the channel of a concurrent prefill still running, or nil.
 func (r *request) pendingPrefill() <-chan error { return r.prefill }
 

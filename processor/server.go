@@ -77,6 +77,12 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 		if err := stream.Send(resp); err != nil {
 			return streamErr(ctx, err)
 		}
+		if req.finished() {
+			// Nothing more is asked of pdx. Ending the stream now frees the
+			// request from pdx: the generation that follows does not break
+			// if pdx restarts, and a drain waits only for prefills.
+			return nil
+		}
 	}
 }
 
