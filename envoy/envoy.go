@@ -39,6 +39,18 @@ type Config struct {
 	MessageTimeout time.Duration
 	// BufferLimitBytes is the largest request body Envoy buffers.
 	BufferLimitBytes int
+	// PdxTLS, when set, makes Envoy reach pdx over TLS.
+	PdxTLS *TLS
+}
+
+// TLS is how Envoy verifies pdx's certificate and authenticates itself.
+type TLS struct {
+	// CAFile verifies pdx's certificate, which must be valid for SNI (a DNS
+	// name in its subject alternative names).
+	CAFile, SNI string
+	// CertFile and KeyFile are Envoy's client certificate, for a pdx that
+	// requires mutual TLS; empty for TLS without client certificates.
+	CertFile, KeyFile string
 }
 
 // Defaults for Config's zero fields.
@@ -64,6 +76,14 @@ func Render(w io.Writer, c Config) error {
 			return fmt.Errorf("default endpoint: %w", err)
 		}
 	}
+	if t := c.PdxTLS; t != nil {
+		if t.CAFile == "" || t.SNI == "" {
+			return errors.New("pdx TLS: a CA file and an SNI name are required to verify pdx")
+		}
+		if (t.CertFile == "") != (t.KeyFile == "") {
+			return errors.New("pdx TLS: a client certificate needs both its cert and key file")
+		}
+	}
 	if c.ListenAddress == "" {
 		c.ListenAddress = "127.0.0.1"
 	}
@@ -82,6 +102,7 @@ func Render(w io.Writer, c Config) error {
 		"DefaultEndpoints": defaults,
 		"MessageTimeout":   strconv.FormatFloat(c.MessageTimeout.Seconds(), 'f', -1, 64) + "s",
 		"BufferLimitBytes": c.BufferLimitBytes,
+		"PdxTLS":           c.PdxTLS,
 	})
 }
 

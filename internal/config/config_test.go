@@ -129,7 +129,7 @@ func TestParseErrors(t *testing.T) {
 	}{
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
-			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools)`}},
+			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
 			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
@@ -353,4 +353,21 @@ pools:
 			require.ErrorContains(t, err, tc.wantErr)
 		})
 	}
+}
+
+func TestTLSConfig(t *testing.T) {
+	const pools = `
+pools:
+- name: p
+  default: true
+  connector: nixl
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:2}]
+`
+	_, err := Parse([]byte("tls: {client_ca_file: ca.pem}" + pools))
+	require.ErrorContains(t, err, "tls.cert_file: required when tls is set")
+	require.ErrorContains(t, err, "tls.key_file: required when tls is set")
+	cfg, err := Parse([]byte("tls: {cert_file: c.pem, key_file: k.pem, client_ca_file: ca.pem}" + pools))
+	require.NoError(t, err)
+	require.Equal(t, "ca.pem", cfg.GetTls().GetClientCaFile())
 }

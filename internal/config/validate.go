@@ -21,6 +21,14 @@ func validate(cfg *configv1.Config) []error {
 	v.listenAddress("grpc_address", cfg.GetGrpcAddress())
 	v.listenAddress("admin_address", cfg.GetAdminAddress())
 
+	if t := cfg.GetTls(); t != nil {
+		if t.GetCertFile() == "" {
+			v.fail("tls.cert_file", "required when tls is set")
+		}
+		if t.GetKeyFile() == "" {
+			v.fail("tls.key_file", "required when tls is set")
+		}
+	}
 	if len(cfg.GetPools()) == 0 {
 		v.fail("pools", "at least one pool is required")
 	}

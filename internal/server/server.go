@@ -15,6 +15,7 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
@@ -55,6 +56,10 @@ func Start(cfg *configv1.Config, log *slog.Logger) (*Server, error) {
 	if err != nil {
 		return nil, err
 	}
+	tlsCfg, err := tlsConfig(cfg.GetTls())
+	if err != nil {
+		return nil, err
+	}
 	grpcLn, err := net.Listen("tcp", cfg.GetGrpcAddress())
 	if err != nil {
 		return nil, fmt.Errorf("grpc_address: %w", err)
@@ -65,17 +70,21 @@ func Start(cfg *configv1.Config, log *slog.Logger) (*Server, error) {
 		return nil, fmt.Errorf("admin_address: %w", err)
 	}
 	maxMsg := int(cfg.GetMaxBodyBytes()) + grpcOverhead
+	opts := []grpc.ServerOption{
+		grpc.MaxRecvMsgSize(maxMsg),
+		grpc.MaxSendMsgSize(maxMsg),
+		// Large windows let a multi-megabyte body arrive in one go.
+		grpc.InitialWindowSize(16 << 20),
+		grpc.InitialConnWindowSize(64 << 20),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+	}
+	if tlsCfg != nil {
+		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsCfg)))
+	}
 	s := &Server{
-		log:    log,
-		engine: connectors.NewHTTPEngine(),
-		grpc: grpc.NewServer(
-			grpc.MaxRecvMsgSize(maxMsg),
-			grpc.MaxSendMsgSize(maxMsg),
-			// Large windows let a multi-megabyte body arrive in one go.
-			grpc.InitialWindowSize(16<<20),
-			grpc.InitialConnWindowSize(64<<20),
-			grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
-		),
+		log:     log,
+		engine:  connectors.NewHTTPEngine(),
+		grpc:    grpc.NewServer(opts...),
 		health:  health.NewServer(),
 		grpcLn:  grpcLn,
 		adminLn: adminLn,
@@ -91,7 +100,8 @@ func Start(cfg *configv1.Config, log *slog.Logger) (*Server, error) {
 	go func() { s.served <- s.grpc.Serve(grpcLn) }()
 	go func() { s.served <- s.admin.Serve(adminLn) }()
 	log.Info("pdx serving", slog.String("grpc", s.GRPCAddr()), slog.String("admin", s.AdminAddr()),
-		slog.Int("pools", len(cfg.GetPools())))
+		slog.Int("pools", len(cfg.GetPools())), slog.Bool("tls", tlsCfg != nil),
+		slog.Bool("mtls", tlsCfg != nil && tlsCfg.ClientCAs != nil))
 	return s, nil
 }
 

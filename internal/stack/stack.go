@@ -45,6 +45,11 @@ type Options struct {
 	// MaxBodyBytes is pdx's max_body_bytes (default 16 MiB); Envoy buffers a
 	// little more, so that pdx, not Envoy, answers bodies over it.
 	MaxBodyBytes int
+	// PKI, when set, makes pdx require mutual TLS with its certificates and
+	// Envoy present its client certificate. EnvoyWithoutClientCert leaves
+	// Envoy's certificate out (a client pdx must refuse).
+	PKI                    *PKI
+	EnvoyWithoutClientCert bool
 	// PoolYAML is added to the pool's config, e.g. "prefill_attempts: 2".
 	PoolYAML string
 	// Tune, when set, adjusts engine i of a role before it starts (a sick
@@ -126,13 +131,20 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	for _, d := range s.Decode {
 		defaults = append(defaults, d.Addr())
 	}
-	s.Envoy, err = envoy.Start(ctx, bin, envoy.Config{
+	ecfg := envoy.Config{
 		ListenPort:       opts.ListenPort,
 		PdxAddress:       s.Pdx.GRPCAddr(),
 		DefaultEndpoints: defaults,
 		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
 		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + 1<<20,
-	}, nil)
+	}
+	if p := opts.PKI; p != nil {
+		ecfg.PdxTLS = &envoy.TLS{CAFile: p.CAFile, SNI: p.ServerName}
+		if !opts.EnvoyWithoutClientCert {
+			ecfg.PdxTLS.CertFile, ecfg.PdxTLS.KeyFile = p.ClientCertFile, p.ClientKey
+		}
+	}
+	s.Envoy, err = envoy.Start(ctx, bin, ecfg, nil)
 	if err != nil {
 		return nil, err
 	}
@@ -155,6 +167,9 @@ func (s *Stack) pdxConfig(opts Options) string {
 	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\n")
 	if opts.MaxBodyBytes > 0 {
 		fmt.Fprintf(&b, "max_body_bytes: %d\n", opts.MaxBodyBytes)
+	}
+	if p := opts.PKI; p != nil {
+		fmt.Fprintf(&b, "tls: {cert_file: %q, key_file: %q, client_ca_file: %q}\n", p.ServerCertFile, p.ServerKey, p.CAFile)
 	}
 	fmt.Fprintf(&b, "pools:\n")
 	fmt.Fprintf(&b, "- name: demo\n  models: [%s]\n  default: true\n  connector: %s\n  prefill_timeout: %s\n",

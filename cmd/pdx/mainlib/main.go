@@ -101,8 +101,16 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&c.MessageTimeout, "message-timeout", envoy.DefaultMessageTimeout, "ext_proc message timeout; keep it above every pool's prefill_timeout")
 	fs.IntVar(&c.BufferLimitBytes, "buffer-limit", envoy.DefaultBufferLimitBytes, "largest request body Envoy buffers; match pdx's max_body_bytes")
 	passThrough := fs.String("pass-through", "", "comma-separated host:port engines for requests pdx does not route (GET /v1/models, ...)")
+	var t envoy.TLS
+	fs.StringVar(&t.CAFile, "pdx-ca", "", "reach pdx over TLS: CA file that verifies pdx's certificate")
+	fs.StringVar(&t.SNI, "pdx-sni", "", "with --pdx-ca: the DNS name pdx's certificate is valid for")
+	fs.StringVar(&t.CertFile, "pdx-client-cert", "", "with --pdx-ca: Envoy's client certificate, for pdx's mutual TLS")
+	fs.StringVar(&t.KeyFile, "pdx-client-key", "", "with --pdx-client-cert: its private key")
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if t != (envoy.TLS{}) {
+		c.PdxTLS = &t
 	}
 	if *passThrough != "" {
 		c.DefaultEndpoints = strings.Split(*passThrough, ",")

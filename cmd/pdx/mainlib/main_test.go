@@ -11,6 +11,7 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/pdx-router/pdx/envoy"
+	"github.com/pdx-router/pdx/internal/stack"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -52,15 +53,26 @@ func TestHelp(t *testing.T) {
 }
 
 func TestEnvoyConfigValidates(t *testing.T) {
-	var out bytes.Buffer
-	require.NoError(t, Main(t.Context(), []string{"envoy-config", "--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0",
-		"--pass-through", "decode-0:8000,decode-1:8000"}, &out, &out))
-	require.Contains(t, out.String(), "address: pdx")
+	pki, err := stack.NewPKI(t.TempDir())
+	require.NoError(t, err)
 	bin, err := envoy.Binary()
 	require.NoError(t, err)
-	path := filepath.Join(t.TempDir(), "envoy.yaml")
-	require.NoError(t, os.WriteFile(path, out.Bytes(), 0o600))
-	require.NoError(t, envoy.ValidateFile(t.Context(), bin, path))
+	for name, args := range map[string][]string{
+		"plaintext": {"--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0", "--pass-through", "decode-0:8000,decode-1:8000"},
+		"mutual TLS": {"--pdx-address", "pdx:9002", "--pdx-ca", pki.CAFile, "--pdx-sni", pki.ServerName,
+			"--pdx-client-cert", pki.ClientCertFile, "--pdx-client-key", pki.ClientKey},
+	} {
+		t.Run(name, func(t *testing.T) {
+			var out bytes.Buffer
+			require.NoError(t, Main(t.Context(), append([]string{"envoy-config"}, args...), &out, &out))
+			require.Contains(t, out.String(), "address: pdx")
+			path := filepath.Join(t.TempDir(), "envoy.yaml")
+			require.NoError(t, os.WriteFile(path, out.Bytes(), 0o600))
+			require.NoError(t, envoy.ValidateFile(t.Context(), bin, path))
+		})
+	}
+	var out bytes.Buffer
+	require.ErrorContains(t, Main(t.Context(), []string{"envoy-config", "--pdx-client-cert", "c.pem"}, &out, &out), "CA file and an SNI")
 }
 
 // The demo is the first thing a user runs: it must work and say so.

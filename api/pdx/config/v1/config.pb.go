@@ -42,7 +42,10 @@ type Config struct {
 	MaxBodyBytes uint32 `protobuf:"varint,3,opt,name=max_body_bytes,json=maxBodyBytes,proto3" json:"max_body_bytes,omitempty"`
 	// Pools of prefill and decode endpoints. Each request is routed to the pool
 	// serving its model, falling back to the default pool.
-	Pools         []*Pool `protobuf:"bytes,4,rep,name=pools,proto3" json:"pools,omitempty"`
+	Pools []*Pool `protobuf:"bytes,4,rep,name=pools,proto3" json:"pools,omitempty"`
+	// TLS for the ext_proc gRPC listener. Unset: plaintext, for a pdx that
+	// only Envoy on the same host or pod network reaches.
+	Tls           *TLS `protobuf:"bytes,5,opt,name=tls,proto3" json:"tls,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -103,6 +106,80 @@ func (x *Config) GetPools() []*Pool {
 		return x.Pools
 	}
 	return nil
+}
+
+func (x *Config) GetTls() *TLS {
+	if x != nil {
+		return x.Tls
+	}
+	return nil
+}
+
+// TLS is the gRPC listener's certificate and, for mutual TLS, the CA that
+// client (Envoy) certificates must chain to. Files are PEM; they are read at
+// start.
+type TLS struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Server certificate chain file. Required.
+	CertFile string `protobuf:"bytes,1,opt,name=cert_file,json=certFile,proto3" json:"cert_file,omitempty"`
+	// Private key file of the certificate. Required.
+	KeyFile string `protobuf:"bytes,2,opt,name=key_file,json=keyFile,proto3" json:"key_file,omitempty"`
+	// CA bundle file. When set, clients must present a certificate signed by
+	// it (mutual TLS); when unset, any client may connect over TLS.
+	ClientCaFile  string `protobuf:"bytes,3,opt,name=client_ca_file,json=clientCaFile,proto3" json:"client_ca_file,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TLS) Reset() {
+	*x = TLS{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TLS) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TLS) ProtoMessage() {}
+
+func (x *TLS) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TLS.ProtoReflect.Descriptor instead.
+func (*TLS) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *TLS) GetCertFile() string {
+	if x != nil {
+		return x.CertFile
+	}
+	return ""
+}
+
+func (x *TLS) GetKeyFile() string {
+	if x != nil {
+		return x.KeyFile
+	}
+	return ""
+}
+
+func (x *TLS) GetClientCaFile() string {
+	if x != nil {
+		return x.ClientCaFile
+	}
+	return ""
 }
 
 // Pool is a set of prefill and decode endpoints that serve the same models and
@@ -168,7 +245,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -180,7 +257,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -193,7 +270,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *Pool) GetName() string {
@@ -309,7 +386,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -321,7 +398,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -334,7 +411,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -362,12 +439,17 @@ var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xa1\x01\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xc7\x01\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
 	"\x0emax_body_bytes\x18\x03 \x01(\rR\fmaxBodyBytes\x12)\n" +
-	"\x05pools\x18\x04 \x03(\v2\x13.pdx.config.v1.PoolR\x05pools\"\xdf\x04\n" +
+	"\x05pools\x18\x04 \x03(\v2\x13.pdx.config.v1.PoolR\x05pools\x12$\n" +
+	"\x03tls\x18\x05 \x01(\v2\x12.pdx.config.v1.TLSR\x03tls\"c\n" +
+	"\x03TLS\x12\x1b\n" +
+	"\tcert_file\x18\x01 \x01(\tR\bcertFile\x12\x19\n" +
+	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
+	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\xdf\x04\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -401,25 +483,27 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 	return file_pdx_config_v1_config_proto_rawDescData
 }
 
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
 var file_pdx_config_v1_config_proto_goTypes = []any{
 	(*Config)(nil),              // 0: pdx.config.v1.Config
-	(*Pool)(nil),                // 1: pdx.config.v1.Pool
-	(*Endpoint)(nil),            // 2: pdx.config.v1.Endpoint
-	(*durationpb.Duration)(nil), // 3: google.protobuf.Duration
+	(*TLS)(nil),                 // 1: pdx.config.v1.TLS
+	(*Pool)(nil),                // 2: pdx.config.v1.Pool
+	(*Endpoint)(nil),            // 3: pdx.config.v1.Endpoint
+	(*durationpb.Duration)(nil), // 4: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
-	1, // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
-	2, // 1: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	2, // 2: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	3, // 3: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	3, // 4: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	3, // 5: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	6, // [6:6] is the sub-list for method output_type
-	6, // [6:6] is the sub-list for method input_type
-	6, // [6:6] is the sub-list for extension type_name
-	6, // [6:6] is the sub-list for extension extendee
-	0, // [0:6] is the sub-list for field type_name
+	2, // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
+	1, // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
+	3, // 2: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	3, // 3: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	4, // 4: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	4, // 5: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	4, // 6: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	7, // [7:7] is the sub-list for method output_type
+	7, // [7:7] is the sub-list for method input_type
+	7, // [7:7] is the sub-list for extension type_name
+	7, // [7:7] is the sub-list for extension extendee
+	0, // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -433,7 +517,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   3,
+			NumMessages:   4,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
