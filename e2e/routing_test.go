@@ -75,7 +75,7 @@ func TestRouting(t *testing.T) {
 		for i := range 4 { // round robin must not matter
 			text := fmt.Sprintf("spoof %d", i)
 			a := post(t, hc, chatURL, `{"model":"demo-model","messages":[{"role":"user","content":"`+text+`"}],"max_tokens":2}`,
-				"X-Gateway-Destination-Endpoint", target)
+				"X-Gateway-Destination-Endpoint", target, "X-Envoy-Original-Dst-Host", target)
 			require.Equal(t, 200, a.status, a.body)
 			require.True(t, isEngine(st.Decode, a.header.Get("X-Pdx-Sim-Engine")), "answered by a decode engine")
 			requireHandoff(t, st, chatPrompt(text))

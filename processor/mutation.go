@@ -25,12 +25,16 @@ func setHeader(key, value string) *corev3.HeaderValueOption {
 	}
 }
 
-// routeHeaders answers the headers of an inference request: a client never
-// gets to name the destination, whatever happens next.
+// clientRoutingHeaders are removed from every request: a client never gets
+// to name the destination, whatever happens next. The second is the header
+// an ORIGINAL_DST cluster reads when it names none.
+var clientRoutingHeaders = []string{DestinationHeader, "x-envoy-original-dst-host"}
+
+// routeHeaders answers the headers of a request.
 func routeHeaders() *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestHeaders{
 		RequestHeaders: &extprocv3.HeadersResponse{Response: &extprocv3.CommonResponse{
-			HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: []string{DestinationHeader}},
+			HeaderMutation: &extprocv3.HeaderMutation{RemoveHeaders: clientRoutingHeaders},
 		}},
 	}}
 }

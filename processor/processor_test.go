@@ -199,7 +199,7 @@ func TestRoutesInferenceRequest(t *testing.T) {
 			require.Len(t, out, 2+tc.wantExtra)
 
 			hr := out[0].GetRequestHeaders().GetResponse()
-			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders(), "client's destination removed")
+			require.Equal(t, []string{DestinationHeader, "x-envoy-original-dst-host"}, hr.GetHeaderMutation().GetRemoveHeaders(), "client's routing headers removed")
 			require.Nil(t, out[0].GetModeOverride(), "sequential connectors need no response phase")
 
 			calls := eng.Calls()
@@ -243,7 +243,7 @@ func TestPassThrough(t *testing.T) {
 			out := run(t, testTable(t, true, time.Second), eng, tc.msgs...)
 			require.Len(t, out, len(tc.msgs))
 			hr := out[0].GetRequestHeaders().GetResponse()
-			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders())
+			require.Equal(t, []string{DestinationHeader, "x-envoy-original-dst-host"}, hr.GetHeaderMutation().GetRemoveHeaders())
 			require.Equal(t, passThroughMode, out[0].GetModeOverride())
 			for _, r := range out[1:] {
 				require.Nil(t, r.GetImmediateResponse())
