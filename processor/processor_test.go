@@ -104,7 +104,7 @@ func (e *fakeEngine) Calls() []engineCall {
 
 const kvAnswer = `{"id":"p","choices":[{"text":"x"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]],"remote_request_id":"r","remote_host":"127.0.0.1","remote_port":8100}}`
 
-func testTable(t *testing.T, withDefault bool, timeout time.Duration) *routing.Table {
+func testTable(t testing.TB, withDefault bool, timeout time.Duration) *routing.Table {
 	t.Helper()
 	table, err := routing.New(&configv1.Config{Pools: []*configv1.Pool{{
 		Name:           "p",

@@ -1,0 +1,68 @@
+package connectors
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
+)
+
+// fixedEngine answers every call at once with the same bytes: the benchmarks
+// measure the connectors' own work, not an engine's.
+type fixedEngine struct{ post, get []byte }
+
+func (e fixedEngine) Post(context.Context, Endpoint, string, string, []byte) ([]byte, error) {
+	return e.post, nil
+}
+
+func (e fixedEngine) Get(context.Context, string, string) ([]byte, error) { return e.get, nil }
+
+// BenchmarkPrepare is one request through each connector, client body
+// parsed once as the processor does, for prompts of 1 KiB to 2 MiB.
+func BenchmarkPrepare(b *testing.B) {
+	engines := map[string]fixedEngine{
+		"nixl":     {post: []byte(`{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_request_id":"r","remote_host":"10.0.0.1","remote_port":5600}}`)},
+		"http":     {post: []byte(`{"id":"x"}`)},
+		"sglang":   {post: []byte(`{"id":"x"}`)},
+		"p2p-nccl": {post: []byte(`{"id":"x"}`)},
+		"trtllm":   {post: []byte(`{"id":"x","choices":[{"index":0,"text":"a","finish_reason":"length","disaggregated_params":{"request_type":"context_only","ctx_request_id":9007199254740993,"first_gen_tokens":[42],"encoded_opaque_state":"b3BhcXVl"}}]}`)},
+		"mooncake": {post: []byte(`{"id":"x"}`), get: []byte(`{"0":{"engine_id":"e","worker_addr":{}}}`)},
+	}
+	connectors := []struct {
+		name string
+		opts Options
+	}{{"nixl", Options{}}, {"http", Options{}}, {"mooncake", Options{MooncakeProtocol: "vllm"}}, {"sglang", Options{}}, {"p2p-nccl", Options{}}, {"trtllm", Options{}}}
+	for _, c := range connectors {
+		conn, err := New(c.name, c.opts)
+		if err != nil {
+			b.Fatal(err)
+		}
+		for _, size := range []int{1 << 10, 32 << 10, 512 << 10, 2 << 20} {
+			body := []byte(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%s"}],"max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"temperature":0.7}`,
+				strings.Repeat("x", size)))
+			b.Run(fmt.Sprintf("%s/%dKiB", c.name, size>>10), func(b *testing.B) {
+				eng := engines[c.name]
+				b.SetBytes(int64(len(body)))
+				b.ReportAllocs()
+				for b.Loop() {
+					obj, err := jsonedit.Parse(body)
+					if err != nil {
+						b.Fatal(err)
+					}
+					req := &Request{ID: "bench", Path: "/v1/chat/completions", Body: obj, Prefill: testPrefill, Decode: testDecode}
+					d, err := conn.Prepare(b.Context(), eng, req)
+					if err != nil {
+						b.Fatal(err)
+					}
+					if d.Prefill != nil {
+						if err := <-d.Prefill; err != nil {
+							b.Fatal(err)
+						}
+					}
+				}
+			})
+		}
+	}
+}
