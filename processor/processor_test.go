@@ -389,3 +389,32 @@ func TestStreamErrorsAreReturned(t *testing.T) {
 }
 
 func msgs(m ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingRequest { return m }
+
+// A stream keeps the table it started with; SetTable only affects streams
+// that start later (config reload swaps it).
+func TestSetTableIsPerStream(t *testing.T) {
+	old := testTable(t, false, time.Second) // serves model "m" only
+	srv := New(old, &fakeEngine{answer: kvAnswer}, slog.New(slog.DiscardHandler))
+
+	running := newFakeStream(t.Context())
+	done := make(chan error, 1)
+	go func() { done <- srv.Process(running) }()
+	running.in <- headers("POST", "/v1/chat/completions", false)
+	<-running.out
+
+	srv.SetTable(testTable(t, true, time.Second)) // now with a default pool
+
+	running.in <- body(`{"model":"other","messages":[{}]}`, true)
+	status, _ := immediate(t, <-running.out)
+	require.Equal(t, 404, status, "the running stream still uses the old table")
+	close(running.in)
+	require.NoError(t, <-done)
+
+	later := newFakeStream(t.Context())
+	later.in <- headers("POST", "/v1/chat/completions", false)
+	later.in <- body(`{"model":"other","messages":[{}]}`, true)
+	close(later.in)
+	require.NoError(t, srv.Process(later))
+	<-later.out
+	require.NotNil(t, (<-later.out).GetRequestBody(), "a new stream routes with the new table")
+}
