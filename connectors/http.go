@@ -23,7 +23,8 @@ func (HTTP) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, e
 }
 
 func httpPrefillBody(client jsonedit.Object) []byte {
-	return engineBody(client, prefillOnlyEdits(client)...)
+	var buf [maxEdits]jsonedit.Edit
+	return engineBody(client, prefillOnlyEdits(buf[:0], client)...)
 }
 
 // MultipleChoices reports that n > 1 works: the decode engine finds the

@@ -63,7 +63,8 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, engine Engine, req *Re
 	// one transfer id would hand each other's KV over.
 	id := uuidHex()
 	transferID := appendJSONString(nil, "xfer-"+id)
-	prefill := engineBody(req.Body, append(prefillOnlyEdits(req.Body),
+	var buf [maxEdits]jsonedit.Edit
+	prefill := engineBody(req.Body, append(prefillOnlyEdits(buf[:0], req.Body),
 		jsonedit.Set(keyKVTransferParams, mooncakePrefillParams(transferID)))...)
 	decode := engineBody(req.Body,
 		jsonedit.Set(keyKVTransferParams, mooncakeDecodeParams(transferID, "http://"+bootstrap, engineID)))

@@ -35,7 +35,9 @@ func (NIXL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, e
 }
 
 func nixlPrefillBody(client jsonedit.Object) []byte {
-	return engineBody(client, append(prefillOnlyEdits(client), jsonedit.Set(keyKVTransferParams, nixlPrefillParams))...)
+	var buf [maxEdits]jsonedit.Edit
+	edits := prefillOnlyEdits(buf[:0], client)
+	return engineBody(client, append(edits, jsonedit.Set(keyKVTransferParams, nixlPrefillParams))...)
 }
 
 // nixlDecodeBody sets the prefill's kv_transfer_params; nil params leave the
@@ -47,23 +49,24 @@ func nixlDecodeBody(client jsonedit.Object, params []byte) []byte {
 	return engineBody(client, jsonedit.Set(keyKVTransferParams, params))
 }
 
-// prefillOnlyEdits turns a client body into a one-token, non-streaming
-// request: the prefill's output is thrown away, only its KV matters.
-func prefillOnlyEdits(client jsonedit.Object) []jsonedit.Edit {
-	edits := []jsonedit.Edit{
-		jsonedit.Set("stream", []byte("false")),
+// prefillOnlyEdits appends to dst the edits that turn a client body into a
+// one-token, non-streaming request: the prefill's output is thrown away, only
+// its KV matters. Callers pass a stack buffer (of maxEdits) as dst.
+func prefillOnlyEdits(dst []jsonedit.Edit, client jsonedit.Object) []jsonedit.Edit {
+	dst = append(dst,
+		jsonedit.Set("stream", jsonFalse),
 		jsonedit.Delete("stream_options"),
 		jsonedit.Delete("min_tokens"),
 		jsonedit.Delete("min_completion_tokens"),
-	}
+	)
 	// Limit the key the client used. Engines reject both set to 1, and vLLM
 	// reads max_completion_tokens first when both are present.
 	if client.Has("max_completion_tokens") {
-		return append(edits,
-			jsonedit.Set("max_completion_tokens", []byte("1")),
+		return append(dst,
+			jsonedit.Set("max_completion_tokens", jsonOne),
 			jsonedit.Delete("max_tokens"))
 	}
-	return append(edits, jsonedit.Set("max_tokens", []byte("1")))
+	return append(dst, jsonedit.Set("max_tokens", jsonOne))
 }
 
 // kvTransferParams returns the raw kv_transfer_params object of a prefill

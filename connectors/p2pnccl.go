@@ -3,6 +3,8 @@ package connectors
 import (
 	"context"
 	"fmt"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
 // P2PNCCL is vLLM's P2pNcclConnector protocol, as its xPyD proxy
@@ -20,7 +22,8 @@ func (P2PNCCL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode
 		return Decode{}, fmt.Errorf("p2p-nccl: prefill %s or decode %s has no kv_address", req.Prefill.Address, req.Decode.Address)
 	}
 	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
-	if _, err := engine.Post(ctx, req.Prefill, req.Path, id, engineBody(req.Body, prefillOnlyEdits(req.Body)...)); err != nil {
+	var buf [maxEdits]jsonedit.Edit
+	if _, err := engine.Post(ctx, req.Prefill, req.Path, id, engineBody(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
 	return Decode{Body: engineBody(req.Body), RequestID: id}, nil

@@ -21,29 +21,41 @@ const (
 	keyDisaggregatedParams = "disaggregated_params" // TensorRT-LLM
 )
 
-// stripped returns the edits that remove every client-sent protocol field,
-// followed by edits. Since the last edit of a key wins, a connector's own
-// value for one of those keys replaces the client's in place; keys the
+// stripped appends to dst the edits that remove every client-sent protocol
+// field, followed by edits. Since the last edit of a key wins, a connector's
+// own value for one of those keys replaces the client's in place; keys the
 // connector does not write are removed. jsonedit compares keys unescaped, so
 // "kv_transfer_param\u0073" is removed (or replaced) too.
-func stripped(edits ...jsonedit.Edit) []jsonedit.Edit {
-	all := make([]jsonedit.Edit, 0, 5+len(edits))
-	all = append(all,
+func stripped(dst []jsonedit.Edit, edits ...jsonedit.Edit) []jsonedit.Edit {
+	dst = append(dst,
 		jsonedit.Delete(keyKVTransferParams),
 		jsonedit.Delete(keyBootstrapHost),
 		jsonedit.Delete(keyBootstrapPort),
 		jsonedit.Delete(keyBootstrapRoom),
 		jsonedit.Delete(keyDisaggregatedParams),
 	)
-	return append(all, edits...)
+	return append(dst, edits...)
 }
 
+// maxEdits is the number of edits (protocol fields stripped included) that
+// engineBody and its callers gather on the stack, without allocating.
+const maxEdits = 16
+
 // engineBody returns the client body without client-sent protocol fields and
-// with edits applied; every other member keeps its bytes and position.
+// with edits applied; every other member keeps its bytes and position. The
+// body is allocated once, at its exact size.
 func engineBody(client jsonedit.Object, edits ...jsonedit.Edit) []byte {
-	all := stripped(edits...)
-	return client.AppendEdited(make([]byte, 0, client.EditedLen(all...)), all...)
+	var buf [maxEdits]jsonedit.Edit
+	return client.Edited(stripped(buf[:0], edits...)...)
 }
+
+// Fixed JSON values of prefill edits. They are only ever read (see
+// stateless_test.go): package-level so that the edits referring to them
+// need no allocation per request.
+var (
+	jsonFalse = []byte("false")
+	jsonOne   = []byte("1")
+)
 
 // appendJSONString appends s as a JSON string.
 func appendJSONString(dst []byte, s string) []byte {

@@ -122,6 +122,11 @@ var packageVars = map[string]string{
 	"nixlPrefillParams":    "fixed JSON fragment",
 	"trtllmContextParams":  "fixed JSON fragment",
 	"trtllmGenerationOnly": "fixed JSON fragment",
+	// The values of the prefill-only edits ("stream":false and the one-token
+	// limit), package-level so that building those edits allocates nothing;
+	// like the fragments above, only ever passed as jsonedit.Edit values.
+	"jsonFalse": "fixed JSON fragment",
+	"jsonOne":   "fixed JSON fragment",
 }
 
 // TestNoMutablePackageState parses the package's non-test files and fails on

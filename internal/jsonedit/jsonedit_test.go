@@ -1,7 +1,10 @@
 package jsonedit
 
 import (
+	"encoding/json"
+	"errors"
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -127,4 +130,106 @@ func TestAppendEditedNewKeyIsJSON(t *testing.T) {
 	back, err := Parse(got)
 	require.NoError(t, err, "%q", got)
 	require.Equal(t, []string{edits[0].Key}, back.Keys())
+}
+
+// TestParseAgreesWithValid compares Parse's validation with encoding/json's
+// on inputs that exercise each part of the scanner.
+func TestParseAgreesWithValid(t *testing.T) {
+	deep := func(n int, open, close string) string {
+		return `{"a":` + strings.Repeat(open, n-1) + strings.Repeat(close, n-1) + `}`
+	}
+	inputs := []string{
+		``, ` `, `{`, `}`, `{"a"}`, `{"a":1,}`, `{,}`, `{"a":1 "b":2}`, `{"a":1}x`, `{"a":1} `, `{"a":1}{}`,
+		`{"a":[1,]}`, `{"a":[,1]}`, `{"a":[1 2]}`, `{"a":[]}`, `{"a":[ ]}`, `{"a":{ }}`, `{"a":{"b":}}`, `{"a":{"b" 1}}`,
+		`{"a":{"b":1,}}`, `{"a":[{}]}`, `{"a":[[[]]]}`, `{"a":[}`, `{"a":{]}`, `{"a":[1}]}`,
+		`{"a":-}`, `{"a":-0}`, `{"a":01}`, `{"a":1.}`, `{"a":.5}`, `{"a":1e}`, `{"a":1e+}`, `{"a":1E-2}`, `{"a":1.5e10}`,
+		`{"a":-01}`, `{"a":+1}`, `{"a":0x1}`, `{"a":1.2.3}`, `{"a":NaN}`, `{"a":Infinity}`,
+		`{"a":tru}`, `{"a":true}`, `{"a":trueee}`, `{"a":nul}`, `{"a":null}`, `{"a":false}`, `{"a":fals}`,
+		`{"a":"\u12"}`, `{"a":"\u12g4"}`, `{"a":"\uABCD"}`, `{"a":"\x"}`, `{"a":"\/\b\f\n\r\t\"\\"}`, `{"a":"\'"}`,
+		"{\"a\":\"\x01\"}", "{\"a\":\"\x7f\"}", "{\"a\":\"\xff\xfe\"}", "{\"a\":\"é\"}", "{\"a\":\"\t\"}",
+		`{"a":"0123456789abcdef0123456789abcdef"}`, `{"a":"0123456789abcdef0123456789abcde\"f"}`,
+		"{\"a\":\"0123456789abcdef0123456789abcde\x1ff\"}", `{"a":"0123456789abcdef0123456789abcde\\f"}`,
+		`{"a":"unterminated0123456789`, `{"a":"unterminated\`, `{"a":"\u`, `"abc"`, `1`, `[1]`, ` [1,{"a":2}] `, `[1`,
+		"{\"a\"\n:\r1\t}", "\v{}", "{}\x00", `{"a":1}` + "\xa0",
+		deep(maxDepth, "[", "]"), deep(maxDepth+1, "[", "]"), deep(maxDepth-1, "[", "]"),
+		strings.Repeat("[", maxDepth) + strings.Repeat("]", maxDepth),
+		strings.Repeat("[", maxDepth+1) + strings.Repeat("]", maxDepth+1),
+	}
+	for _, in := range inputs {
+		_, err := Parse([]byte(in))
+		valid := json.Valid([]byte(in))
+		if errors.Is(err, ErrInvalid) == valid {
+			t.Errorf("Parse(%.60q) = %v; json.Valid = %v", in, err, valid)
+		}
+	}
+}
+
+// TestParseInvalidBeforeDuplicate keeps ErrInvalid ahead of a duplicate key
+// found earlier in an invalid body, as when Parse validated first.
+func TestParseInvalidBeforeDuplicate(t *testing.T) {
+	_, err := Parse([]byte(`{"a":1,"a":2,"b":}`))
+	require.ErrorIs(t, err, ErrInvalid)
+	_, err = Parse([]byte(`{"a":1,"a":2,"b":3}`))
+	require.ErrorAs(t, err, new(*DuplicateKeyError))
+}
+
+// TestParseManyMembersInline covers objects around the inline capacity.
+func TestParseManyMembersInline(t *testing.T) {
+	for n := inlineMembers - 1; n <= inlineMembers+2; n++ {
+		b := []byte("{")
+		for i := range n {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = fmt.Appendf(b, `"k\u0030%d":"v%d"`, i, i)
+		}
+		b = append(b, '}')
+		o, err := Parse(b)
+		require.NoError(t, err)
+		require.Equal(t, n, o.Len())
+		for i := range n {
+			raw, ok := o.Raw(fmt.Sprintf("k0%d", i))
+			require.True(t, ok)
+			require.Equal(t, fmt.Sprintf(`"v%d"`, i), string(raw))
+		}
+		o2, err := Parse(o.AppendEdited(nil, Delete("k00")))
+		require.NoError(t, err)
+		require.Equal(t, n-1, o2.Len())
+	}
+}
+
+// TestEditedMatchesAppendEdited checks that Edited writes what AppendEdited
+// appends, at its exact length.
+func TestEditedMatchesAppendEdited(t *testing.T) {
+	for _, tc := range []struct {
+		in    string
+		edits []Edit
+	}{
+		{`{}`, nil},
+		{` { "a" : 1.50 , "b":[1, 2] } `, []Edit{Delete("a"), Set("c", []byte(`{"x":1}`))}},
+		{`{"strea\u006d":true,"x":"y"}`, []Edit{Set("stream", []byte(`false`)), Set("new\u2028\"key", []byte(`1`)), Set("plain", []byte(`2`))}},
+		{`{"a":1}`, []Edit{Delete("a"), Set("z", []byte(`1`)), Set("z", []byte(`2`))}},
+	} {
+		o, err := Parse([]byte(tc.in))
+		require.NoError(t, err)
+		want := o.AppendEdited(nil, tc.edits...)
+		got := o.Edited(tc.edits...)
+		require.Equal(t, string(want), string(got), tc.in)
+		require.Equal(t, len(got), cap(got), tc.in)
+	}
+}
+
+// TestParseAndEditAllocs keeps the hot path of a typical request free of
+// allocations but the output buffer.
+func TestParseAndEditAllocs(t *testing.T) {
+	body := []byte(`{"model":"m","messages":[{"role":"user","content":"hi \"there\"\n"}],"max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"temperature":0.7}`)
+	one := []byte("1")
+	allocs := testing.AllocsPerRun(100, func() {
+		o, err := Parse(body)
+		if err != nil || !o.Has("max_tokens") {
+			t.Fatal(err)
+		}
+		_ = o.Edited(Set("stream", one), Delete("stream_options"), Set("max_tokens", one), Set("kv_transfer_params", one))
+	})
+	require.LessOrEqual(t, allocs, 1.0)
 }
