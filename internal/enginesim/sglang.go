@@ -117,19 +117,25 @@ func parseBootstrap(req *inferenceRequest) (bootstrap, bool, error) {
 // uintText returns the canonical decimal text of a JSON integer in
 // [0, 2^64), without going through float64.
 func uintText(raw json.RawMessage) (string, bool) {
+	num, ok := jsonNumber(raw)
+	if !ok {
+		return "", false
+	}
+	n, err := strconv.ParseUint(num, 10, 64)
+	if err != nil {
+		return "", false
+	}
+	return strconv.FormatUint(n, 10), true
+}
+
+// jsonNumber returns the text of raw if it is a JSON number.
+func jsonNumber(raw json.RawMessage) (string, bool) {
 	var v any
 	if err := decodeJSON(raw, &v); err != nil {
 		return "", false
 	}
 	num, ok := v.(json.Number)
-	if !ok {
-		return "", false
-	}
-	n, err := strconv.ParseUint(num.String(), 10, 64)
-	if err != nil {
-		return "", false
-	}
-	return strconv.FormatUint(n, 10), true
+	return num.String(), ok
 }
 
 func (p *sglangProtocol) prefill(x *exchange) {

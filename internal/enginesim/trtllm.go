@@ -218,15 +218,11 @@ func intText(raw json.RawMessage) (string, bool) {
 	if t, ok := uintText(raw); ok {
 		return t, true
 	}
-	var v any
-	if err := decodeJSON(raw, &v); err != nil {
-		return "", false
-	}
-	num, ok := v.(json.Number)
+	num, ok := jsonNumber(raw)
 	if !ok {
 		return "", false
 	}
-	n, err := strconv.ParseInt(num.String(), 10, 64)
+	n, err := strconv.ParseInt(num, 10, 64)
 	if err != nil {
 		return "", false
 	}
