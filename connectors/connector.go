@@ -147,6 +147,7 @@ var registry = map[string]func(Options) (Connector, error){
 	"sglang":   func(Options) (Connector, error) { return SGLang{}, nil },
 	"p2p-nccl": func(Options) (Connector, error) { return P2PNCCL{}, nil },
 	"trtllm":   func(Options) (Connector, error) { return TRTLLM{}, nil },
+	"none":     func(Options) (Connector, error) { return None{}, nil },
 }
 
 // New returns the connector registered under name, configured by opts.

@@ -228,6 +228,24 @@ func TestRoutesInferenceRequest(t *testing.T) {
 	}
 }
 
+func TestConnectorNoneRoutesWithoutPrefill(t *testing.T) {
+	table, err := routing.New(&configv1.Config{Pools: []*configv1.Pool{{
+		Name: "agg", Default: true, Connector: "none",
+		Decode:         []*configv1.Endpoint{{Address: "127.0.0.1:8200"}},
+		PrefillTimeout: durationpb.New(time.Second),
+	}}})
+	require.NoError(t, err)
+	eng := &fakeEngine{err: errors.New("no engine may be called")}
+	out := run(t, table, eng,
+		headers("POST", "/v1/completions", false),
+		body(`{"model":"m","prompt":"hi","kv_transfer_params":{"remote_host":"10.6.6.6"}}`, true))
+	require.Len(t, out, 2)
+	require.Empty(t, eng.Calls())
+	br := out[1].GetRequestBody().GetResponse()
+	require.JSONEq(t, `{"model":"m","prompt":"hi"}`, string(br.GetBodyMutation().GetBody()))
+	require.Equal(t, "127.0.0.1:8200", setHeaders(br.GetHeaderMutation())[DestinationHeader])
+}
+
 func TestPassThrough(t *testing.T) {
 	tests := []struct {
 		name string

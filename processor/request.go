@@ -247,7 +247,12 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 	}
 	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body}
 	creq.Decode, _ = pool.Decode.Pick() // a pool has decode endpoints; picking skips only ejected ones
-	decode, err := r.prefillWithRetries(ctx, pool, creq)
+	var decode connectors.Decode
+	if connectors.Prefills(pool.Connector) {
+		decode, err = r.prefillWithRetries(ctx, pool, creq)
+	} else {
+		decode, err = pool.Connector.Prepare(ctx, r.engine, creq)
+	}
 	switch {
 	case err != nil && pool.Fallback && fallbackable(ctx, err):
 		// The decode engine can compute the prompt itself: slower, but the

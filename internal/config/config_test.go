@@ -179,6 +179,8 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[1].default: more than one default pool (also pools[0].default)`}},
 		{"missing connector", pools(pool(`connector: ""`)), []string{`config: pools[0].connector: required`}},
 		{"no prefill", pools(pool("prefill: []")), []string{`config: pools[0].prefill: at least one endpoint is required`}},
+		{"prefill with connector none", pools(pool("connector: none")), []string{
+			`config: pools[0].prefill: must be empty with connector "none", whose engines serve whole requests`}},
 		{"no decode", pools(pool("decode:")), []string{`config: pools[0].decode: at least one endpoint is required`}},
 		{"hostname endpoint", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {address: "localhost:8000"}]`)), []string{
 			`config: pools[0].decode[1].address: "localhost:8000" is not ip:port with a literal IP`}},
@@ -370,4 +372,10 @@ pools:
 	cfg, err := Parse([]byte("tls: {cert_file: c.pem, key_file: k.pem, client_ca_file: ca.pem}" + pools))
 	require.NoError(t, err)
 	require.Equal(t, "ca.pem", cfg.GetTls().GetClientCaFile())
+}
+
+func TestConnectorNoneHasNoPrefill(t *testing.T) {
+	cfg, err := Parse([]byte("pools:\n" + pool("connector: none", "prefill: []")))
+	require.NoError(t, err)
+	require.Empty(t, cfg.GetPools()[0].GetPrefill())
 }

@@ -75,7 +75,14 @@ func validate(cfg *configv1.Config) []error {
 		if p.GetConnector() == "" {
 			v.fail(path+".connector", "required")
 		}
-		v.endpoints(path+".prefill", p.GetPrefill())
+		if p.GetConnector() == "none" {
+			// Aggregated engines: pdx picks a decode endpoint and calls no prefill.
+			if len(p.GetPrefill()) > 0 {
+				v.fail(path+".prefill", "must be empty with connector \"none\", whose engines serve whole requests")
+			}
+		} else {
+			v.endpoints(path+".prefill", p.GetPrefill())
+		}
 		v.endpoints(path+".decode", p.GetDecode())
 		v.connectorOptions(path, p)
 		v.failureHandling(path, p)

@@ -62,5 +62,5 @@ pools:
 `))
 	require.NoError(t, err)
 	_, err = New(cfg)
-	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, p2p-nccl, sglang, trtllm)`)
+	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`)
 }

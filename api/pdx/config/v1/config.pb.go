@@ -197,8 +197,10 @@ type Pool struct {
 	// one pool may be the default.
 	Default bool `protobuf:"varint,3,opt,name=default,proto3" json:"default,omitempty"`
 	// KV-transfer connector used between prefill and decode endpoints: "nixl",
-	// "http" (alias "lmcache"), "mooncake", "sglang", "p2p-nccl" or "trtllm".
-	// Required; the server rejects names it does not support.
+	// "http" (alias "lmcache"), "mooncake", "sglang", "p2p-nccl" or "trtllm";
+	// or "none" for aggregated engines: no prefill leg, pdx only picks the
+	// decode endpoint (prefill must then be empty). Required; the server
+	// rejects names it does not support.
 	Connector string `protobuf:"bytes,4,opt,name=connector,proto3" json:"connector,omitempty"`
 	// Prefill endpoints. At least one is required.
 	Prefill []*Endpoint `protobuf:"bytes,5,rep,name=prefill,proto3" json:"prefill,omitempty"`
