@@ -41,6 +41,10 @@ type Config struct {
 	BufferLimitBytes int
 	// PdxTLS, when set, makes Envoy reach pdx over TLS.
 	PdxTLS *TLS
+	// WithoutExtProc leaves pdx out: the client's own
+	// x-gateway-destination-endpoint picks the engine. Only the load
+	// harness's floor, Envoy alone, uses it; it is never a deployment.
+	WithoutExtProc bool
 }
 
 // TLS is how Envoy verifies pdx's certificate and authenticates itself.
