@@ -107,6 +107,7 @@ func Render(w io.Writer, c Config) error {
 		"MessageTimeout":   strconv.FormatFloat(c.MessageTimeout.Seconds(), 'f', -1, 64) + "s",
 		"BufferLimitBytes": c.BufferLimitBytes,
 		"PdxTLS":           c.PdxTLS,
+		"WithoutExtProc":   c.WithoutExtProc,
 	})
 }
 
