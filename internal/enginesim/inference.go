@@ -32,7 +32,7 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 			r:   r,
 		}
 		body, err := readBody(w, r)
-		x.rec.Body = recordBody(body)
+		x.rec.Body = s.recordBody(body)
 		if err != nil {
 			s.reject(x, badRequest("reading request body: %v", err))
 			return

@@ -179,7 +179,7 @@ func (s *Server) handlePull(w http.ResponseWriter, r *http.Request) {
 
 func (s *Server) servePull(w http.ResponseWriter, r *http.Request, rec *Record) (pullResponse, *apiError) {
 	body, err := readBody(w, r)
-	rec.Body = recordBody(body)
+	rec.Body = s.recordBody(body)
 	if err != nil {
 		return pullResponse{}, badRequest("reading KV pull request: %v", err)
 	}

@@ -345,3 +345,19 @@ func TestLoopbackOnly(t *testing.T) {
 		})
 	}
 }
+
+func TestTallyOnly(t *testing.T) {
+	p := startSim(t, Config{Role: RolePrefill, TallyOnly: true})
+	d := startSim(t, Config{Role: RoleDecode, TallyOnly: true})
+	b := completionBody("Once upon a time")
+	var kv map[string]any
+	require.NoError(t, json.Unmarshal(post(t, p, "/v1/completions", "req-1", b.asPrefill()).decode(t).KVTransferParams, &kv))
+	require.Equal(t, KVPulled, post(t, d, "/v1/completions", "req-1", b.with("kv_transfer_params", kv)).header.Get(HeaderKV))
+	post(t, d, "/v1/completions", "req-2", b)
+	post(t, d, "/v1/completions", "req-3", b.with("kv_transfer_params", kv)) // pulled already: refused
+
+	require.Empty(t, p.Records())
+	require.Empty(t, d.Records())
+	require.Equal(t, Tally{Prefill: 1, KVPull: 2, Rejected: 1}, p.Tally())
+	require.Equal(t, Tally{Decode: 1, Plain: 1, Pulled: 1, Rejected: 1}, d.Tally())
+}

@@ -52,6 +52,14 @@ func readBody(w http.ResponseWriter, r *http.Request) ([]byte, error) {
 	return io.ReadAll(http.MaxBytesReader(w, r.Body, maxBody))
 }
 
+// recordBody is recordBody(body) unless the engine keeps no records.
+func (s *Server) recordBody(body []byte) json.RawMessage {
+	if s.cfg.TallyOnly {
+		return nil
+	}
+	return recordBody(body)
+}
+
 // recordBody is the body as a compact JSON value. A body that is not JSON is
 // kept as a JSON string so Records still marshal.
 func recordBody(body []byte) json.RawMessage {

@@ -78,6 +78,19 @@ type Config struct {
 	// FailStatus, when set, answers every inference request with this
 	// status and an OpenAI-style error: a sick engine, for failure tests.
 	FailStatus int
+	// TallyOnly keeps counts (see Tally) instead of records and logs
+	// nothing per request: a load run's millions of records, bodies
+	// included, would cost more than the engine being measured.
+	TallyOnly bool
+}
+
+// Tally counts what an engine served, by outcome.
+type Tally struct {
+	Prefill, Decode, Plain, KVPull, KVPush int
+	// Pulled counts decodes that took their KV from a prefill engine.
+	Pulled int
+	// Rejected counts requests and transfers answered with an error status.
+	Rejected int
 }
 
 const (
@@ -178,6 +191,7 @@ type Server struct {
 	nextSeq   uint64
 	resetSeq  uint64 // requests that arrived before this are not recorded
 	records   []sequenced
+	tally     Tally
 	closing   bool
 	stopWatch func() bool // detaches Close from the Start context
 	inflight  sync.WaitGroup
@@ -413,6 +427,10 @@ func (s *Server) arrive() uint64 {
 
 // commit stores a finished record at its arrival position.
 func (s *Server) commit(seq uint64, rec Record) {
+	if s.cfg.TallyOnly {
+		s.count(rec)
+		return
+	}
 	s.log.Info("request", "kind", rec.Kind, "path", rec.Path, "request_id", rec.RequestID,
 		"status", rec.Status, "kv", rec.KV, "kv_source", rec.KVSource, "error", rec.Error)
 	s.mu.Lock()
@@ -424,6 +442,37 @@ func (s *Server) commit(seq uint64, rec Record) {
 		return compareUint(sr.seq, seq)
 	})
 	s.records = slices.Insert(s.records, i, sequenced{seq: seq, rec: rec})
+}
+
+func (s *Server) count(rec Record) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	t := &s.tally
+	switch rec.Kind {
+	case KindPrefill:
+		t.Prefill++
+	case KindDecode:
+		t.Decode++
+	case KindPlain:
+		t.Plain++
+	case KindKVPull:
+		t.KVPull++
+	case KindKVPush:
+		t.KVPush++
+	}
+	if rec.KV == KVPulled {
+		t.Pulled++
+	}
+	if rec.Kind == KindRejected || rec.Status >= 400 {
+		t.Rejected++
+	}
+}
+
+// Tally returns the counts of an engine started with TallyOnly.
+func (s *Server) Tally() Tally {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.tally
 }
 
 func compareUint(a, b uint64) int {
