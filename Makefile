@@ -15,7 +15,7 @@ GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -
 
 include mk/proto.mk
 
-.PHONY: all build envoy demo test vet fmt-check unit bench-compile fuzz clean
+.PHONY: all build envoy demo test vet fmt-check unit bench-compile fuzz bench k8s-translate clean
 
 all: build
 
@@ -37,7 +37,7 @@ demo: envoy
 	$(GO) run ./cmd/pdx demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
-test: envoy fmt-check vet proto-check unit bench-compile fuzz
+test: envoy fmt-check vet proto-check unit bench-compile fuzz k8s-translate
 
 fmt-check:
 	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -51,6 +51,27 @@ unit:
 # Benchmarks report speed; CI only runs each once to keep them working.
 bench-compile:
 	$(GO) test -run '^$$' -bench . -benchtime 1x ./...
+
+## bench: the load harness (Envoy alone vs Envoy + pdx, ~10 minutes) and
+## the Go benchmarks; results, charts and profiles go to bench/.
+## BENCH_ARGS adds pdx-bench flags, e.g. BENCH_ARGS="--profiles zero".
+bench: envoy
+	$(GO) build -o $(TOOLS)/bin/pdx ./cmd/pdx
+	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)
+	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker | tee bench/go-bench.txt
+
+## k8s-translate: Envoy Gateway's own translator (egctl, the go.mod's version
+## of github.com/envoyproxy/gateway, built into .tools/egctl) turns
+## deploy/kubernetes into Envoy config, which the pinned Envoy validates.
+## The first build takes minutes; later ones reuse Go's build cache.
+EGCTL_DIR := $(TOOLS)/egctl
+k8s-translate: envoy
+	@v=$$($(GO) list -m -f '{{.Version}}' github.com/envoyproxy/gateway); \
+	if [ ! -x "$(EGCTL_DIR)/egctl" ] || [ "$$(cat $(EGCTL_DIR)/version 2>/dev/null)" != "$$v" ]; then \
+	  echo "installing egctl $$v into $(EGCTL_DIR)"; \
+	  GOBIN="$(EGCTL_DIR)" $(GO) install github.com/envoyproxy/gateway/cmd/egctl@$$v && echo "$$v" > $(EGCTL_DIR)/version; \
+	fi
+	EGCTL=$(EGCTL_DIR)/egctl $(GO) test -tags egctl -count=1 -run '^TestEnvoyGatewayTranslation$$' ./deploy/kubernetes/
 
 # Each fuzz target briefly (seed corpora also run in `unit`); FUZZTIME=1m
 # for a longer hunt. go test -fuzz takes one target of one package per run.

@@ -9,9 +9,10 @@ import (
 )
 
 // TestPrepareAllocs bounds the allocations of one request through the NIXL
-// and HTTP connectors, client body parse included: the two engine bodies,
-// nothing per member or per edit. (BenchmarkPrepare counts two more, its
-// own: the *Request and the engine boxed into the Engine interface.)
+// and HTTP connectors, client body parse included: the decode body and the
+// list of the prefill body's pieces, nothing per member or per edit.
+// (BenchmarkPrepare counts two more, its own: the *Request and the engine
+// boxed into the Engine interface.)
 func TestPrepareAllocs(t *testing.T) {
 	body := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 4096) +
 		`"}],"max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"temperature":0.7}`)
@@ -34,6 +35,10 @@ func TestPrepareAllocs(t *testing.T) {
 				t.Fatal(err)
 			}
 		})
-		require.LessOrEqual(t, allocs, 2.0, name)
+		limit := 2.0
+		if raceEnabled {
+			limit = 3 // the edits' stack buffer escapes in -race builds
+		}
+		require.LessOrEqual(t, allocs, limit, name)
 	}
 }

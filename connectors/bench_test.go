@@ -3,6 +3,7 @@ package connectors
 import (
 	"context"
 	"fmt"
+	"net"
 	"strings"
 	"testing"
 
@@ -13,7 +14,7 @@ import (
 // measure the connectors' own work, not an engine's.
 type fixedEngine struct{ post, get []byte }
 
-func (e fixedEngine) Post(context.Context, Endpoint, string, string, []byte) ([]byte, error) {
+func (e fixedEngine) Post(context.Context, Endpoint, string, string, net.Buffers) ([]byte, error) {
 	return e.post, nil
 }
 

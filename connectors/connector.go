@@ -28,6 +28,10 @@ type Endpoint struct {
 	BootstrapPort int
 	// KVAddress is the engine's P2P NCCL ZMQ "ip:port".
 	KVAddress string
+	// Group pairs engines: a decode endpoint's prefill is picked only among
+	// the prefill endpoints of its group (Kubernetes discovery with a
+	// group_label). Empty: unpaired. Connectors do not use it.
+	Group string
 }
 
 // DefaultBootstrapPort is SGLang's and vLLM Mooncake's default bootstrap port.
@@ -89,9 +93,10 @@ func Concurrent(c Connector) bool {
 
 // Engine sends requests to inference engines.
 type Engine interface {
-	// Post sends body to path on endpoint with the given X-Request-Id and
-	// returns the answer's body. A non-2xx answer is an *EngineError.
-	Post(ctx context.Context, endpoint Endpoint, path, requestID string, body []byte) ([]byte, error)
+	// Post sends body (its pieces one after another, only read) to path
+	// on endpoint with the given X-Request-Id and returns the answer's
+	// body. A non-2xx answer is an *EngineError.
+	Post(ctx context.Context, endpoint Endpoint, path, requestID string, body net.Buffers) ([]byte, error)
 	// Get fetches http://address+path (a bootstrap server's, for example)
 	// and returns the answer's body. A non-2xx answer is an *EngineError.
 	Get(ctx context.Context, address, path string) ([]byte, error)

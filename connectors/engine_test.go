@@ -1,9 +1,11 @@
 package connectors
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"net/http"
 	"slices"
 	"sync"
@@ -68,8 +70,8 @@ func (e *fakeEngine) on(method, address, path string, r reply) *fakeEngine {
 }
 
 // Post implements [Engine].
-func (e *fakeEngine) Post(ctx context.Context, ep Endpoint, path, requestID string, body []byte) ([]byte, error) {
-	return e.do(ctx, engineCall{method: http.MethodPost, endpoint: ep, path: path, requestID: requestID, body: string(body)})
+func (e *fakeEngine) Post(ctx context.Context, ep Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
+	return e.do(ctx, engineCall{method: http.MethodPost, endpoint: ep, path: path, requestID: requestID, body: string(bytes.Join(body, nil))})
 }
 
 // Get implements [Engine].

@@ -2,6 +2,7 @@ package connectors
 
 import (
 	"context"
+	"net"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -22,9 +23,9 @@ func (HTTP) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, e
 	return Decode{Body: engineBody(req.Body)}, nil
 }
 
-func httpPrefillBody(client jsonedit.Object) []byte {
+func httpPrefillBody(client jsonedit.Object) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
-	return engineBody(client, prefillOnlyEdits(buf[:0], client)...)
+	return enginePieces(client, prefillOnlyEdits(buf[:0], client)...)
 }
 
 // MultipleChoices reports that n > 1 works: the decode engine finds the

@@ -1,7 +1,6 @@
 package connectors
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -11,6 +10,8 @@ import (
 	"net/http"
 	"net/url"
 	"time"
+
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // maxAnswerBytes bounds a prefill answer. It is one token plus
@@ -45,6 +46,13 @@ func NewTransport() *http.Transport {
 		ExpectContinueTimeout: 0,
 		DisableCompression:    true, // answers are small; gzip only costs CPU
 		ForceAttemptHTTP2:     false,
+		// Every prefill in flight holds a connection of its own (engines
+		// speak HTTP/1.1), and with it these two buffers: Go's 4 KiB each
+		// were a third of pdx's memory per request. Prompts bypass the
+		// write buffer (they are written in large pieces), and answers are
+		// a few hundred bytes to a few KiB.
+		WriteBufferSize: 1 << 10,
+		ReadBufferSize:  2 << 10,
 	}
 }
 
@@ -52,19 +60,55 @@ func NewTransport() *http.Transport {
 func (e *HTTPEngine) CloseIdleConnections() { e.client.CloseIdleConnections() }
 
 // Post implements [Engine].
-func (e *HTTPEngine) Post(ctx context.Context, ep Endpoint, path, requestID string, body []byte) ([]byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+ep.Address+path, bytes.NewReader(body))
+func (e *HTTPEngine) Post(ctx context.Context, ep Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+ep.Address+path, nil)
 	if err != nil {
 		return nil, &EngineError{Endpoint: ep, Err: err}
 	}
+	for _, p := range body {
+		req.ContentLength += int64(len(p))
+	}
+	req.Body = &piecesReader{pieces: body}
+	// The transport may send a request again on a fresh connection when
+	// the kept-alive one it chose was closed under it.
+	req.GetBody = func() (io.ReadCloser, error) { return &piecesReader{pieces: body}, nil }
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", requestID)
 	return e.do(req, ep)
 }
 
+// piecesReader reads pieces one after another without changing them (unlike
+// net.Buffers, whose reads consume it), so the same pieces can be sent again.
+type piecesReader struct {
+	pieces [][]byte
+	off    int // into pieces[0]
+}
+
+func (r *piecesReader) Read(p []byte) (int, error) {
+	n := 0
+	for n < len(p) && len(r.pieces) > 0 {
+		c := copy(p[n:], r.pieces[0][r.off:])
+		n += c
+		r.off += c
+		if r.off == len(r.pieces[0]) {
+			r.pieces, r.off = r.pieces[1:], 0
+		}
+	}
+	if n == 0 && len(r.pieces) == 0 {
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+func (r *piecesReader) Close() error { return nil }
+
 // do sends req and reads a bounded answer, turning every failure into an
 // *EngineError.
 func (e *HTTPEngine) do(req *http.Request, ep Endpoint) ([]byte, error) {
+	// The W3C traceparent of the span in the request's context (pdx's
+	// prefill attempt), so that the engine's span is its child. Without a
+	// span, that is with tracing off, this writes nothing.
+	propagation.TraceContext{}.Inject(req.Context(), propagation.HeaderCarrier(req.Header))
 	resp, err := e.client.Do(req)
 	if err != nil {
 		return nil, &EngineError{Endpoint: ep, Err: unwrapURLError(err)}

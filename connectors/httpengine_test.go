@@ -51,7 +51,7 @@ func TestHTTPEnginePostRequest(t *testing.T) {
 	}))
 	defer srv.Close()
 
-	out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "req-42", []byte(body))
+	out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "req-42", net.Buffers{[]byte(body)})
 	require.NoError(t, err)
 	require.Equal(t, answer, string(out))
 
@@ -125,7 +125,7 @@ func TestHTTPEnginePostErrorAnswer(t *testing.T) {
 			defer srv.Close()
 			ep := endpointOf(srv)
 
-			out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", []byte(`{}`))
+			out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 			require.Nil(t, out)
 			ee, ok := errors.AsType[*EngineError](err)
 			require.True(t, ok, "want *EngineError, got %T: %v", err, err)
@@ -158,7 +158,7 @@ func TestHTTPEnginePostAnswerSize(t *testing.T) {
 			}))
 			defer srv.Close()
 
-			out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "r", []byte(`{}`))
+			out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 			if !tc.tooBig {
 				require.NoError(t, err)
 				require.Len(t, out, tc.size)
@@ -180,7 +180,7 @@ func TestHTTPEnginePostConnectionRefused(t *testing.T) {
 	ep := Endpoint{Address: ln.Addr().String()}
 	require.NoError(t, ln.Close())
 
-	out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", []byte(`{}`))
+	out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 	require.Nil(t, out)
 	ee, ok := errors.AsType[*EngineError](err)
 	require.True(t, ok, "want *EngineError, got %T: %v", err, err)
@@ -234,7 +234,7 @@ func TestHTTPEnginePostContextEnds(t *testing.T) {
 			e := newEngine(t)
 			done := make(chan error, 1)
 			go func() {
-				_, err := e.Post(ctx, endpointOf(srv), "/v1/completions", "r", []byte(`{}`))
+				_, err := e.Post(ctx, endpointOf(srv), "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 				done <- err
 			}()
 			// A deadline may pass before the request arrives; either way the
@@ -281,7 +281,7 @@ func TestHTTPEngineReusesConnections(t *testing.T) {
 
 	e := newEngine(t)
 	for i := range 20 {
-		_, err := e.Post(t.Context(), endpointOf(srv), "/v1/completions", "r", []byte(`{}`))
+		_, err := e.Post(t.Context(), endpointOf(srv), "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 		if i%2 == 0 {
 			require.NoError(t, err, "call %d", i)
 		} else {
@@ -300,4 +300,24 @@ func TestNewTransport(t *testing.T) {
 		"the pool-wide cap must not undercut the per-host one")
 	// Engines are addressed directly; HTTP_PROXY in the environment must not apply.
 	require.Nil(t, tr.Proxy)
+}
+
+func TestPiecesReader(t *testing.T) {
+	pieces := net.Buffers{[]byte(`{"a":`), nil, []byte(`1`), []byte(``), []byte(`,"b":"xyz"}`)}
+	for _, size := range []int{1, 3, 64} {
+		for range 2 { // the pieces are unchanged by reading, so read twice
+			var got []byte
+			r := &piecesReader{pieces: pieces}
+			buf := make([]byte, size)
+			for {
+				n, err := r.Read(buf)
+				got = append(got, buf[:n]...)
+				if err == io.EOF {
+					break
+				}
+				require.NoError(t, err)
+			}
+			require.Equal(t, `{"a":1,"b":"xyz"}`, string(got), "read %d at a time", size)
+		}
+	}
 }

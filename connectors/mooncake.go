@@ -64,7 +64,7 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, engine Engine, req *Re
 	id := uuidHex()
 	transferID := appendJSONString(nil, "xfer-"+id)
 	var buf [maxEdits]jsonedit.Edit
-	prefill := engineBody(req.Body, append(prefillOnlyEdits(buf[:0], req.Body),
+	prefill := enginePieces(req.Body, append(prefillOnlyEdits(buf[:0], req.Body),
 		jsonedit.Set(keyKVTransferParams, mooncakePrefillParams(transferID)))...)
 	decode := engineBody(req.Body,
 		jsonedit.Set(keyKVTransferParams, mooncakeDecodeParams(transferID, "http://"+bootstrap, engineID)))

@@ -3,6 +3,7 @@ package connectors
 import (
 	"context"
 	"fmt"
+	"net"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -34,10 +35,10 @@ func (NIXL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, e
 	return Decode{Body: nixlDecodeBody(req.Body, params)}, nil
 }
 
-func nixlPrefillBody(client jsonedit.Object) []byte {
+func nixlPrefillBody(client jsonedit.Object) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
 	edits := prefillOnlyEdits(buf[:0], client)
-	return engineBody(client, append(edits, jsonedit.Set(keyKVTransferParams, nixlPrefillParams))...)
+	return enginePieces(client, append(edits, jsonedit.Set(keyKVTransferParams, nixlPrefillParams))...)
 }
 
 // nixlDecodeBody sets the prefill's kv_transfer_params; nil params leave the

@@ -1,6 +1,7 @@
 package connectors
 
 import (
+	"bytes"
 	"errors"
 	"net/http"
 	"testing"
@@ -61,8 +62,8 @@ func TestNIXLPrefillBody(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			obj, err := jsonedit.Parse([]byte(tc.client))
 			require.NoError(t, err)
-			require.JSONEq(t, tc.want, string(nixlPrefillBody(obj)))
-			require.Equal(t, tc.want, string(nixlPrefillBody(obj)), "byte-exact")
+			require.JSONEq(t, tc.want, string(bytes.Join(nixlPrefillBody(obj), nil)))
+			require.Equal(t, tc.want, string(bytes.Join(nixlPrefillBody(obj), nil)), "byte-exact")
 		})
 	}
 }
@@ -133,7 +134,7 @@ func TestNIXLPrepare(t *testing.T) {
 			got, err := NIXL{}.Prepare(t.Context(), eng, req)
 			require.Equal(t, []engineCall{{
 				method: http.MethodPost, endpoint: testPrefill, path: "/v1/completions",
-				requestID: "req-1", body: string(nixlPrefillBody(req.Body)),
+				requestID: "req-1", body: string(bytes.Join(nixlPrefillBody(req.Body), nil)),
 			}}, eng.recorded())
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)

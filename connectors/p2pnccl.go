@@ -23,7 +23,7 @@ func (P2PNCCL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode
 	}
 	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
 	var buf [maxEdits]jsonedit.Edit
-	if _, err := engine.Post(ctx, req.Prefill, req.Path, id, engineBody(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
+	if _, err := engine.Post(ctx, req.Prefill, req.Path, id, enginePieces(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
 	return Decode{Body: engineBody(req.Body), RequestID: id}, nil

@@ -3,6 +3,7 @@ package connectors
 import (
 	"context"
 	"math/rand/v2"
+	"net"
 	"strconv"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
@@ -25,7 +26,7 @@ func (SGLang) Prepare(ctx context.Context, engine Engine, req *Request) (Decode,
 		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	body := sglangBody(req.Body, host, req.Prefill.Bootstrap(), sglangRoom())
-	return Decode{Body: body, Prefill: startPrefill(ctx, engine, req.Prefill, req.Path, req.ID, body)}, nil
+	return Decode{Body: body, Prefill: startPrefill(ctx, engine, req.Prefill, req.Path, req.ID, net.Buffers{body})}, nil
 }
 
 // sglangRoom returns a fresh random room in [0, 2^63-1], the range SGLang's

@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"errors"
+	"net"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -49,6 +50,16 @@ func engineBody(client jsonedit.Object, edits ...jsonedit.Edit) []byte {
 	return client.Edited(stripped(buf[:0], edits...)...)
 }
 
+// enginePieces is engineBody as pieces of the client body and the edits, for
+// a prefill: the engine client sends them one after another, so the prefill
+// body costs no copy of the prompt (a request in flight holds its prompt
+// once, not twice). The pieces refer to edits' values, which must stay
+// unchanged until the prefill is sent.
+func enginePieces(client jsonedit.Object, edits ...jsonedit.Edit) net.Buffers {
+	var buf [maxEdits]jsonedit.Edit
+	return client.EditedPieces(nil, stripped(buf[:0], edits...)...)
+}
+
 // Fixed JSON values of prefill edits. They are only ever read (see
 // stateless_test.go): package-level so that the edits referring to them
 // need no allocation per request.
@@ -87,7 +98,7 @@ func engineFailure(ep Endpoint, err error) error {
 // channel is buffered, so the goroutine never waits for a reader; it ends
 // when Post returns, which an [Engine] does once ctx is done. The answer's
 // body is discarded (the engine client has read it to the end).
-func startPrefill(ctx context.Context, engine Engine, ep Endpoint, path, requestID string, body []byte) <-chan error {
+func startPrefill(ctx context.Context, engine Engine, ep Endpoint, path, requestID string, body net.Buffers) <-chan error {
 	done := make(chan error, 1)
 	go func() {
 		_, err := engine.Post(ctx, ep, path, requestID, body)

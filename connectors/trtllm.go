@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -44,8 +45,8 @@ func (TRTLLM) Prepare(ctx context.Context, engine Engine, req *Request) (Decode,
 
 // trtllmContextBody is the client body as a context-only, non-streaming
 // request. Like upstream's disagg server, pdx leaves the output limit alone.
-func trtllmContextBody(client jsonedit.Object) []byte {
-	return engineBody(client,
+func trtllmContextBody(client jsonedit.Object) net.Buffers {
+	return enginePieces(client,
 		jsonedit.Set("stream", []byte("false")),
 		jsonedit.Delete("stream_options"),
 		jsonedit.Set(keyDisaggregatedParams, trtllmContextParams))

@@ -1,6 +1,7 @@
 package connectors
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"net/http"
@@ -35,7 +36,7 @@ func TestTRTLLMContextBody(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			obj, err := jsonedit.Parse([]byte(tc.client))
 			require.NoError(t, err)
-			require.Equal(t, tc.want, string(trtllmContextBody(obj)))
+			require.Equal(t, tc.want, string(bytes.Join(trtllmContextBody(obj), nil)))
 		})
 	}
 }
@@ -96,7 +97,7 @@ func TestTRTLLMPrepare(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, tc.decode, string(got.Body))
 			require.Equal(t, Decode{Body: got.Body}, got, "no request id override, no concurrent prefill")
-			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: testPrefill, path: req.Path, requestID: "req-1", body: string(trtllmContextBody(req.Body))}}, eng.recorded())
+			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: testPrefill, path: req.Path, requestID: "req-1", body: string(bytes.Join(trtllmContextBody(req.Body), nil))}}, eng.recorded())
 		})
 	}
 }

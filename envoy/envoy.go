@@ -41,6 +41,11 @@ type Config struct {
 	BufferLimitBytes int
 	// PdxTLS, when set, makes Envoy reach pdx over TLS.
 	PdxTLS *TLS
+	// RequestBodyMode is how the ext_proc filter sends the request body to
+	// pdx: BodyBuffered (the default when empty) or BodyFullDuplexStreamed,
+	// the mode of the Gateway API Inference Extension's InferencePool
+	// integrations. pdx learns the mode from Envoy on each stream.
+	RequestBodyMode string
 	// WithoutExtProc leaves pdx out: the client's own
 	// x-gateway-destination-endpoint picks the engine. Only the load
 	// harness's floor, Envoy alone, uses it; it is never a deployment.
@@ -56,6 +61,13 @@ type TLS struct {
 	// requires mutual TLS; empty for TLS without client certificates.
 	CertFile, KeyFile string
 }
+
+// Request body modes of Config.RequestBodyMode, named as in Envoy's
+// ProcessingMode.
+const (
+	BodyBuffered           = "BUFFERED"
+	BodyFullDuplexStreamed = "FULL_DUPLEX_STREAMED"
+)
 
 // Defaults for Config's zero fields.
 const (
@@ -88,6 +100,13 @@ func Render(w io.Writer, c Config) error {
 			return errors.New("pdx TLS: a client certificate needs both its cert and key file")
 		}
 	}
+	switch c.RequestBodyMode {
+	case "":
+		c.RequestBodyMode = BodyBuffered
+	case BodyBuffered, BodyFullDuplexStreamed:
+	default:
+		return fmt.Errorf("request body mode %q: want %s or %s", c.RequestBodyMode, BodyBuffered, BodyFullDuplexStreamed)
+	}
 	if c.ListenAddress == "" {
 		c.ListenAddress = "127.0.0.1"
 	}
@@ -108,6 +127,7 @@ func Render(w io.Writer, c Config) error {
 		"BufferLimitBytes": c.BufferLimitBytes,
 		"PdxTLS":           c.PdxTLS,
 		"WithoutExtProc":   c.WithoutExtProc,
+		"FullDuplex":       c.RequestBodyMode == BodyFullDuplexStreamed,
 	})
 }
 

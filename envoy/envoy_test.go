@@ -28,6 +28,7 @@ func TestRenderValidates(t *testing.T) {
 			PdxAddress: "pdx:9002", DefaultEndpoints: []string{"decode-0:8000", "10.1.2.3:8000"},
 			MessageTimeout: 90 * time.Second, BufferLimitBytes: 64 << 20,
 		}},
+		{name: "full-duplex streamed body", cfg: Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: BodyFullDuplexStreamed}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -47,6 +48,44 @@ func TestRender(t *testing.T) {
 
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "nope"}), "pdx address")
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", DefaultEndpoints: []string{"x:0"}}), "bad port")
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", RequestBodyMode: "STREAMED"}), `request body mode "STREAMED"`)
+}
+
+// TestRenderBodyModes decodes the ext_proc filter each body mode renders.
+func TestRenderBodyModes(t *testing.T) {
+	tests := []struct {
+		mode string
+		want *extprocv3.ProcessingMode
+		// allow_content_length_header: Envoy drops the content-length pdx
+		// sets in FULL_DUPLEX_STREAMED mode unless allowed.
+		wantContentLength bool
+	}{
+		{mode: "", want: &extprocv3.ProcessingMode{
+			RequestHeaderMode: extprocv3.ProcessingMode_SEND, RequestBodyMode: extprocv3.ProcessingMode_BUFFERED,
+			RequestTrailerMode: extprocv3.ProcessingMode_SKIP, ResponseHeaderMode: extprocv3.ProcessingMode_SKIP,
+			ResponseBodyMode: extprocv3.ProcessingMode_NONE, ResponseTrailerMode: extprocv3.ProcessingMode_SKIP,
+		}},
+		{mode: BodyFullDuplexStreamed, wantContentLength: true, want: &extprocv3.ProcessingMode{
+			// Trailers can end the body; response headers let pdx hold a
+			// concurrent prefill's decode (mode overrides are ignored).
+			RequestHeaderMode: extprocv3.ProcessingMode_SEND, RequestBodyMode: extprocv3.ProcessingMode_FULL_DUPLEX_STREAMED,
+			RequestTrailerMode: extprocv3.ProcessingMode_SEND, ResponseHeaderMode: extprocv3.ProcessingMode_SEND,
+			ResponseBodyMode: extprocv3.ProcessingMode_NONE, ResponseTrailerMode: extprocv3.ProcessingMode_SKIP,
+		}},
+	}
+	for _, tc := range tests {
+		t.Run("mode "+tc.mode, func(t *testing.T) {
+			var buf bytes.Buffer
+			require.NoError(t, Render(&buf, Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: tc.mode}))
+			var bs map[string]any
+			require.NoError(t, yaml.Unmarshal(buf.Bytes(), &bs))
+			var ep extprocv3.ExternalProcessor
+			typedConfig(t, dig(t, bs, "static_resources", "listeners", 0, "filter_chains", 0, "filters", 0, "typed_config", "http_filters", 0, "typed_config"),
+				"envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor", &ep)
+			require.True(t, proto.Equal(tc.want, ep.GetProcessingMode()), "got %v", ep.GetProcessingMode())
+			require.Equal(t, tc.wantContentLength, ep.GetAllowContentLengthHeader())
+		})
+	}
 }
 
 // TestRenderErrorReplies checks how the bootstrap makes Envoy answer when pdx

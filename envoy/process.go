@@ -74,6 +74,9 @@ func Start(ctx context.Context, bin string, c Config, logw io.Writer) (*Process,
 	return p, nil
 }
 
+// Pid is the Envoy process's id.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
 // AdminAddr is Envoy's admin "127.0.0.1:port".
 func (p *Process) AdminAddr() string { return p.adminAddr }
 

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"testing"
 	"time"
@@ -17,7 +18,7 @@ import (
 // pdx's own work on a request.
 type instantEngine struct{}
 
-func (instantEngine) Post(context.Context, connectors.Endpoint, string, string, []byte) ([]byte, error) {
+func (instantEngine) Post(context.Context, connectors.Endpoint, string, string, net.Buffers) ([]byte, error) {
 	return []byte(kvAnswer), nil
 }
 

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/routing"
 )
 
 // OpenAI error types.
@@ -25,7 +26,7 @@ var (
 	errPrefillTimeout = errors.New("prefill timed out")
 	errConfig         = errors.New("pdx is misconfigured")
 	errProtocol       = errors.New("unexpected ext_proc message")
-	errNoEndpoint     = errors.New("no endpoint available")
+	errNoEndpoint     = routing.ErrNoEndpoint // also what a failed pick wraps
 )
 
 // apiError is an error with the HTTP answer the client gets for it.

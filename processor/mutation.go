@@ -26,9 +26,11 @@ func setHeader(key, value string) *corev3.HeaderValueOption {
 }
 
 // clientRoutingHeaders are removed from every request: a client never gets
-// to name the destination, whatever happens next. The second is the header
-// an ORIGINAL_DST cluster reads when it names none.
-var clientRoutingHeaders = []string{DestinationHeader, "x-envoy-original-dst-host"}
+// to name the destination, whatever happens next. (x-envoy-original-dst-host,
+// which an ORIGINAL_DST cluster reads when it names no header, is not among
+// them: Envoy refuses ext_proc mutations of x-envoy-* headers by default,
+// and pdx's clusters name DestinationHeader.)
+var clientRoutingHeaders = []string{DestinationHeader}
 
 // routeHeaders answers the headers of a request.
 func routeHeaders() *extprocv3.ProcessingResponse {
@@ -80,20 +82,30 @@ func decodeMutation(body []byte, decode connectors.Endpoint, requestID string) *
 	return &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
 			Response: &extprocv3.CommonResponse{
-				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
-					setHeader(DestinationHeader, decode.Address),
-					setHeader("content-length", strconv.Itoa(len(body))),
-					setHeader("x-request-id", requestID),
-				}},
-				BodyMutation: &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}},
+				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: decodeHeaders(body, decode, requestID)},
+				BodyMutation:   &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}},
 			},
 		}},
-		DynamicMetadata: &structpb.Struct{Fields: map[string]*structpb.Value{
-			MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-				DestinationHeader: structpb.NewStringValue(decode.Address),
-			}}),
-		}},
+		DynamicMetadata: endpointMetadata(decode),
 	}
+}
+
+// decodeHeaders are the headers pdx sets on the decode request.
+func decodeHeaders(body []byte, decode connectors.Endpoint, requestID string) []*corev3.HeaderValueOption {
+	return []*corev3.HeaderValueOption{
+		setHeader(DestinationHeader, decode.Address),
+		setHeader("content-length", strconv.Itoa(len(body))),
+		setHeader("x-request-id", requestID),
+	}
+}
+
+// endpointMetadata names the decode endpoint in Envoy's dynamic metadata.
+func endpointMetadata(decode connectors.Endpoint) *structpb.Struct {
+	return &structpb.Struct{Fields: map[string]*structpb.Value{
+		MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			DestinationHeader: structpb.NewStringValue(decode.Address),
+		}}),
+	}}
 }
 
 func continueRequestBody() *extprocv3.ProcessingResponse {

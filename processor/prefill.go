@@ -35,9 +35,12 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	var last error       // decides the client's status
 	var earlier []string // for the message
 	for n := range pool.Attempts {
-		ep, ok := pool.Prefill.Pick(tried...)
-		if !ok {
-			break // every endpoint of the pool has been tried
+		ep, err := pool.PickPrefill(creq.Decode, tried...)
+		if err != nil {
+			if last == nil {
+				last = err // no attempt: say why (e.g. the decode's group has no prefill)
+			}
+			break // every endpoint the decode pairs with has been tried
 		}
 		if n > 0 {
 			if sleep(r.prefillCtx, retryBackoff(n)) != nil {
@@ -82,7 +85,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 // passive health; a concurrent prefill's is reported when it arrives.
 func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
 	if connectors.Concurrent(pool.Connector) {
-		decode, err := pool.Connector.Prepare(r.prefillCtx, r.engine, creq)
+		decode, err := pool.Connector.Prepare(r.startAttempt(r.prefillCtx, pool, creq.Prefill), r.engine, creq)
 		if err != nil {
 			r.report(ctx, pool, creq.Prefill, err)
 		}
@@ -90,7 +93,7 @@ func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connect
 	}
 	actx, cancel := context.WithTimeoutCause(r.prefillCtx, pool.AttemptTimeout, errAttemptTimeout)
 	defer cancel()
-	decode, err := pool.Connector.Prepare(actx, r.engine, creq)
+	decode, err := pool.Connector.Prepare(r.startAttempt(actx, pool, creq.Prefill), r.engine, creq)
 	if err != nil && context.Cause(actx) == errAttemptTimeout && r.prefillCtx.Err() == nil {
 		err = fmt.Errorf("%w after %s", errAttemptTimeout, pool.AttemptTimeout)
 	}
@@ -100,8 +103,10 @@ func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connect
 
 // report tells the pool's picker whether ep served the prefill. Only the
 // endpoint's faults count: a request the engine rejected, or a client that
-// went away, says nothing about the endpoint.
+// went away, says nothing about the endpoint. Metrics and the attempt's
+// span record every outcome.
 func (r *request) report(ctx context.Context, pool *routing.Pool, ep connectors.Endpoint, err error) {
+	r.attemptDone(pool, ep, err)
 	if err != nil && (ctx.Err() != nil || !endpointFault(err)) {
 		return
 	}

@@ -1,11 +1,13 @@
 package processor
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"strconv"
 	"sync"
 	"testing"
@@ -77,8 +79,8 @@ type engineCall struct {
 	ctxErrEnd error
 }
 
-func (e *fakeEngine) Post(ctx context.Context, ep connectors.Endpoint, path, id string, body []byte) ([]byte, error) {
-	call := engineCall{endpoint: ep.Address, path: path, id: id, body: string(body)}
+func (e *fakeEngine) Post(ctx context.Context, ep connectors.Endpoint, path, id string, body net.Buffers) ([]byte, error) {
+	call := engineCall{endpoint: ep.Address, path: path, id: id, body: string(bytes.Join(body, nil))}
 	if e.block {
 		<-ctx.Done()
 		call.ctxErrEnd = ctx.Err()
@@ -199,7 +201,7 @@ func TestRoutesInferenceRequest(t *testing.T) {
 			require.Len(t, out, 2+tc.wantExtra)
 
 			hr := out[0].GetRequestHeaders().GetResponse()
-			require.Equal(t, []string{DestinationHeader, "x-envoy-original-dst-host"}, hr.GetHeaderMutation().GetRemoveHeaders(), "client's routing headers removed")
+			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders(), "client's routing headers removed")
 			require.Nil(t, out[0].GetModeOverride(), "sequential connectors need no response phase")
 
 			calls := eng.Calls()
@@ -261,7 +263,7 @@ func TestPassThrough(t *testing.T) {
 			out := run(t, testTable(t, true, time.Second), eng, tc.msgs...)
 			require.Len(t, out, len(tc.msgs))
 			hr := out[0].GetRequestHeaders().GetResponse()
-			require.Equal(t, []string{DestinationHeader, "x-envoy-original-dst-host"}, hr.GetHeaderMutation().GetRemoveHeaders())
+			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders())
 			require.Equal(t, passThroughMode, out[0].GetModeOverride())
 			for _, r := range out[1:] {
 				require.Nil(t, r.GetImmediateResponse())

@@ -72,6 +72,19 @@ type request struct {
 	// heldHeaders is set while pdx withholds its answer to the decode's
 	// response headers until the prefill has succeeded.
 	heldHeaders bool
+	// obs is what metrics and tracing record of the request (observe.go).
+	obs observation
+
+	// protocol is the filter's configuration as Envoy sent it on the
+	// stream's first message (nil from older Envoys): its body modes.
+	protocol *extprocv3.ProtocolConfiguration
+	// A FULL_DUPLEX_STREAMED body (see duplex.go): the chunks received so
+	// far, their length, and whether trailers ended the body.
+	chunks   [][]byte
+	bodyLen  int
+	trailers bool
+	// queued are answers to send after the one handle returned.
+	queued []*extprocv3.ProcessingResponse
 }
 
 func newRequest(table *routing.Table, engine connectors.Engine, log *slog.Logger) *request {
@@ -80,10 +93,12 @@ func newRequest(table *routing.Table, engine connectors.Engine, log *slog.Logger
 
 // handle answers one message. A nil answer means the message needs none.
 func (r *request) handle(ctx context.Context, msg *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
+	was := r.observeMessage(ctx, msg)
 	resp, err := r.dispatch(ctx, msg)
 	if err != nil {
 		return r.handleErr(ctx, err)
 	}
+	r.observeAnswer(was, resp)
 	return resp
 }
 
@@ -129,6 +144,7 @@ func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.Process
 func (r *request) handleErr(ctx context.Context, err error) *extprocv3.ProcessingResponse {
 	r.state = stateFailed
 	e := toAPIError(err)
+	r.observeFailure(e.code)
 	r.log.LogAttrs(ctx, e.logLevel(), "request failed",
 		slog.Int("status", e.status), slog.String("code", e.code), slog.String("error", err.Error()),
 		slog.Duration("elapsed", time.Since(r.start)))
@@ -140,6 +156,9 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 		// pdx has answered the client; whatever Envoy still sends is moot.
 		return nil, nil
 	}
+	if pc := msg.GetProtocolConfig(); pc != nil {
+		r.protocol = pc
+	}
 	switch m := msg.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_RequestHeaders:
 		if r.state != stateRequestHeaders {
@@ -149,14 +168,20 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 	case *extprocv3.ProcessingRequest_RequestBody:
 		switch r.state {
 		case statePassThrough:
-			return continueRequestBody(), nil
+			return r.passRequestBody(m.RequestBody), nil
 		case stateRequestBody:
+			if r.duplex() {
+				return r.bodyChunk(ctx, m.RequestBody)
+			}
 			return r.requestBody(ctx, m.RequestBody)
 		}
 		return nil, protocolError("request body", r.state)
 	case *extprocv3.ProcessingRequest_RequestTrailers:
 		if r.state == stateRequestHeaders {
 			return nil, protocolError("request trailers", r.state)
+		}
+		if r.state == stateRequestBody && r.duplex() {
+			return r.bodyEnded(ctx, true)
 		}
 		return continueRequestTrailers(), nil
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
@@ -175,7 +200,7 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 		if r.state != stateRouted && r.state != statePassThrough {
 			return nil, protocolError("response body", r.state)
 		}
-		return continueResponseBody(), nil
+		return r.passResponseBody(m.ResponseBody), nil
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
 		if r.state != stateRouted && r.state != statePassThrough {
 			return nil, protocolError("response trailers", r.state)
@@ -213,7 +238,14 @@ func (r *request) requestHeaders(h *extprocv3.HttpHeaders) (*extprocv3.Processin
 	if h.GetEndOfStream() {
 		return nil, badRequest("missing_body", "the request has no body; send a JSON object")
 	}
+	if err := r.checkBodyMode(); err != nil {
+		return nil, err
+	}
 	r.state = stateRequestBody
+	if r.duplex() {
+		// The answer waits for the body: it carries the decode endpoint.
+		return nil, nil
+	}
 	if r.table.HasConcurrent() {
 		return routeHeadersHoldingResponse(), nil
 	}
@@ -223,13 +255,19 @@ func (r *request) requestHeaders(h *extprocv3.HttpHeaders) (*extprocv3.Processin
 func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extprocv3.ProcessingResponse, error) {
 	if !b.GetEndOfStream() {
 		// Only a buffered body can be rewritten together with the headers.
-		return nil, fmt.Errorf("%w: got a partial request body; configure request_body_mode BUFFERED", errConfig)
+		return nil, fmt.Errorf("%w: got a partial request body; configure request_body_mode BUFFERED or FULL_DUPLEX_STREAMED", errConfig)
 	}
 	if n, max := len(b.GetBody()), r.table.MaxBodyBytes(); max > 0 && n > max {
 		return nil, &apiError{status: 413, typ: typeInvalidRequest, code: "body_too_large",
 			msg: fmt.Sprintf("the request body is %d bytes, over the limit of %d", n, max)}
 	}
-	body, err := jsonedit.Parse(b.GetBody())
+	return r.route(ctx, b.GetBody())
+}
+
+// route parses a complete request body, runs the prefill and answers with
+// the decode request.
+func (r *request) route(ctx context.Context, raw []byte) (*extprocv3.ProcessingResponse, error) {
+	body, err := jsonedit.Parse(raw)
 	if err != nil {
 		return nil, bodyError(err)
 	}
@@ -242,11 +280,15 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 		return nil, &apiError{status: 404, typ: typeInvalidRequest, code: "model_not_found",
 			msg: fmt.Sprintf("the model %q does not exist", model)}
 	}
+	r.obs.pool = pool
 	if err := validate(body, r.path, pool); err != nil {
 		return nil, err
 	}
 	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body}
-	creq.Decode, _ = pool.Decode.Pick() // a pool has decode endpoints; picking skips only ejected ones
+	// A discovered pool may have no decode endpoint at the moment: 503.
+	if creq.Decode, err = pool.PickDecode(); err != nil {
+		return nil, err
+	}
 	var decode connectors.Decode
 	if connectors.Prefills(pool.Connector) {
 		decode, err = r.prefillWithRetries(ctx, pool, creq)
@@ -260,6 +302,7 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
 			slog.String("pool", pool.Name), slog.String("error", err.Error()))
 		decode = connectors.Decode{Body: connectors.Plain(body)}
+		r.obs.fallback = true
 	case err != nil:
 		return nil, err
 	}
@@ -272,7 +315,7 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 		slog.String("model", model), slog.String("pool", pool.Name),
 		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
 		slog.Duration("elapsed", time.Since(r.start)))
-	return decodeMutation(decode.Body, creq.Decode, r.id), nil
+	return r.routed(decode.Body, creq.Decode), nil
 }
 
 func modelOf(body jsonedit.Object) (string, error) {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -25,7 +26,7 @@ type scriptedEngine struct {
 	calls []string
 }
 
-func (e *scriptedEngine) Post(ctx context.Context, ep connectors.Endpoint, _, _ string, _ []byte) ([]byte, error) {
+func (e *scriptedEngine) Post(ctx context.Context, ep connectors.Endpoint, _, _ string, _ net.Buffers) ([]byte, error) {
 	e.mu.Lock()
 	e.calls = append(e.calls, ep.Address)
 	e.mu.Unlock()

@@ -12,10 +12,12 @@ import (
 	"sync/atomic"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -26,23 +28,38 @@ type Server struct {
 	table  atomic.Pointer[routing.Table]
 	engine connectors.Engine
 	log    *slog.Logger
+
+	metrics *metrics.Metrics // nil: none (see observe.go)
+	tracer  trace.Tracer     // nil: no tracing
 }
 
 // New returns a server routing by table and calling engines through engine.
-func New(table *routing.Table, engine connectors.Engine, log *slog.Logger) *Server {
+func New(table *routing.Table, engine connectors.Engine, log *slog.Logger, opts ...Option) *Server {
 	s := &Server{engine: engine, log: log}
+	for _, opt := range opts {
+		opt(s)
+	}
 	s.table.Store(table)
+	s.metrics.Warm(table)
 	return s
 }
 
+// Table is the routing table new streams use.
+func (s *Server) Table() *routing.Table { return s.table.Load() }
+
 // SetTable replaces the routing table for streams that start from now on.
-func (s *Server) SetTable(t *routing.Table) { s.table.Store(t) }
+func (s *Server) SetTable(t *routing.Table) {
+	s.metrics.Warm(t)
+	s.table.Store(t)
+}
 
 // Process implements [extprocv3.ExternalProcessorServer].
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	ctx := stream.Context()
 	req := newRequest(s.table.Load(), s.engine, s.log)
 	defer req.close()
+	req.startObservation(s.metrics, s.tracer)
+	defer req.endObservation()
 	// While a concurrent prefill runs, pdx must hear both Envoy and the
 	// prefill, so Recv moves to a goroutine; other requests never pay for it.
 	var received chan recvResult
@@ -76,6 +93,12 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 		}
 		if err := stream.Send(resp); err != nil {
 			return streamErr(ctx, err)
+		}
+		// A FULL_DUPLEX_STREAMED body follows the answer to its headers.
+		for _, more := range req.takeQueued() {
+			if err := stream.Send(more); err != nil {
+				return streamErr(ctx, err)
+			}
 		}
 		if req.finished() {
 			// Nothing more is asked of pdx. Ending the stream now frees the

@@ -43,6 +43,14 @@ const (
 // MaxPrefillTimeout is the largest prefill_timeout accepted.
 const MaxPrefillTimeout = 10 * time.Minute
 
+// Defaults of Kubernetes discovery: the labels Kthena's ModelServing puts on
+// the pods of a prefill/decode role.
+const (
+	DefaultRoleLabel   = "modelserving.volcano.sh/role"
+	DefaultPrefillRole = "prefill"
+	DefaultDecodeRole  = "decode"
+)
+
 // Load reads and validates a YAML config file. Problems in the file are
 // reported as "<path>: <field path>: <problem>", one per line.
 func Load(path string) (*configv1.Config, error) {
@@ -50,6 +58,12 @@ func Load(path string) (*configv1.Config, error) {
 	if err != nil {
 		return nil, fmt.Errorf("config: %w", err) // names the file already
 	}
+	return parse(data, path)
+}
+
+// ParseFile is Load for contents already read from the file path (a
+// reloader reads the file once, to both hash and parse it).
+func ParseFile(data []byte, path string) (*configv1.Config, error) {
 	return parse(data, path)
 }
 
@@ -106,6 +120,19 @@ func applyDefaults(cfg *configv1.Config) {
 		}
 		if p.EjectDuration == nil {
 			p.EjectDuration = durationpb.New(DefaultEjectDuration)
+		}
+		// Roles mean nothing to connector "none", whose pods are all decode
+		// engines; validation rejects them there.
+		if k := p.GetKubernetes(); k != nil && p.GetConnector() != "none" {
+			if k.RoleLabel == "" {
+				k.RoleLabel = DefaultRoleLabel
+			}
+			if k.PrefillRole == "" {
+				k.PrefillRole = DefaultPrefillRole
+			}
+			if k.DecodeRole == "" {
+				k.DecodeRole = DefaultDecodeRole
+			}
 		}
 	}
 }

@@ -131,7 +131,7 @@ func TestParseErrors(t *testing.T) {
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
 			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
 			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
@@ -378,4 +378,111 @@ func TestConnectorNoneHasNoPrefill(t *testing.T) {
 	cfg, err := Parse([]byte("pools:\n" + pool("connector: none", "prefill: []")))
 	require.NoError(t, err)
 	require.Empty(t, cfg.GetPools()[0].GetPrefill())
+}
+
+func TestKubernetesDiscovery(t *testing.T) {
+	// kpool is a pool discovering its endpoints, with extra lines appended to
+	// its kubernetes section and the given connector.
+	kpool := func(connector string, extra ...string) string {
+		lines := append([]string{"namespace: llm", "service: engines", "port: 8000"}, extra...)
+		return "pools:\n- name: p\n  default: true\n  connector: " + connector +
+			"\n  kubernetes:\n    " + strings.Join(lines, "\n    ") + "\n"
+	}
+	tests := []struct {
+		name    string
+		yaml    string
+		wantErr []string // each must appear; none: valid
+		check   func(t *testing.T, k *configv1.KubernetesDiscovery)
+	}{
+		{name: "defaults follow Kthena", yaml: kpool("nixl"), check: func(t *testing.T, k *configv1.KubernetesDiscovery) {
+			requireProtoEqual(t, &configv1.KubernetesDiscovery{
+				Namespace: "llm", Service: "engines", Port: 8000,
+				RoleLabel: "modelserving.volcano.sh/role", PrefillRole: "prefill", DecodeRole: "decode",
+			}, k)
+		}},
+		{name: "all fields", yaml: kpool("sglang", `match_labels: {modelserving.volcano.sh/name: m, app: x}`,
+			"role_label: pdx.io/role", "prefill_role: P", "decode_role: D",
+			"group_label: modelserving.volcano.sh/group-name", "bootstrap_port: 9000"),
+			check: func(t *testing.T, k *configv1.KubernetesDiscovery) {
+				requireProtoEqual(t, &configv1.KubernetesDiscovery{
+					Namespace: "llm", Service: "engines", Port: 8000,
+					MatchLabels: map[string]string{"modelserving.volcano.sh/name": "m", "app": "x"},
+					RoleLabel:   "pdx.io/role", PrefillRole: "P", DecodeRole: "D",
+					GroupLabel: "modelserving.volcano.sh/group-name", BootstrapPort: 9000,
+				}, k)
+			}},
+		{name: "pods alone, port by name", yaml: strings.Replace(kpool("nixl", "match_labels: {app: x}", "port_name: http"), "service: engines\n    port: 8000\n    ", "", 1),
+			check: func(t *testing.T, k *configv1.KubernetesDiscovery) {
+				require.Empty(t, k.GetService())
+				require.Equal(t, "http", k.GetPortName())
+			}},
+		{name: "connector none has no roles", yaml: kpool("none"), check: func(t *testing.T, k *configv1.KubernetesDiscovery) {
+			require.Empty(t, k.GetRoleLabel())
+			require.Empty(t, k.GetPrefillRole())
+		}},
+		{name: "p2p kv_port", yaml: kpool("p2p-nccl", "kv_port: 21001"), check: func(t *testing.T, k *configv1.KubernetesDiscovery) {
+			require.EqualValues(t, 21001, k.GetKvPort())
+		}},
+
+		{name: "static lists too", yaml: kpool("nixl") + "  prefill: [{address: 10.0.0.1:1}]\n  decode: [{address: 10.0.0.1:2}]\n", wantErr: []string{
+			`config: pools[0].prefill: must be empty when kubernetes discovers the pool's endpoints`,
+			`config: pools[0].decode: must be empty when kubernetes discovers the pool's endpoints`}},
+		{name: "unknown field", yaml: kpool("nixl", "selector: {app: x}"), wantErr: []string{
+			`config: unknown field "pools[0].kubernetes.selector" (known fields of KubernetesDiscovery: namespace, service, match_labels, role_label, prefill_role, decode_role, group_label, port, port_name, bootstrap_port, kv_port)`}},
+		{name: "label value not a string", yaml: kpool("nixl", "match_labels: {app: 1}"), wantErr: []string{
+			`config: pools[0].kubernetes.match_labels["app"]: expected a string, got number 1`}},
+		{name: "labels not a mapping", yaml: kpool("nixl", "match_labels: [app]"), wantErr: []string{
+			`config: pools[0].kubernetes.match_labels: expected a mapping, got a list`}},
+		{name: "null label value", yaml: kpool("nixl", "match_labels: {app: null}"), wantErr: []string{
+			`config: pools[0].kubernetes.match_labels["app"]: expected a value, got null`}},
+		{name: "bad label key and value", yaml: kpool("nixl", `match_labels: {"a b": "x y"}`), wantErr: []string{
+			`config: pools[0].kubernetes.match_labels["a b"]: "a b" is not valid: name part must consist of alphanumeric characters`,
+			`config: pools[0].kubernetes.match_labels["a b"]: "x y" is not valid: a valid label must be`}},
+		{name: "no namespace", yaml: strings.Replace(kpool("nixl"), "namespace: llm", `namespace: ""`, 1), wantErr: []string{
+			`config: pools[0].kubernetes.namespace: required`}},
+		{name: "bad namespace", yaml: strings.Replace(kpool("nixl"), "namespace: llm", "namespace: LLM", 1), wantErr: []string{
+			`config: pools[0].kubernetes.namespace: "LLM" is not valid: a lowercase RFC 1123 label must consist of`}},
+		{name: "bad service", yaml: strings.Replace(kpool("nixl"), "service: engines", "service: 1engines", 1), wantErr: []string{
+			`config: pools[0].kubernetes.service: "1engines" is not valid`}},
+		{name: "neither service nor labels", yaml: strings.Replace(kpool("nixl"), "service: engines", `service: ""`, 1), wantErr: []string{
+			`config: pools[0].kubernetes: service or match_labels is required`}},
+		{name: "no port", yaml: strings.Replace(kpool("nixl"), "port: 8000", "port: 0", 1), wantErr: []string{
+			`config: pools[0].kubernetes.port: port or port_name is required`}},
+		{name: "port and port name", yaml: kpool("nixl", "port_name: http"), wantErr: []string{
+			`config: pools[0].kubernetes.port_name: set either port or port_name, not both`}},
+		{name: "port too big", yaml: strings.Replace(kpool("nixl"), "port: 8000", "port: 65536", 1), wantErr: []string{
+			`config: pools[0].kubernetes.port: 65536 is not a port (1-65535)`}},
+		{name: "bad port name", yaml: strings.Replace(kpool("nixl", "port_name: HTTP_port"), "port: 8000", "port: 0", 1), wantErr: []string{
+			`config: pools[0].kubernetes.port_name: "HTTP_port" is not valid`}},
+		{name: "bootstrap port too big", yaml: kpool("sglang", "bootstrap_port: 70000"), wantErr: []string{
+			`config: pools[0].kubernetes.bootstrap_port: 70000 is not a port (1-65535)`}},
+		{name: "p2p needs kv_port", yaml: kpool("p2p-nccl"), wantErr: []string{
+			`config: pools[0].kubernetes.kv_port: required with connector "p2p-nccl"`}},
+		{name: "kv_port elsewhere", yaml: kpool("nixl", "kv_port: 21001"), wantErr: []string{
+			`config: pools[0].kubernetes.kv_port: only valid with connector "p2p-nccl"`}},
+		{name: "same roles", yaml: kpool("nixl", "prefill_role: both", "decode_role: both"), wantErr: []string{
+			`config: pools[0].kubernetes.decode_role: "both" is also prefill_role`}},
+		{name: "bad role label", yaml: kpool("nixl", "role_label: -role"), wantErr: []string{
+			`config: pools[0].kubernetes.role_label: "-role" is not valid`}},
+		{name: "group label is the role label", yaml: kpool("nixl", "group_label: modelserving.volcano.sh/role"), wantErr: []string{
+			`config: pools[0].kubernetes.group_label: "modelserving.volcano.sh/role" is also role_label`}},
+		{name: "roles with connector none", yaml: kpool("none", "role_label: x", "group_label: g"), wantErr: []string{
+			`config: pools[0].kubernetes.role_label: not valid with connector "none": every pod is a decode engine`,
+			`config: pools[0].kubernetes.group_label: not valid with connector "none"`}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, err := Parse([]byte(tc.yaml))
+			if len(tc.wantErr) > 0 {
+				require.Error(t, err, "input:\n%s", tc.yaml)
+				for _, want := range tc.wantErr {
+					require.ErrorContains(t, err, want, "input:\n%s", tc.yaml)
+				}
+				return
+			}
+			require.NoError(t, err, "input:\n%s", tc.yaml)
+			require.Empty(t, cfg.GetPools()[0].GetPrefill())
+			tc.check(t, cfg.GetPools()[0].GetKubernetes())
+		})
+	}
 }

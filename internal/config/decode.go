@@ -110,7 +110,7 @@ func (c *checker) message(v any, md protoreflect.MessageDescriptor, path string)
 
 func (c *checker) field(v any, fd protoreflect.FieldDescriptor, path string) any {
 	if fd.IsMap() {
-		return v // the schema has no maps yet; protojson still checks them
+		return c.mapField(v, fd, path)
 	}
 	if !fd.IsList() {
 		return c.value(v, fd, path)
@@ -124,6 +124,25 @@ func (c *checker) field(v any, fd protoreflect.FieldDescriptor, path string) any
 		list[i] = c.value(elem, fd, fmt.Sprintf("%s[%d]", path, i))
 	}
 	return list
+}
+
+// mapField checks a map field: a mapping whose values are checked as fd's
+// map values, each named path["key"] (label keys hold dots and slashes).
+func (c *checker) mapField(v any, fd protoreflect.FieldDescriptor, path string) any {
+	obj, ok := v.(map[string]any)
+	if !ok {
+		c.fail(path, "expected a mapping, got %s", describe(v))
+		return v
+	}
+	for _, key := range slices.Sorted(maps.Keys(obj)) {
+		p := fmt.Sprintf("%s[%q]", path, key)
+		if obj[key] == nil {
+			c.fail(p, "expected a value, got null")
+			continue
+		}
+		obj[key] = c.value(obj[key], fd.MapValue(), p)
+	}
+	return obj
 }
 
 // value checks a single (non-list) value of field fd.

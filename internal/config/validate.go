@@ -2,12 +2,15 @@ package config
 
 import (
 	"fmt"
+	"maps"
 	"net"
 	"net/netip"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
+
+	"k8s.io/apimachinery/pkg/util/validation"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 )
@@ -75,15 +78,29 @@ func validate(cfg *configv1.Config) []error {
 		if p.GetConnector() == "" {
 			v.fail(path+".connector", "required")
 		}
-		if p.GetConnector() == "none" {
+		switch {
+		case p.GetKubernetes() != nil:
+			// Discovered and listed endpoints do not mix: which set a
+			// request may go to must be plain.
+			for _, role := range []struct {
+				name string
+				eps  []*configv1.Endpoint
+			}{{"prefill", p.GetPrefill()}, {"decode", p.GetDecode()}} {
+				if len(role.eps) > 0 {
+					v.fail(path+"."+role.name, "must be empty when kubernetes discovers the pool's endpoints")
+				}
+			}
+			v.kubernetes(path+".kubernetes", p.GetConnector(), p.GetKubernetes())
+		case p.GetConnector() == "none":
 			// Aggregated engines: pdx picks a decode endpoint and calls no prefill.
 			if len(p.GetPrefill()) > 0 {
 				v.fail(path+".prefill", "must be empty with connector \"none\", whose engines serve whole requests")
 			}
-		} else {
+			v.endpoints(path+".decode", p.GetDecode())
+		default:
 			v.endpoints(path+".prefill", p.GetPrefill())
+			v.endpoints(path+".decode", p.GetDecode())
 		}
-		v.endpoints(path+".decode", p.GetDecode())
 		v.connectorOptions(path, p)
 		v.failureHandling(path, p)
 
@@ -166,6 +183,83 @@ func (v *validator) connectorOptions(path string, p *configv1.Pool) {
 				v.fail(fmt.Sprintf("%s.%s[%d].bootstrap_port", path, role.name, i), "%d is not a port (1-65535)", ep.GetBootstrapPort())
 			}
 		}
+	}
+}
+
+// kubernetes checks a pool's discovery section.
+func (v *validator) kubernetes(path, connector string, k *configv1.KubernetesDiscovery) {
+	switch ns := k.GetNamespace(); {
+	case ns == "":
+		v.fail(path+".namespace", "required")
+	default:
+		v.k8sName(path+".namespace", ns, validation.IsDNS1123Label(ns))
+	}
+	if s := k.GetService(); s != "" {
+		v.k8sName(path+".service", s, validation.IsDNS1035Label(s))
+	}
+	if k.GetService() == "" && len(k.GetMatchLabels()) == 0 {
+		v.fail(path, "service or match_labels is required: which pods are the pool's engines")
+	}
+	for _, key := range slices.Sorted(maps.Keys(k.GetMatchLabels())) {
+		kp := fmt.Sprintf("%s.match_labels[%q]", path, key)
+		v.k8sName(kp, key, validation.IsQualifiedName(key))
+		val := k.GetMatchLabels()[key]
+		v.k8sName(kp, val, validation.IsValidLabelValue(val))
+	}
+
+	if connector == "none" {
+		for _, f := range []struct{ name, value string }{
+			{"role_label", k.GetRoleLabel()}, {"prefill_role", k.GetPrefillRole()},
+			{"decode_role", k.GetDecodeRole()}, {"group_label", k.GetGroupLabel()},
+		} {
+			if f.value != "" {
+				v.fail(path+"."+f.name, "not valid with connector \"none\": every pod is a decode engine")
+			}
+		}
+	} else {
+		v.k8sName(path+".role_label", k.GetRoleLabel(), validation.IsQualifiedName(k.GetRoleLabel()))
+		v.k8sName(path+".prefill_role", k.GetPrefillRole(), validation.IsValidLabelValue(k.GetPrefillRole()))
+		v.k8sName(path+".decode_role", k.GetDecodeRole(), validation.IsValidLabelValue(k.GetDecodeRole()))
+		if k.GetPrefillRole() == k.GetDecodeRole() {
+			v.fail(path+".decode_role", "%q is also prefill_role", k.GetDecodeRole())
+		}
+		switch g := k.GetGroupLabel(); {
+		case g == "":
+		case g == k.GetRoleLabel():
+			v.fail(path+".group_label", "%q is also role_label", g)
+		default:
+			v.k8sName(path+".group_label", g, validation.IsQualifiedName(g))
+		}
+	}
+
+	switch {
+	case k.GetPort() != 0 && k.GetPortName() != "":
+		v.fail(path+".port_name", "set either port or port_name, not both")
+	case k.GetPort() == 0 && k.GetPortName() == "":
+		v.fail(path+".port", "port or port_name is required: the engines' HTTP port")
+	case k.GetPort() > 65535:
+		v.fail(path+".port", "%d is not a port (1-65535)", k.GetPort())
+	case k.GetPortName() != "":
+		v.k8sName(path+".port_name", k.GetPortName(), validation.IsValidPortName(k.GetPortName()))
+	}
+	if k.GetBootstrapPort() > 65535 {
+		v.fail(path+".bootstrap_port", "%d is not a port (1-65535)", k.GetBootstrapPort())
+	}
+	switch kp := k.GetKvPort(); {
+	case connector == "p2p-nccl" && kp == 0:
+		v.fail(path+".kv_port", "required with connector \"p2p-nccl\" (the engines' ZMQ kv_port)")
+	case connector != "p2p-nccl" && kp != 0:
+		v.fail(path+".kv_port", "only valid with connector \"p2p-nccl\"")
+	case kp > 65535:
+		v.fail(path+".kv_port", "%d is not a port (1-65535)", kp)
+	}
+}
+
+// k8sName fails path with the problems a Kubernetes validation function
+// found in value.
+func (v *validator) k8sName(path, value string, problems []string) {
+	if len(problems) > 0 {
+		v.fail(path, "%q is not valid: %s", value, strings.Join(problems, "; "))
 	}
 }
 

@@ -66,6 +66,9 @@ func FuzzParseAppendEdited(f *testing.F) {
 		if prefixed := o.AppendEdited([]byte("prefix"), edits...); string(prefixed) != "prefix"+string(out) {
 			t.Fatalf("AppendEdited to a buffer: %q, want %q", prefixed, "prefix"+string(out))
 		}
+		if joined := bytes.Join(o.EditedPieces(nil, edits...), nil); !bytes.Equal(joined, out) {
+			t.Fatalf("EditedPieces joined: %q, want %q", joined, out)
+		}
 		want := editModel(o, edits)
 		got, err := members(out)
 		if err != nil {

@@ -303,6 +303,24 @@ func (o Object) Edited(edits ...Edit) []byte {
 	return bytes.Join(o.editedPieces(buf[:0], edits), nil)
 }
 
+// EditedPieces appends to dst the byte slices whose concatenation is the
+// object with edits applied, as AppendEdited writes it, without copying the
+// object: the pieces point into its bytes, the edits' keys and values, and
+// fixed punctuation. They must only be read, and only while those live. A
+// body sent this way (net.Buffers) costs no copy of its own.
+func (o Object) EditedPieces(dst [][]byte, edits ...Edit) [][]byte {
+	// Braces, and at most three pieces per member (comma, key, new value)
+	// and five per added member (comma, quotes and colon, key, value).
+	n := 3*o.n + 2
+	for _, e := range edits {
+		if e.Value != nil {
+			n += 5
+		}
+	}
+	dst = slices.Grow(dst, n)
+	return o.editedPieces(dst, edits)
+}
+
 // inlinePieces sizes the stack buffer of AppendEdited and Edited: enough
 // for the objects pdx edits without allocating.
 const inlinePieces = 3*inlineMembers + 5*8 + 2

@@ -1,6 +1,7 @@
 package jsonedit
 
 import (
+	"bytes"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -199,7 +200,7 @@ func TestParseManyMembersInline(t *testing.T) {
 }
 
 // TestEditedMatchesAppendEdited checks that Edited writes what AppendEdited
-// appends, at its exact length.
+// appends, at its exact length, and EditedPieces joins to it.
 func TestEditedMatchesAppendEdited(t *testing.T) {
 	for _, tc := range []struct {
 		in    string
@@ -216,6 +217,7 @@ func TestEditedMatchesAppendEdited(t *testing.T) {
 		got := o.Edited(tc.edits...)
 		require.Equal(t, string(want), string(got), tc.in)
 		require.Equal(t, len(got), cap(got), tc.in)
+		require.Equal(t, string(want), string(bytes.Join(o.EditedPieces(nil, tc.edits...), nil)), tc.in)
 	}
 }
 

@@ -27,6 +27,12 @@ type Options struct {
 	CoolDown time.Duration
 	// Now tells the time; nil means time.Now. Tests pass a fake clock.
 	Now func() time.Time
+	// Inherit, when set, is a picker whose endpoints' health the new one
+	// shares: an endpoint both have keeps its failures and ejection, and
+	// Reports to either count for both. A rebuilt routing table passes its
+	// predecessor's picker, so that passive health survives a config
+	// reload. Inherit must use the same clock (Now).
+	Inherit *RoundRobin
 }
 
 // RoundRobin hands out its endpoints in turn, passing over those that passive
@@ -34,18 +40,19 @@ type Options struct {
 // FailureThreshold times in a row (as told by Report) is left out for
 // CoolDown, then tried again.
 //
+// Its endpoints can be replaced while it is in use (SetEndpoints, as
+// Kubernetes discovery does): every Pick, Report or Healthy sees either the
+// old set or the new one, and endpoints in both keep their health.
+//
 // It is safe for concurrent use and holds no per-request state: the turn
 // counter and the endpoints' health belong to no request, and what a request
 // has already tried is passed to Pick by the caller.
 type RoundRobin struct {
-	// endpoints is the turn order, as configured; it may name an endpoint
-	// twice. health[i] is endpoints[i]'s health; repeats share one, since
-	// health is a property of the engine, not of its place in the list.
-	endpoints []connectors.Endpoint
-	health    []*health
-	// byEP finds an endpoint's health for Report and Healthy in large
-	// pools; small ones are scanned (see lookup). nil when small.
-	byEP map[connectors.Endpoint]*health
+	// set is the current endpoint set. It is replaced whole, never changed,
+	// so that a Pick reads one consistent set without locking.
+	set atomic.Pointer[endpointSet]
+	// mu serializes SetEndpoints, so that each builds on the set before it.
+	mu sync.Mutex
 
 	threshold int32
 	coolDown  int64 // nanoseconds
@@ -62,6 +69,28 @@ type RoundRobin struct {
 	_    [64]byte
 	next atomic.Uint64
 	_    [56]byte
+}
+
+// endpointSet is one immutable set of endpoints with their health.
+type endpointSet struct {
+	// endpoints is the turn order, as configured; it may name an endpoint
+	// twice. health[i] is endpoints[i]'s health; repeats share one, since
+	// health is a property of the engine, not of its place in the list.
+	endpoints []connectors.Endpoint
+	health    []*health
+	// byEP finds an endpoint's health for Report and Healthy in large
+	// pools; small ones are scanned (see lookup). nil when small.
+	byEP map[connectors.Endpoint]*health
+	// groups holds, per Endpoint.Group, the positions of the group's
+	// endpoints and the group's own turn counter (PickGroup). nil when no
+	// endpoint has a group.
+	groups map[string]*group
+}
+
+// group is the endpoints of one Endpoint.Group, in turn order.
+type group struct {
+	members []int
+	next    atomic.Uint64
 }
 
 // health is one endpoint's outlier-detection state.
@@ -83,8 +112,8 @@ type health struct {
 	_ [64 - 8 - 4 - 4 - 8]byte
 }
 
-// NewRoundRobin returns a picker over endpoints, which should not be empty
-// (an empty picker's Pick always fails). It keeps its own copy of endpoints.
+// NewRoundRobin returns a picker over endpoints. It keeps its own copy of
+// endpoints. An empty picker's Pick fails until SetEndpoints gives it some.
 func NewRoundRobin(endpoints []connectors.Endpoint, opts Options) *RoundRobin {
 	if opts.FailureThreshold <= 0 {
 		opts.FailureThreshold = DefaultFailureThreshold
@@ -96,27 +125,76 @@ func NewRoundRobin(endpoints []connectors.Endpoint, opts Options) *RoundRobin {
 		opts.Now = time.Now
 	}
 	r := &RoundRobin{
-		endpoints: slices.Clone(endpoints),
-		health:    make([]*health, len(endpoints)),
 		threshold: int32(min(opts.FailureThreshold, 1<<30)),
 		coolDown:  int64(opts.CoolDown),
 		now:       opts.Now,
 	}
-	r.base = r.now()
-	states := make([]health, len(endpoints))
+	var prev *endpointSet
+	if opts.Inherit != nil {
+		// Shared health holds times relative to base, so share that too.
+		r.base = opts.Inherit.base
+		prev = opts.Inherit.set.Load()
+	} else {
+		r.base = r.now()
+	}
+	r.set.Store(newEndpointSet(endpoints, prev))
+	return r
+}
+
+// SetEndpoints replaces the picker's endpoints with a copy of endpoints, at
+// once for every caller: a Pick running concurrently returns an endpoint of
+// the old set or of the new one. Endpoints in both keep their health;
+// endpoints that leave lose it (one that comes back starts afresh).
+func (r *RoundRobin) SetEndpoints(endpoints []connectors.Endpoint) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.set.Store(newEndpointSet(endpoints, r.set.Load()))
+}
+
+// newEndpointSet builds a set of endpoints, taking the health of those that
+// prev (which may be nil) has.
+func newEndpointSet(endpoints []connectors.Endpoint, prev *endpointSet) *endpointSet {
+	s := &endpointSet{
+		endpoints: slices.Clone(endpoints),
+		health:    make([]*health, len(endpoints)),
+	}
+	// A new picker allocates its health together. A replacing set keeps
+	// most of its predecessor's and allocates each new one alone: one array
+	// would stay alive as long as any of its elements does.
+	var states []health
+	if prev == nil {
+		states = make([]health, len(endpoints))
+	}
 	byEP := make(map[connectors.Endpoint]*health, len(endpoints))
-	for i, ep := range r.endpoints {
+	for i, ep := range s.endpoints {
 		h, ok := byEP[ep]
 		if !ok {
-			h = &states[i]
+			switch h = prev.lookup(ep); {
+			case h != nil:
+			case states != nil:
+				h = &states[i]
+			default:
+				h = new(health)
+			}
 			byEP[ep] = h
 		}
-		r.health[i] = h
+		s.health[i] = h
+		if ep.Group != "" {
+			if s.groups == nil {
+				s.groups = map[string]*group{}
+			}
+			g := s.groups[ep.Group]
+			if g == nil {
+				g = &group{}
+				s.groups[ep.Group] = g
+			}
+			g.members = append(g.members, i)
+		}
 	}
-	if len(r.endpoints) > scanMax {
-		r.byEP = byEP
+	if len(s.endpoints) > scanMax {
+		s.byEP = byEP
 	}
-	return r
+	return s
 }
 
 // scanMax is the pool size up to which lookup scans rather than hashes. The
@@ -125,18 +203,18 @@ func NewRoundRobin(endpoints []connectors.Endpoint, opts Options) *RoundRobin {
 // costs more than scanning a few of those.
 const scanMax = 16
 
-// lookup returns ep's health, or nil if ep is not one of r's endpoints.
-func (r *RoundRobin) lookup(ep connectors.Endpoint) *health {
-	if r.byEP != nil {
-		return r.byEP[ep]
+// lookup returns ep's health, or nil if ep is not one of s's endpoints (or
+// s is nil).
+func (s *endpointSet) lookup(ep connectors.Endpoint) *health {
+	if s == nil {
+		return nil
 	}
-	return r.scan(ep)
-}
-
-func (r *RoundRobin) scan(ep connectors.Endpoint) *health {
-	for i, e := range r.endpoints {
+	if s.byEP != nil {
+		return s.byEP[ep]
+	}
+	for i, e := range s.endpoints {
 		if e == ep {
-			return r.health[i]
+			return s.health[i]
 		}
 	}
 	return nil
@@ -152,7 +230,30 @@ func (r *RoundRobin) scan(ep connectors.Endpoint) *health {
 //
 // Pick does not allocate, and takes no lock.
 func (r *RoundRobin) Pick(exclude ...connectors.Endpoint) (ep connectors.Endpoint, ok bool) {
-	n := uint64(len(r.endpoints))
+	return r.pick(r.set.Load(), nil, &r.next, exclude)
+}
+
+// PickGroup is Pick among the endpoints whose Group is group, in turn: a
+// request pairs its prefill with its decode endpoint's group. It returns
+// ok=false when the group has no endpoint, or all of them are excluded.
+//
+// PickGroup does not allocate, and takes no lock.
+func (r *RoundRobin) PickGroup(group string, exclude ...connectors.Endpoint) (ep connectors.Endpoint, ok bool) {
+	s := r.set.Load()
+	g := s.groups[group]
+	if g == nil {
+		return connectors.Endpoint{}, false
+	}
+	return r.pick(s, g.members, &g.next, exclude)
+}
+
+// pick picks among the positions members of s (all of them when members is
+// nil), drawing turns from counter.
+func (r *RoundRobin) pick(s *endpointSet, members []int, counter *atomic.Uint64, exclude []connectors.Endpoint) (connectors.Endpoint, bool) {
+	n := uint64(len(s.endpoints))
+	if members != nil {
+		n = uint64(len(members))
+	}
 	if n == 0 {
 		return connectors.Endpoint{}, false
 	}
@@ -164,32 +265,43 @@ func (r *RoundRobin) Pick(exclude ...connectors.Endpoint) (ep connectors.Endpoin
 	// to its successor in the list: otherwise the endpoint after an ejected
 	// one would get twice the share of the others.
 	for range n {
-		turn = r.next.Add(1) - 1
-		i := turn % n
-		if !excluded(r.endpoints[i], exclude) && r.admitted(r.health[i], &now) {
-			return r.endpoints[i], true
+		turn = counter.Add(1) - 1
+		i := position(members, turn%n)
+		if !excluded(s.endpoints[i], exclude) && r.admitted(s.health[i], &now) {
+			return s.endpoints[i], true
 		}
 	}
 	// The n turns drawn above need not be n different positions when other
 	// goroutines draw turns concurrently, so look at every position before
 	// going into panic mode.
-	return r.fallback(turn, exclude, now)
+	return r.fallback(s, members, turn, exclude, now)
+}
+
+// position is the k-th position of members, or k when members is nil (all).
+func position(members []int, k uint64) int {
+	if members == nil {
+		return int(k)
+	}
+	return members[k]
 }
 
 // fallback scans all positions after turn for an admitted endpoint not in
 // exclude; failing that, it returns the non-excluded one whose ejection ends
 // first, ties going to the earliest in turn order.
-func (r *RoundRobin) fallback(turn uint64, exclude []connectors.Endpoint, now int64) (connectors.Endpoint, bool) {
-	n := uint64(len(r.endpoints))
+func (r *RoundRobin) fallback(s *endpointSet, members []int, turn uint64, exclude []connectors.Endpoint, now int64) (connectors.Endpoint, bool) {
+	n := uint64(len(s.endpoints))
+	if members != nil {
+		n = uint64(len(members))
+	}
 	best, bestUntil := -1, int64(0)
 	for k := uint64(1); k <= n; k++ {
-		i := int((turn + k) % n)
-		if excluded(r.endpoints[i], exclude) {
+		i := position(members, (turn+k)%n)
+		if excluded(s.endpoints[i], exclude) {
 			continue
 		}
-		h := r.health[i]
+		h := s.health[i]
 		if r.admitted(h, &now) {
-			return r.endpoints[i], true
+			return s.endpoints[i], true
 		}
 		if u := h.until.Load(); best < 0 || u < bestUntil {
 			best, bestUntil = i, u
@@ -198,7 +310,7 @@ func (r *RoundRobin) fallback(turn uint64, exclude []connectors.Endpoint, now in
 	if best < 0 {
 		return connectors.Endpoint{}, false
 	}
-	return r.endpoints[best], true
+	return s.endpoints[best], true
 }
 
 // admitted reports whether h is not ejected. *now caches the clock for one
@@ -242,7 +354,7 @@ func (r *RoundRobin) elapsed() int64 {
 //
 // Reports about endpoints the picker does not have are ignored.
 func (r *RoundRobin) Report(ep connectors.Endpoint, ok bool) {
-	h := r.lookup(ep)
+	h := r.set.Load().lookup(ep)
 	if h == nil {
 		return
 	}
@@ -285,7 +397,7 @@ func (r *RoundRobin) Report(ep connectors.Endpoint, ok bool) {
 // Healthy reports whether ep is currently admitted: a known endpoint that is
 // not ejected, or whose cool-down is over.
 func (r *RoundRobin) Healthy(ep connectors.Endpoint) bool {
-	h := r.lookup(ep)
+	h := r.set.Load().lookup(ep)
 	if h == nil {
 		return false
 	}
@@ -295,10 +407,10 @@ func (r *RoundRobin) Healthy(ep connectors.Endpoint) bool {
 
 // Contains reports whether ep is one of the picker's endpoints.
 func (r *RoundRobin) Contains(ep connectors.Endpoint) bool {
-	return r.lookup(ep) != nil
+	return r.set.Load().lookup(ep) != nil
 }
 
 // Endpoints returns a copy of the picker's endpoints, in turn order.
 func (r *RoundRobin) Endpoints() []connectors.Endpoint {
-	return slices.Clone(r.endpoints)
+	return slices.Clone(r.set.Load().endpoints)
 }

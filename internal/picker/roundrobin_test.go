@@ -446,3 +446,204 @@ func BenchmarkPickReport(b *testing.B) {
 		})
 	}
 }
+
+func TestSetEndpoints(t *testing.T) {
+	epD := connectors.Endpoint{Address: "127.0.0.1:4"}
+	for _, tc := range []struct {
+		name        string
+		next        []connectors.Endpoint
+		wantHealthy map[connectors.Endpoint]bool // after the swap
+		wantPicks   []connectors.Endpoint
+	}{
+		{
+			// B stays ejected across the swap; A and C keep being healthy.
+			name:        "remaining endpoints keep their health",
+			next:        []connectors.Endpoint{epC, epB, epA},
+			wantHealthy: map[connectors.Endpoint]bool{epA: true, epB: false, epC: true},
+			wantPicks:   []connectors.Endpoint{epC, epA, epC, epA},
+		},
+		{
+			name:        "removed endpoints are no longer picked",
+			next:        []connectors.Endpoint{epA},
+			wantHealthy: map[connectors.Endpoint]bool{epA: true, epB: false, epC: false},
+			wantPicks:   []connectors.Endpoint{epA, epA},
+		},
+		{
+			name:        "new endpoints start healthy",
+			next:        []connectors.Endpoint{epB, epD},
+			wantHealthy: map[connectors.Endpoint]bool{epB: false, epD: true},
+			wantPicks:   []connectors.Endpoint{epD, epD},
+		},
+		{
+			name: "empty set picks nothing",
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rr, _ := newTestRR(t, 1, time.Hour)
+			rr.Report(epB, false)
+			rr.SetEndpoints(tc.next)
+			require.Equal(t, tc.next, rr.Endpoints())
+			for ep, want := range tc.wantHealthy {
+				require.Equal(t, want, rr.Healthy(ep), ep.Address)
+			}
+			if len(tc.wantPicks) == 0 {
+				_, ok := rr.Pick()
+				require.False(t, ok)
+				return
+			}
+			require.Equal(t, tc.wantPicks, picks(t, rr, len(tc.wantPicks)))
+		})
+	}
+
+	t.Run("an endpoint that leaves and comes back starts afresh", func(t *testing.T) {
+		rr, _ := newTestRR(t, 1, time.Hour)
+		rr.Report(epB, false)
+		rr.SetEndpoints([]connectors.Endpoint{epA})
+		rr.Report(epB, false) // ignored: not an endpoint now
+		rr.SetEndpoints(abc)
+		require.True(t, rr.Healthy(epB))
+	})
+
+	t.Run("the caller's slice is copied", func(t *testing.T) {
+		rr, _ := newTestRR(t, 1, time.Hour)
+		eps := []connectors.Endpoint{epA, epB}
+		rr.SetEndpoints(eps)
+		eps[0] = epC
+		require.Equal(t, []connectors.Endpoint{epA, epB}, rr.Endpoints())
+	})
+}
+
+func TestPickGroup(t *testing.T) {
+	in := func(group string, ep connectors.Endpoint) connectors.Endpoint {
+		ep.Group = group
+		return ep
+	}
+	a1, b1, c2 := in("g1", epA), in("g1", epB), in("g2", epC)
+	ungrouped := connectors.Endpoint{Address: "127.0.0.1:9"}
+	for _, tc := range []struct {
+		name    string
+		group   string
+		ejected []connectors.Endpoint
+		exclude []connectors.Endpoint
+		want    []connectors.Endpoint // nil: ok=false
+	}{
+		{name: "round robin within the group", group: "g1", want: []connectors.Endpoint{a1, b1, a1, b1}},
+		{name: "single member", group: "g2", want: []connectors.Endpoint{c2, c2}},
+		{name: "ejected member passed over", group: "g1", ejected: []connectors.Endpoint{a1}, want: []connectors.Endpoint{b1, b1}},
+		{name: "panic mode stays in the group", group: "g2", ejected: []connectors.Endpoint{c2}, want: []connectors.Endpoint{c2}},
+		{name: "excluded member", group: "g1", exclude: []connectors.Endpoint{b1}, want: []connectors.Endpoint{a1, a1}},
+		{name: "all members excluded", group: "g1", exclude: []connectors.Endpoint{a1, b1}},
+		{name: "unknown group", group: "g3"},
+		{name: "no group is not a group", group: ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rr := NewRoundRobin([]connectors.Endpoint{a1, ungrouped, c2, b1}, Options{FailureThreshold: 1, CoolDown: time.Hour})
+			for _, ep := range tc.ejected {
+				rr.Report(ep, false)
+			}
+			if tc.want == nil {
+				ep, ok := rr.PickGroup(tc.group, tc.exclude...)
+				require.False(t, ok)
+				require.Zero(t, ep)
+				return
+			}
+			var got []connectors.Endpoint
+			for range tc.want {
+				ep, ok := rr.PickGroup(tc.group, tc.exclude...)
+				require.True(t, ok)
+				got = append(got, ep)
+			}
+			require.Equal(t, tc.want, got)
+		})
+	}
+
+	t.Run("groups follow SetEndpoints", func(t *testing.T) {
+		rr := NewRoundRobin([]connectors.Endpoint{a1, c2}, Options{})
+		rr.SetEndpoints([]connectors.Endpoint{in("g2", epA), c2})
+		_, ok := rr.PickGroup("g1")
+		require.False(t, ok)
+		require.ElementsMatch(t, []connectors.Endpoint{in("g2", epA), c2},
+			[]connectors.Endpoint{must(rr.PickGroup("g2")), must(rr.PickGroup("g2"))})
+	})
+}
+
+func must(ep connectors.Endpoint, ok bool) connectors.Endpoint {
+	if !ok {
+		panic("no endpoint")
+	}
+	return ep
+}
+
+func TestInherit(t *testing.T) {
+	clk := newFakeClock()
+	old := NewRoundRobin(abc, Options{FailureThreshold: 1, CoolDown: 10 * time.Second, Now: clk.Now})
+	old.Report(epB, false)
+	clk.Advance(5 * time.Second)
+
+	// The new picker keeps B's ejection (with its end time), not C's
+	// absence, and both pickers see each other's Reports afterwards.
+	epD := connectors.Endpoint{Address: "127.0.0.1:4"}
+	rr := NewRoundRobin([]connectors.Endpoint{epA, epB, epD}, Options{FailureThreshold: 2, CoolDown: time.Minute, Now: clk.Now, Inherit: old})
+	require.False(t, rr.Healthy(epB))
+	require.True(t, rr.Healthy(epD))
+	clk.Advance(5 * time.Second)
+	require.True(t, rr.Healthy(epB), "the inherited ejection ends when it would have")
+	rr.Report(epA, false)
+	require.True(t, rr.Healthy(epA), "one failure is under the new picker's threshold of 2")
+	require.True(t, old.Healthy(epA))
+	old.Report(epA, false)
+	require.False(t, old.Healthy(epA))
+	require.False(t, rr.Healthy(epA), "an ejection is the endpoint's, whichever picker heard of it")
+	rr.Report(epA, true)
+	require.True(t, old.Healthy(epA), "and so is a success")
+}
+
+// TestConcurrentSetEndpoints swaps endpoint sets while picking and
+// reporting, for -race: every Pick returns an endpoint of one of the sets,
+// and B, ejected in every set it is in, is never picked while healthy ones
+// exist.
+func TestConcurrentSetEndpoints(t *testing.T) {
+	rr, _ := newTestRR(t, 1, time.Hour)
+	rr.Report(epB, false)
+	// Every set has B, so that it keeps its ejection, and a healthy endpoint.
+	sets := [][]connectors.Endpoint{abc, {epA, epB}, {epB, epC}, {epC, epB, epA}}
+	stop := make(chan struct{})
+	var swapper sync.WaitGroup
+	swapper.Go(func() {
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			rr.SetEndpoints(sets[i%len(sets)])
+		}
+	})
+	var wg sync.WaitGroup
+	// Goroutines use assert: require's FailNow must run on the test's own.
+	for range 4 {
+		wg.Go(func() {
+			for range 2000 {
+				ep, ok := rr.Pick()
+				assert.True(t, ok)
+				assert.Contains(t, abc, ep)
+				assert.NotEqual(t, epB, ep)
+				rr.Report(ep, true)
+				rr.Healthy(ep)
+				rr.Endpoints()
+			}
+		})
+	}
+	wg.Wait()
+	close(stop)
+	swapper.Wait()
+	require.False(t, rr.Healthy(epB), "B's ejection survived every swap")
+}
+
+func TestPickGroupDoesNotAllocate(t *testing.T) {
+	a := epA
+	a.Group = "g"
+	rr := NewRoundRobin([]connectors.Endpoint{a, epB}, Options{})
+	require.Zero(t, testing.AllocsPerRun(100, func() { rr.PickGroup("g") }))
+	require.Zero(t, testing.AllocsPerRun(100, func() { rr.PickGroup("g", a) }))
+}

@@ -1,10 +1,14 @@
 // Package routing maps a request's model to its pool: the connector and the
-// engines that serve it. A Table is immutable once built; a stream takes one
-// snapshot when it starts and keeps it to its end.
+// engines that serve it. A Table is immutable once built (only the endpoint
+// sets of pools discovered from Kubernetes follow the cluster); a stream
+// takes one snapshot when it starts and keeps it to its end.
 package routing
 
 import (
+	"errors"
 	"fmt"
+	"slices"
+	"sync"
 	"time"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
@@ -13,14 +17,19 @@ import (
 	"github.com/pdx-router/pdx/internal/picker"
 )
 
+// ErrNoEndpoint is the error of a pick that finds no endpoint to use.
+var ErrNoEndpoint = errors.New("no endpoint available")
+
 // Pool is a set of prefill and decode engines serving some models with one
 // connector.
 type Pool struct {
 	Name          string
 	ConnectorName string
 	Connector     connectors.Connector
-	Prefill       *picker.RoundRobin
-	Decode        *picker.RoundRobin
+	// Prefill and Decode hold the pool's endpoints and their passive health.
+	// Requests pick through PickDecode and PickPrefill, which pair them.
+	Prefill *picker.RoundRobin
+	Decode  *picker.RoundRobin
 	// PrefillTimeout bounds all prefill attempts of a request together;
 	// AttemptTimeout bounds each.
 	PrefillTimeout time.Duration
@@ -30,10 +39,72 @@ type Pool struct {
 	// Fallback sends a request whose prefill attempts all failed to a decode
 	// endpoint with the plain client body, instead of failing it.
 	Fallback bool
+
+	// update serializes SetEndpoints.
+	update sync.Mutex
+}
+
+// PickDecode picks the decode endpoint of a request. It fails, wrapping
+// ErrNoEndpoint, when the pool has none at the moment (a discovered pool
+// whose decode pods are all gone or not ready).
+func (p *Pool) PickDecode() (connectors.Endpoint, error) {
+	ep, ok := p.Decode.Pick()
+	if !ok {
+		return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
+	}
+	return ep, nil
+}
+
+// PickPrefill picks a prefill endpoint for a request whose decode endpoint is
+// decode, other than those in exclude (the ones it has tried). A decode
+// endpoint with a Group pairs only with the prefill endpoints of that group;
+// when none is left the pick fails rather than use another group's, whose
+// engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint, when no
+// endpoint is left to try.
+func (p *Pool) PickPrefill(decode connectors.Endpoint, exclude ...connectors.Endpoint) (connectors.Endpoint, error) {
+	var ep connectors.Endpoint
+	var ok bool
+	if decode.Group == "" {
+		ep, ok = p.Prefill.Pick(exclude...)
+	} else {
+		ep, ok = p.Prefill.PickGroup(decode.Group, exclude...)
+	}
+	switch {
+	case ok:
+		return ep, nil
+	case len(exclude) > 0:
+		return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
+	case decode.Group != "":
+		return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
+			ErrNoEndpoint, p.Name, decode.Group, decode.Address)
+	}
+	return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint", ErrNoEndpoint, p.Name)
+}
+
+// SetEndpoints replaces the pool's endpoints (Kubernetes discovery calls it
+// on every change). Endpoints that remain keep their passive health.
+//
+// A request picks its decode endpoint, then a prefill endpoint of the
+// decode's group. So that a decode picked from the old set or from the new
+// one finds its group's prefill endpoints, the prefill set grows to both
+// sets' endpoints before the decode set changes, and shrinks after.
+func (p *Pool) SetEndpoints(prefill, decode []connectors.Endpoint) {
+	p.update.Lock()
+	defer p.update.Unlock()
+	both := p.Prefill.Endpoints()
+	for _, ep := range prefill {
+		if !slices.Contains(both, ep) {
+			both = append(both, ep)
+		}
+	}
+	p.Prefill.SetEndpoints(both)
+	p.Decode.SetEndpoints(decode)
+	p.Prefill.SetEndpoints(prefill)
 }
 
 // Table finds the pool of a model.
 type Table struct {
+	pools      []*Pool // in config order
 	byModel    map[string]*Pool
 	fallback   *Pool
 	concurrent bool
@@ -48,9 +119,22 @@ func (t *Table) MaxBodyBytes() int { return t.maxBody }
 // pdx, which is decided before the body says which pool a request is for.
 func (t *Table) HasConcurrent() bool { return t.concurrent }
 
+// Pools returns the table's pools in config order. The slice is the
+// table's: callers must not change it.
+func (t *Table) Pools() []*Pool { return t.pools }
+
 // New builds a table from a config that config.Parse accepted. It fails on
-// connector names that are not registered.
+// connector names that are not registered. Pools that discover their
+// endpoints (kubernetes) start empty: the discovery fills them.
 func New(cfg *configv1.Config) (*Table, error) {
+	return Rebuild(cfg, nil)
+}
+
+// Rebuild is New for a config reload: a pool named as one of prev's (which
+// may be nil) shares its passive health, so that an endpoint in both keeps
+// its failures and ejection. A discovered pool starts with its predecessor's
+// endpoints, for the discovery to replace.
+func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	if err := config.ValidateConnectors(cfg, connectors.Names()); err != nil {
 		return nil, err
 	}
@@ -65,12 +149,20 @@ func New(cfg *configv1.Config) (*Table, error) {
 			FailureThreshold: int(pc.GetEjectAfterFailures()),
 			CoolDown:         pc.GetEjectDuration().AsDuration(),
 		}
+		prefillHealth, decodeHealth := health, health
+		prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())
+		if old := prev.pool(pc.GetName()); old != nil {
+			prefillHealth.Inherit, decodeHealth.Inherit = old.Prefill, old.Decode
+			if pc.GetKubernetes() != nil {
+				prefill, decode = old.Prefill.Endpoints(), old.Decode.Endpoints()
+			}
+		}
 		p := &Pool{
 			Name:           pc.GetName(),
 			ConnectorName:  pc.GetConnector(),
 			Connector:      conn,
-			Prefill:        picker.NewRoundRobin(endpoints(pc.GetPrefill()), health),
-			Decode:         picker.NewRoundRobin(endpoints(pc.GetDecode()), health),
+			Prefill:        picker.NewRoundRobin(prefill, prefillHealth),
+			Decode:         picker.NewRoundRobin(decode, decodeHealth),
 			PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
 			AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
 			Attempts:       max(1, int(pc.GetPrefillAttempts())),
@@ -79,6 +171,7 @@ func New(cfg *configv1.Config) (*Table, error) {
 		if p.AttemptTimeout <= 0 { // a config not through config.Parse
 			p.AttemptTimeout = p.PrefillTimeout
 		}
+		t.pools = append(t.pools, p)
 		for _, m := range pc.GetModels() {
 			t.byModel[m] = p
 		}
@@ -87,6 +180,25 @@ func New(cfg *configv1.Config) (*Table, error) {
 		}
 	}
 	return t, nil
+}
+
+// pool returns the pool named name, or nil (also when t is nil).
+func (t *Table) pool(name string) *Pool {
+	if t == nil {
+		return nil
+	}
+	for _, p := range t.pools {
+		if p.Name == name {
+			return p
+		}
+	}
+	return nil
+}
+
+// Pool returns the pool named name.
+func (t *Table) Pool(name string) (*Pool, bool) {
+	p := t.pool(name)
+	return p, p != nil
 }
 
 // Lookup returns the pool serving model: the pool that lists it, else the
@@ -108,5 +220,5 @@ func endpoints(eps []*configv1.Endpoint) []connectors.Endpoint {
 
 // Fixed returns a table that sends every model to pool.
 func Fixed(pool *Pool) *Table {
-	return &Table{byModel: map[string]*Pool{}, fallback: pool, concurrent: connectors.Concurrent(pool.Connector)}
+	return &Table{pools: []*Pool{pool}, byModel: map[string]*Pool{}, fallback: pool, concurrent: connectors.Concurrent(pool.Connector)}
 }

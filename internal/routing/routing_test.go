@@ -5,7 +5,10 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/picker"
 )
 
 func TestLookup(t *testing.T) {
@@ -63,4 +66,145 @@ pools:
 	require.NoError(t, err)
 	_, err = New(cfg)
 	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`)
+}
+
+func TestPick(t *testing.T) {
+	ep := func(addr, group string) connectors.Endpoint { return connectors.Endpoint{Address: addr, Group: group} }
+	tests := []struct {
+		name            string
+		prefill, decode []connectors.Endpoint
+		exclude         []connectors.Endpoint
+		wantDecode      connectors.Endpoint
+		wantPrefill     []connectors.Endpoint // in turn
+		wantErr         string
+	}{
+		{
+			name:    "unpaired: any prefill",
+			prefill: []connectors.Endpoint{ep("127.0.0.1:1", ""), ep("127.0.0.1:2", "")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "")},
+			wantDecode: ep("127.0.0.1:9", ""), wantPrefill: []connectors.Endpoint{ep("127.0.0.1:1", ""), ep("127.0.0.1:2", ""), ep("127.0.0.1:1", "")},
+		},
+		{
+			name:    "paired: the decode's group only",
+			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:2", "b"), ep("127.0.0.1:3", "a")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "a")},
+			wantDecode: ep("127.0.0.1:9", "a"), wantPrefill: []connectors.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:3", "a"), ep("127.0.0.1:1", "a")},
+		},
+		{
+			name:    "no decode",
+			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "")},
+			wantErr: "no endpoint available: pool p has no ready decode endpoint",
+		},
+		{
+			name:    "no prefill",
+			decode:  []connectors.Endpoint{ep("127.0.0.1:9", "")},
+			wantErr: "no endpoint available: pool p has no ready prefill endpoint",
+		},
+		{
+			name:    "group without prefill",
+			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "b")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "a")},
+			wantErr: `no endpoint available: pool p has no ready prefill endpoint in group "a" of decode endpoint 127.0.0.1:9`,
+		},
+		{
+			name:    "group tried out",
+			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:2", "b")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "a")},
+			exclude: []connectors.Endpoint{ep("127.0.0.1:1", "a")},
+			wantErr: "no endpoint available: pool p has no prefill endpoint left to try",
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			p := &Pool{Name: "p", Prefill: picker.NewRoundRobin(nil, picker.Options{}), Decode: picker.NewRoundRobin(nil, picker.Options{})}
+			p.SetEndpoints(tc.prefill, tc.decode)
+			d, err := p.PickDecode()
+			if err == nil {
+				var got []connectors.Endpoint
+				for range max(1, len(tc.wantPrefill)) {
+					var pf connectors.Endpoint
+					if pf, err = p.PickPrefill(d, tc.exclude...); err != nil {
+						break
+					}
+					got = append(got, pf)
+				}
+				if err == nil {
+					require.Equal(t, tc.wantDecode, d)
+					require.Equal(t, tc.wantPrefill, got)
+					return
+				}
+			}
+			require.EqualError(t, err, tc.wantErr)
+			require.ErrorIs(t, err, ErrNoEndpoint)
+		})
+	}
+}
+
+func TestSetEndpointsKeepsHealth(t *testing.T) {
+	a, b, c := connectors.Endpoint{Address: "127.0.0.1:1"}, connectors.Endpoint{Address: "127.0.0.1:2"}, connectors.Endpoint{Address: "127.0.0.1:3"}
+	p := &Pool{Name: "p", Prefill: picker.NewRoundRobin([]connectors.Endpoint{a, b}, picker.Options{FailureThreshold: 1}),
+		Decode: picker.NewRoundRobin([]connectors.Endpoint{c}, picker.Options{})}
+	p.Prefill.Report(a, false)
+	p.SetEndpoints([]connectors.Endpoint{c, a}, []connectors.Endpoint{b})
+	require.Equal(t, []connectors.Endpoint{c, a}, p.Prefill.Endpoints(), "the new set, not the union used on the way")
+	require.Equal(t, []connectors.Endpoint{b}, p.Decode.Endpoints())
+	require.False(t, p.Prefill.Healthy(a), "still ejected")
+	require.True(t, p.Prefill.Healthy(c))
+}
+
+func TestRebuild(t *testing.T) {
+	parse := func(yaml string) *configv1.Config {
+		cfg, err := config.Parse([]byte(yaml))
+		require.NoError(t, err)
+		return cfg
+	}
+	old, err := New(parse(`
+pools:
+- name: static
+  models: [a]
+  connector: nixl
+  eject_after_failures: 1
+  prefill: [{address: 127.0.0.1:1}, {address: 127.0.0.1:2}]
+  decode: [{address: 127.0.0.1:9}]
+- name: found
+  models: [b]
+  connector: nixl
+  kubernetes: {namespace: llm, service: engines, port: 8000}
+`))
+	require.NoError(t, err)
+	ep := func(addr string) connectors.Endpoint { return connectors.Endpoint{Address: addr} }
+	static, _ := old.Pool("static")
+	static.Prefill.Report(ep("127.0.0.1:1"), false)
+	found, _ := old.Pool("found")
+	found.SetEndpoints([]connectors.Endpoint{ep("10.0.0.1:8000")}, []connectors.Endpoint{ep("10.0.0.9:8000")})
+	found.Prefill.Report(ep("10.0.0.1:8000"), false)
+	found.Prefill.Report(ep("10.0.0.1:8000"), false)
+	found.Prefill.Report(ep("10.0.0.1:8000"), false)
+
+	table, err := Rebuild(parse(`
+pools:
+- name: static
+  models: [a]
+  connector: nixl
+  eject_after_failures: 1
+  prefill: [{address: 127.0.0.1:1}, {address: 127.0.0.1:3}]
+  decode: [{address: 127.0.0.1:9}]
+- name: found
+  models: [b]
+  connector: nixl
+  kubernetes: {namespace: llm, service: engines, port: 8000}
+- name: renamed
+  models: [c]
+  connector: nixl
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:9}]
+`), old)
+	require.NoError(t, err)
+	static, _ = table.Pool("static")
+	require.False(t, static.Prefill.Healthy(ep("127.0.0.1:1")), "an ejected endpoint stays ejected across the reload")
+	require.True(t, static.Prefill.Healthy(ep("127.0.0.1:3")))
+	found, _ = table.Pool("found")
+	require.Equal(t, []connectors.Endpoint{ep("10.0.0.1:8000")}, found.Prefill.Endpoints(), "a discovered pool starts from its predecessor's endpoints")
+	require.Equal(t, []connectors.Endpoint{ep("10.0.0.9:8000")}, found.Decode.Endpoints())
+	require.False(t, found.Prefill.Healthy(ep("10.0.0.1:8000")))
+	renamed, _ := table.Pool("renamed")
+	require.True(t, renamed.Prefill.Healthy(ep("127.0.0.1:1")), "health is carried by pool name")
+	_, ok := table.Pool("nope")
+	require.False(t, ok)
 }

@@ -14,6 +14,7 @@ import (
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
@@ -22,6 +23,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/processor"
 )
@@ -45,16 +47,45 @@ type Server struct {
 	adminLn net.Listener
 	ready   atomic.Bool
 	served  chan error
+	metrics *metrics.Metrics
+	proc    *processor.Server
 
 	shutdownOnce sync.Once
 	shutdownErr  error
 }
 
+// Option configures a Server.
+type Option func(*options)
+
+type options struct {
+	tracerProvider trace.TracerProvider
+	table          *routing.Table
+}
+
+// WithTable serves table instead of one built from the config's pools: a
+// table whose discovered pools are already fed (see package reload).
+func WithTable(t *routing.Table) Option {
+	return func(o *options) { o.table = t }
+}
+
+// WithTracerProvider traces requests with tp (see processor.WithTracerProvider).
+// The caller shuts tp down, after the server.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(o *options) { o.tracerProvider = tp }
+}
+
 // Start listens on the config's addresses and serves until Shutdown.
-func Start(cfg *configv1.Config, log *slog.Logger) (*Server, error) {
-	table, err := routing.New(cfg)
-	if err != nil {
-		return nil, err
+func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, error) {
+	var o options
+	for _, opt := range with {
+		opt(&o)
+	}
+	table := o.table
+	if table == nil {
+		var err error
+		if table, err = routing.New(cfg); err != nil {
+			return nil, err
+		}
 	}
 	tlsCfg, err := tlsConfig(cfg.GetTls())
 	if err != nil {
@@ -89,8 +120,12 @@ func Start(cfg *configv1.Config, log *slog.Logger) (*Server, error) {
 		grpcLn:  grpcLn,
 		adminLn: adminLn,
 		served:  make(chan error, 2),
+		metrics: metrics.New(),
 	}
-	extprocv3.RegisterExternalProcessorServer(s.grpc, processor.New(table, s.engine, log))
+	proc := processor.New(table, s.engine, log, processor.WithMetrics(s.metrics), processor.WithTracerProvider(o.tracerProvider))
+	s.proc = proc
+	s.metrics.CollectEndpoints(proc.Table)
+	extprocv3.RegisterExternalProcessorServer(s.grpc, proc)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	for _, name := range healthServices {
 		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
@@ -107,6 +142,10 @@ func Start(cfg *configv1.Config, log *slog.Logger) (*Server, error) {
 
 // GRPCAddr is the ext_proc listener's address.
 func (s *Server) GRPCAddr() string { return s.grpcLn.Addr().String() }
+
+// SetTable routes the streams that start from now on by t (a reloaded
+// config); streams already open keep the table they started with.
+func (s *Server) SetTable(t *routing.Table) { s.proc.SetTable(t) }
 
 // AdminAddr is the HTTP admin listener's address.
 func (s *Server) AdminAddr() string { return s.adminLn.Addr().String() }
@@ -151,6 +190,7 @@ func (s *Server) adminHandler() http.Handler {
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		w.Write([]byte("ok\n"))
 	})
+	mux.Handle("GET /metrics", s.metrics.Handler())
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if !s.ready.Load() {
 			http.Error(w, "draining", http.StatusServiceUnavailable)

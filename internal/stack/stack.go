@@ -52,6 +52,10 @@ type Options struct {
 	EnvoyWithoutClientCert bool
 	// PoolYAML is added to the pool's config, e.g. "prefill_attempts: 2".
 	PoolYAML string
+	// RequestBodyMode is the ext_proc filter's request body mode
+	// (envoy.Config.RequestBodyMode): BUFFERED by default, or
+	// FULL_DUPLEX_STREAMED.
+	RequestBodyMode string
 	// Tune, when set, adjusts engine i of a role before it starts (a sick
 	// or slow engine among healthy ones).
 	Tune func(role enginesim.Role, i int, c *enginesim.Config)
@@ -137,6 +141,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		DefaultEndpoints: defaults,
 		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
 		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + 1<<20,
+		RequestBodyMode:  opts.RequestBodyMode,
 	}
 	if p := opts.PKI; p != nil {
 		ecfg.PdxTLS = &envoy.TLS{CAFile: p.CAFile, SNI: p.ServerName}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/reload"
 	"github.com/pdx-router/pdx/internal/server"
 )
 
@@ -63,7 +64,11 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	fs.SetOutput(stderr)
 	path := fs.String("config", "", "config file (YAML)")
 	level := fs.String("log-level", "info", "log level: debug, info, warn, error")
+	logFormat := fs.String("log-format", "json", "log format: json (for log pipelines) or text (key=value)")
 	drain := fs.Duration("drain-timeout", 30*time.Second, "how long in-flight requests may finish on shutdown")
+	pprofAddr := fs.String("pprof-address", "", "serve Go's /debug/pprof/ on this host:port (off when empty; keep it on loopback)")
+	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file for pools that discover their engines in Kubernetes (default: the in-cluster service account)")
+	pollEvery := fs.Duration("config-poll-interval", reload.DefaultInterval, "how often to check --config for changes and reload it")
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("%w: %w", ErrUsage, err)
 	}
@@ -74,14 +79,40 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err := lvl.UnmarshalText([]byte(*level)); err != nil {
 		return fmt.Errorf("%w: --log-level: %w", ErrUsage, err)
 	}
-	cfg, err := config.Load(*path)
+	log, err := newLogger(*logFormat, lvl, stderr)
 	if err != nil {
 		return err
 	}
-	log := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: lvl}))
-	srv, err := server.Start(cfg, log)
+	// The table follows the file's changes, and discovered pools the cluster.
+	rl, err := reload.New(ctx, reload.Options{Path: *path, Interval: *pollEvery, Log: log, Kube: kubeClient(*kubeconfig, log)})
 	if err != nil {
 		return err
+	}
+	defer rl.Close() // after the drain below: draining requests keep their pools fed
+	cfg := rl.Config()
+	tracingOpts, stopTracing, err := startTracing(ctx, log)
+	if err != nil {
+		return err
+	}
+	defer stopTracing() // after the drain below: it flushes the drained requests' spans
+	srv, err := server.Start(cfg, log, append(tracingOpts, server.WithTable(rl.Table()))...)
+	if err != nil {
+		return err
+	}
+	rctx, stopReloading := context.WithCancel(ctx)
+	reloading := make(chan struct{})
+	go func() {
+		defer close(reloading)
+		rl.Run(rctx, srv.SetTable)
+	}()
+	defer func() { stopReloading(); <-reloading }() // before rl.Close
+	if *pprofAddr != "" {
+		stop, err := servePprof(*pprofAddr, log)
+		if err != nil {
+			_ = srv.Shutdown(context.Background())
+			return err
+		}
+		defer stop()
 	}
 	<-ctx.Done()
 	log.Info("shutting down", slog.Duration("drain_timeout", *drain))
@@ -100,6 +131,7 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.AdminPort, "admin-port", 9901, "Envoy admin port (on 127.0.0.1)")
 	fs.DurationVar(&c.MessageTimeout, "message-timeout", envoy.DefaultMessageTimeout, "ext_proc message timeout; keep it above every pool's prefill_timeout")
 	fs.IntVar(&c.BufferLimitBytes, "buffer-limit", envoy.DefaultBufferLimitBytes, "largest request body Envoy buffers; match pdx's max_body_bytes")
+	fs.StringVar(&c.RequestBodyMode, "request-body-mode", envoy.BodyBuffered, "how Envoy sends request bodies to pdx: "+envoy.BodyBuffered+" or "+envoy.BodyFullDuplexStreamed+" (the InferencePool integrations' mode)")
 	passThrough := fs.String("pass-through", "", "comma-separated host:port engines for requests pdx does not route (GET /v1/models, ...)")
 	var t envoy.TLS
 	fs.StringVar(&t.CAFile, "pdx-ca", "", "reach pdx over TLS: CA file that verifies pdx's certificate")

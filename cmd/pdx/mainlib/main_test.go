@@ -61,6 +61,7 @@ func TestEnvoyConfigValidates(t *testing.T) {
 		"plaintext": {"--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0", "--pass-through", "decode-0:8000,decode-1:8000"},
 		"mutual TLS": {"--pdx-address", "pdx:9002", "--pdx-ca", pki.CAFile, "--pdx-sni", pki.ServerName,
 			"--pdx-client-cert", pki.ClientCertFile, "--pdx-client-key", pki.ClientKey},
+		"full-duplex streamed body": {"--pdx-address", "pdx:9002", "--request-body-mode", "FULL_DUPLEX_STREAMED"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			var out bytes.Buffer
@@ -73,6 +74,7 @@ func TestEnvoyConfigValidates(t *testing.T) {
 	}
 	var out bytes.Buffer
 	require.ErrorContains(t, Main(t.Context(), []string{"envoy-config", "--pdx-client-cert", "c.pem"}, &out, &out), "CA file and an SNI")
+	require.ErrorContains(t, Main(t.Context(), []string{"envoy-config", "--request-body-mode", "STREAMED"}, &out, &out), `request body mode "STREAMED"`)
 }
 
 // The demo is the first thing a user runs: it must work and say so.

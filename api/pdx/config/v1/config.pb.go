@@ -202,9 +202,11 @@ type Pool struct {
 	// decode endpoint (prefill must then be empty). Required; the server
 	// rejects names it does not support.
 	Connector string `protobuf:"bytes,4,opt,name=connector,proto3" json:"connector,omitempty"`
-	// Prefill endpoints. At least one is required.
+	// Prefill endpoints. At least one is required, unless the pool's
+	// endpoints are discovered (kubernetes), when it must be empty.
 	Prefill []*Endpoint `protobuf:"bytes,5,rep,name=prefill,proto3" json:"prefill,omitempty"`
-	// Decode endpoints. At least one is required.
+	// Decode endpoints. At least one is required, unless the pool's endpoints
+	// are discovered (kubernetes), when it must be empty.
 	Decode []*Endpoint `protobuf:"bytes,6,rep,name=decode,proto3" json:"decode,omitempty"`
 	// How long to wait for the prefill step of a request before failing it,
 	// written as a Go duration string such as "30s", "1m30s" or "2.5s". Must be
@@ -241,6 +243,11 @@ type Pool struct {
 	// How long an ejected endpoint is left out, as a Go duration string.
 	// Default: 10s.
 	EjectDuration *durationpb.Duration `protobuf:"bytes,13,opt,name=eject_duration,json=ejectDuration,proto3" json:"eject_duration,omitempty"`
+	// Discover the pool's prefill and decode endpoints from Kubernetes instead
+	// of listing them in prefill and decode. The sets follow the cluster live:
+	// a pod that turns ready is picked from the next request on, one that is
+	// no longer ready, terminates or goes away is not picked any more.
+	Kubernetes    *KubernetesDiscovery `protobuf:"bytes,14,opt,name=kubernetes,proto3" json:"kubernetes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -366,6 +373,171 @@ func (x *Pool) GetEjectDuration() *durationpb.Duration {
 	return nil
 }
 
+func (x *Pool) GetKubernetes() *KubernetesDiscovery {
+	if x != nil {
+		return x.Kubernetes
+	}
+	return nil
+}
+
+// KubernetesDiscovery finds a pool's engines among the pods of one namespace.
+// The labels follow Kthena's ModelServing, which labels every pod with its
+// role (modelserving.volcano.sh/role) and its serving group
+// (modelserving.volcano.sh/group-name), so that its pods work unchanged.
+type KubernetesDiscovery struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Namespace of the pods (and of the service). Required.
+	Namespace string `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// Name of a Service in namespace whose EndpointSlices (label
+	// kubernetes.io/service-name) give the engines' addresses and readiness:
+	// only endpoints that are ready and not terminating are used. Roles and
+	// groups are read from each endpoint's pod (its targetRef). Unset: the
+	// pods matching match_labels are used directly, those whose Ready
+	// condition is true and that are not being deleted.
+	Service string `protobuf:"bytes,2,opt,name=service,proto3" json:"service,omitempty"`
+	// Labels a pod must all carry to be one of the pool's engines, e.g.
+	// {modelserving.volcano.sh/name: my-model}. At least one of service and
+	// match_labels is required.
+	MatchLabels map[string]string `protobuf:"bytes,3,rep,name=match_labels,json=matchLabels,proto3" json:"match_labels,omitempty" protobuf_key:"bytes,1,opt,name=key" protobuf_val:"bytes,2,opt,name=value"`
+	// Pod label telling a pod's role. Default: "modelserving.volcano.sh/role".
+	// Pods whose role is neither prefill_role nor decode_role are not used.
+	// Not valid with connector "none", whose pods are all decode engines.
+	RoleLabel string `protobuf:"bytes,4,opt,name=role_label,json=roleLabel,proto3" json:"role_label,omitempty"`
+	// Value of role_label on prefill pods. Default: "prefill".
+	PrefillRole string `protobuf:"bytes,5,opt,name=prefill_role,json=prefillRole,proto3" json:"prefill_role,omitempty"`
+	// Value of role_label on decode pods. Default: "decode".
+	DecodeRole string `protobuf:"bytes,6,opt,name=decode_role,json=decodeRole,proto3" json:"decode_role,omitempty"`
+	// Pod label pairing prefill and decode pods, e.g.
+	// "modelserving.volcano.sh/group-name": a request's prefill is picked only
+	// among the prefill pods with the same value as its decode pod. Pods
+	// without the label are not used, nor are decode pods whose group has no
+	// ready prefill pod. Unset: any prefill pairs with any decode.
+	GroupLabel string `protobuf:"bytes,7,opt,name=group_label,json=groupLabel,proto3" json:"group_label,omitempty"`
+	// The engines' HTTP port, as a number. Exactly one of port and port_name
+	// is required.
+	Port uint32 `protobuf:"varint,8,opt,name=port,proto3" json:"port,omitempty"`
+	// The engines' HTTP port, by name: the name of the Service's port (as
+	// listed in its EndpointSlices) or, without a service, of the pod's
+	// container port.
+	PortName string `protobuf:"bytes,9,opt,name=port_name,json=portName,proto3" json:"port_name,omitempty"`
+	// Port of the prefill engines' KV bootstrap server (SGLang, or vLLM
+	// Mooncake with mooncake_protocol "vllm"). 0 or unset means 8998.
+	BootstrapPort uint32 `protobuf:"varint,10,opt,name=bootstrap_port,json=bootstrapPort,proto3" json:"bootstrap_port,omitempty"`
+	// The engines' P2P NCCL ZMQ port (vLLM's kv_port); each engine's
+	// kv_address is its pod IP and this port. Required with connector
+	// "p2p-nccl", not valid otherwise.
+	KvPort        uint32 `protobuf:"varint,11,opt,name=kv_port,json=kvPort,proto3" json:"kv_port,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KubernetesDiscovery) Reset() {
+	*x = KubernetesDiscovery{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KubernetesDiscovery) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KubernetesDiscovery) ProtoMessage() {}
+
+func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
+func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *KubernetesDiscovery) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *KubernetesDiscovery) GetService() string {
+	if x != nil {
+		return x.Service
+	}
+	return ""
+}
+
+func (x *KubernetesDiscovery) GetMatchLabels() map[string]string {
+	if x != nil {
+		return x.MatchLabels
+	}
+	return nil
+}
+
+func (x *KubernetesDiscovery) GetRoleLabel() string {
+	if x != nil {
+		return x.RoleLabel
+	}
+	return ""
+}
+
+func (x *KubernetesDiscovery) GetPrefillRole() string {
+	if x != nil {
+		return x.PrefillRole
+	}
+	return ""
+}
+
+func (x *KubernetesDiscovery) GetDecodeRole() string {
+	if x != nil {
+		return x.DecodeRole
+	}
+	return ""
+}
+
+func (x *KubernetesDiscovery) GetGroupLabel() string {
+	if x != nil {
+		return x.GroupLabel
+	}
+	return ""
+}
+
+func (x *KubernetesDiscovery) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+func (x *KubernetesDiscovery) GetPortName() string {
+	if x != nil {
+		return x.PortName
+	}
+	return ""
+}
+
+func (x *KubernetesDiscovery) GetBootstrapPort() uint32 {
+	if x != nil {
+		return x.BootstrapPort
+	}
+	return 0
+}
+
+func (x *KubernetesDiscovery) GetKvPort() uint32 {
+	if x != nil {
+		return x.KvPort
+	}
+	return 0
+}
+
 // Endpoint is one model server instance.
 type Endpoint struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -388,7 +560,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -400,7 +572,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -413,7 +585,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -451,7 +623,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x03TLS\x12\x1b\n" +
 	"\tcert_file\x18\x01 \x01(\tR\bcertFile\x12\x19\n" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
-	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\xdf\x04\n" +
+	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\xa3\x05\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -466,7 +638,29 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	" \x01(\v2\x19.google.protobuf.DurationR\x15prefillAttemptTimeout\x12,\n" +
 	"\x12on_prefill_failure\x18\v \x01(\tR\x10onPrefillFailure\x120\n" +
 	"\x14eject_after_failures\x18\f \x01(\rR\x12ejectAfterFailures\x12@\n" +
-	"\x0eeject_duration\x18\r \x01(\v2\x19.google.protobuf.DurationR\rejectDuration\"j\n" +
+	"\x0eeject_duration\x18\r \x01(\v2\x19.google.protobuf.DurationR\rejectDuration\x12B\n" +
+	"\n" +
+	"kubernetes\x18\x0e \x01(\v2\".pdx.config.v1.KubernetesDiscoveryR\n" +
+	"kubernetes\"\xda\x03\n" +
+	"\x13KubernetesDiscovery\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
+	"\aservice\x18\x02 \x01(\tR\aservice\x12V\n" +
+	"\fmatch_labels\x18\x03 \x03(\v23.pdx.config.v1.KubernetesDiscovery.MatchLabelsEntryR\vmatchLabels\x12\x1d\n" +
+	"\n" +
+	"role_label\x18\x04 \x01(\tR\troleLabel\x12!\n" +
+	"\fprefill_role\x18\x05 \x01(\tR\vprefillRole\x12\x1f\n" +
+	"\vdecode_role\x18\x06 \x01(\tR\n" +
+	"decodeRole\x12\x1f\n" +
+	"\vgroup_label\x18\a \x01(\tR\n" +
+	"groupLabel\x12\x12\n" +
+	"\x04port\x18\b \x01(\rR\x04port\x12\x1b\n" +
+	"\tport_name\x18\t \x01(\tR\bportName\x12%\n" +
+	"\x0ebootstrap_port\x18\n" +
+	" \x01(\rR\rbootstrapPort\x12\x17\n" +
+	"\akv_port\x18\v \x01(\rR\x06kvPort\x1a>\n" +
+	"\x10MatchLabelsEntry\x12\x10\n" +
+	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"j\n" +
 	"\bEndpoint\x12\x18\n" +
 	"\aaddress\x18\x01 \x01(\tR\aaddress\x12%\n" +
 	"\x0ebootstrap_port\x18\x02 \x01(\rR\rbootstrapPort\x12\x1d\n" +
@@ -485,27 +679,31 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 	return file_pdx_config_v1_config_proto_rawDescData
 }
 
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_pdx_config_v1_config_proto_goTypes = []any{
 	(*Config)(nil),              // 0: pdx.config.v1.Config
 	(*TLS)(nil),                 // 1: pdx.config.v1.TLS
 	(*Pool)(nil),                // 2: pdx.config.v1.Pool
-	(*Endpoint)(nil),            // 3: pdx.config.v1.Endpoint
-	(*durationpb.Duration)(nil), // 4: google.protobuf.Duration
+	(*KubernetesDiscovery)(nil), // 3: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),            // 4: pdx.config.v1.Endpoint
+	nil,                         // 5: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil), // 6: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
 	2, // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
 	1, // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	3, // 2: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	3, // 3: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	4, // 4: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	4, // 5: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	4, // 6: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	7, // [7:7] is the sub-list for method output_type
-	7, // [7:7] is the sub-list for method input_type
-	7, // [7:7] is the sub-list for extension type_name
-	7, // [7:7] is the sub-list for extension extendee
-	0, // [0:7] is the sub-list for field type_name
+	4, // 2: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	4, // 3: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	6, // 4: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	6, // 5: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	6, // 6: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	3, // 7: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	5, // 8: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	9, // [9:9] is the sub-list for method output_type
+	9, // [9:9] is the sub-list for method input_type
+	9, // [9:9] is the sub-list for extension type_name
+	9, // [9:9] is the sub-list for extension extendee
+	0, // [0:9] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -519,7 +717,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -1,0 +1,5 @@
+//go:build !race
+
+package connectors
+
+const raceEnabled = false

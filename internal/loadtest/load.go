@@ -1,0 +1,168 @@
+package loadtest
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"io"
+	"net/http"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Scenario is one way a request is served, measured side by side with the
+// others under the same load.
+type Scenario string
+
+const (
+	// Floor is Envoy alone sending the client's body to a decode engine:
+	// what any router on Envoy costs at least.
+	Floor Scenario = "floor"
+	// NoPrefill is Envoy with pdx picking the decode endpoint and rewriting
+	// the body (connector "none"): the cost of the ext_proc exchange alone.
+	NoPrefill Scenario = "pdx-no-prefill"
+	// NoPrefillDuplex is NoPrefill with the body sent in Envoy's
+	// FULL_DUPLEX_STREAMED mode: one exchange instead of BUFFERED's two
+	// (headers, then body), pdx answering the headers when the body ends.
+	NoPrefillDuplex Scenario = "pdx-no-prefill-full-duplex"
+	// PD is the whole disaggregated path: pdx calls a prefill engine (NIXL),
+	// and the decode engine pulls the KV from it.
+	PD Scenario = "pdx"
+)
+
+// Scenarios in the order each point runs them.
+var Scenarios = []Scenario{Floor, NoPrefill, NoPrefillDuplex, PD}
+
+// target is where and how a scenario's requests are sent.
+type target struct {
+	url   string
+	model string
+	// dest, when set, picks the engine for request n (the floor's client
+	// names it; pdx would).
+	dest func(n uint64) string
+}
+
+func (r *rig) target(s Scenario) target {
+	switch s {
+	case Floor:
+		return target{url: r.floor.URL(), model: modelAgg, dest: func(n uint64) string {
+			return r.decode[n%uint64(len(r.decode))].Addr()
+		}}
+	case NoPrefill:
+		return target{url: r.envoy.URL(), model: modelAgg}
+	case NoPrefillDuplex:
+		return target{url: r.duplex.URL(), model: modelAgg}
+	default:
+		return target{url: r.envoy.URL(), model: modelPD}
+	}
+}
+
+// requestBody is a completion request of about size bytes. The prompt is
+// words, so that the engines' token estimate (4 bytes a token) holds.
+func requestBody(model string, size int, stream bool) []byte {
+	head := fmt.Sprintf(`{"model":%q,"max_tokens":16,"stream":%t,"prompt":"`, model, stream)
+	n := max(size-len(head)-2, 1)
+	const words = "the quick brown fox jumps over the lazy dog "
+	prompt := strings.Repeat(words, n/len(words)+1)[:n]
+	return []byte(head + prompt + `"}`)
+}
+
+// loadResult is what one closed-loop run measured.
+type loadResult struct {
+	requests   int // completed within the window, successfully
+	errors     int
+	firstError string
+	window     time.Duration
+	lat        latencies
+	ttfb       latencies // time to the response headers
+}
+
+// closedLoop runs c clients, each sending its next request when the last one
+// is answered, for warmup and then window; only requests that start and end
+// within the window are measured. Errors anywhere count.
+func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte, stream bool, c int, warmup, window time.Duration) loadResult {
+	start := time.Now()
+	from, until := start.Add(warmup), start.Add(warmup+window)
+	var (
+		mu         sync.Mutex
+		all, ttfbs []time.Duration
+		errs       atomic.Int64
+		firstErr   atomic.Value
+		n          atomic.Uint64
+		wg         sync.WaitGroup
+	)
+	for range c {
+		wg.Go(func() {
+			var mine, mineTTFB []time.Duration
+			for time.Now().Before(until) && ctx.Err() == nil {
+				t0 := time.Now()
+				ttfb, err := send(ctx, client, tg, body, stream, n.Add(1))
+				t1 := time.Now()
+				if err != nil {
+					if errs.Add(1) == 1 {
+						firstErr.Store(err.Error())
+					}
+					continue
+				}
+				if !t0.Before(from) && !t1.After(until) {
+					mine = append(mine, t1.Sub(t0))
+					mineTTFB = append(mineTTFB, ttfb)
+				}
+			}
+			mu.Lock()
+			all = append(all, mine...)
+			ttfbs = append(ttfbs, mineTTFB...)
+			mu.Unlock()
+		})
+	}
+	wg.Wait()
+	r := loadResult{requests: len(all), errors: int(errs.Load()), window: window, lat: summarize(all), ttfb: summarize(ttfbs)}
+	if e, ok := firstErr.Load().(string); ok {
+		r.firstError = e
+	}
+	return r
+}
+
+// send posts one request and reads the whole answer, which must be a 200
+// (for a stream: one that ends with [DONE]).
+func send(ctx context.Context, client *http.Client, tg target, body []byte, stream bool, n uint64) (time.Duration, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, tg.url+"/v1/completions", bytes.NewReader(body))
+	if err != nil {
+		return 0, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if tg.dest != nil {
+		req.Header.Set("x-gateway-destination-endpoint", tg.dest(n))
+	}
+	t0 := time.Now()
+	resp, err := client.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	ttfb := time.Since(t0)
+	defer resp.Body.Close()
+	got, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return 0, fmt.Errorf("reading the answer: %w", err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return 0, fmt.Errorf("status %d: %.200s", resp.StatusCode, got)
+	}
+	if stream && !bytes.Contains(got, []byte("data: [DONE]")) {
+		return 0, fmt.Errorf("stream without [DONE]: %.200s", got)
+	}
+	return ttfb, nil
+}
+
+// newClient is an HTTP/1.1 client keeping a connection per concurrent
+// client, as a fleet of API clients would.
+func newClient(c int) *http.Client {
+	return &http.Client{Transport: &http.Transport{
+		MaxIdleConns:        c,
+		MaxIdleConnsPerHost: c,
+		DisableCompression:  true,
+		IdleConnTimeout:     90 * time.Second,
+	}}
+}

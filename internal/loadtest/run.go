@@ -1,0 +1,339 @@
+// Package loadtest is pdx's load harness: closed-loop load through a real
+// Envoy, pdx (as its own process) and simulated engines, with Envoy alone
+// as the floor, reporting latency, throughput, CPU and memory per scenario.
+package loadtest
+
+import (
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"net/http"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/enginesim"
+)
+
+// Profile is a set of engine latencies.
+type Profile struct {
+	Name   string           `json:"name"`
+	Engine enginesim.Config `json:"-"`
+	// Describe says what the latencies are, for the report.
+	Describe string `json:"describe"`
+}
+
+// The profiles the harness knows.
+var (
+	// ZeroLatency engines answer at once: all time is the routers'.
+	ZeroLatency = Profile{Name: "zero", Describe: "engines answer at once"}
+	// Realistic is in the range of an 8B model on one H100: prefill at
+	// ~50k prompt tokens/s, first token after 15 ms, 8 ms per further token.
+	Realistic = Profile{Name: "realistic", Engine: enginesim.Config{
+		PrefillLatency: 10 * time.Millisecond, PrefillPerToken: 20 * time.Microsecond,
+		DecodeLatency: 15 * time.Millisecond, DecodePerToken: 8 * time.Millisecond,
+	}, Describe: "prefill 10ms + 20us/token, first token 15ms, 8ms/token"}
+)
+
+// Plan is what one run measures.
+type Plan struct {
+	PdxBin, EnvoyBin string
+	Profiles         []Profile
+	// Each profile sweeps Concurrency at SweepBody bytes, and Bodies at
+	// SizeConcurrency, for every Streams value, every scenario.
+	Concurrency     []int
+	SweepBody       int
+	Bodies          []int
+	SizeConcurrency int
+	Streams         []bool
+	Warmup, Window  time.Duration
+	// Memory measures pdx's live heap with MemoryConcurrency requests
+	// parked in pdx (a long prefill), per body size in MemoryBodies.
+	MemoryConcurrency int
+	MemoryBodies      []int
+	// ParkedPrefill is the prefill latency that holds requests inside pdx
+	// while Memory and OpenStreams measure it (default 5s).
+	ParkedPrefill time.Duration
+	// OpenStreams is how many concurrent ext_proc streams one pdx is
+	// given at once, straight over gRPC (0 skips it).
+	OpenStreams int
+	// SaveProfile, when set, receives pdx's CPU profiles of the
+	// zero-latency, whole-answer points at SizeConcurrency and SweepBody,
+	// and its heap profiles with requests parked (see Memory).
+	SaveProfile func(name string, profile []byte) error
+	// Progress receives a line per point.
+	Progress io.Writer
+}
+
+// Point is one measured load level of one scenario.
+type Point struct {
+	Profile     string   `json:"profile"`
+	Scenario    Scenario `json:"scenario"`
+	Concurrency int      `json:"concurrency"`
+	BodyBytes   int      `json:"body_bytes"`
+	Stream      bool     `json:"stream"`
+
+	Requests   int     `json:"requests"`
+	Errors     int     `json:"errors"`
+	FirstError string  `json:"first_error,omitempty"`
+	Seconds    float64 `json:"seconds"`
+	Throughput float64 `json:"throughput_rps"`
+	P50Ms      float64 `json:"p50_ms"`
+	P90Ms      float64 `json:"p90_ms"`
+	P99Ms      float64 `json:"p99_ms"`
+	MeanMs     float64 `json:"mean_ms"`
+	MaxMs      float64 `json:"max_ms"`
+	TTFBP50Ms  float64 `json:"ttfb_p50_ms"`
+	// Added latency against the floor at the same load.
+	AddedP50Ms float64 `json:"added_p50_ms"`
+	AddedP90Ms float64 `json:"added_p90_ms"`
+	AddedP99Ms float64 `json:"added_p99_ms"`
+	// CPU seconds per 1,000 requests, of the pdx and Envoy processes.
+	PdxCPUPer1k   float64 `json:"pdx_cpu_s_per_1k"`
+	EnvoyCPUPer1k float64 `json:"envoy_cpu_s_per_1k"`
+	PdxPeakRSSMiB float64 `json:"pdx_peak_rss_mib"`
+	// Engines' counts over the point, warm-up included: decodes whose KV
+	// was pulled from a prefill, and refusals.
+	KVPulled       int `json:"kv_pulled"`
+	EngineRejected int `json:"engine_rejected"`
+}
+
+// Memory is pdx's memory with requests parked in it.
+type Memory struct {
+	BodyBytes   int     `json:"body_bytes"`
+	InFlight    int     `json:"in_flight"`
+	IdleHeapMiB float64 `json:"idle_heap_mib"`
+	HeapMiB     float64 `json:"heap_mib"`
+	RSSMiB      float64 `json:"rss_mib"`
+	// PerRequestBytes is (heap - idle heap) / in flight; the goal is at
+	// most 2 x body + 16 KiB.
+	PerRequestBytes int64 `json:"per_request_bytes"`
+	GoalBytes       int64 `json:"goal_bytes"`
+}
+
+// Report is a run's results.
+type Report struct {
+	Started  time.Time `json:"started"`
+	Machine  string    `json:"machine"`
+	Envoy    string    `json:"envoy"`
+	Profiles []Profile `json:"profiles"`
+	// The body size of the concurrency sweep, the concurrency of the size
+	// sweep.
+	SweepBody       int      `json:"sweep_body_bytes"`
+	SizeConcurrency int      `json:"size_concurrency"`
+	Points          []Point  `json:"points"`
+	Memory          []Memory `json:"memory,omitempty"`
+	Streams         *Streams `json:"streams,omitempty"`
+}
+
+// Run measures plan.
+func Run(ctx context.Context, plan Plan) (*Report, error) {
+	if plan.ParkedPrefill == 0 {
+		plan.ParkedPrefill = 5 * time.Second
+	}
+	defer debugClient.CloseIdleConnections()
+	rep := &Report{Started: time.Now().UTC(), Profiles: plan.Profiles, SweepBody: plan.SweepBody, SizeConcurrency: plan.SizeConcurrency}
+	for _, prof := range plan.Profiles {
+		if err := runProfile(ctx, plan, prof, rep); err != nil {
+			return rep, fmt.Errorf("profile %s: %w", prof.Name, err)
+		}
+	}
+	if len(plan.MemoryBodies) > 0 {
+		if err := runMemory(ctx, plan, rep); err != nil {
+			return rep, fmt.Errorf("memory: %w", err)
+		}
+	}
+	if plan.OpenStreams > 0 {
+		if err := runStreams(ctx, plan, rep); err != nil {
+			return rep, fmt.Errorf("streams: %w", err)
+		}
+	}
+	return rep, nil
+}
+
+type shape struct {
+	c, body int
+	stream  bool
+}
+
+func (p Plan) shapes() []shape {
+	var out []shape
+	seen := map[shape]bool{}
+	add := func(s shape) {
+		if !seen[s] {
+			seen[s] = true
+			out = append(out, s)
+		}
+	}
+	for _, stream := range p.Streams {
+		for _, c := range p.Concurrency {
+			add(shape{c, p.SweepBody, stream})
+		}
+		for _, b := range p.Bodies {
+			add(shape{p.SizeConcurrency, b, stream})
+		}
+	}
+	return out
+}
+
+func runProfile(ctx context.Context, plan Plan, prof Profile, rep *Report) error {
+	r, err := startRig(ctx, rigOptions{
+		pdxBin: plan.PdxBin, envoyBin: plan.EnvoyBin, engine: prof.Engine,
+		prefill: 2, decode: 2, prefillTimeout: 60 * time.Second,
+	})
+	if err != nil {
+		return err
+	}
+	defer r.close()
+	if rep.Envoy == "" {
+		rep.Envoy = envoyVersion(r)
+	}
+	for _, sh := range plan.shapes() {
+		var floor Point
+		for _, sc := range Scenarios {
+			pt, err := measure(ctx, plan, r, prof, sc, sh)
+			if err != nil {
+				return err
+			}
+			if sc == Floor {
+				floor = pt
+			} else {
+				pt.AddedP50Ms = pt.P50Ms - floor.P50Ms
+				pt.AddedP90Ms = pt.P90Ms - floor.P90Ms
+				pt.AddedP99Ms = pt.P99Ms - floor.P99Ms
+			}
+			rep.Points = append(rep.Points, pt)
+			if plan.Progress != nil {
+				fmt.Fprintf(plan.Progress, "%-9s %-14s c=%-5d body=%-8d stream=%-5t %8.0f req/s  p50 %7.2fms p99 %8.2fms  +p50 %6.2fms +p99 %7.2fms  cpu/1k pdx %.3fs envoy %.3fs  errors %d %s\n",
+					pt.Profile, pt.Scenario, pt.Concurrency, pt.BodyBytes, pt.Stream, pt.Throughput, pt.P50Ms, pt.P99Ms,
+					pt.AddedP50Ms, pt.AddedP99Ms, pt.PdxCPUPer1k, pt.EnvoyCPUPer1k, pt.Errors, pt.FirstError)
+			}
+		}
+	}
+	return nil
+}
+
+// measure runs one scenario at one shape.
+func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, sh shape) (Point, error) {
+	tg := r.target(sc)
+	body := requestBody(tg.model, sh.body, sh.stream)
+	client := newClient(sh.c)
+	defer client.CloseIdleConnections()
+	envoyPid := r.envoy.Pid()
+	switch sc {
+	case Floor:
+		envoyPid = r.floor.Pid()
+	case NoPrefillDuplex:
+		envoyPid = r.duplex.Pid()
+	}
+
+	// CPU is read at the window's edges; the sampler runs in the window.
+	tallyBefore := r.tally()
+	var cpu0, cpu1 [2]float64
+	wctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	rssDone := make(chan int64, 1)
+	profDone := make(chan error, 1)
+	go func() {
+		if sleep(wctx, plan.Warmup) != nil {
+			rssDone <- 0
+			profDone <- nil
+			return
+		}
+		cpu0[0], _ = cpuSeconds(r.pdx.pid())
+		cpu0[1], _ = cpuSeconds(envoyPid)
+		if plan.SaveProfile != nil && sc != Floor && prof.Name == ZeroLatency.Name && sh.c == plan.SizeConcurrency && sh.body == plan.SweepBody && !sh.stream {
+			go func() {
+				// The profile outlives the window's context by a moment.
+				profDone <- takeProfile(ctx, r.pdx.pprofAt, plan.Window, func(b []byte) error {
+					return plan.SaveProfile(fmt.Sprintf("%s-c%d-%dB", sc, sh.c, sh.body), b)
+				})
+			}()
+		} else {
+			profDone <- nil
+		}
+		rssDone <- peakRSS(wctx, r.pdx.pid(), 100*time.Millisecond)
+	}()
+	res := closedLoop(ctx, client, tg, body, sh.stream, sh.c, plan.Warmup, plan.Window)
+	cpu1[0], _ = cpuSeconds(r.pdx.pid())
+	cpu1[1], _ = cpuSeconds(envoyPid)
+	cancel()
+	peak := <-rssDone
+	if err := <-profDone; err != nil {
+		return Point{}, fmt.Errorf("cpu profile: %w", err)
+	}
+	tally := r.tally()
+
+	pt := Point{
+		Profile: prof.Name, Scenario: sc, Concurrency: sh.c, BodyBytes: sh.body, Stream: sh.stream,
+		Requests: res.requests, Errors: res.errors, FirstError: res.firstError,
+		Seconds:    res.window.Seconds(),
+		Throughput: float64(res.requests) / res.window.Seconds(),
+		P50Ms:      ms(res.lat.P50), P90Ms: ms(res.lat.P90), P99Ms: ms(res.lat.P99),
+		MeanMs: ms(res.lat.Mean), MaxMs: ms(res.lat.Max), TTFBP50Ms: ms(res.ttfb.P50),
+		PdxPeakRSSMiB:  float64(peak) / (1 << 20),
+		KVPulled:       tally.Pulled - tallyBefore.Pulled,
+		EngineRejected: tally.Rejected - tallyBefore.Rejected,
+	}
+	if res.requests > 0 {
+		// The window's CPU over the window's requests (requests straddling
+		// its edges are few against thousands).
+		pt.PdxCPUPer1k = (cpu1[0] - cpu0[0]) / float64(res.requests) * 1000
+		pt.EnvoyCPUPer1k = (cpu1[1] - cpu0[1]) / float64(res.requests) * 1000
+	}
+	if sc == Floor {
+		pt.PdxCPUPer1k = 0 // pdx is idle (its health checks only)
+	}
+	return pt, nil
+}
+
+// takeProfile fetches a CPU profile of d from a pprof endpoint.
+func takeProfile(ctx context.Context, pprofAddr string, d time.Duration, save func([]byte) error) error {
+	secs := max(1, int(d.Seconds())-1) // within the window, whole seconds
+	return fetchProfile(ctx, fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", pprofAddr, secs), save)
+}
+
+// fetchProfile gets a profile from url and passes it to save.
+func fetchProfile(ctx context.Context, url string, save func([]byte) error) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := debugClient.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("pprof: status %d: %s", resp.StatusCode, b)
+	}
+	return save(b)
+}
+
+func envoyVersion(r *rig) string {
+	resp, err := debugClient.Get("http://" + r.envoy.AdminAddr() + "/server_info")
+	if err != nil {
+		return ""
+	}
+	defer resp.Body.Close()
+	var info struct {
+		Version string `json:"version"`
+	}
+	b, _ := io.ReadAll(resp.Body)
+	_ = json.Unmarshal(b, &info)
+	return info.Version
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}

@@ -1,0 +1,348 @@
+// Package metrics is pdx's Prometheus instrumentation. Every Metrics value
+// has its own registry, so several pdx servers in one process (tests) never
+// share or collide on a metric.
+//
+// The request path pays for an atomic add or a histogram observation per
+// metric and nothing more: the children of each pool's label values are
+// resolved once and cached (see Pool), and endpoint health is read from the
+// pickers only when Prometheus scrapes.
+package metrics
+
+import (
+	"net/http"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+// Request outcomes besides the error codes of pdx's answers.
+const (
+	OutcomeRouted      = "routed"       // sent to a decode endpoint after its prefill
+	OutcomeFallback    = "fallback"     // sent to a decode endpoint without prefill
+	OutcomePassThrough = "pass_through" // not an inference request; left alone
+	OutcomeIncomplete  = "incomplete"   // the stream ended before pdx answered
+	OutcomeError       = "error"        // any error code, where the code is too many labels
+	ResultOK           = "ok"           // a prefill (attempt) that succeeded
+)
+
+// Histogram buckets, in seconds. pdx's own latency includes the prefill of
+// sequential connectors; decode latencies run to minutes of generation.
+var (
+	routeBuckets  = []float64{.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60}
+	decodeBuckets = []float64{.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600}
+)
+
+// Metrics are one pdx server's metrics. The zero value is not usable; a nil
+// *Metrics records nothing.
+type Metrics struct {
+	reg *prometheus.Registry
+
+	requests   *prometheus.CounterVec   // pool, connector, outcome
+	routeDur   *prometheus.HistogramVec // pool, connector, outcome
+	prefillDur *prometheus.HistogramVec // pool, connector, outcome
+	attempts   *prometheus.CounterVec   // pool, endpoint, result
+	ttfb       *prometheus.HistogramVec // pool, connector
+	decodeDur  *prometheus.HistogramVec // pool, connector
+	inFlight   prometheus.Gauge
+
+	// pools maps a pool name to its resolved children. It is replaced, never
+	// changed, so readers need no lock; mu serializes the writers.
+	pools atomic.Pointer[map[string]*Pool]
+	mu    sync.Mutex
+	// none counts requests that never got a pool.
+	none *Pool
+}
+
+// New returns metrics registered on a registry of their own, along with the
+// Go runtime's and the process's.
+func New() *Metrics {
+	m := &Metrics{
+		reg: prometheus.NewRegistry(),
+		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_requests_total",
+			Help: "Requests by pool, connector and outcome: routed, fallback, pass_through, incomplete, or the error code pdx answered with.",
+		}, []string{"pool", "connector", "outcome"}),
+		routeDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pdx_request_duration_seconds",
+			Help:    "Time from the request headers reaching pdx to pdx's routing answer or error (the latency pdx adds, prefill included for sequential connectors).",
+			Buckets: routeBuckets,
+		}, []string{"pool", "connector", "outcome"}),
+		prefillDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pdx_prefill_duration_seconds",
+			Help:    "Time a request spent in prefill, all attempts together, by the outcome of its last attempt (ok or an error code).",
+			Buckets: routeBuckets,
+		}, []string{"pool", "connector", "outcome"}),
+		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_prefill_attempts_total",
+			Help: "Prefill calls by pool, prefill endpoint and result (ok or an error code).",
+		}, []string{"pool", "endpoint", "result"}),
+		ttfb: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pdx_decode_ttfb_seconds",
+			Help:    "Time from the request headers to the decode's response headers; observed only when Envoy sends response headers to pdx (tables with a concurrent connector).",
+			Buckets: decodeBuckets,
+		}, []string{"pool", "connector"}),
+		decodeDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pdx_decode_duration_seconds",
+			Help:    "Time from the request headers to the end of the decode's response; observed only when Envoy sends the response body or trailers to pdx.",
+			Buckets: decodeBuckets,
+		}, []string{"pool", "connector"}),
+		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "pdx_streams_in_flight",
+			Help: "ext_proc streams (requests) pdx is serving now.",
+		}),
+	}
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.inFlight,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	m.none = &Pool{m: m}
+	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
+	m.pools.Store(&map[string]*Pool{})
+	return m
+}
+
+// Registry is where the metrics are registered; tests gather from it.
+func (m *Metrics) Registry() *prometheus.Registry { return m.reg }
+
+// Handler serves the metrics in Prometheus's exposition formats.
+func (m *Metrics) Handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{Registry: m.reg})
+}
+
+// StreamStarted and StreamEnded count the ext_proc streams in flight.
+func (m *Metrics) StreamStarted() {
+	if m != nil {
+		m.inFlight.Inc()
+	}
+}
+
+// StreamEnded is StreamStarted's counterpart.
+func (m *Metrics) StreamEnded() {
+	if m != nil {
+		m.inFlight.Dec()
+	}
+}
+
+// Warm resolves the children of table's pools ahead of their first request.
+func (m *Metrics) Warm(table *routing.Table) {
+	if m == nil || table == nil {
+		return
+	}
+	for _, p := range table.Pools() {
+		m.Pool(p)
+	}
+}
+
+// Pool returns the metrics of p, or of requests that have no pool when p is
+// nil. It does not allocate once p's children are resolved.
+func (m *Metrics) Pool(p *routing.Pool) *Pool {
+	if m == nil {
+		return nil
+	}
+	if p == nil {
+		return m.none
+	}
+	if pm := (*m.pools.Load())[p.Name]; pm != nil && pm.connector == p.ConnectorName {
+		return pm
+	}
+	return m.addPool(p)
+}
+
+func (m *Metrics) addPool(p *routing.Pool) *Pool {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	old := *m.pools.Load()
+	if pm := old[p.Name]; pm != nil && pm.connector == p.ConnectorName {
+		return pm
+	}
+	pm := &Pool{m: m, name: p.Name, connector: p.ConnectorName}
+	// Resolved now, so that the common outcomes' series exist (at 0) from
+	// the start and cost no lookup later.
+	pm.routed = m.requests.WithLabelValues(p.Name, p.ConnectorName, OutcomeRouted)
+	pm.fallback = m.requests.WithLabelValues(p.Name, p.ConnectorName, OutcomeFallback)
+	pm.routedDur = m.routeDur.WithLabelValues(p.Name, p.ConnectorName, OutcomeRouted)
+	if connectors.Prefills(p.Connector) {
+		pm.prefillOK = m.prefillDur.WithLabelValues(p.Name, p.ConnectorName, ResultOK)
+		ok := map[string]prometheus.Counter{}
+		for _, ep := range p.Prefill.Endpoints() {
+			ok[ep.Address] = m.attempts.WithLabelValues(p.Name, ep.Address, ResultOK)
+		}
+		pm.attemptOK.Store(&ok)
+	}
+	next := make(map[string]*Pool, len(old)+1)
+	for k, v := range old {
+		next[k] = v
+	}
+	next[p.Name] = pm
+	m.pools.Store(&next)
+	return pm
+}
+
+// Pool holds one pool's resolved children. A nil *Pool records nothing.
+type Pool struct {
+	m               *Metrics
+	name, connector string
+
+	routed, fallback, passThrough prometheus.Counter
+	routedDur, prefillOK          prometheus.Observer
+	// attemptOK is the "ok" attempt counter by endpoint address; replaced,
+	// never changed, when an endpoint appears (discovery).
+	attemptOK atomic.Pointer[map[string]prometheus.Counter]
+	// Histograms seen only in some setups or on failures: resolved on first
+	// use, so that the others do not export empty series.
+	ttfb, decodeDur, fallbackDur, errorDur atomic.Pointer[prometheus.Observer]
+}
+
+// Request counts a finished request by outcome and, for requests pdx routed
+// or failed (routed > 0), observes the time it took to answer them.
+func (p *Pool) Request(outcome string, routed time.Duration) {
+	if p == nil {
+		return
+	}
+	switch {
+	case outcome == OutcomeRouted && p.routed != nil:
+		p.routed.Inc()
+		p.routedDur.Observe(routed.Seconds())
+	case outcome == OutcomeFallback && p.fallback != nil:
+		p.fallback.Inc()
+		p.observer(&p.fallbackDur, p.m.routeDur, OutcomeFallback).Observe(routed.Seconds())
+	case outcome == OutcomePassThrough && p.passThrough != nil:
+		p.passThrough.Inc()
+	default:
+		// Errors and the rare outcomes: a lookup, off the common path.
+		p.m.requests.WithLabelValues(p.name, p.connector, outcome).Inc()
+		if routed > 0 {
+			// One histogram for all errors: a code each is too many series.
+			p.observer(&p.errorDur, p.m.routeDur, OutcomeError).Observe(routed.Seconds())
+		}
+	}
+}
+
+// Prefill observes the time a request spent in prefill; outcome is ResultOK
+// or the error code of its last attempt.
+func (p *Pool) Prefill(outcome string, d time.Duration) {
+	if p == nil {
+		return
+	}
+	if outcome == ResultOK && p.prefillOK != nil {
+		p.prefillOK.Observe(d.Seconds())
+		return
+	}
+	p.m.prefillDur.WithLabelValues(p.name, p.connector, outcome).Observe(d.Seconds())
+}
+
+// Attempt counts one prefill call to endpoint; result is ResultOK or an
+// error code.
+func (p *Pool) Attempt(endpoint, result string) {
+	if p == nil {
+		return
+	}
+	if result == ResultOK {
+		if m := p.attemptOK.Load(); m != nil {
+			if c := (*m)[endpoint]; c != nil {
+				c.Inc()
+				return
+			}
+		}
+		p.addEndpoint(endpoint).Inc()
+		return
+	}
+	p.m.attempts.WithLabelValues(p.name, endpoint, result).Inc()
+}
+
+func (p *Pool) addEndpoint(endpoint string) prometheus.Counter {
+	c := p.m.attempts.WithLabelValues(p.name, endpoint, ResultOK)
+	p.m.mu.Lock()
+	defer p.m.mu.Unlock()
+	next := map[string]prometheus.Counter{endpoint: c}
+	if old := p.attemptOK.Load(); old != nil {
+		for k, v := range *old {
+			next[k] = v
+		}
+	}
+	p.attemptOK.Store(&next)
+	return c
+}
+
+// DecodeHeaders observes the time until the decode's response headers.
+func (p *Pool) DecodeHeaders(d time.Duration) {
+	if p != nil {
+		p.observer(&p.ttfb, p.m.ttfb, "").Observe(d.Seconds())
+	}
+}
+
+// DecodeDone observes the time until the end of the decode's response.
+func (p *Pool) DecodeDone(d time.Duration) {
+	if p != nil {
+		p.observer(&p.decodeDur, p.m.decodeDur, "").Observe(d.Seconds())
+	}
+}
+
+// observer returns the child of vec for p's labels and outcome (none when
+// outcome is empty), resolving it on first use. Resolving twice is harmless:
+// vec returns the same child.
+func (p *Pool) observer(cache *atomic.Pointer[prometheus.Observer], vec *prometheus.HistogramVec, outcome string) prometheus.Observer {
+	if o := cache.Load(); o != nil {
+		return *o
+	}
+	var o prometheus.Observer
+	if outcome == "" {
+		o = vec.WithLabelValues(p.name, p.connector)
+	} else {
+		o = vec.WithLabelValues(p.name, p.connector, outcome)
+	}
+	cache.Store(&o)
+	return o
+}
+
+// CollectEndpoints exports pdx_endpoint_healthy for the pools of the table
+// that current returns, read from the pickers at scrape time.
+func (m *Metrics) CollectEndpoints(current func() *routing.Table) {
+	m.reg.MustRegister(&endpointCollector{current: current})
+}
+
+var healthyDesc = prometheus.NewDesc("pdx_endpoint_healthy",
+	"1 if the endpoint is admitted by its pool's picker, 0 while passive health checking has ejected it (decode endpoints are never ejected).",
+	[]string{"pool", "role", "endpoint"}, nil)
+
+type endpointCollector struct {
+	current func() *routing.Table
+}
+
+func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) { ch <- healthyDesc }
+
+func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
+	t := c.current()
+	if t == nil {
+		return
+	}
+	type key struct{ pool, role, endpoint string }
+	seen := map[key]bool{} // a config may list an endpoint twice
+	for _, p := range t.Pools() {
+		for _, side := range []struct {
+			role   string
+			picker interface {
+				Endpoints() []connectors.Endpoint
+				Healthy(connectors.Endpoint) bool
+			}
+		}{{"prefill", p.Prefill}, {"decode", p.Decode}} {
+			for _, ep := range side.picker.Endpoints() {
+				k := key{p.Name, side.role, ep.Address}
+				if seen[k] {
+					continue
+				}
+				seen[k] = true
+				v := 0.0
+				if side.picker.Healthy(ep) {
+					v = 1
+				}
+				ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, v, p.Name, side.role, ep.Address)
+			}
+		}
+	}
+}

@@ -1,0 +1,388 @@
+package reload
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"os"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"go.uber.org/goleak"
+	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+	k8stypes "k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/kubernetes/fake"
+	k8stesting "k8s.io/client-go/testing"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/discovery"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// syncBuffer is a log sink safe for concurrent use.
+type syncBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *syncBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *syncBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
+}
+
+const static = `
+pools:
+- name: p
+  models: [m]
+  connector: nixl
+  eject_after_failures: 1
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:9}]
+`
+
+func write(t *testing.T, path, content string) {
+	t.Helper()
+	require.NoError(t, os.WriteFile(path, []byte(content), 0o600))
+}
+
+// applied records the tables a Reloader hands over.
+type applied struct {
+	mu     sync.Mutex
+	tables []*routing.Table
+}
+
+func (a *applied) apply(t *routing.Table) {
+	a.mu.Lock()
+	a.tables = append(a.tables, t)
+	a.mu.Unlock()
+}
+
+func (a *applied) count() int {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	return len(a.tables)
+}
+
+func addresses(eps []connectors.Endpoint) []string {
+	var out []string
+	for _, ep := range eps {
+		out = append(out, ep.Address)
+	}
+	return out
+}
+
+func lookup(t *testing.T, table *routing.Table, model string) *routing.Pool {
+	t.Helper()
+	p, ok := table.Lookup(model)
+	require.True(t, ok, "model %s", model)
+	return p
+}
+
+func TestReload(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pdx.yaml")
+	write(t, path, static)
+	var logs syncBuffer
+	r, err := New(t.Context(), Options{Path: path, Log: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	defer r.Close()
+	first := r.Table()
+	p := lookup(t, first, "m")
+	require.Equal(t, []string{"127.0.0.1:1"}, addresses(p.Prefill.Endpoints()))
+	p.Prefill.Report(connectors.Endpoint{Address: "127.0.0.1:1"}, false) // ejected
+
+	var a applied
+	changed, err := r.Reload(t.Context(), a.apply)
+	require.NoError(t, err)
+	require.False(t, changed, "same content: nothing to do")
+
+	steps := []struct {
+		name    string
+		content string
+		changed bool
+		wantErr string
+		check   func(t *testing.T, table *routing.Table)
+	}{
+		{
+			name: "new endpoints and models", changed: true,
+			content: `
+pools:
+- name: p
+  models: [m, m2]
+  connector: nixl
+  eject_after_failures: 1
+  prefill: [{address: 127.0.0.1:1}, {address: 127.0.0.1:2}]
+  decode: [{address: 127.0.0.1:9}]
+`,
+			check: func(t *testing.T, table *routing.Table) {
+				p := lookup(t, table, "m2")
+				require.Equal(t, []string{"127.0.0.1:1", "127.0.0.1:2"}, addresses(p.Prefill.Endpoints()))
+				require.False(t, p.Prefill.Healthy(connectors.Endpoint{Address: "127.0.0.1:1"}), "passive health kept")
+				require.True(t, p.Prefill.Healthy(connectors.Endpoint{Address: "127.0.0.1:2"}))
+			},
+		},
+		{
+			name: "a bad config keeps the running one", content: static + "  prefil: []\n",
+			wantErr: `pdx.yaml: unknown field "pools[0].prefil"`,
+		},
+		{
+			name: "the same bad config is not tried again", content: static + "  prefil: []\n",
+		},
+		{
+			name: "a config naming an unknown connector keeps the running one", content: `
+pools:
+- name: p
+  default: true
+  connector: nixel
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:9}]
+`,
+			wantErr: `unknown connector "nixel"`,
+		},
+		{
+			name: "discovery without a client keeps the running one", content: `
+pools:
+- name: p
+  default: true
+  connector: nixl
+  kubernetes: {namespace: llm, service: engines, port: 8000}
+`,
+			wantErr: "pools discover their endpoints from Kubernetes, but pdx has no Kubernetes client",
+		},
+		{
+			name: "listener settings wait for a restart", changed: true,
+			content: "grpc_address: 127.0.0.1:1\nmax_body_bytes: 10\n" + static,
+			check: func(t *testing.T, table *routing.Table) {
+				require.Equal(t, 16<<20, table.MaxBodyBytes())
+				require.Contains(t, logs.String(), `config reload: these settings take effect on restart only" kept="[grpc_address max_body_bytes]"`)
+			},
+		},
+	}
+	want := r.Table()
+	for _, s := range steps {
+		write(t, path, s.content)
+		n := a.count()
+		changed, err := r.Reload(t.Context(), a.apply)
+		require.Equal(t, s.changed, changed, s.name)
+		if s.wantErr != "" {
+			require.ErrorContains(t, err, s.wantErr, s.name)
+			require.Contains(t, logs.String(), "config reload failed, keeping the running config", s.name)
+		} else {
+			require.NoError(t, err, s.name)
+		}
+		if !s.changed {
+			require.Same(t, want, r.Table(), s.name)
+			require.Equal(t, n, a.count(), "%s: nothing applied", s.name)
+			continue
+		}
+		require.Equal(t, n+1, a.count(), s.name)
+		want = r.Table()
+		require.Same(t, want, a.tables[n], s.name)
+		s.check(t, want)
+	}
+	// Streams that took the first table keep it as it was.
+	require.Equal(t, []string{"127.0.0.1:1"}, addresses(lookup(t, first, "m").Prefill.Endpoints()))
+	_, ok := first.Lookup("m2")
+	require.False(t, ok)
+}
+
+const discovered = `
+pools:
+- name: p
+  models: [m]
+  connector: nixl
+  prefill_attempts: %d
+  kubernetes: {namespace: llm, service: engines, port: 8000}
+`
+
+func pod(name, ip, role string) *corev1.Pod {
+	return &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "llm", UID: k8stypes.UID("uid-" + name),
+			Labels: map[string]string{"modelserving.volcano.sh/role": role}},
+		Status: corev1.PodStatus{PodIP: ip},
+	}
+}
+
+// TestReloadDiscovered keeps a discovered pool fed across reloads: the new
+// table's pool has the endpoints at once and follows the cluster from then
+// on; the old table's pool is left as it was.
+func TestReloadDiscovered(t *testing.T) {
+	ready := true
+	slice := &discoveryv1.EndpointSlice{
+		ObjectMeta:  metav1.ObjectMeta{Name: "engines-a", Namespace: "llm", Labels: map[string]string{discoveryv1.LabelServiceName: "engines"}},
+		AddressType: discoveryv1.AddressTypeIPv4,
+	}
+	for _, p := range []struct{ name, ip string }{{"p1", "10.0.0.1"}, {"d1", "10.0.0.11"}} {
+		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{
+			Addresses: []string{p.ip}, Conditions: discoveryv1.EndpointConditions{Ready: &ready},
+			TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: p.name, Namespace: "llm", UID: k8stypes.UID("uid-" + p.name)},
+		})
+	}
+	client := fake.NewClientset(pod("p1", "10.0.0.1", "prefill"), pod("d1", "10.0.0.11", "decode"), slice)
+	clients := 0
+	events := make(chan discovery.Event, 100)
+	path := filepath.Join(t.TempDir(), "pdx.yaml")
+	write(t, path, fmt.Sprintf(discovered, 1))
+	r, err := New(t.Context(), Options{
+		Path: path,
+		Kube: func() (kubernetes.Interface, error) { clients++; return client, nil },
+		Discovery: discovery.Options{Handled: func(ev discovery.Event) {
+			if ev.Op == "delete" {
+				events <- ev
+			}
+		}},
+	})
+	require.NoError(t, err)
+	defer r.Close()
+	first := lookup(t, r.Table(), "m")
+	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(first.Prefill.Endpoints()))
+	require.Equal(t, []string{"10.0.0.11:8000"}, addresses(first.Decode.Endpoints()))
+
+	write(t, path, fmt.Sprintf(discovered, 2))
+	var a applied
+	changed, err := r.Reload(t.Context(), a.apply)
+	require.NoError(t, err)
+	require.True(t, changed)
+	second := lookup(t, r.Table(), "m")
+	require.NotSame(t, first, second)
+	require.Equal(t, 2, second.Attempts)
+	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(second.Prefill.Endpoints()), "fed before it is handed over")
+	require.Equal(t, 1, clients, "one client for all reloads")
+
+	require.NoError(t, client.CoreV1().Pods("llm").Delete(t.Context(), "p1", metav1.DeleteOptions{}))
+	select {
+	case <-events:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the pod's deletion was not handled")
+	}
+	require.Empty(t, second.Prefill.Endpoints(), "the new pool follows the cluster")
+	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(first.Prefill.Endpoints()), "the old one is left alone")
+
+	// Back to static endpoints: nothing is watched any more (goleak checks
+	// at the end that no informer is left running either way).
+	write(t, path, static)
+	changed, err = r.Reload(t.Context(), a.apply)
+	require.NoError(t, err)
+	require.True(t, changed)
+	require.Equal(t, []string{"127.0.0.1:1"}, addresses(lookup(t, r.Table(), "m").Prefill.Endpoints()))
+}
+
+func TestNewFails(t *testing.T) {
+	dir := t.TempDir()
+	path := filepath.Join(dir, "pdx.yaml")
+	_, err := New(t.Context(), Options{Path: path})
+	require.ErrorIs(t, err, os.ErrNotExist)
+
+	write(t, path, fmt.Sprintf(discovered, 1))
+	_, err = New(t.Context(), Options{Path: path, Kube: func() (kubernetes.Interface, error) {
+		return nil, errors.New("unable to load in-cluster configuration")
+	}})
+	require.EqualError(t, err, "kubernetes client: unable to load in-cluster configuration")
+
+	// A cluster that cannot be listed fails the start after SyncTimeout.
+	client := fake.NewClientset()
+	client.PrependReactor("list", "*", func(k8stesting.Action) (bool, runtime.Object, error) {
+		return true, nil, errors.New("forbidden")
+	})
+	_, err = New(t.Context(), Options{Path: path, SyncTimeout: 100 * time.Millisecond,
+		Kube: func() (kubernetes.Interface, error) { return client, nil }})
+	require.ErrorContains(t, err, "were not listed")
+}
+
+// TestRun polls the file and follows a ConfigMap-style update: the file is
+// a symlink into a directory that is swapped whole.
+func TestRun(t *testing.T) {
+	dir := t.TempDir()
+	swap := func(name, content string) {
+		require.NoError(t, os.Mkdir(filepath.Join(dir, name), 0o700))
+		write(t, filepath.Join(dir, name, "pdx.yaml"), content)
+		tmp := filepath.Join(dir, "..data_tmp")
+		require.NoError(t, os.Symlink(name, tmp))
+		require.NoError(t, os.Rename(tmp, filepath.Join(dir, "..data")))
+	}
+	swap("v1", static)
+	path := filepath.Join(dir, "pdx.yaml")
+	require.NoError(t, os.Symlink(filepath.Join("..data", "pdx.yaml"), path))
+
+	r, err := New(t.Context(), Options{Path: path, Interval: 5 * time.Millisecond})
+	require.NoError(t, err)
+	defer r.Close()
+	got := make(chan *routing.Table, 1)
+	ctx, cancel := context.WithCancel(t.Context())
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		r.Run(ctx, func(table *routing.Table) { got <- table })
+	}()
+	defer func() { cancel(); <-done }()
+
+	swap("v2", strings.Replace(static, "127.0.0.1:1}", "127.0.0.1:2}", 1))
+	select {
+	case table := <-got:
+		require.Equal(t, []string{"127.0.0.1:2"}, addresses(lookup(t, table, "m").Prefill.Endpoints()))
+		require.Same(t, table, r.Table())
+	case <-time.After(10 * time.Second):
+		t.Fatal("the swapped config was not loaded")
+	}
+}
+
+// TestPollWaitsForSettledContent loads new content only once it has been
+// the same at two checks: a file being written is not loaded half-way.
+func TestPollWaitsForSettledContent(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "pdx.yaml")
+	write(t, path, static)
+	var logs syncBuffer
+	r, err := New(t.Context(), Options{Path: path, Log: slog.New(slog.NewTextHandler(&logs, nil))})
+	require.NoError(t, err)
+	defer r.Close()
+	var a applied
+	var seen [32]byte
+	decodeOf := func() string { return lookup(t, r.Table(), "m").Decode.Endpoints()[0].Address }
+	for i, step := range []struct {
+		write string // "" writes nothing
+		want  string // decode endpoint after the check
+	}{
+		{want: "127.0.0.1:9"},
+		{write: strings.Replace(static, "127.0.0.1:9", "127.0.0.1:8", 1), want: "127.0.0.1:9"}, // first seen
+		{want: "127.0.0.1:8"},                                // unchanged since: loaded
+		{write: static[:len(static)/2], want: "127.0.0.1:8"}, // half-written
+		{write: strings.Replace(static, "127.0.0.1:9", "127.0.0.1:7", 1), want: "127.0.0.1:8"}, // changed again
+		{want: "127.0.0.1:7"},
+		{want: "127.0.0.1:7"},
+	} {
+		if step.write != "" {
+			write(t, path, step.write)
+		}
+		r.poll(t.Context(), a.apply, &seen)
+		require.Equal(t, step.want, decodeOf(), "check %d", i)
+	}
+	require.Equal(t, 2, a.count())
+	require.NotContains(t, logs.String(), "failed", "the half-written file was never loaded")
+
+	// A file that goes away is reported once.
+	require.NoError(t, os.Remove(path))
+	for range 3 {
+		r.poll(t.Context(), a.apply, &seen)
+	}
+	require.Equal(t, 1, strings.Count(logs.String(), "cannot read the file"))
+	_, err = r.Reload(t.Context(), a.apply)
+	require.ErrorIs(t, err, os.ErrNotExist)
+}

@@ -1,0 +1,252 @@
+package processor
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"strings"
+	"testing"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	"github.com/prometheus/client_golang/prometheus/testutil"
+	"github.com/stretchr/testify/require"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+// runOn feeds msgs to a Process call of srv and returns its answers.
+func runOn(t *testing.T, srv *Server, msgs ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingResponse {
+	t.Helper()
+	stream := newFakeStream(t.Context())
+	for _, m := range msgs {
+		stream.in <- m
+	}
+	close(stream.in)
+	require.NoError(t, srv.Process(stream))
+	close(stream.out)
+	var out []*extprocv3.ProcessingResponse
+	for r := range stream.out {
+		out = append(out, r)
+	}
+	return out
+}
+
+const chatHi = `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
+
+func TestMetricsRecordOutcomes(t *testing.T) {
+	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
+		"127.0.0.1:1": answer(500), "127.0.0.1:2": answerOK, "127.0.0.1:3": answerRefused,
+	}}
+	m := metrics.New()
+	srv := New(retryTable(t, "  prefill_attempts: 2\n"), eng, slog.New(slog.DiscardHandler), WithMetrics(m))
+	chat := func(b string) { runOn(t, srv, headers("POST", "/v1/chat/completions", false), body(b, true)) }
+
+	chat(chatHi)                                             // .1 fails with 500, .2 serves it
+	chat(chatHi)                                             // .3 refuses, .1 fails, no attempt left
+	chat(`{"model":"m","messages":[{"role":"user"}],"n":0}`) // rejected after the pool is known
+	chat(`{"model":`)                                        // rejected before
+	runOn(t, srv, headers("GET", "/v1/models", true))        // not pdx's to route
+
+	require.NoError(t, testutil.GatherAndCompare(m.Registry(), strings.NewReader(`
+# HELP pdx_requests_total Requests by pool, connector and outcome: routed, fallback, pass_through, incomplete, or the error code pdx answered with.
+# TYPE pdx_requests_total counter
+pdx_requests_total{connector="",outcome="invalid_json",pool=""} 1
+pdx_requests_total{connector="",outcome="pass_through",pool=""} 1
+pdx_requests_total{connector="nixl",outcome="fallback",pool="p"} 0
+pdx_requests_total{connector="nixl",outcome="invalid_value",pool="p"} 1
+pdx_requests_total{connector="nixl",outcome="prefill_failed",pool="p"} 1
+pdx_requests_total{connector="nixl",outcome="routed",pool="p"} 1
+# HELP pdx_prefill_attempts_total Prefill calls by pool, prefill endpoint and result (ok or an error code).
+# TYPE pdx_prefill_attempts_total counter
+pdx_prefill_attempts_total{endpoint="127.0.0.1:1",pool="p",result="ok"} 0
+pdx_prefill_attempts_total{endpoint="127.0.0.1:1",pool="p",result="prefill_failed"} 2
+pdx_prefill_attempts_total{endpoint="127.0.0.1:2",pool="p",result="ok"} 1
+pdx_prefill_attempts_total{endpoint="127.0.0.1:3",pool="p",result="ok"} 0
+pdx_prefill_attempts_total{endpoint="127.0.0.1:3",pool="p",result="prefill_unavailable"} 1
+# HELP pdx_streams_in_flight ext_proc streams (requests) pdx is serving now.
+# TYPE pdx_streams_in_flight gauge
+pdx_streams_in_flight 0
+`), "pdx_requests_total", "pdx_prefill_attempts_total", "pdx_streams_in_flight"))
+	require.Equal(t, map[string]uint64{"p/ok": 1, "p/prefill_failed": 1}, histogramCounts(t, m, "pdx_prefill_duration_seconds"))
+	require.Equal(t, map[string]uint64{"p/routed": 1, "p/error": 2, "/error": 1}, histogramCounts(t, m, "pdx_request_duration_seconds"))
+}
+
+func TestMetricsRecordFallback(t *testing.T) {
+	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
+		"127.0.0.1:1": answerRefused, "127.0.0.1:2": answerRefused, "127.0.0.1:3": answerRefused,
+	}}
+	m := metrics.New()
+	srv := New(retryTable(t, "  on_prefill_failure: fallback\n"), eng, slog.New(slog.DiscardHandler), WithMetrics(m))
+	out := runOn(t, srv, headers("POST", "/v1/chat/completions", false), body(chatHi, true))
+	require.NotNil(t, out[1].GetRequestBody(), "routed to the decode")
+	require.Equal(t, 1.0, requests(t, m, "fallback"))
+	require.Equal(t, map[string]uint64{"p/prefill_unavailable": 1}, histogramCounts(t, m, "pdx_prefill_duration_seconds"))
+	require.Equal(t, map[string]uint64{"p/fallback": 1}, histogramCounts(t, m, "pdx_request_duration_seconds"))
+}
+
+// TestMetricsConcurrentPrefill: with a concurrent connector Envoy sends the
+// decode's response headers to pdx, so the decode's latencies are seen; the
+// prefill attempt is counted when its outcome arrives, after the routing.
+func TestMetricsConcurrentPrefill(t *testing.T) {
+	m, stream, conn, done, _ := concurrentMetricsStream(t)
+	require.Equal(t, 0.0, attempts(t, m, "127.0.0.1:8100", "ok"), "the prefill still runs")
+	stream.in <- responseHeaders
+	conn.outcome <- nil
+	require.NotNil(t, next(t, stream).GetResponseHeaders())
+	stream.in <- &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{EndOfStream: true}}}
+	next(t, stream)
+	close(stream.in)
+	require.NoError(t, <-done)
+
+	require.Equal(t, 1.0, requests(t, m, "routed"))
+	require.Equal(t, 1.0, attempts(t, m, "127.0.0.1:8100", "ok"))
+	require.Equal(t, map[string]uint64{"p/ok": 1}, histogramCounts(t, m, "pdx_prefill_duration_seconds"))
+	require.Equal(t, map[string]uint64{"p/": 1}, histogramCounts(t, m, "pdx_decode_ttfb_seconds"))
+	require.Equal(t, map[string]uint64{"p/": 1}, histogramCounts(t, m, "pdx_decode_duration_seconds"))
+}
+
+// TestMetricsConcurrentPrefillCancelled: a request that ends while its
+// concurrent prefill runs counts that attempt as cancelled.
+func TestMetricsConcurrentPrefillCancelled(t *testing.T) {
+	m, _, _, done, cancel := concurrentMetricsStream(t)
+	cancel()
+	require.NoError(t, <-done)
+	require.Equal(t, 1.0, attempts(t, m, "127.0.0.1:8100", "cancelled"))
+	require.Equal(t, map[string]uint64{"p/cancelled": 1}, histogramCounts(t, m, "pdx_prefill_duration_seconds"))
+	require.Equal(t, 0.0, counterValue(t, m, "pdx_streams_in_flight", nil))
+}
+
+// concurrentMetricsStream runs Process with metrics for a concurrent
+// connector's pool and sends the request phase, which routes at once.
+func concurrentMetricsStream(t *testing.T) (*metrics.Metrics, *fakeStream, concurrentConnector, chan error, context.CancelFunc) {
+	t.Helper()
+	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
+	table := routing.Fixed(&routing.Pool{
+		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
+		Prefill: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
+		Decode:  picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+	})
+	m := metrics.New()
+	ctx, cancel := context.WithCancel(t.Context())
+	t.Cleanup(cancel)
+	stream := newFakeStream(ctx)
+	done := make(chan error, 1)
+	go func() {
+		done <- New(table, &fakeEngine{}, slog.New(slog.DiscardHandler), WithMetrics(m)).Process(stream)
+	}()
+	stream.in <- headers("POST", "/v1/chat/completions", false)
+	next(t, stream)
+	stream.in <- body(chatBody, true)
+	next(t, stream)
+	return m, stream, conn, done, cancel
+}
+
+func requests(t *testing.T, m *metrics.Metrics, outcome string) float64 {
+	return counterValue(t, m, "pdx_requests_total", map[string]string{"pool": "p", "outcome": outcome})
+}
+
+func attempts(t *testing.T, m *metrics.Metrics, endpoint, result string) float64 {
+	return counterValue(t, m, "pdx_prefill_attempts_total", map[string]string{"endpoint": endpoint, "result": result})
+}
+
+// counterValue is the value of the first counter or gauge series of name
+// with the given label values, 0 if there is none.
+func counterValue(t *testing.T, m *metrics.Metrics, name string, match map[string]string) float64 {
+	t.Helper()
+	families, err := m.Registry().Gather()
+	require.NoError(t, err)
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+	series:
+		for _, s := range f.GetMetric() {
+			for _, lp := range s.GetLabel() {
+				if want, ok := match[lp.GetName()]; ok && want != lp.GetValue() {
+					continue series
+				}
+			}
+			return s.GetCounter().GetValue() + s.GetGauge().GetValue()
+		}
+	}
+	return 0
+}
+
+// histogramCounts returns the sample counts of the histogram name by
+// "pool/outcome" (outcome empty when it has no such label).
+func histogramCounts(t *testing.T, m *metrics.Metrics, name string) map[string]uint64 {
+	t.Helper()
+	families, err := m.Registry().Gather()
+	require.NoError(t, err)
+	out := map[string]uint64{}
+	for _, f := range families {
+		if f.GetName() != name {
+			continue
+		}
+		for _, s := range f.GetMetric() {
+			labels := map[string]string{}
+			for _, lp := range s.GetLabel() {
+				labels[lp.GetName()] = lp.GetValue()
+			}
+			if n := s.GetHistogram().GetSampleCount(); n > 0 {
+				out[labels["pool"]+"/"+labels["outcome"]] = n
+			}
+		}
+	}
+	return out
+}
+
+// BenchmarkProcessObserved is BenchmarkProcess with metrics on, as pdx serve
+// runs (tracing off).
+func BenchmarkProcessObserved(b *testing.B) {
+	table := testTable(b, true, time.Minute)
+	srv := New(table, instantEngine{}, slog.New(slog.DiscardHandler), WithMetrics(metrics.New()))
+	hdr := headers("POST", "/v1/chat/completions", false, "x-request-id", "bench")
+	bd := body(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%s"}],"max_tokens":16}`, strings.Repeat("x", 1<<10)), true)
+	b.SetBytes(1 << 10)
+	b.ReportAllocs()
+	for b.Loop() {
+		stream := newFakeStream(b.Context())
+		stream.in <- hdr
+		stream.in <- bd
+		close(stream.in)
+		if err := srv.Process(stream); err != nil {
+			b.Fatal(err)
+		}
+		<-stream.out
+		if r := <-stream.out; r.GetRequestBody().GetResponse().GetBodyMutation() == nil {
+			b.Fatal("no decode mutation")
+		}
+	}
+}
+
+// TestRequestLogsCarryRequestID: every line pdx logs about a request names
+// it, and its trace when tracing is on, so that one grep finds its story.
+func TestRequestLogsCarryRequestID(t *testing.T) {
+	var buf bytes.Buffer
+	log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
+	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
+		"127.0.0.1:1": answer(500), "127.0.0.1:2": answerOK, "127.0.0.1:3": answerOK,
+	}}
+	tp := sdktrace.NewTracerProvider()
+	t.Cleanup(func() { require.NoError(t, tp.Shutdown(context.Background())) })
+	srv := New(retryTable(t, ""), eng, log, WithTracerProvider(tp))
+	runOn(t, srv, headers("POST", "/v1/chat/completions", false, "x-request-id", "req-1"), body(chatHi, true))
+	runOn(t, srv, headers("POST", "/v1/chat/completions", false, "x-request-id", "req-2"), body(`{"model":`, true))
+
+	lines := strings.Split(strings.TrimSpace(buf.String()), "\n")
+	require.GreaterOrEqual(t, len(lines), 3, "a failed attempt, a routing and an error: %s", buf.String())
+	for _, line := range lines {
+		var rec map[string]any
+		require.NoError(t, json.Unmarshal([]byte(line), &rec))
+		require.Contains(t, []any{"req-1", "req-2"}, rec["request_id"], line)
+		require.Len(t, rec["trace_id"], 32, line)
+	}
+}
