@@ -87,9 +87,9 @@ func (r *request) bodyEnded(ctx context.Context, trailers bool) (*extprocv3.Proc
 // mode that is the answer to the headers, which Envoy is still waiting for,
 // followed by the decode body in chunks and, if the client sent trailers,
 // the answer to them: Envoy requires headers, body, trailers in that order.
-func (r *request) routed(body []byte, decode connectors.Endpoint) *extprocv3.ProcessingResponse {
+func (r *request) routed(body []byte, unchanged bool, decode connectors.Endpoint) *extprocv3.ProcessingResponse {
 	if !r.duplex() {
-		return decodeMutation(body, decode, r.id)
+		return decodeMutation(body, unchanged, decode, r.id)
 	}
 	headers := &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{

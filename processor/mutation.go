@@ -78,14 +78,17 @@ func passThroughHeaders() *extprocv3.ProcessingResponse {
 // decodeMutation turns the request into the decode request: new body and
 // content-length (Envoy does not recompute it in BUFFERED mode), the decode
 // endpoint as header and as metadata, and the request id both legs share.
-func decodeMutation(body []byte, decode connectors.Endpoint, requestID string) *extprocv3.ProcessingResponse {
+// A body unchanged from the client's is not sent back: Envoy keeps the one
+// it holds, and neither side copies a prompt for nothing.
+func decodeMutation(body []byte, unchanged bool, decode connectors.Endpoint, requestID string) *extprocv3.ProcessingResponse {
+	resp := &extprocv3.CommonResponse{
+		HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: decodeHeaders(body, decode, requestID)},
+	}
+	if !unchanged {
+		resp.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}}
+	}
 	return &extprocv3.ProcessingResponse{
-		Response: &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{
-			Response: &extprocv3.CommonResponse{
-				HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: decodeHeaders(body, decode, requestID)},
-				BodyMutation:   &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}},
-			},
-		}},
+		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: resp}},
 		DynamicMetadata: endpointMetadata(decode),
 	}
 }

@@ -246,6 +246,16 @@ func TestConnectorNoneRoutesWithoutPrefill(t *testing.T) {
 	br := out[1].GetRequestBody().GetResponse()
 	require.JSONEq(t, `{"model":"m","prompt":"hi"}`, string(br.GetBodyMutation().GetBody()))
 	require.Equal(t, "127.0.0.1:8200", setHeaders(br.GetHeaderMutation())[DestinationHeader])
+
+	// A body pdx would not change is not sent back: Envoy keeps its own.
+	const compact = `{"model":"m","prompt":"hi"}`
+	out = run(t, table, eng, headers("POST", "/v1/completions", false), body(compact, true))
+	require.Len(t, out, 2)
+	br = out[1].GetRequestBody().GetResponse()
+	require.Nil(t, br.GetBodyMutation())
+	hs := setHeaders(br.GetHeaderMutation())
+	require.Equal(t, "127.0.0.1:8200", hs[DestinationHeader])
+	require.Equal(t, strconv.Itoa(len(compact)), hs["content-length"])
 }
 
 func TestPassThrough(t *testing.T) {

@@ -1,6 +1,7 @@
 package processor
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
@@ -315,7 +316,7 @@ func (r *request) route(ctx context.Context, raw []byte) (*extprocv3.ProcessingR
 		slog.String("model", model), slog.String("pool", pool.Name),
 		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
 		slog.Duration("elapsed", time.Since(r.start)))
-	return r.routed(decode.Body, creq.Decode), nil
+	return r.routed(decode.Body, bytes.Equal(decode.Body, raw), creq.Decode), nil
 }
 
 func modelOf(body jsonedit.Object) (string, error) {

@@ -14,6 +14,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
@@ -43,6 +44,7 @@ func run(ctx context.Context, args []string) error {
 		streams  = fs.String("stream", "false,true", "streamed answers: false, true or both")
 		memBody  = fs.String("memory-bodies", "32768,524288,2097152", "body sizes of the parked-memory measurement (empty skips it)")
 		cpuProf  = fs.Bool("cpu-profiles", true, "save pdx CPU profiles and their top functions under out/profiles")
+		selfProf = fs.String("cpuprofile", "", "write the harness's own CPU profile (its load generator and engines) to this file")
 	)
 	fs.StringVar(&plan.PdxBin, "pdx-bin", "", "the pdx binary to measure (required)")
 	fs.StringVar(&plan.EnvoyBin, "envoy-bin", "", "Envoy binary (default: $ENVOY_BIN or the one `make envoy` installs)")
@@ -103,6 +105,17 @@ func run(ctx context.Context, args []string) error {
 		}
 	}
 	plan.Progress = os.Stdout
+	if *selfProf != "" {
+		f, err := os.Create(*selfProf)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
+	}
 
 	rep, err := loadtest.Run(ctx, plan)
 	if rep != nil {

@@ -75,28 +75,44 @@ type loadResult struct {
 	errors     int
 	firstError string
 	window     time.Duration
+	warmup     time.Duration // how long it took to warm up
 	lat        latencies
 	ttfb       latencies // time to the response headers
 }
 
+// maxWarmup bounds the warm-up of a load level that never settles.
+const maxWarmup = 60 * time.Second
+
 // closedLoop runs c clients, each sending its next request when the last one
-// is answered, for warmup and then window; only requests that start and end
-// within the window are measured. Errors anywhere count.
-func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte, stream bool, c int, warmup, window time.Duration) loadResult {
+// is answered. It warms up for at least warmup and until every client has
+// had an answer (at thousands of clients the first answers take seconds),
+// then measures the requests that complete within the next window: their
+// count is the throughput, their durations the latencies. Errors anywhere
+// count. windowStarts, if set, is called as the window starts.
+func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte, stream bool, c int, warmup, window time.Duration, windowStarts func()) loadResult {
 	start := time.Now()
-	from, until := start.Add(warmup), start.Add(warmup+window)
+	type sample struct {
+		end       time.Time
+		lat, ttfb time.Duration
+	}
 	var (
-		mu         sync.Mutex
-		all, ttfbs []time.Duration
-		errs       atomic.Int64
-		firstErr   atomic.Value
-		n          atomic.Uint64
-		wg         sync.WaitGroup
+		mu       sync.Mutex
+		samples  []sample
+		errs     atomic.Int64
+		firstErr atomic.Value
+		n        atomic.Uint64
+		warm     sync.WaitGroup // a client's first answer
+		wg       sync.WaitGroup
 	)
+	// until is when clients stop; unknown (far away) until all are warm.
+	var until atomic.Int64
+	until.Store(start.Add(maxWarmup + window).UnixNano())
+	warm.Add(c)
 	for range c {
 		wg.Go(func() {
-			var mine, mineTTFB []time.Duration
-			for time.Now().Before(until) && ctx.Err() == nil {
+			var mine []sample
+			first := true
+			for time.Now().UnixNano() < until.Load() && ctx.Err() == nil {
 				t0 := time.Now()
 				ttfb, err := send(ctx, client, tg, body, stream, n.Add(1))
 				t1 := time.Now()
@@ -104,21 +120,42 @@ func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte
 					if errs.Add(1) == 1 {
 						firstErr.Store(err.Error())
 					}
-					continue
+				} else {
+					mine = append(mine, sample{t1, t1.Sub(t0), ttfb})
 				}
-				if !t0.Before(from) && !t1.After(until) {
-					mine = append(mine, t1.Sub(t0))
-					mineTTFB = append(mineTTFB, ttfb)
+				if first {
+					first = false
+					warm.Done()
 				}
 			}
+			if first {
+				warm.Done()
+			}
 			mu.Lock()
-			all = append(all, mine...)
-			ttfbs = append(ttfbs, mineTTFB...)
+			samples = append(samples, mine...)
 			mu.Unlock()
 		})
 	}
+	warm.Wait()
+	if d := warmup - time.Since(start); d > 0 {
+		sleep(ctx, d)
+	}
+	from := time.Now()
+	until.Store(from.Add(window).UnixNano())
+	if windowStarts != nil {
+		windowStarts()
+	}
 	wg.Wait()
-	r := loadResult{requests: len(all), errors: int(errs.Load()), window: window, lat: summarize(all), ttfb: summarize(ttfbs)}
+	to := time.Unix(0, until.Load())
+
+	var lat, ttfb []time.Duration
+	for _, s := range samples {
+		if !s.end.Before(from) && !s.end.After(to) {
+			lat = append(lat, s.lat)
+			ttfb = append(ttfb, s.ttfb)
+		}
+	}
+	r := loadResult{requests: len(lat), errors: int(errs.Load()), window: window, warmup: from.Sub(start), lat: summarize(lat), ttfb: summarize(ttfb)}
 	if e, ok := firstErr.Load().(string); ok {
 		r.firstError = e
 	}

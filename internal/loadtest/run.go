@@ -76,13 +76,15 @@ type Point struct {
 	Errors     int     `json:"errors"`
 	FirstError string  `json:"first_error,omitempty"`
 	Seconds    float64 `json:"seconds"`
-	Throughput float64 `json:"throughput_rps"`
-	P50Ms      float64 `json:"p50_ms"`
-	P90Ms      float64 `json:"p90_ms"`
-	P99Ms      float64 `json:"p99_ms"`
-	MeanMs     float64 `json:"mean_ms"`
-	MaxMs      float64 `json:"max_ms"`
-	TTFBP50Ms  float64 `json:"ttfb_p50_ms"`
+	// WarmupSeconds is how long it took every client to get an answer.
+	WarmupSeconds float64 `json:"warmup_seconds"`
+	Throughput    float64 `json:"throughput_rps"`
+	P50Ms         float64 `json:"p50_ms"`
+	P90Ms         float64 `json:"p90_ms"`
+	P99Ms         float64 `json:"p99_ms"`
+	MeanMs        float64 `json:"mean_ms"`
+	MaxMs         float64 `json:"max_ms"`
+	TTFBP50Ms     float64 `json:"ttfb_p50_ms"`
 	// Added latency against the floor at the same load.
 	AddedP50Ms float64 `json:"added_p50_ms"`
 	AddedP90Ms float64 `json:"added_p90_ms"`
@@ -226,47 +228,49 @@ func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, 
 		envoyPid = r.duplex.Pid()
 	}
 
-	// CPU is read at the window's edges; the sampler runs in the window.
+	// CPU is read at the window's edges; RSS is sampled, and pdx profiled,
+	// during the window.
 	tallyBefore := r.tally()
 	var cpu0, cpu1 [2]float64
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	rssDone := make(chan int64, 1)
 	profDone := make(chan error, 1)
-	go func() {
-		if sleep(wctx, plan.Warmup) != nil {
-			rssDone <- 0
+	profile := plan.SaveProfile != nil && sc != Floor && prof.Name == ZeroLatency.Name &&
+		sh.c == plan.SizeConcurrency && sh.body == plan.SweepBody && !sh.stream
+	started := false // the window started (not when ctx ended first)
+	res := closedLoop(ctx, client, tg, body, sh.stream, sh.c, plan.Warmup, plan.Window, func() {
+		started = true
+		cpu0[0], _ = cpuSeconds(r.pdx.pid())
+		cpu0[1], _ = cpuSeconds(envoyPid)
+		go func() { rssDone <- peakRSS(wctx, r.pdx.pid(), 100*time.Millisecond) }()
+		if !profile {
 			profDone <- nil
 			return
 		}
-		cpu0[0], _ = cpuSeconds(r.pdx.pid())
-		cpu0[1], _ = cpuSeconds(envoyPid)
-		if plan.SaveProfile != nil && sc != Floor && prof.Name == ZeroLatency.Name && sh.c == plan.SizeConcurrency && sh.body == plan.SweepBody && !sh.stream {
-			go func() {
-				// The profile outlives the window's context by a moment.
-				profDone <- takeProfile(ctx, r.pdx.pprofAt, plan.Window, func(b []byte) error {
-					return plan.SaveProfile(fmt.Sprintf("%s-c%d-%dB", sc, sh.c, sh.body), b)
-				})
-			}()
-		} else {
-			profDone <- nil
-		}
-		rssDone <- peakRSS(wctx, r.pdx.pid(), 100*time.Millisecond)
-	}()
-	res := closedLoop(ctx, client, tg, body, sh.stream, sh.c, plan.Warmup, plan.Window)
+		go func() {
+			// The profile outlives the window's context by a moment.
+			profDone <- takeProfile(ctx, r.pdx.pprofAt, plan.Window, func(b []byte) error {
+				return plan.SaveProfile(fmt.Sprintf("%s-c%d-%dB", sc, sh.c, sh.body), b)
+			})
+		}()
+	})
 	cpu1[0], _ = cpuSeconds(r.pdx.pid())
 	cpu1[1], _ = cpuSeconds(envoyPid)
 	cancel()
-	peak := <-rssDone
-	if err := <-profDone; err != nil {
-		return Point{}, fmt.Errorf("cpu profile: %w", err)
+	var peak int64
+	if started {
+		peak = <-rssDone
+		if err := <-profDone; err != nil {
+			return Point{}, fmt.Errorf("cpu profile: %w", err)
+		}
 	}
 	tally := r.tally()
 
 	pt := Point{
 		Profile: prof.Name, Scenario: sc, Concurrency: sh.c, BodyBytes: sh.body, Stream: sh.stream,
 		Requests: res.requests, Errors: res.errors, FirstError: res.firstError,
-		Seconds:    res.window.Seconds(),
+		Seconds: res.window.Seconds(), WarmupSeconds: res.warmup.Seconds(),
 		Throughput: float64(res.requests) / res.window.Seconds(),
 		P50Ms:      ms(res.lat.P50), P90Ms: ms(res.lat.P90), P99Ms: ms(res.lat.P99),
 		MeanMs: ms(res.lat.Mean), MaxMs: ms(res.lat.Max), TTFBP50Ms: ms(res.ttfb.P50),
