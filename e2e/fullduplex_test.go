@@ -5,7 +5,6 @@ import (
 	"io"
 	"net/http"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -216,44 +215,11 @@ func TestFullDuplexIsolation(t *testing.T) {
 				// machine the engines can take longer than the default 30s.
 				PrefillTimeout: 90 * time.Second,
 			})
-			client, _ := newClient(t, st)
-			type outcome struct {
-				prompt, got string
-				err         error
-			}
-			outcomes := make([]outcome, fullDuplexRequests)
-			var wg sync.WaitGroup
-			start := make(chan struct{})
-			for i := range outcomes {
-				wg.Go(func() {
-					<-start
-					// 0 to 99 KB of filler: one chunk each way for some, several
-					// from Envoy for most, several back from pdx for a third.
-					text := fmt.Sprintf("%s duplex prompt %d: %s", connector, i, strings.Repeat(string(rune('a'+i%26)), i%100*1000))
-					o := &outcomes[i]
-					o.got, o.err = isolationRequest(t, client, i, fmt.Sprintf("duplex-%s-%d", connector, i), text)
-					o.prompt = text
-					if i%2 == 0 {
-						o.prompt = chatPrompt(text)
-					}
-				})
-			}
-			close(start)
-			wg.Wait()
-
-			var failures []string
-			for i, o := range outcomes {
-				switch {
-				case o.err != nil:
-					failures = append(failures, fmt.Sprintf("request %d: %v", i, o.err))
-				case !strings.HasPrefix(o.got, wantPrefix(o.prompt)):
-					failures = append(failures, fmt.Sprintf("request %d: got %q, an answer to another prompt", i, o.got))
-				}
-			}
-			require.Empty(t, failures[:min(len(failures), 20)], "%d of %d requests failed or were mixed up (first 20 shown)", len(failures), fullDuplexRequests)
-			for _, o := range outcomes {
-				requireHandoff(t, st, o.prompt)
-			}
+			// 0 to 99 KB of filler: one chunk each way for some, several
+			// from Envoy for most, several back from pdx for a third.
+			isolation(t, st, "duplex-"+connector, fullDuplexRequests, func(i int) string {
+				return fmt.Sprintf("%s duplex prompt %d: %s", connector, i, strings.Repeat(string(rune('a'+i%26)), i%100*1000))
+			})
 		})
 	}
 }

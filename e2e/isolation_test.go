@@ -31,18 +31,23 @@ func TestIsolation(t *testing.T) {
 			opts.Prefill, opts.Decode = 3, 3
 			opts.Engine = enginesim.Config{PrefillLatency: 200 * time.Millisecond, DecodeLatency: 50 * time.Millisecond, DecodePerToken: time.Millisecond}
 			st := startStack(t, opts)
-			isolation(t, st, cc.name)
+			isolation(t, st, cc.name, isolationRequests, func(i int) string {
+				return fmt.Sprintf("%s isolation prompt %d: %s", cc.name, i, strings.Repeat(string(rune('a'+i%26)), i%50))
+			})
 		})
 	}
 }
 
-func isolation(t *testing.T, st *stack.Stack, name string) {
+// isolation sends n requests at once, request i with the prompt text(i), and
+// checks that each client got its own prompt's answer and each decode
+// engine its own prefill's KV.
+func isolation(t *testing.T, st *stack.Stack, name string, n int, text func(i int) string) {
 	client, _ := newClient(t, st)
 	type outcome struct {
 		id, prompt, got string
 		err             error
 	}
-	outcomes := make([]outcome, isolationRequests)
+	outcomes := make([]outcome, n)
 	var wg sync.WaitGroup
 	start := make(chan struct{})
 	for i := range outcomes {
@@ -50,7 +55,7 @@ func isolation(t *testing.T, st *stack.Stack, name string) {
 			<-start
 			o := &outcomes[i]
 			o.id = fmt.Sprintf("iso-%s-%d", name, i)
-			text := fmt.Sprintf("%s isolation prompt %d: %s", name, i, strings.Repeat(string(rune('a'+i%26)), i%50))
+			text := text(i)
 			o.got, o.err = isolationRequest(t, client, i, o.id, text)
 			o.prompt = text
 			if i%2 == 0 {
@@ -70,7 +75,7 @@ func isolation(t *testing.T, st *stack.Stack, name string) {
 			failures = append(failures, fmt.Sprintf("%s: got %q, an answer to another prompt", o.id, o.got))
 		}
 	}
-	require.Empty(t, failures[:min(len(failures), 20)], "%d of %d requests failed or were mixed up (first 20 shown)", len(failures), isolationRequests)
+	require.Empty(t, failures[:min(len(failures), 20)], "%d of %d requests failed or were mixed up (first 20 shown)", len(failures), n)
 
 	// The engines' side: every decode got exactly its own prefill's KV.
 	byPrompt := map[string]map[string][]recordAt{}
