@@ -17,7 +17,7 @@ func TestPrepareAllocs(t *testing.T) {
 	body := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 4096) +
 		`"}],"max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"temperature":0.7}`)
 	engines := map[string]Engine{
-		"nixl": fixedEngine{post: []byte(`{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_host":"10.0.0.1","remote_port":5600}}`)},
+		"nixl": fixedEngine{post: []byte(`{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_host":"10.0.0.1","remote_port":21001}}`)},
 		"http": fixedEngine{post: []byte(`{"id":"x"}`)},
 	}
 	for name, eng := range engines {
@@ -30,7 +30,7 @@ func TestPrepareAllocs(t *testing.T) {
 				t.Fatal(err)
 			}
 			req.Body = obj
-			d, err := conn.Prepare(t.Context(), eng, req)
+			d, err := conn.Prepare(t.Context(), Env{Engine: eng}, req)
 			if err != nil || d.Prefill != nil {
 				t.Fatal(err)
 			}

@@ -24,7 +24,7 @@ func (e fixedEngine) Get(context.Context, string, string) ([]byte, error) { retu
 // parsed once as the processor does, for prompts of 1 KiB to 2 MiB.
 func BenchmarkPrepare(b *testing.B) {
 	engines := map[string]fixedEngine{
-		"nixl":     {post: []byte(`{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_request_id":"r","remote_host":"10.0.0.1","remote_port":5600}}`)},
+		"nixl":     {post: []byte(`{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_request_id":"r","remote_host":"10.0.0.1","remote_port":21001}}`)},
 		"http":     {post: []byte(`{"id":"x"}`)},
 		"sglang":   {post: []byte(`{"id":"x"}`)},
 		"p2p-nccl": {post: []byte(`{"id":"x"}`)},
@@ -53,7 +53,7 @@ func BenchmarkPrepare(b *testing.B) {
 						b.Fatal(err)
 					}
 					req := &Request{ID: "bench", Path: "/v1/chat/completions", Body: obj, Prefill: testPrefill, Decode: testDecode}
-					d, err := conn.Prepare(b.Context(), eng, req)
+					d, err := conn.Prepare(b.Context(), Env{Engine: eng}, req)
 					if err != nil {
 						b.Fatal(err)
 					}

@@ -54,6 +54,8 @@ func (e Endpoint) Bootstrap() int {
 // Request is one client request as a connector sees it.
 type Request struct {
 	// ID is the request id sent to the engines on both legs (X-Request-Id).
+	// It is pdx's, fresh per request: clients' ids may repeat, and two
+	// requests with one id on one engine collide.
 	ID string
 	// Path is the OpenAI API path, e.g. "/v1/chat/completions".
 	Path string
@@ -61,6 +63,10 @@ type Request struct {
 	Body jsonedit.Object
 	// Prefill and Decode are the endpoints picked for the two legs.
 	Prefill, Decode Endpoint
+	// KVHosts are the hosts, besides the prefill endpoint's own, that a
+	// prefill answer may name as the decode's KV source (the pool's
+	// allowed_kv_hosts: NAT, a separate KV network).
+	KVHosts HostSet
 }
 
 // Decode is what Envoy sends to the decode endpoint.
@@ -76,12 +82,43 @@ type Decode struct {
 	// prefill never waits for a reader. The prefill runs under the ctx given
 	// to Prepare: cancelling it ends the prefill.
 	Prefill <-chan error
+	// Answer, when set, is the client's whole answer and no decode is sent:
+	// the prefill engine finished the request itself (a TensorRT-LLM context
+	// answer that ended on EOS or a stop string).
+	Answer *Answer
+}
+
+// Answer is an answer for the client that pdx sends itself.
+type Answer struct {
+	ContentType string
+	Body        []byte
 }
 
 // Connector prepares the decode leg of one request, calling the prefill engine
 // as its protocol requires.
 type Connector interface {
-	Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error)
+	Prepare(ctx context.Context, env Env, req *Request) (Decode, error)
+}
+
+// Releaser is a connector whose engines can be told to let go of what they
+// hold for a request (KV blocks kept for a decode, a decode's reserved
+// slot). pdx calls Release with the request and what Prepare returned once
+// it knows the decode will not be sent or cannot succeed: the client went
+// away after the prefill, or a concurrent prefill failed after its decode
+// was sent. It is best effort, runs detached from the request, and returns
+// once done or when ctx ends.
+type Releaser interface {
+	Release(ctx context.Context, env Env, req *Request, d Decode) error
+}
+
+// Env is what a connector works with besides the request: the client for
+// engine calls, and what pdx has learned about the engines (never anything
+// about a request). It is shared by all requests and safe for concurrent use.
+type Env struct {
+	Engine Engine
+	// EngineIDs caches the engine ids of Mooncake prefill engines; nil asks
+	// the bootstrap server on every request.
+	EngineIDs *EngineIDs
 }
 
 // Concurrent reports whether c returns the decode while its prefill still
@@ -131,7 +168,8 @@ func (e *EngineError) Error() string {
 
 func (e *EngineError) Unwrap() error { return e.Err }
 
-// ErrBadAnswer marks a prefill answer that does not follow the protocol.
+// ErrBadAnswer marks a prefill answer that does not follow the protocol, or
+// names a KV source other than the engine pdx called.
 var ErrBadAnswer = errors.New("invalid prefill answer")
 
 // Options are a pool's connector settings.
@@ -140,6 +178,10 @@ type Options struct {
 	// MooncakeNIXL ("nixl", the default when empty) or MooncakeVLLM
 	// ("vllm"). Other connectors ignore it.
 	MooncakeProtocol string
+	// TRTLLMProtocol selects what the "trtllm" connector sends:
+	// TRTLLMCurrent ("current", the default when empty) or TRTLLMLegacy
+	// ("legacy"). Other connectors ignore it.
+	TRTLLMProtocol string
 }
 
 // registry maps connector names to constructors. It is written only here,
@@ -151,7 +193,7 @@ var registry = map[string]func(Options) (Connector, error){
 	"mooncake": newMooncake,
 	"sglang":   func(Options) (Connector, error) { return SGLang{}, nil },
 	"p2p-nccl": func(Options) (Connector, error) { return P2PNCCL{}, nil },
-	"trtllm":   func(Options) (Connector, error) { return TRTLLM{}, nil },
+	"trtllm":   newTRTLLM,
 	"none":     func(Options) (Connector, error) { return None{}, nil },
 }
 

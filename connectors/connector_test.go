@@ -57,7 +57,7 @@ func answerFor(c engineCall) ([]byte, error) {
 	}
 	return fmt.Appendf(nil, `{"id":"x","choices":[{"index":0,"text":"a","finish_reason":"not_finished",`+
 		`"disaggregated_params":{"request_type":"context_only","ctx_request_id":18446744073709551615,"encoded_opaque_state":%s}}],`+
-		`"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_request_id":%s}}`, prompt, prompt), nil
+		`"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_request_id":%s,"remote_host":"10.0.0.1","remote_port":21001}}`, prompt, prompt), nil
 }
 
 // echoEngine answers prefill calls on testPrefill with answerFor, and the
@@ -83,7 +83,7 @@ func TestProtocolFieldsStripped(t *testing.T) {
 				req := newRequest(t, client)
 				req.Path = "/v1/completions"
 				eng := echoEngine()
-				got, err := c.Prepare(t.Context(), eng, req)
+				got, err := c.Prepare(t.Context(), Env{Engine: eng}, req)
 				require.NoError(t, err)
 				if got.Prefill != nil {
 					require.NoError(t, prefillOutcome(t, got.Prefill))
@@ -137,7 +137,7 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 					req := newRequest(t, fmt.Sprintf(`{"model":"m","prompt":"p-%d","max_tokens":%d}`, i, 100+i))
 					req.ID = fmt.Sprintf("req-%d", i)
 					req.Path = "/v1/completions"
-					decodes[i], errs[i] = c.Prepare(t.Context(), eng, req)
+					decodes[i], errs[i] = c.Prepare(t.Context(), Env{Engine: eng}, req)
 					if errs[i] == nil && decodes[i].Prefill != nil {
 						errs[i] = <-decodes[i].Prefill
 					}

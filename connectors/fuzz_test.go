@@ -6,6 +6,7 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"net/netip"
 	"regexp"
 	"slices"
 	"strconv"
@@ -54,7 +55,7 @@ var fuzzClients = []string{
 
 // fuzzNIXLAnswers are prefill answers for the NIXL targets.
 var fuzzNIXLAnswers = []string{
-	`{"id":"cmpl-1","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[[1,2,3]],"remote_host":"10.0.0.1","remote_port":5600,"tp_size":1}}`,
+	`{"id":"cmpl-1","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[[1,2,3]],"remote_host":"10.0.0.1","remote_port":21001,"tp_size":1}}`,
 	`{"id":"cmpl-1","kv_transfer_params":null}`,
 	`{"id":"cmpl-1","choices":[]}`,
 	`{"kv_transfer_params":[1,2]}`,
@@ -130,13 +131,13 @@ func FuzzHTTP(f *testing.F) {
 			return
 		}
 		engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
-		d, err := HTTP{}.Prepare(t.Context(), engine, req)
+		d, err := HTTP{}.Prepare(t.Context(), Env{Engine: engine}, req)
 		if err != nil {
 			t.Fatalf("Prepare: %v", err)
 		}
 		p := onePost(t, engine, req.ID)
 		checkLeg(t, "prefill", cm, []byte(p.body), prefillOnlyWant(cm))
-		checkLeg(t, "decode", cm, d.Body, protocolAbsent())
+		checkLeg(t, "decode", cm, d.Body, protocolAbsent(cm))
 		if d.RequestID != "" || d.Prefill != nil {
 			t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
 		}
@@ -155,7 +156,7 @@ func FuzzP2PNCCL(f *testing.F) {
 			return
 		}
 		engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
-		d, err := P2PNCCL{}.Prepare(t.Context(), engine, req)
+		d, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: engine}, req)
 		if err != nil {
 			t.Fatalf("Prepare: %v", err)
 		}
@@ -164,11 +165,14 @@ func FuzzP2PNCCL(f *testing.F) {
 		}
 		p := onePost(t, engine, d.RequestID)
 		checkLeg(t, "prefill", cm, []byte(p.body), prefillOnlyWant(cm))
-		checkLeg(t, "decode", cm, d.Body, protocolAbsent())
+		checkLeg(t, "decode", cm, d.Body, protocolAbsent(cm))
 	})
 }
 
-var sglangRoomText = regexp.MustCompile(`^(0|[1-9][0-9]*)$`)
+var (
+	sglangRoomText = regexp.MustCompile(`^(0|[1-9][0-9]*)$`)
+	pdxRID         = regexp.MustCompile(`^"pdx-[0-9a-f]{32}"$`)
+)
 
 func FuzzSGLang(f *testing.F) {
 	addClients(f)
@@ -178,7 +182,7 @@ func FuzzSGLang(f *testing.F) {
 			return
 		}
 		engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
-		d, err := SGLang{}.Prepare(t.Context(), engine, req)
+		d, err := SGLang{}.Prepare(t.Context(), Env{Engine: engine}, req)
 		if err != nil {
 			t.Fatalf("Prepare: %v", err)
 		}
@@ -193,10 +197,15 @@ func FuzzSGLang(f *testing.F) {
 		if n, err := strconv.ParseInt(string(room), 10, 64); !sglangRoomText.Match(room) || err != nil || n < 0 {
 			t.Fatalf("bootstrap_room %q is not an integer in [0, 2^63)", room)
 		}
-		want := protocolAbsent()
+		rid := memberRaw(t, d.Body, "rid")
+		if !pdxRID.Match(rid) {
+			t.Fatalf("rid %q is not pdx's", rid)
+		}
+		want := protocolAbsent(cm)
 		want["bootstrap_host"] = []byte(`"10.0.0.1"`)
 		want["bootstrap_port"] = []byte(`8998`)
 		want["bootstrap_room"] = room
+		want["rid"] = rid
 		checkLeg(t, "decode", cm, d.Body, want)
 	})
 }
@@ -217,7 +226,7 @@ func FuzzMooncakeVLLM(f *testing.F) {
 		engine := fuzzEngine().
 			on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: string(query)}).
 			on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
-		d, err := c.Prepare(t.Context(), engine, req)
+		d, err := c.Prepare(t.Context(), Env{Engine: engine}, req)
 		engineID := fuzzEngineID(query)
 		if engineID == nil {
 			requireBadAnswer(t, err, d, query)
@@ -240,7 +249,7 @@ func FuzzMooncakeVLLM(f *testing.F) {
 		want := prefillOnlyWant(cm)
 		want["kv_transfer_params"] = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":` + transferID + `}`)
 		checkLeg(t, "prefill", cm, []byte(p.body), want)
-		want = protocolAbsent()
+		want = protocolAbsent(cm)
 		want["kv_transfer_params"] = []byte(`{"do_remote_decode":false,"do_remote_prefill":true,` +
 			`"remote_bootstrap_addr":"http://10.0.0.1:8998","remote_engine_id":` + string(engineID) +
 			`,"transfer_id":` + transferID + `}`)
@@ -251,41 +260,69 @@ func FuzzMooncakeVLLM(f *testing.F) {
 func FuzzTRTLLM(f *testing.F) {
 	addPairs(f, fuzzContextAnswers)
 	f.Fuzz(func(t *testing.T, client, answer []byte) {
-		req, cm := fuzzRequest(client)
-		if req == nil {
-			return
-		}
-		engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: string(answer)})
-		d, err := TRTLLM{}.Prepare(t.Context(), engine, req)
-		p := onePost(t, engine, req.ID)
-		want := protocolAbsent()
-		want["stream"] = []byte(`false`)
-		want["stream_options"] = nil
-		want["disaggregated_params"] = []byte(`{"request_type":"context_only"}`)
-		checkLeg(t, "context", cm, []byte(p.body), want)
-
-		params, finished, ok := fuzzGenerationParams(answer)
-		if !ok {
-			requireBadAnswer(t, err, d, answer)
-			return
-		}
-		if err != nil {
-			t.Fatalf("Prepare with answer %q: %v", answer, err)
-		}
-		want = protocolAbsent()
-		if !finished {
-			raw := memberRaw(t, d.Body, "disaggregated_params")
-			got, err := fuzzMembers(raw)
-			if err != nil || !slices.EqualFunc(got, params, equalMember) {
-				t.Fatalf("generation disaggregated_params %q (%v), want members %q", raw, err, params)
-			}
-			want["disaggregated_params"] = raw
-		}
-		checkLeg(t, "generation", cm, d.Body, want)
-		if d.RequestID != "" || d.Prefill != nil {
-			t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
+		for _, legacy := range []bool{true, false} {
+			fuzzTRTLLM(t, legacy, client, answer)
 		}
 	})
+}
+
+// fuzzTRTLLM checks the TensorRT-LLM connector, legacy or current, for one
+// client body and context answer.
+func fuzzTRTLLM(t *testing.T, legacy bool, client, answer []byte) {
+	req, cm := fuzzRequest(client)
+	if req == nil {
+		return
+	}
+	engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: string(answer)})
+	d, err := TRTLLM{Legacy: legacy}.Prepare(t.Context(), Env{Engine: engine}, req)
+	p := onePost(t, engine, req.ID)
+	want := protocolAbsent(cm)
+	want["stream"] = []byte(`false`)
+	want["stream_options"] = nil
+	ctxParams := []byte(`{"request_type":"context_only"}`)
+	var disaggID []byte
+	if !legacy {
+		raw := memberRaw(t, []byte(p.body), "disaggregated_params")
+		ms, err := fuzzMembers(raw)
+		if err != nil || len(ms) != 2 || ms[0].key != "request_type" || ms[1].key != "disagg_request_id" {
+			t.Fatalf("context disaggregated_params %q", raw)
+		}
+		if n, err := strconv.ParseUint(string(ms[1].raw), 10, 64); err != nil || n < 1<<40 || n >= 1<<63-1 {
+			t.Fatalf("disagg_request_id %q out of range", ms[1].raw)
+		}
+		disaggID, ctxParams = ms[1].raw, raw
+	}
+	want["disaggregated_params"] = ctxParams
+	checkLeg(t, "context", cm, []byte(p.body), want)
+
+	params, extra, finished, ok := fuzzGenerationParams(answer, legacy, disaggID)
+	if !ok {
+		requireBadAnswer(t, err, d, answer)
+		return
+	}
+	if err != nil {
+		t.Fatalf("Prepare with answer %q: %v", answer, err)
+	}
+	if finished {
+		if d.Body != nil || d.Answer == nil || d.Answer.ContentType == "" || len(d.Answer.Body) == 0 {
+			t.Fatalf("a finished context answer is the client's answer, got %+v", d)
+		}
+		return
+	}
+	want = protocolAbsent(cm)
+	raw := memberRaw(t, d.Body, "disaggregated_params")
+	got, err := fuzzMembers(raw)
+	if err != nil || !slices.EqualFunc(got, params, equalMember) {
+		t.Fatalf("generation disaggregated_params %q (%v), want members %q", raw, err, params)
+	}
+	want["disaggregated_params"] = raw
+	for _, m := range extra {
+		want[m.key] = m.raw
+	}
+	checkLeg(t, "generation", cm, d.Body, want)
+	if d.RequestID != "" || d.Prefill != nil {
+		t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
+	}
 }
 
 // fuzzNIXL checks a NIXL connector (the "nixl" one or "mooncake" with the
@@ -296,7 +333,7 @@ func fuzzNIXL(t *testing.T, c Connector, client, answer []byte) {
 		return
 	}
 	engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: string(answer)})
-	d, err := c.Prepare(t.Context(), engine, req)
+	d, err := c.Prepare(t.Context(), Env{Engine: engine}, req)
 	p := onePost(t, engine, req.ID)
 	want := prefillOnlyWant(cm)
 	want["kv_transfer_params"] = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
@@ -307,14 +344,14 @@ func fuzzNIXL(t *testing.T, c Connector, client, answer []byte) {
 	// is, null or absent leaves the key out, anything else is bad.
 	ms, aerr := fuzzMembers(answer)
 	kv, found := lookup(ms, "kv_transfer_params")
-	if aerr != nil || found && string(kv) != "null" && kv[0] != '{' {
+	if aerr != nil || found && string(kv) != "null" && (kv[0] != '{' || !fuzzKVSourceOK(kv)) {
 		requireBadAnswer(t, err, d, answer)
 		return
 	}
 	if err != nil {
 		t.Fatalf("Prepare with answer %q: %v", answer, err)
 	}
-	want = protocolAbsent()
+	want = protocolAbsent(cm)
 	if found && string(kv) != "null" {
 		want["kv_transfer_params"] = kv
 	}
@@ -322,6 +359,23 @@ func fuzzNIXL(t *testing.T, c Connector, client, answer []byte) {
 	if d.RequestID != "" || d.Prefill != nil {
 		t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
 	}
+}
+
+// fuzzKVSourceOK reports whether kv, a kv_transfer_params object, names
+// testPrefill's kv_address as the KV source, however the host is written.
+func fuzzKVSourceOK(kv []byte) bool {
+	ms, err := fuzzMembers(kv)
+	if err != nil {
+		return false
+	}
+	rawHost, _ := lookup(ms, "remote_host")
+	rawPort, _ := lookup(ms, "remote_port")
+	var host string
+	if len(rawHost) == 0 || rawHost[0] != '"' || json.Unmarshal(rawHost, &host) != nil {
+		return false
+	}
+	ip, err := netip.ParseAddr(host)
+	return err == nil && ip.Unmap() == netip.MustParseAddr("10.0.0.1") && string(rawPort) == "21001"
 }
 
 const fuzzPath = "/v1/chat/completions"
@@ -406,12 +460,18 @@ func requireBadAnswer(t *testing.T, err error, d Decode, answer []byte) {
 // instructions, spelled independently of the package's constants.
 var protocolKeys = []string{"kv_transfer_params", "bootstrap_host", "bootstrap_port", "bootstrap_room", "disaggregated_params"}
 
-// protocolAbsent returns the wanted members of a leg that carries no
-// protocol field: all absent (nil).
-func protocolAbsent() map[string][]byte {
-	want := make(map[string][]byte, 10)
+// protocolAbsent returns the wanted members of a leg of the client body cm
+// that carries no protocol field: all absent (nil), and so are the options
+// pdx reads that the client set to null.
+func protocolAbsent(cm []fuzzMember) map[string][]byte {
+	want := make(map[string][]byte, 16)
 	for _, k := range protocolKeys {
 		want[k] = nil
+	}
+	for _, k := range []string{"stream", "stream_options", "max_tokens", "max_completion_tokens", "n"} {
+		if v, ok := lookup(cm, k); ok && string(v) == "null" {
+			want[k] = nil
+		}
 	}
 	return want
 }
@@ -419,16 +479,14 @@ func protocolAbsent() map[string][]byte {
 // prefillOnlyWant returns the wanted members of a one-token, non-streaming
 // prefill of the client body cm, without protocol fields.
 func prefillOnlyWant(cm []fuzzMember) map[string][]byte {
-	want := protocolAbsent()
+	want := protocolAbsent(cm)
 	want["stream"] = []byte(`false`)
 	want["stream_options"] = nil
 	want["min_tokens"] = nil
 	want["min_completion_tokens"] = nil
-	if _, ok := lookup(cm, "max_completion_tokens"); ok {
+	want["max_tokens"] = []byte(`1`)
+	if v, ok := lookup(cm, "max_completion_tokens"); ok && string(v) != "null" {
 		want["max_completion_tokens"] = []byte(`1`)
-		want["max_tokens"] = nil
-	} else {
-		want["max_tokens"] = []byte(`1`)
 	}
 	return want
 }
@@ -513,47 +571,62 @@ func fuzzEngineID(query []byte) []byte {
 // fuzzGenerationParams models trtllmGenerationParams: ok reports an answer
 // the protocol allows; finished one that ends the request; params are the
 // members the generation's disaggregated_params must have.
-func fuzzGenerationParams(answer []byte) (params []fuzzMember, finished, ok bool) {
+func fuzzGenerationParams(answer []byte, legacy bool, disaggID []byte) (params, extra []fuzzMember, finished, ok bool) {
 	resp, err := fuzzMembers(answer)
 	if err != nil {
-		return nil, false, false
+		return nil, nil, false, false
 	}
 	raw, ok := lookup(resp, "choices")
 	if !ok || raw[0] != '[' {
-		return nil, false, false
+		return nil, nil, false, false
 	}
 	var choices []json.RawMessage
 	if err := json.Unmarshal(raw, &choices); err != nil || len(choices) != 1 {
-		return nil, false, false
+		return nil, nil, false, false
 	}
 	choice, err := fuzzMembers(choices[0])
 	if err != nil {
-		return nil, false, false
-	}
-	raw, ok = lookup(choice, "disaggregated_params")
-	if !ok {
-		return nil, false, false
-	}
-	params, err = fuzzMembers(raw)
-	if err != nil {
-		return nil, false, false
-	}
-	if id, ok := lookup(params, "ctx_request_id"); !ok || !bytes.ContainsAny(id[:1], "-0123456789") {
-		return nil, false, false
+		return nil, nil, false, false
 	}
 	if reason, ok := lookup(choice, "finish_reason"); ok && reason[0] == '"' {
 		var s string
 		if json.Unmarshal(reason, &s) == nil && s != "length" && s != "not_finished" {
-			return nil, true, true
+			return nil, nil, true, true
 		}
 	}
-	generation := []byte(`"generation_only"`)
-	if i := slices.IndexFunc(params, func(m fuzzMember) bool { return m.key == "request_type" }); i >= 0 {
-		params[i].raw = generation
-	} else {
-		params = append(params, fuzzMember{key: "request_type", raw: generation})
+	raw, ok = lookup(choice, "disaggregated_params")
+	if !ok {
+		return nil, nil, false, false
 	}
-	return params, false, true
+	params, err = fuzzMembers(raw)
+	if err != nil {
+		return nil, nil, false, false
+	}
+	if id, ok := lookup(params, "ctx_request_id"); !ok || !bytes.ContainsAny(id[:1], "-0123456789") {
+		return nil, nil, false, false
+	}
+	if e, ok := lookup(params, "ctx_info_endpoint"); ok && string(e) != "null" {
+		return nil, nil, false, false // the seeds name no host; a fuzzed one is anywhere
+	}
+	set := func(key string, v []byte) {
+		if i := slices.IndexFunc(params, func(m fuzzMember) bool { return m.key == key }); i >= 0 {
+			params[i].raw = v
+		} else {
+			params = append(params, fuzzMember{key: key, raw: v})
+		}
+	}
+	set("request_type", []byte(`"generation_only"`))
+	if legacy {
+		return params, nil, false, true
+	}
+	if usage, ok := lookup(resp, "usage"); ok && string(usage) != "null" {
+		set("ctx_usage", usage)
+	}
+	set("disagg_request_id", disaggID)
+	if ids, ok := lookup(resp, "prompt_token_ids"); ok && ids[0] == '[' {
+		extra = append(extra, fuzzMember{key: "prompt_token_ids", raw: ids}) // fuzzPath is chat
+	}
+	return params, extra, false, true
 }
 
 // fuzzMember is a top-level member as encoding/json reads it: the unescaped

@@ -16,8 +16,8 @@ type HTTP struct{}
 
 // Prepare implements [Connector]. The prefill runs to its end before the
 // decode is sent, so the KV is in the store when the decode looks for it.
-func (HTTP) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
-	if _, err := engine.Post(ctx, req.Prefill, req.Path, req.ID, httpPrefillBody(req.Body)); err != nil {
+func (HTTP) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
+	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, httpPrefillBody(req.Body)); err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
 	return Decode{Body: engineBody(req.Body)}, nil

@@ -20,9 +20,9 @@ func TestHTTPPrepare(t *testing.T) {
 			decode:  `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":64,"stream":true,"stream_options":{"include_usage":true}}`,
 		},
 		{
-			name:    "max_completion_tokens limited, min tokens dropped",
+			name:    "both limits 1, min tokens dropped",
 			client:  `{"model":"m","max_tokens":10,"min_tokens":2,"max_completion_tokens":64,"min_completion_tokens":3,"messages":[]}`,
-			prefill: `{"model":"m","max_completion_tokens":1,"messages":[],"stream":false}`,
+			prefill: `{"model":"m","max_tokens":1,"max_completion_tokens":1,"messages":[],"stream":false}`,
 			decode:  `{"model":"m","max_tokens":10,"min_tokens":2,"max_completion_tokens":64,"min_completion_tokens":3,"messages":[]}`,
 		},
 		{
@@ -48,7 +48,7 @@ func TestHTTPPrepare(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, tc.client)
 			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"id":"x","choices":[{"text":"a"}]}`})
-			got, err := HTTP{}.Prepare(t.Context(), eng, req)
+			got, err := HTTP{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: testPrefill, path: req.Path, requestID: "req-1", body: tc.prefill}}, eng.recorded())
 			require.Equal(t, tc.decode, string(got.Body))
@@ -79,7 +79,7 @@ func TestHTTPPrepareErrors(t *testing.T) {
 			}
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
 			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
-			got, err := HTTP{}.Prepare(ctx, eng, req)
+			got, err := HTTP{}.Prepare(ctx, Env{Engine: eng}, req)
 			require.Equal(t, Decode{}, got)
 			requireEngineError(t, err, testPrefill)
 			if tc.wantErr != "" {

@@ -41,21 +41,17 @@ type MooncakeVLLMConnector struct{}
 func (MooncakeVLLMConnector) Concurrent() bool { return true }
 
 // Prepare implements [Connector].
-func (MooncakeVLLMConnector) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
+func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
 	host := req.Prefill.Host()
 	if host == "" {
 		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	bootstrap := net.JoinHostPort(host, strconv.Itoa(req.Prefill.Bootstrap()))
-	answer, err := engine.Get(ctx, bootstrap, "/query")
+	engineID, err := env.EngineIDs.get(ctx, bootstrap, func(ctx context.Context) ([]byte, error) {
+		return queryEngineID(ctx, env.Engine, req.Prefill, bootstrap)
+	})
 	if err != nil {
-		// Status 0: whatever the bootstrap server said, the client's request
-		// is not at fault; the prefill engine is unavailable.
-		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "querying Mooncake bootstrap server " + bootstrap, Err: err}
-	}
-	engineID, err := mooncakeEngineID(answer)
-	if err != nil {
-		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "reading Mooncake bootstrap server " + bootstrap + " /query", Err: err}
+		return Decode{}, err
 	}
 	// As upstream's proxy does, both legs carry a fresh request id and the
 	// transfer id "xfer-<id>", under which both engines name the KV. Fresh
@@ -68,7 +64,24 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, engine Engine, req *Re
 		jsonedit.Set(keyKVTransferParams, mooncakePrefillParams(transferID)))...)
 	decode := engineBody(req.Body,
 		jsonedit.Set(keyKVTransferParams, mooncakeDecodeParams(transferID, "http://"+bootstrap, engineID)))
-	return Decode{Body: decode, RequestID: id, Prefill: startPrefill(ctx, engine, req.Prefill, req.Path, id, prefill)}, nil
+	failed := func() { env.EngineIDs.forget(bootstrap, engineID) } // the engine may have restarted
+	return Decode{Body: decode, RequestID: id, Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, id, prefill, failed)}, nil
+}
+
+// queryEngineID asks the bootstrap server at addr for the engine id of the
+// prefill engine ep.
+func queryEngineID(ctx context.Context, engine Engine, ep Endpoint, addr string) ([]byte, error) {
+	answer, err := engine.Get(ctx, addr, "/query")
+	if err != nil {
+		// Status 0: whatever the bootstrap server said, the client's request
+		// is not at fault; the prefill engine is unavailable.
+		return nil, &EngineError{Endpoint: ep, Message: "querying Mooncake bootstrap server " + addr, Err: err}
+	}
+	id, err := mooncakeEngineID(answer)
+	if err != nil {
+		return nil, &EngineError{Endpoint: ep, Message: "reading Mooncake bootstrap server " + addr + " /query", Err: err}
+	}
+	return id, nil
 }
 
 // mooncakePrefillParams asks the prefill engine to keep the KV for a remote

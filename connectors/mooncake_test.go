@@ -68,7 +68,7 @@ func TestMooncakeVLLMPrepare(t *testing.T) {
 			bootstrapPort: 9100,
 			query:         ` { "0" : { "engine_id" : "caf\u00e9" } } `,
 			client:        `{"model":"m","prompt":"p","max_completion_tokens":5,"max_tokens":5}`,
-			prefill:       `{"model":"m","prompt":"p","max_completion_tokens":1,"stream":false,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"xfer-ID"}}`,
+			prefill:       `{"model":"m","prompt":"p","max_completion_tokens":1,"max_tokens":1,"stream":false,"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":"xfer-ID"}}`,
 			decode:        `{"model":"m","prompt":"p","max_completion_tokens":5,"max_tokens":5,"kv_transfer_params":{"do_remote_decode":false,"do_remote_prefill":true,"remote_bootstrap_addr":"http://10.0.0.1:9100","remote_engine_id":"caf\u00e9","transfer_id":"xfer-ID"}}`,
 			bootstrap:     "10.0.0.1:9100",
 		},
@@ -90,7 +90,7 @@ func TestMooncakeVLLMPrepare(t *testing.T) {
 			eng := newFakeEngine().
 				on(http.MethodGet, tc.bootstrap, "/query", reply{body: tc.query}).
 				on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"id":"x","kv_transfer_params":null}`})
-			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), eng, req)
+			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.NoError(t, prefillOutcome(t, got.Prefill))
 			calls := eng.recorded()
@@ -129,7 +129,7 @@ func TestMooncakeVLLMTransferIDIsFresh(t *testing.T) {
 		eng := newFakeEngine().
 			on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: `{"0":{"engine_id":"e"}}`}).
 			on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
-		got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), eng, req)
+		got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 		require.NoError(t, err)
 		require.NoError(t, prefillOutcome(t, got.Prefill))
 		id := transferID(t, string(got.Body))
@@ -160,7 +160,7 @@ func TestMooncakeVLLMQueryErrors(t *testing.T) {
 			eng := newFakeEngine().
 				on(http.MethodGet, "10.0.0.1:8998", "/query", tc.reply).
 				on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
-			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), eng, req)
+			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.Equal(t, Decode{}, got)
 			ee := requireEngineError(t, err, testPrefill)
 			require.Zero(t, ee.Status, "the client's request is not at fault")
@@ -193,7 +193,7 @@ func TestMooncakeVLLMPrefillOutcome(t *testing.T) {
 			eng := newFakeEngine().
 				on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: mooncakeQuery}).
 				on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
-			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), eng, req)
+			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err, "prefill failures arrive on the channel")
 			err = prefillOutcome(t, got.Prefill)
 			if tc.wantErr == "" {
@@ -213,7 +213,7 @@ func TestMooncakeVLLMCancelledWhilePrefillHangs(t *testing.T) {
 		on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: mooncakeQuery}).
 		on(http.MethodPost, testPrefill.Address, req.Path, reply{block: true})
 	ctx, cancel := context.WithCancel(t.Context())
-	got, err := MooncakeVLLMConnector{}.Prepare(ctx, eng, req)
+	got, err := MooncakeVLLMConnector{}.Prepare(ctx, Env{Engine: eng}, req)
 	require.NoError(t, err, "Prepare returns while the prefill runs")
 	<-eng.blocked
 	cancel()
@@ -228,7 +228,7 @@ func TestMooncakeVLLMCancelledWhileQueryHangs(t *testing.T) {
 	eng := newFakeEngine().on(http.MethodGet, "10.0.0.1:8998", "/query", reply{block: true})
 	ctx, cancel := context.WithCancel(t.Context())
 	go func() { <-eng.blocked; cancel() }()
-	_, err := MooncakeVLLMConnector{}.Prepare(ctx, eng, req)
+	_, err := MooncakeVLLMConnector{}.Prepare(ctx, Env{Engine: eng}, req)
 	requireEngineError(t, err, testPrefill)
 	require.ErrorIs(t, err, context.Canceled)
 	require.Len(t, eng.recorded(), 1)

@@ -20,12 +20,15 @@ var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":fal
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
 // Prepare implements [Connector].
-func (NIXL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
-	answer, err := engine.Post(ctx, req.Prefill, req.Path, req.ID, nixlPrefillBody(req.Body))
+func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
+	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, nixlPrefillBody(req.Body))
 	if err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
 	params, err := kvTransferParams(answer)
+	if err == nil && params != nil {
+		err = nixlKVSource(req, params)
+	}
 	if err != nil {
 		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "reading kv_transfer_params", Err: err}
 	}
@@ -33,6 +36,59 @@ func (NIXL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, e
 	// decode engine then recomputes from the plain client body. Either way a
 	// client-sent kv_transfer_params never reaches the decode engine.
 	return Decode{Body: nixlDecodeBody(req.Body, params)}, nil
+}
+
+// nixlKVSource checks the NIXL side channel that params name, the one the
+// decode engine will pull the blocks from (see checkKVSource). Other
+// members are passed on unchecked: vLLM versions keep adding some
+// (dcp_size, pp_size, remote_num_tokens, ...).
+func nixlKVSource(req *Request, params []byte) error {
+	obj, err := jsonedit.Parse(params)
+	if err != nil {
+		return fmt.Errorf("%w: %w", ErrBadAnswer, err)
+	}
+	rawHost, _ := obj.Raw("remote_host")
+	host, ok := jsonString(rawHost)
+	if !ok || len(host) == 0 {
+		return fmt.Errorf("%w: kv_transfer_params.remote_host is %.40s, not a host name", ErrBadAnswer, orAbsent(rawHost))
+	}
+	rawPort, _ := obj.Raw("remote_port")
+	port, ok := jsonPort(rawPort)
+	if !ok {
+		return fmt.Errorf("%w: kv_transfer_params.remote_port is %.40s, not a port", ErrBadAnswer, orAbsent(rawPort))
+	}
+	return checkKVSource(req, host, port)
+}
+
+// Release implements [Releaser]. It makes the prefill engine free the KV
+// blocks it keeps for a decode that pdx will not send. vLLM offers no call
+// for that (an abort that reaches a finished prefill is ignored, vLLM PR
+// #25067); what frees them is a decode that reads them, or one aborted
+// before it was scheduled (the decode then notifies the prefill, PR
+// #19223). So the decode engine gets a one-token decode carrying the
+// blocks, whose answer is thrown away. Left alone, the blocks stay until
+// VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s), or the 30 s lease of newer vLLM.
+func (NIXL) Release(ctx context.Context, env Env, req *Request, d Decode) error {
+	decode, err := jsonedit.Parse(d.Body)
+	if err != nil {
+		return err
+	}
+	params, ok := decode.Raw(keyKVTransferParams)
+	if !ok {
+		return nil // the prefill ended on EOS: it keeps nothing
+	}
+	var buf [maxEdits]jsonedit.Edit
+	edits := append(prefillOnlyEdits(buf[:0], req.Body), jsonedit.Set(keyKVTransferParams, params))
+	_, err = env.Engine.Post(ctx, req.Decode, req.Path, req.ID, enginePieces(req.Body, edits...))
+	return err
+}
+
+// orAbsent is raw, or "nothing" for a missing value, for messages.
+func orAbsent(raw []byte) []byte {
+	if raw == nil {
+		return []byte("nothing")
+	}
+	return raw
 }
 
 func nixlPrefillBody(client jsonedit.Object) net.Buffers {
@@ -52,22 +108,23 @@ func nixlDecodeBody(client jsonedit.Object, params []byte) []byte {
 
 // prefillOnlyEdits appends to dst the edits that turn a client body into a
 // one-token, non-streaming request: the prefill's output is thrown away, only
-// its KV matters. Callers pass a stack buffer (of maxEdits) as dst.
+// its KV matters. The limit must be 1 as vLLM reads it on every path:
+// completions read only max_tokens (default 16), chat reads
+// max_completion_tokens first. So max_tokens is always 1, and
+// max_completion_tokens too when the client set it, as vLLM's own proxy
+// does. Callers pass a stack buffer (of maxEdits) as dst.
 func prefillOnlyEdits(dst []jsonedit.Edit, client jsonedit.Object) []jsonedit.Edit {
 	dst = append(dst,
 		jsonedit.Set("stream", jsonFalse),
 		jsonedit.Delete("stream_options"),
 		jsonedit.Delete("min_tokens"),
 		jsonedit.Delete("min_completion_tokens"),
+		jsonedit.Set("max_tokens", jsonOne),
 	)
-	// Limit the key the client used. Engines reject both set to 1, and vLLM
-	// reads max_completion_tokens first when both are present.
-	if client.Has("max_completion_tokens") {
-		return append(dst,
-			jsonedit.Set("max_completion_tokens", jsonOne),
-			jsonedit.Delete("max_tokens"))
+	if present(client, "max_completion_tokens") {
+		dst = append(dst, jsonedit.Set("max_completion_tokens", jsonOne))
 	}
-	return append(dst, jsonedit.Set("max_tokens", jsonOne))
+	return dst
 }
 
 // kvTransferParams returns the raw kv_transfer_params object of a prefill

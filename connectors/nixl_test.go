@@ -23,9 +23,19 @@ func TestNIXLPrefillBody(t *testing.T) {
 			want:   `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":1,"stream":false,"kv_transfer_params":` + prefillParams + `}`,
 		},
 		{
-			name:   "max_completion_tokens limited, max_tokens dropped",
+			name:   "max_completion_tokens set: both limits 1, as vLLM's proxy sends them",
 			client: `{"model":"m","max_tokens":10,"max_completion_tokens":64,"messages":[]}`,
-			want:   `{"model":"m","max_completion_tokens":1,"messages":[],"stream":false,"kv_transfer_params":` + prefillParams + `}`,
+			want:   `{"model":"m","max_tokens":1,"max_completion_tokens":1,"messages":[],"stream":false,"kv_transfer_params":` + prefillParams + `}`,
+		},
+		{
+			name:   "max_completion_tokens alone: max_tokens added, which /v1/completions reads",
+			client: `{"model":"m","prompt":"p","max_completion_tokens":64}`,
+			want:   `{"model":"m","prompt":"p","max_completion_tokens":1,"stream":false,"max_tokens":1,"kv_transfer_params":` + prefillParams + `}`,
+		},
+		{
+			name:   "null options left out",
+			client: `{"model":"m","prompt":"p","max_completion_tokens":null,"stream":null,"n":null,"stream_options":null}`,
+			want:   `{"model":"m","prompt":"p","stream":false,"max_tokens":1,"kv_transfer_params":` + prefillParams + `}`,
 		},
 		{
 			name:   "no limit given adds max_tokens",
@@ -69,7 +79,7 @@ func TestNIXLPrefillBody(t *testing.T) {
 }
 
 func TestNIXLPrepare(t *testing.T) {
-	const kv = `{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[[1,2,3]],"remote_request_id":"r1","remote_host":"127.0.0.1","remote_port":8100,"tp_size":1}`
+	const kv = `{"do_remote_prefill":true,"do_remote_decode":false,"remote_engine_id":"e1","remote_block_ids":[[1,2,3]],"remote_request_id":"r1","remote_host":"10.0.0.1","remote_port":21001,"tp_size":1}`
 	tests := []struct {
 		name      string
 		client    string
@@ -119,9 +129,20 @@ func TestNIXLPrepare(t *testing.T) {
 		{
 			name:   "params bytes kept, big integers included",
 			client: `{"model":"m","prompt":"p"}`,
-			answer: `{"kv_transfer_params":{"remote_block_ids":[[18446744073709551615, 9007199254740993]],"x":1.0e0}}`,
-			want:   `{"model":"m","prompt":"p","kv_transfer_params":{"remote_block_ids":[[18446744073709551615, 9007199254740993]],"x":1.0e0}}`,
+			answer: `{"kv_transfer_params":{"remote_block_ids":[[18446744073709551615, 9007199254740993]],"x":1.0e0,"remote_host":"10.0.0.1","remote_port":21001}}`,
+			want:   `{"model":"m","prompt":"p","kv_transfer_params":{"remote_block_ids":[[18446744073709551615, 9007199254740993]],"x":1.0e0,"remote_host":"10.0.0.1","remote_port":21001}}`,
 		},
+		{
+			name:   "members vLLM adds pass unchecked",
+			client: `{"model":"m","prompt":"p"}`,
+			answer: `{"kv_transfer_params":{"remote_host":"10.0.0.1","remote_port":21001,"dcp_size":1,"remote_blocks_expiry_time":1.7e9}}`,
+			want:   `{"model":"m","prompt":"p","kv_transfer_params":{"remote_host":"10.0.0.1","remote_port":21001,"dcp_size":1,"remote_blocks_expiry_time":1.7e9}}`,
+		},
+		{name: "KV source elsewhere", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_host":"203.0.113.66","remote_port":21001}}`, wantErr: "203.0.113.66:21001"},
+		{name: "KV source on another port", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_host":"10.0.0.1","remote_port":9901}}`, wantErr: "kv_address is 10.0.0.1:21001"},
+		{name: "KV source missing", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_engine_id":"e"}}`, wantErr: "remote_host is nothing"},
+		{name: "KV host not a string", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_host":1,"remote_port":21001}}`, wantErr: "remote_host is 1"},
+		{name: "KV port not a port", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_host":"10.0.0.1","remote_port":"21001"}}`, wantErr: "remote_port is \"21001\""},
 		{name: "engine error passed up", client: `{"model":"m"}`, engineErr: &EngineError{Endpoint: testPrefill, Status: 500}, wantErr: "answered 500"},
 		{name: "engine error named by its endpoint", client: `{"model":"m"}`, engineErr: &EngineError{Status: 503}, wantErr: "prefill engine 10.0.0.1:8100 answered 503"},
 		{name: "other engine errors become EngineErrors", client: `{"model":"m"}`, engineErr: errors.New("boom"), wantErr: "prefill engine 10.0.0.1:8100: boom"},
@@ -131,7 +152,7 @@ func TestNIXLPrepare(t *testing.T) {
 			req := newRequest(t, tc.client)
 			req.Path = "/v1/completions"
 			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, "/v1/completions", reply{body: tc.answer, err: tc.engineErr})
-			got, err := NIXL{}.Prepare(t.Context(), eng, req)
+			got, err := NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.Equal(t, []engineCall{{
 				method: http.MethodPost, endpoint: testPrefill, path: "/v1/completions",
 				requestID: "req-1", body: string(bytes.Join(nixlPrefillBody(req.Body), nil)),
@@ -150,4 +171,82 @@ func TestNIXLPrepare(t *testing.T) {
 			require.Nil(t, got.Prefill)
 		})
 	}
+}
+
+// The decode may be told to pull KV only from the prefill engine pdx
+// called: its own host (or kv_address), or a host the pool allows.
+func TestNIXLKVSource(t *testing.T) {
+	allowed, err := ParseHostSet([]string{"192.168.7.0/24", "kv-0.example"})
+	require.NoError(t, err)
+	noKV := Endpoint{Address: "10.0.0.1:8100"}
+	loop := Endpoint{Address: "127.0.0.1:8100"}
+	tests := []struct {
+		name    string
+		prefill Endpoint
+		hosts   HostSet
+		host    string
+		port    int
+		ok      bool
+	}{
+		{name: "own host, any port", prefill: noKV, host: "10.0.0.1", port: 5600, ok: true},
+		{name: "own host written otherwise", prefill: Endpoint{Address: "[fd00::1]:8100"}, host: "fd00:0::1", port: 5600, ok: true},
+		{name: "another host", prefill: noKV, host: "10.0.0.2", port: 5600},
+		{name: "localhost from a remote engine", prefill: noKV, host: "localhost", port: 5600},
+		{name: "localhost from an engine on loopback", prefill: loop, host: "localhost", port: 5600, ok: true},
+		{name: "allowed prefix", prefill: noKV, hosts: allowed, host: "192.168.7.9", port: 5600, ok: true},
+		{name: "allowed name", prefill: noKV, hosts: allowed, host: "KV-0.example", port: 5600, ok: true},
+		{name: "outside the allowed prefix", prefill: noKV, hosts: allowed, host: "192.168.8.9", port: 5600},
+		{name: "kv_address exactly", prefill: testPrefill, host: "10.0.0.1", port: 21001, ok: true},
+		{name: "kv_address host, other port", prefill: testPrefill, host: "10.0.0.1", port: 5600},
+		{name: "allowed host on the kv_address port", prefill: testPrefill, hosts: allowed, host: "192.168.7.9", port: 21001, ok: true},
+		{name: "allowed host on another port", prefill: testPrefill, hosts: allowed, host: "192.168.7.9", port: 5600},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			req := &Request{Prefill: tc.prefill, KVHosts: tc.hosts}
+			err := checkKVSource(req, []byte(tc.host), tc.port)
+			if tc.ok {
+				require.NoError(t, err)
+				return
+			}
+			require.ErrorIs(t, err, ErrBadAnswer)
+		})
+	}
+}
+
+func TestParseHostSet(t *testing.T) {
+	_, err := ParseHostSet([]string{"10.0.0.0/33"})
+	require.ErrorContains(t, err, "not a CIDR prefix")
+	_, err = ParseHostSet([]string{"bad host!"})
+	require.ErrorContains(t, err, "not an IP address, a CIDR prefix or a DNS name")
+	s, err := ParseHostSet([]string{"::ffff:10.1.2.3", "10.2.0.0/16"})
+	require.NoError(t, err)
+	require.True(t, s.Contains("10.1.2.3"), "IPv4-mapped addresses are their IPv4 address")
+	require.True(t, s.Contains("10.2.255.1"))
+	require.False(t, s.Contains("10.3.0.1"))
+	require.False(t, HostSet{}.Contains("10.1.2.3"))
+}
+
+// Release sends the decode engine a one-token decode with the prefill's
+// blocks: reading them (or aborting before it does) frees them.
+func TestNIXLRelease(t *testing.T) {
+	const kv = `{"do_remote_prefill":true,"remote_engine_id":"e1","remote_block_ids":[[1]],"remote_request_id":"r1","remote_host":"10.0.0.1","remote_port":21001}`
+	req := newRequest(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_completion_tokens":64}`)
+	eng := newFakeEngine().
+		on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"kv_transfer_params":` + kv + `}`}).
+		on(http.MethodPost, testDecode.Address, req.Path, reply{body: `{}`})
+	got, err := NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
+	require.NoError(t, err)
+	require.NoError(t, NIXL{}.Release(t.Context(), Env{Engine: eng}, req, got))
+	calls := eng.recorded()
+	require.Len(t, calls, 2)
+	require.Equal(t, engineCall{method: http.MethodPost, endpoint: testDecode, path: req.Path, requestID: "req-1",
+		body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_completion_tokens":1,"max_tokens":1,"kv_transfer_params":` + kv + `}`}, calls[1])
+
+	// A prefill that ended on EOS keeps no blocks: nothing to release.
+	eng = newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"kv_transfer_params":null}`})
+	got, err = NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
+	require.NoError(t, err)
+	require.NoError(t, NIXL{}.Release(t.Context(), Env{Engine: eng}, req, got))
+	require.Len(t, eng.recorded(), 1)
 }

@@ -9,7 +9,7 @@ import "context"
 type None struct{}
 
 // Prepare returns the plain client body; no engine is called.
-func (None) Prepare(_ context.Context, _ Engine, req *Request) (Decode, error) {
+func (None) Prepare(_ context.Context, _ Env, req *Request) (Decode, error) {
 	return Decode{Body: engineBody(req.Body)}, nil
 }
 

@@ -15,7 +15,7 @@ import (
 type P2PNCCL struct{}
 
 // Prepare implements [Connector].
-func (P2PNCCL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
+func (P2PNCCL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
 	if req.Prefill.KVAddress == "" || req.Decode.KVAddress == "" {
 		// Config validation requires kv_address with p2p-nccl; this is a
 		// configuration error, not an engine failure.
@@ -23,7 +23,7 @@ func (P2PNCCL) Prepare(ctx context.Context, engine Engine, req *Request) (Decode
 	}
 	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
 	var buf [maxEdits]jsonedit.Edit
-	if _, err := engine.Post(ctx, req.Prefill, req.Path, id, enginePieces(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
+	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, enginePieces(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
 	return Decode{Body: engineBody(req.Body), RequestID: id}, nil

@@ -26,7 +26,7 @@ func TestP2PNCCLPrepare(t *testing.T) {
 		{
 			name:    "client protocol fields stripped on both legs, rest kept",
 			client:  `{"seed":18446744073709551615,"model":"m","kv_transfer_param\u0073":{"remote_host":"10.6.6.6"},"bootstrap_host":"h","bootstrap_port":1,"bootstrap_room":2,"disaggregated_params":{},"messages":[{"role":"user","content":"caf\u00e9"}],"temperature":0.70,"max_completion_tokens":9}`,
-			prefill: `{"seed":18446744073709551615,"model":"m","messages":[{"role":"user","content":"caf\u00e9"}],"temperature":0.70,"max_completion_tokens":1,"stream":false}`,
+			prefill: `{"seed":18446744073709551615,"model":"m","messages":[{"role":"user","content":"caf\u00e9"}],"temperature":0.70,"max_completion_tokens":1,"stream":false,"max_tokens":1}`,
 			decode:  `{"seed":18446744073709551615,"model":"m","messages":[{"role":"user","content":"caf\u00e9"}],"temperature":0.70,"max_completion_tokens":9}`,
 		},
 	}
@@ -34,7 +34,7 @@ func TestP2PNCCLPrepare(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, tc.client)
 			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"id":"x"}`})
-			got, err := P2PNCCL{}.Prepare(t.Context(), eng, req)
+			got, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.Regexp(t, p2pID, got.RequestID)
 			require.Equal(t, tc.decode, string(got.Body))
@@ -50,7 +50,7 @@ func TestP2PNCCLRequestIDFresh(t *testing.T) {
 	eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
 	seen := map[string]bool{}
 	for range 500 {
-		got, err := P2PNCCL{}.Prepare(t.Context(), eng, req)
+		got, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 		require.NoError(t, err)
 		require.Regexp(t, p2pID, got.RequestID)
 		require.False(t, seen[got.RequestID], "id %s reused", got.RequestID)
@@ -86,7 +86,7 @@ func TestP2PNCCLErrors(t *testing.T) {
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
 			req.Prefill, req.Decode = tc.prefill, tc.decode
 			eng := newFakeEngine().on(http.MethodPost, tc.prefill.Address, req.Path, tc.reply)
-			got, err := P2PNCCL{}.Prepare(ctx, eng, req)
+			got, err := P2PNCCL{}.Prepare(ctx, Env{Engine: eng}, req)
 			require.Equal(t, Decode{}, got)
 			require.Error(t, err)
 			if tc.noEngine {

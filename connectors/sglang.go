@@ -2,9 +2,11 @@ package connectors
 
 import (
 	"context"
+	"errors"
 	"math/rand/v2"
 	"net"
 	"strconv"
+	"time"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -20,13 +22,14 @@ type SGLang struct{}
 func (SGLang) Concurrent() bool { return true }
 
 // Prepare implements [Connector].
-func (SGLang) Prepare(ctx context.Context, engine Engine, req *Request) (Decode, error) {
+func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
 	host := req.Prefill.Host()
 	if host == "" {
 		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
-	body := sglangBody(req.Body, host, req.Prefill.Bootstrap(), sglangRoom())
-	return Decode{Body: body, Prefill: startPrefill(ctx, engine, req.Prefill, req.Path, req.ID, net.Buffers{body})}, nil
+	rid := sglangRID()
+	body := sglangBody(req.Body, host, req.Prefill.Bootstrap(), sglangRoom(), rid)
+	return Decode{Body: body, Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, req.ID, net.Buffers{body}, nil)}, nil
 }
 
 // sglangRoom returns a fresh random room in [0, 2^63-1], the range SGLang's
@@ -35,11 +38,59 @@ func (SGLang) Prepare(ctx context.Context, engine Engine, req *Request) (Decode,
 // rendezvous key, not a secret, since clients cannot set it.
 func sglangRoom() uint64 { return uint64(rand.Int64()) }
 
+// sglangRID returns a fresh request id for both legs. SGLang takes a
+// request's id from the body's "rid" (it ignores X-Request-Id), and its
+// /abort_request matches ids by prefix: pdx's ids all have one length, so
+// none is a prefix of another, and a client's rid is replaced.
+func sglangRID() string { return "pdx-" + uuidHex() }
+
 // sglangBody is the body of both legs: the client's plus the bootstrap
-// fields. The room is written as integer text, never through float64.
-func sglangBody(client jsonedit.Object, host string, port int, room uint64) []byte {
+// fields and the request id. The room is written as integer text, never
+// through float64.
+func sglangBody(client jsonedit.Object, host string, port int, room uint64, rid string) []byte {
 	return engineBody(client,
 		jsonedit.Set(keyBootstrapHost, appendJSONString(nil, host)),
 		jsonedit.Set(keyBootstrapPort, strconv.AppendInt(nil, int64(port), 10)),
-		jsonedit.Set(keyBootstrapRoom, strconv.AppendUint(nil, room, 10)))
+		jsonedit.Set(keyBootstrapRoom, strconv.AppendUint(nil, room, 10)),
+		jsonedit.Set(keySGLangRID, appendJSONString(nil, rid)))
+}
+
+// sglangAbortRetry is when the abort is sent a second time. SGLang answers
+// 200 to an abort of a request it does not know yet and forgets it: the
+// decode may still be on its way through Envoy when pdx gives up on it.
+const sglangAbortRetry = 500 * time.Millisecond
+
+// Release implements [Releaser]: it asks both engines to abort the request
+// by its rid (SGLang's /abort_request). A decode waiting for KV that will
+// not come frees its pre-allocated KV pages at once instead of after
+// SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s), or when SGLang notices that
+// its client went away (it checks every 4 s); a prefill waiting for its
+// decode frees its KV. Aborting a request that already ended is a no-op.
+func (SGLang) Release(ctx context.Context, env Env, req *Request, d Decode) error {
+	body, err := jsonedit.Parse(d.Body)
+	if err != nil {
+		return err
+	}
+	rid, ok := body.Raw(keySGLangRID)
+	if !ok {
+		return nil
+	}
+	abort := append(append([]byte(`{"rid":`), rid...), '}')
+	var errs []error
+	for i := range 2 {
+		if i > 0 {
+			select {
+			case <-time.After(sglangAbortRetry):
+			case <-ctx.Done():
+				return errors.Join(append(errs, ctx.Err())...)
+			}
+		}
+		errs = errs[:0]
+		for _, ep := range []Endpoint{req.Decode, req.Prefill} {
+			if _, err := env.Engine.Post(ctx, ep, "/abort_request", req.ID, net.Buffers{abort}); err != nil {
+				errs = append(errs, engineFailure(ep, err))
+			}
+		}
+	}
+	return errors.Join(errs...)
 }

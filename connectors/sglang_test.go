@@ -5,8 +5,8 @@ import (
 	"errors"
 	"math"
 	"net/http"
-	"regexp"
 	"strconv"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -28,50 +28,56 @@ func TestSGLangBody(t *testing.T) {
 			name:   "fields appended, client body unchanged",
 			client: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":64,"stream_options":{"include_usage":true}}`,
 			host:   "10.0.0.1", port: 8998, room: 42,
-			want: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":64,"stream_options":{"include_usage":true},"bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":42}`,
+			want: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_tokens":64,"stream_options":{"include_usage":true},"bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":42,"rid":"pdx-RID"}`,
 		},
 		{
 			name:   "room 0",
 			client: `{"model":"m","prompt":"p"}`,
 			host:   "10.0.0.1", port: 8998, room: 0,
-			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":0}`,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":0,"rid":"pdx-RID"}`,
 		},
 		{
 			name:   "room above 2^53 written exactly",
 			client: `{"model":"m","prompt":"p"}`,
 			host:   "10.0.0.1", port: 8998, room: 1<<53 + 1,
-			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9007199254740993}`,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9007199254740993,"rid":"pdx-RID"}`,
 		},
 		{
 			name:   "largest room",
 			client: `{"model":"m","prompt":"p"}`,
 			host:   "10.0.0.1", port: 8998, room: math.MaxInt64,
-			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775807}`,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":9223372036854775807,"rid":"pdx-RID"}`,
 		},
 		{
 			name:   "IPv6 host, own port",
 			client: `{"model":"m","prompt":"p"}`,
 			host:   "fd00::1", port: 9100, room: 7,
-			want: `{"model":"m","prompt":"p","bootstrap_host":"fd00::1","bootstrap_port":9100,"bootstrap_room":7}`,
+			want: `{"model":"m","prompt":"p","bootstrap_host":"fd00::1","bootstrap_port":9100,"bootstrap_room":7,"rid":"pdx-RID"}`,
 		},
 		{
 			name:   "client fields replaced in place, others stripped, rest kept",
 			client: `{"bootstrap_room":9223372036854775807,"model":"m","bootstrap_host":"10.6.6.6","seed":18446744073709551615,"bootstrap_port":1,"kv_transfer_params":{},"disaggregated_params":{"request_type":"generation_only"},"prompt":"caf\u00e9","temperature":0.70}`,
 			host:   "10.0.0.1", port: 8998, room: 5,
-			want: `{"bootstrap_room":5,"model":"m","bootstrap_host":"10.0.0.1","seed":18446744073709551615,"bootstrap_port":8998,"prompt":"caf\u00e9","temperature":0.70}`,
+			want: `{"bootstrap_room":5,"model":"m","bootstrap_host":"10.0.0.1","seed":18446744073709551615,"bootstrap_port":8998,"prompt":"caf\u00e9","temperature":0.70,"rid":"pdx-RID"}`,
+		},
+		{
+			name:   "client rid replaced in place, null stream left out",
+			client: `{"model":"m","rid":"victim","prompt":"p","stream":null}`,
+			host:   "10.0.0.1", port: 8998, room: 5,
+			want: `{"model":"m","rid":"pdx-RID","prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":5}`,
 		},
 		{
 			name:   "escaped client keys replaced too",
 			client: `{"model":"m","bootstrap_roo\u006d":1,"prompt":"p","kv_transfer_param\u0073":{"remote_host":"10.6.6.6"}}`,
 			host:   "10.0.0.1", port: 8998, room: 5,
-			want: `{"model":"m","bootstrap_roo\u006d":5,"prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998}`,
+			want: `{"model":"m","bootstrap_roo\u006d":5,"prompt":"p","bootstrap_host":"10.0.0.1","bootstrap_port":8998,"rid":"pdx-RID"}`,
 		},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			obj, err := jsonedit.Parse([]byte(tc.client))
 			require.NoError(t, err)
-			got := sglangBody(obj, tc.host, tc.port, tc.room)
+			got := sglangBody(obj, tc.host, tc.port, tc.room, "pdx-RID")
 			require.Equal(t, tc.want, string(got))
 		})
 	}
@@ -87,24 +93,36 @@ func roomOf(t *testing.T, body []byte) string {
 	return string(raw)
 }
 
+// ridOf returns the rid of an SGLang body.
+func ridOf(t *testing.T, body []byte) string {
+	t.Helper()
+	obj, err := jsonedit.Parse(body)
+	require.NoError(t, err)
+	raw, ok := obj.Raw("rid")
+	require.True(t, ok)
+	rid, ok := jsonString(raw)
+	require.True(t, ok)
+	return string(rid)
+}
+
 func TestSGLangPrepare(t *testing.T) {
 	tests := []struct {
 		name     string
 		prefill  Endpoint
 		client   string
-		wantBody string // with ROOM for the room
+		wantBody string // with ROOM for the room, RID for the rid
 	}{
 		{
 			name:     "default bootstrap port",
 			prefill:  testPrefill,
 			client:   `{"model":"m","messages":[],"stream":true}`,
-			wantBody: `{"model":"m","messages":[],"stream":true,"bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":ROOM}`,
+			wantBody: `{"model":"m","messages":[],"stream":true,"bootstrap_host":"10.0.0.1","bootstrap_port":8998,"bootstrap_room":ROOM,"rid":"RID"}`,
 		},
 		{
 			name:     "own bootstrap port, IPv6",
 			prefill:  Endpoint{Address: "[fd00::1]:8100", BootstrapPort: 9100},
 			client:   `{"model":"m","prompt":"p","bootstrap_host":"10.6.6.6"}`,
-			wantBody: `{"model":"m","prompt":"p","bootstrap_host":"fd00::1","bootstrap_port":9100,"bootstrap_room":ROOM}`,
+			wantBody: `{"model":"m","prompt":"p","bootstrap_host":"fd00::1","bootstrap_port":9100,"bootstrap_room":ROOM,"rid":"RID"}`,
 		},
 	}
 	for _, tc := range tests {
@@ -112,13 +130,15 @@ func TestSGLangPrepare(t *testing.T) {
 			req := newRequest(t, tc.client)
 			req.Prefill = tc.prefill
 			eng := newFakeEngine().on(http.MethodPost, tc.prefill.Address, req.Path, reply{body: "data: {}\n\ndata: [DONE]\n\n"})
-			got, err := SGLang{}.Prepare(t.Context(), eng, req)
+			got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.NoError(t, prefillOutcome(t, got.Prefill))
 			require.Empty(t, got.RequestID)
-			room := roomOf(t, got.Body)
+			room, rid := roomOf(t, got.Body), ridOf(t, got.Body)
 			require.Regexp(t, `^[0-9]+$`, room)
-			require.Equal(t, regexp.MustCompile(`ROOM`).ReplaceAllLiteralString(tc.wantBody, room), string(got.Body))
+			require.Regexp(t, `^pdx-[0-9a-f]{32}$`, rid)
+			want := strings.NewReplacer("ROOM", room, "RID", rid).Replace(tc.wantBody)
+			require.Equal(t, want, string(got.Body))
 			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: tc.prefill, path: req.Path, requestID: "req-1", body: string(got.Body)}},
 				eng.recorded(), "both legs get the same body, the room included")
 		})
@@ -134,7 +154,7 @@ func TestSGLangRoom(t *testing.T) {
 	seen := make(map[string]bool, calls)
 	var high int // rooms >= 2^62: the top bit of the range is used
 	for range calls {
-		got, err := SGLang{}.Prepare(t.Context(), eng, req)
+		got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 		require.NoError(t, err)
 		require.NoError(t, <-got.Prefill)
 		text := roomOf(t, got.Body)
@@ -169,7 +189,7 @@ func TestSGLangPrefillOutcome(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
 			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
-			got, err := SGLang{}.Prepare(t.Context(), eng, req)
+			got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err, "prefill failures arrive on the channel")
 			require.NotEmpty(t, got.Body)
 			err = prefillOutcome(t, got.Prefill)
@@ -188,7 +208,7 @@ func TestSGLangCancelledWhilePrefillHangs(t *testing.T) {
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
 	eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{block: true})
 	ctx, cancel := context.WithCancel(t.Context())
-	got, err := SGLang{}.Prepare(ctx, eng, req)
+	got, err := SGLang{}.Prepare(ctx, Env{Engine: eng}, req)
 	require.NoError(t, err, "Prepare returns while the prefill runs")
 	<-eng.blocked
 	cancel()
@@ -201,7 +221,34 @@ func TestSGLangNotIPPort(t *testing.T) {
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
 	req.Prefill = Endpoint{Address: "no-port"}
 	eng := newFakeEngine()
-	_, err := SGLang{}.Prepare(t.Context(), eng, req)
+	_, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	requireEngineError(t, err, req.Prefill)
 	require.Empty(t, eng.recorded())
+}
+
+// TestSGLangRelease checks that Release aborts the request on both engines
+// by its rid, and sends the abort again: an abort that reaches SGLang
+// before the request is registered is dropped.
+func TestSGLangRelease(t *testing.T) {
+	req := newRequest(t, `{"model":"m","prompt":"p"}`)
+	eng := newFakeEngine().
+		on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`}).
+		on(http.MethodPost, testPrefill.Address, "/abort_request", reply{body: ``}).
+		on(http.MethodPost, testDecode.Address, "/abort_request", reply{err: &EngineError{Status: 500, Message: "down"}})
+	got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
+	require.NoError(t, err)
+	require.NoError(t, <-got.Prefill)
+	err = SGLang{}.Release(t.Context(), Env{Engine: eng}, req, got)
+	requireEngineError(t, err, testDecode)
+	abort := `{"rid":"` + ridOf(t, got.Body) + `"}`
+	var aborts []engineCall
+	for _, c := range eng.recorded() {
+		if c.path == "/abort_request" {
+			aborts = append(aborts, c)
+		}
+	}
+	want := engineCall{method: http.MethodPost, path: "/abort_request", requestID: "req-1", body: abort}
+	wantDecode, wantPrefill := want, want
+	wantDecode.endpoint, wantPrefill.endpoint = testDecode, testPrefill
+	require.Equal(t, []engineCall{wantDecode, wantPrefill, wantDecode, wantPrefill}, aborts)
 }

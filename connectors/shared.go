@@ -22,12 +22,17 @@ const (
 	keyDisaggregatedParams = "disaggregated_params" // TensorRT-LLM
 )
 
+// keySGLangRID is SGLang's request id. A client's would let it collide with
+// another request's or be aborted with it; pdx's replaces it.
+const keySGLangRID = "rid"
+
 // stripped appends to dst the edits that remove every client-sent protocol
-// field, followed by edits. Since the last edit of a key wins, a connector's
-// own value for one of those keys replaces the client's in place; keys the
-// connector does not write are removed. jsonedit compares keys unescaped, so
-// "kv_transfer_param\u0073" is removed (or replaced) too.
-func stripped(dst []jsonedit.Edit, edits ...jsonedit.Edit) []jsonedit.Edit {
+// field and every null optional member pdx reads, followed by edits. Since
+// the last edit of a key wins, a connector's own value for one of those keys
+// replaces the client's in place; keys the connector does not write are
+// removed. jsonedit compares keys unescaped, so "kv_transfer_param\u0073" is
+// removed (or replaced) too.
+func stripped(dst []jsonedit.Edit, client jsonedit.Object, edits ...jsonedit.Edit) []jsonedit.Edit {
 	dst = append(dst,
 		jsonedit.Delete(keyKVTransferParams),
 		jsonedit.Delete(keyBootstrapHost),
@@ -35,19 +40,34 @@ func stripped(dst []jsonedit.Edit, edits ...jsonedit.Edit) []jsonedit.Edit {
 		jsonedit.Delete(keyBootstrapRoom),
 		jsonedit.Delete(keyDisaggregatedParams),
 	)
+	// OpenAI clients send null for options they leave unset, and pdx reads
+	// null as absent. Engines do not all agree (SGLang's "stream" is a
+	// plain bool, vLLM's completions "n" a plain int): they get such
+	// members left out, so that they read the request as pdx did.
+	for _, key := range [...]string{"stream", "stream_options", "max_tokens", "max_completion_tokens", "n"} {
+		if raw, ok := client.Raw(key); ok && string(raw) == "null" {
+			dst = append(dst, jsonedit.Delete(key))
+		}
+	}
 	return append(dst, edits...)
+}
+
+// present reports whether the client set key to something other than null.
+func present(client jsonedit.Object, key string) bool {
+	raw, ok := client.Raw(key)
+	return ok && string(raw) != "null"
 }
 
 // maxEdits is the number of edits (protocol fields stripped included) that
 // engineBody and its callers gather on the stack, without allocating.
-const maxEdits = 16
+const maxEdits = 24
 
 // engineBody returns the client body without client-sent protocol fields and
 // with edits applied; every other member keeps its bytes and position. The
 // body is allocated once, at its exact size.
 func engineBody(client jsonedit.Object, edits ...jsonedit.Edit) []byte {
 	var buf [maxEdits]jsonedit.Edit
-	return client.Edited(stripped(buf[:0], edits...)...)
+	return client.Edited(stripped(buf[:0], client, edits...)...)
 }
 
 // enginePieces is engineBody as pieces of the client body and the edits, for
@@ -57,7 +77,7 @@ func engineBody(client jsonedit.Object, edits ...jsonedit.Edit) []byte {
 // unchanged until the prefill is sent.
 func enginePieces(client jsonedit.Object, edits ...jsonedit.Edit) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
-	return client.EditedPieces(nil, stripped(buf[:0], edits...)...)
+	return client.EditedPieces(nil, stripped(buf[:0], client, edits...)...)
 }
 
 // Fixed JSON values of prefill edits. They are only ever read (see
@@ -97,13 +117,17 @@ func engineFailure(ep Endpoint, err error) error {
 // channel that receives its outcome: exactly one value, nil on success. The
 // channel is buffered, so the goroutine never waits for a reader; it ends
 // when Post returns, which an [Engine] does once ctx is done. The answer's
-// body is discarded (the engine client has read it to the end).
-func startPrefill(ctx context.Context, engine Engine, ep Endpoint, path, requestID string, body net.Buffers) <-chan error {
+// body is discarded (the engine client has read it to the end). failed, if
+// not nil, is called before a failure is delivered.
+func startPrefill(ctx context.Context, engine Engine, ep Endpoint, path, requestID string, body net.Buffers, failed func()) <-chan error {
 	done := make(chan error, 1)
 	go func() {
 		_, err := engine.Post(ctx, ep, path, requestID, body)
 		if err != nil {
 			err = engineFailure(ep, err)
+			if failed != nil {
+				failed()
+			}
 		}
 		done <- err
 	}()

@@ -120,7 +120,6 @@ var packageVars = map[string]string{
 	// AppendEdited copies into a fresh buffer: read, never written,
 	// appended to or aliased by an output.
 	"nixlPrefillParams":    "fixed JSON fragment",
-	"trtllmContextParams":  "fixed JSON fragment",
 	"trtllmGenerationOnly": "fixed JSON fragment",
 	// The values of the prefill-only edits ("stream":false and the one-token
 	// limit), package-level so that building those edits allocates nothing;

@@ -30,19 +30,17 @@ const (
 	subnetNetwork = "pdx"
 )
 
-// envoyConfig is what deploy/envoy.yaml is rendered from. The pass-through
-// engines are decode-0 and decode-1 (TestComposeAddresses checks that).
+// envoyConfig is what deploy/envoy.yaml is rendered from.
 var envoyConfig = envoy.Config{
-	PdxAddress:       "pdx:9002",
-	ListenAddress:    "0.0.0.0",
-	ListenPort:       10000,
-	AdminPort:        9901,
-	DefaultEndpoints: []string{"172.28.0.10:8002", "172.28.0.10:8003"},
+	PdxAddress:    "pdx:9002",
+	ListenAddress: "0.0.0.0",
+	ListenPort:    10000,
+	AdminPort:     9901,
 }
 
 // regenerate is the command that writes deploy/envoy.yaml from envoyConfig.
 const regenerate = "go run ./cmd/pdx envoy-config --pdx-address pdx:9002 --listen-address 0.0.0.0 " +
-	"--listen-port 10000 --admin-port 9901 --pass-through 172.28.0.10:8002,172.28.0.10:8003 > deploy/envoy.yaml"
+	"--listen-port 10000 --admin-port 9901 > deploy/envoy.yaml"
 
 // compose is the part of docker-compose.yaml the tests look at.
 type compose struct {
@@ -205,6 +203,20 @@ func TestComposePdxConfig(t *testing.T) {
 	require.NoError(t, err)
 	require.True(t, strings.HasSuffix(cfg.GetGrpcAddress(), ":"+port), "Envoy's pdx address %s and pdx's grpc_address %s disagree on the port", envoyConfig.PdxAddress, cfg.GetGrpcAddress())
 
+	// Envoy's limits agree with pdx's: its buffer between max_body_bytes and
+	// that plus the headroom pdx's gRPC limit leaves, its header limits equal.
+	buffer := envoyConfig.BufferLimitBytes
+	if buffer == 0 {
+		buffer = envoy.DefaultBufferLimitBytes
+	}
+	maxBody := int(cfg.GetMaxBodyBytes())
+	require.True(t, maxBody <= buffer && buffer <= maxBody+envoy.BufferHeadroom,
+		"Envoy's buffer limit %d, pdx's max_body_bytes %d", buffer, maxBody)
+	require.EqualValues(t, envoy.DefaultMaxRequestHeaders, cfg.GetMaxRequestHeaders())
+	require.EqualValues(t, envoy.DefaultMaxRequestHeadersKB, cfg.GetMaxRequestHeadersKb())
+	require.Zero(t, envoyConfig.MaxRequestHeaders, "Envoy's default header limits, which pdx's defaults equal")
+	require.Zero(t, envoyConfig.MaxRequestHeadersKB)
+
 	c := loadCompose(t)
 	for _, p := range cfg.GetPools() {
 		for _, name := range []string{"prefill-0", "prefill-1", "decode-0", "decode-1"} {
@@ -295,16 +307,8 @@ func TestComposeAddresses(t *testing.T) {
 	}
 	require.Len(t, used, len(engineAt), "every engine is in pdx's config")
 
-	// Envoy's bootstrap: pass-through engines are the decode engines, every
-	// literal IP in it belongs to a service (or is a listen or loopback
-	// address), and the pdx host is the pdx service.
-	var passThrough []string
-	for _, ep := range envoyConfig.DefaultEndpoints {
-		ap, err := netip.ParseAddrPort(ep)
-		require.NoError(t, err)
-		passThrough = append(passThrough, engineAt[ap])
-	}
-	require.ElementsMatch(t, []string{"decode-0", "decode-1"}, passThrough)
+	// Envoy's bootstrap: every literal IP in it belongs to a service (or is
+	// a listen or loopback address), and the pdx host is the pdx service.
 	host, _, err := netipSplit(envoyConfig.PdxAddress)
 	require.NoError(t, err)
 	require.Contains(t, c.Services, host, "Envoy's pdx host is a compose service name")

@@ -148,19 +148,22 @@ func TestFullDuplexRouting(t *testing.T) {
 		requireHandoff(t, st, text)
 	})
 
-	t.Run("requests pdx does not route pass through", func(t *testing.T) {
+	t.Run("other paths: models answered by pdx, the rest 404", func(t *testing.T) {
 		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, st.URL()+"/v1/models", nil)
 		require.NoError(t, err)
 		a := do(t, hc, req)
 		require.Equal(t, 200, a.status, a.body)
 		require.Contains(t, a.body, `"object":"list"`)
+		require.Contains(t, a.body, `"id":"demo-model"`)
 
-		// A body pdx does not route is echoed back to Envoy chunk by chunk:
-		// the engine answers (404, no such route), not Envoy (500).
-		a = post(t, hc, st.URL()+"/v1/completions/other", `{"prompt":"`+strings.Repeat("z", 300<<10)+`"}`)
-		require.Equal(t, 404, a.status, a.body)
-		require.NotEmpty(t, a.header.Get(enginesim.HeaderEngine), "answered by an engine")
-		require.Contains(t, a.body, "no route for /v1/completions/other")
+		// A body on a path no pool passes through reaches no engine.
+		for _, e := range st.Engines() {
+			e.Reset()
+		}
+		a = post(t, hc, st.URL()+"/v1/completions/other", `{"prompt":"`+strings.Repeat("z", 300<<10)+`","kv_transfer_params":{}}`)
+		requireAPIError(t, a, 404, "not_found", "/v1/completions/other")
+		require.Empty(t, a.header.Get(enginesim.HeaderEngine), "answered by pdx")
+		requireNoEngineTraffic(t, st)
 	})
 
 	for _, tc := range []struct {

@@ -76,11 +76,6 @@ var connectorCases = []struct {
 	{"trtllm", stack.Options{Connector: "trtllm"}},
 }
 
-// records returns every engine record with the given request id, by kind.
-func records(st *stack.Stack, requestID string) map[string][]recordAt {
-	return recordsWhere(st, func(r enginesim.Record) bool { return r.RequestID == requestID })
-}
-
 func recordsWhere(st *stack.Stack, keep func(enginesim.Record) bool) map[string][]recordAt {
 	out := map[string][]recordAt{}
 	for _, e := range st.Engines() {

@@ -39,7 +39,7 @@ func TestMetrics(t *testing.T) {
 			requireAPIError(t, bad, 400, "invalid_value", "max_tokens")
 			req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, st.URL()+"/v1/models", nil)
 			require.NoError(t, err)
-			do(t, hc, req) // whatever the engine answers: pdx passes it through
+			require.Equal(t, http.StatusOK, do(t, hc, req).status, "pdx answers it from its pools")
 
 			demo := map[string]string{"pool": "demo", "connector": tc.connector}
 			// A request is counted when its ext_proc stream ends, which
@@ -53,7 +53,7 @@ func TestMetrics(t *testing.T) {
 			}, 10*time.Second, 50*time.Millisecond, "routed requests counted, no stream left")
 
 			require.Equal(t, 1.0, value(fams, "pdx_requests_total", with(demo, "outcome", "invalid_value")))
-			require.Equal(t, 1.0, value(fams, "pdx_requests_total", map[string]string{"pool": "", "outcome": "pass_through"}))
+			require.Equal(t, 1.0, value(fams, "pdx_requests_total", map[string]string{"pool": "", "outcome": "answered"}))
 			require.Equal(t, 0.0, value(fams, "pdx_requests_total", with(demo, "outcome", "fallback")))
 			require.Equal(t, uint64(n), count(fams, "pdx_request_duration_seconds", with(demo, "outcome", "routed")))
 			require.Equal(t, uint64(1), count(fams, "pdx_request_duration_seconds", with(demo, "outcome", "error")))

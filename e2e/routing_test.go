@@ -90,11 +90,12 @@ func TestRouting(t *testing.T) {
 	})
 
 	t.Run("prefill finished on EOS: decode recomputes from the plain body", func(t *testing.T) {
-		id, text := newRequestID(t), "short [sim:eos]"
-		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"`+text+`","max_tokens":2}`, "X-Request-Id", id)
+		text := "short [sim:eos]"
+		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"`+text+`","max_tokens":2}`)
 		require.Equal(t, 200, a.status, a.body)
 		require.Equal(t, "recomputed", a.header.Get("X-Pdx-Sim-Kv"))
-		recs := records(st, id)
+		fp := enginesim.Fingerprint(text)
+		recs := recordsWhere(st, func(r enginesim.Record) bool { return r.Fingerprint == fp })
 		require.Len(t, recs["prefill"], 1)
 		require.Len(t, recs["plain"], 1, "decode got a plain request: %v", recs)
 		require.NotContains(t, string(recs["plain"][0].Body), "kv_transfer_params")
@@ -231,15 +232,20 @@ func TestConcurrentPrefillFailures(t *testing.T) {
 					fmt.Sprintf(`{"model":"demo-model","prompt":"slow %v","stream":%v}`, stream, stream))
 				requireAPIError(t, a, 504, "prefill_timeout", "after 500ms")
 			}
-			// Envoy reset the decode when pdx answered: the decode engine saw
-			// its client go away instead of finishing.
+			// Envoy reset the decode when pdx answered, and pdx told the
+			// decode engine to abort it: it was given up, never finished.
 			require.Eventually(t, func() bool {
+				var decodes int
 				for _, r := range st.Decode[0].Records() {
-					if r.Kind == "decode" && r.KV == "pulled" {
+					switch {
+					case r.Kind == enginesim.KindAbort:
+					case r.Kind == "decode" && r.KV == "pulled":
 						return false
+					default:
+						decodes++
 					}
 				}
-				return len(st.Decode[0].Records()) == 2
+				return decodes == 2
 			}, 10*time.Second, 20*time.Millisecond, "decode records: %v", st.Decode[0].Records())
 		})
 	}

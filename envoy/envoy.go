@@ -32,13 +32,22 @@ type Config struct {
 	AdminPort int
 	// PdxAddress is pdx's gRPC address, "host:port" (a DNS name works).
 	PdxAddress string
-	// DefaultEndpoints receive the requests pdx does not route (GET
-	// /v1/models, ...). Empty means such requests get a 404.
-	DefaultEndpoints []string
 	// MessageTimeout bounds each ext_proc exchange, the prefill included.
 	MessageTimeout time.Duration
-	// BufferLimitBytes is the largest request body Envoy buffers.
+	// BufferLimitBytes is the largest request body Envoy buffers, over
+	// HTTP/1 and HTTP/2 alike, and the most Envoy reads at once. Between
+	// pdx's max_body_bytes (bodies up to it are pdx's to answer) and that
+	// plus BufferHeadroom: pdx's gRPC messages may exceed max_body_bytes by
+	// 1 MiB, and a FULL_DUPLEX_STREAMED chunk can be a buffer's worth.
 	BufferLimitBytes int
+	// StreamIdleTimeout ends a stream idle that long (no bytes either way):
+	// 408 while the request is still coming, else 504. 0 means 300s.
+	StreamIdleTimeout time.Duration
+	// MaxRequestHeaders and MaxRequestHeadersKB are the listener's limits
+	// on a request's headers; pdx's max_request_headers and
+	// max_request_headers_kb must be the same. 0 means Envoy's defaults,
+	// 100 and 60.
+	MaxRequestHeaders, MaxRequestHeadersKB int
 	// PdxTLS, when set, makes Envoy reach pdx over TLS.
 	PdxTLS *TLS
 	// RequestBodyMode is how the ext_proc filter sends the request body to
@@ -69,10 +78,17 @@ const (
 	BodyFullDuplexStreamed = "FULL_DUPLEX_STREAMED"
 )
 
+// BufferHeadroom is how far Envoy's buffer limit may exceed pdx's
+// max_body_bytes.
+const BufferHeadroom = 512 << 10
+
 // Defaults for Config's zero fields.
 const (
-	DefaultMessageTimeout   = 35 * time.Second // above pdx's default prefill_timeout of 30s
-	DefaultBufferLimitBytes = 16 << 20         // pdx's default max_body_bytes
+	DefaultMessageTimeout      = 35 * time.Second // above pdx's default prefill_timeout of 30s
+	DefaultBufferLimitBytes    = 16 << 20         // pdx's default max_body_bytes
+	DefaultMaxRequestHeaders   = 100              // Envoy's, and pdx's
+	DefaultMaxRequestHeadersKB = 60               // Envoy's, and pdx's
+	DefaultStreamIdleTimeout   = 300 * time.Second
 )
 
 type hostPort struct {
@@ -80,17 +96,65 @@ type hostPort struct {
 	Port int
 }
 
+// LocalReply is how the listener answers one kind of Envoy's own local
+// replies: as OpenAI-style JSON with a code, instead of Envoy's plain text
+// or empty body.
+type LocalReply struct {
+	// Expression is the CEL filter choosing the replies.
+	Expression string
+	// Status, when set, replaces the reply's status.
+	Status int
+	// Type and Code are the error's "type" and "code"; Message is its
+	// "message", to which Envoy's response code details are added.
+	Type, Code, Message string
+}
+
+// notPdx matches the local replies that are not pdx's own answers, whose
+// response code details start with "pdx_" and which carry their JSON body.
+const notPdx = "!response.code_details.startsWith('pdx_')"
+
+// LocalReplies are the mappers of every listener pdx ships, in order (the
+// first that matches a reply shapes it). The README's error table lists
+// them.
+var LocalReplies = []LocalReply{
+	// The ext_proc filter's own failures: pdx unreachable, killed,
+	// draining, or silent past message_timeout.
+	{Expression: "response.code_details.startsWith('ext_proc_error_per-message_timeout')", Type: "server_error", Code: "router_timeout",
+		Message: "the request router (pdx) did not answer within the ext_proc message_timeout"},
+	{Expression: "response.code_details.startsWith('ext_proc_error')", Type: "server_error", Code: "router_unavailable",
+		Message: "the request router (pdx) is unavailable, retry later"},
+	// A header mutation of pdx's that Envoy refused; pdx answers 431 to
+	// requests whose headers leave no room for its own before it comes to
+	// this.
+	{Expression: "response.code_details.startsWith('Header_mutation')", Status: 431, Type: "invalid_request_error", Code: "headers_too_large",
+		Message: "the request headers leave no room for the router's own"},
+	{Expression: notPdx + " && response.code == 400", Type: "invalid_request_error", Code: "bad_request",
+		Message: "the request is malformed"},
+	{Expression: notPdx + " && response.code == 408", Type: "invalid_request_error", Code: "request_timeout",
+		Message: "the request did not arrive in time"},
+	{Expression: notPdx + " && response.code == 413", Type: "invalid_request_error", Code: "body_too_large",
+		Message: "the request body is over the limit"},
+	{Expression: notPdx + " && response.code == 426", Type: "invalid_request_error", Code: "upgrade_required",
+		Message: "HTTP/1.0 is not supported: use HTTP/1.1 or HTTP/2"},
+	{Expression: notPdx + " && response.code == 431", Type: "invalid_request_error", Code: "headers_too_large",
+		Message: "the request headers are over the limit"},
+	{Expression: notPdx + " && response.code == 502", Type: "server_error", Code: "engine_error",
+		Message: "the inference engine's answer broke off or could not be read"},
+	{Expression: notPdx + " && response.code == 503", Type: "server_error", Code: "engine_unavailable",
+		Message: "the inference engine could not be reached"},
+	{Expression: notPdx + " && response.code == 504", Type: "server_error", Code: "engine_timeout",
+		Message: "the inference engine did not answer in time"},
+	{Expression: notPdx + " && response.code >= 500", Type: "server_error", Code: "gateway_error",
+		Message: "the gateway could not serve the request"},
+	{Expression: notPdx + " && response.code >= 400", Type: "invalid_request_error", Code: "invalid_request",
+		Message: "the gateway refused the request"},
+}
+
 // Render writes the bootstrap for c.
 func Render(w io.Writer, c Config) error {
 	pdx, err := splitHostPort(c.PdxAddress)
 	if err != nil {
 		return fmt.Errorf("pdx address: %w", err)
-	}
-	defaults := make([]hostPort, len(c.DefaultEndpoints))
-	for i, ep := range c.DefaultEndpoints {
-		if defaults[i], err = splitHostPort(ep); err != nil {
-			return fmt.Errorf("default endpoint: %w", err)
-		}
 	}
 	if t := c.PdxTLS; t != nil {
 		if t.CAFile == "" || t.SNI == "" {
@@ -116,19 +180,36 @@ func Render(w io.Writer, c Config) error {
 	if c.BufferLimitBytes == 0 {
 		c.BufferLimitBytes = DefaultBufferLimitBytes
 	}
+	if c.MaxRequestHeaders == 0 {
+		c.MaxRequestHeaders = DefaultMaxRequestHeaders
+	}
+	if c.StreamIdleTimeout == 0 {
+		c.StreamIdleTimeout = DefaultStreamIdleTimeout
+	}
+	if c.MaxRequestHeadersKB == 0 {
+		c.MaxRequestHeadersKB = DefaultMaxRequestHeadersKB
+	}
 	return bootstrap.Execute(w, map[string]any{
-		"ListenAddress":    c.ListenAddress,
-		"ListenPort":       c.ListenPort,
-		"AdminPort":        c.AdminPort,
-		"PdxHost":          pdx.Host,
-		"PdxPort":          pdx.Port,
-		"DefaultEndpoints": defaults,
-		"MessageTimeout":   strconv.FormatFloat(c.MessageTimeout.Seconds(), 'f', -1, 64) + "s",
-		"BufferLimitBytes": c.BufferLimitBytes,
-		"PdxTLS":           c.PdxTLS,
-		"WithoutExtProc":   c.WithoutExtProc,
-		"FullDuplex":       c.RequestBodyMode == BodyFullDuplexStreamed,
+		"ListenAddress":       c.ListenAddress,
+		"ListenPort":          c.ListenPort,
+		"AdminPort":           c.AdminPort,
+		"PdxHost":             pdx.Host,
+		"PdxPort":             pdx.Port,
+		"LocalReplies":        LocalReplies,
+		"MessageTimeout":      seconds(c.MessageTimeout),
+		"StreamIdleTimeout":   seconds(c.StreamIdleTimeout),
+		"BufferLimitBytes":    c.BufferLimitBytes,
+		"MaxRequestHeaders":   c.MaxRequestHeaders,
+		"MaxRequestHeadersKB": c.MaxRequestHeadersKB,
+		"PdxTLS":              c.PdxTLS,
+		"WithoutExtProc":      c.WithoutExtProc,
+		"FullDuplex":          c.RequestBodyMode == BodyFullDuplexStreamed,
 	})
+}
+
+// seconds writes d as a protobuf JSON duration.
+func seconds(d time.Duration) string {
+	return strconv.FormatFloat(d.Seconds(), 'f', -1, 64) + "s"
 }
 
 func splitHostPort(addr string) (hostPort, error) {

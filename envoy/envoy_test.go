@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"maps"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,10 +24,9 @@ func TestRenderValidates(t *testing.T) {
 		cfg  Config
 	}{
 		{name: "loopback defaults", cfg: Config{PdxAddress: "127.0.0.1:9002"}},
-		{name: "docker-style names and pass-through engines", cfg: Config{
-			ListenAddress: "0.0.0.0", ListenPort: 10000, AdminPort: 9901,
-			PdxAddress: "pdx:9002", DefaultEndpoints: []string{"decode-0:8000", "10.1.2.3:8000"},
-			MessageTimeout: 90 * time.Second, BufferLimitBytes: 64 << 20,
+		{name: "docker-style names, own limits", cfg: Config{
+			ListenAddress: "0.0.0.0", ListenPort: 10000, AdminPort: 9901, PdxAddress: "pdx:9002",
+			MessageTimeout: 90 * time.Second, BufferLimitBytes: 64 << 20, MaxRequestHeaders: 200, MaxRequestHeadersKB: 96,
 		}},
 		{name: "full-duplex streamed body", cfg: Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: BodyFullDuplexStreamed}},
 	}
@@ -45,9 +45,12 @@ func TestRender(t *testing.T) {
 	require.Contains(t, out, "failure_mode_allow: false")
 	require.Contains(t, out, "http_header_name: x-gateway-destination-endpoint")
 	require.Contains(t, out, "per_connection_buffer_limit_bytes: 16777216")
+	require.Contains(t, out, "initial_stream_window_size: 16777216", "HTTP/2 bodies are bounded alike")
+	require.Contains(t, out, "max_headers_count: 100")
+	require.Contains(t, out, "max_request_headers_kb: 60")
+	require.Contains(t, out, "untyped: [envoy.lb, pdx]")
 
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "nope"}), "pdx address")
-	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", DefaultEndpoints: []string{"x:0"}}), "bad port")
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", RequestBodyMode: "STREAMED"}), `request body mode "STREAMED"`)
 }
 
@@ -88,12 +91,12 @@ func TestRenderBodyModes(t *testing.T) {
 	}
 }
 
-// TestRenderErrorReplies checks how the bootstrap makes Envoy answer when pdx
-// fails: the ext_proc filter answers 503, and only its own failures
-// (response code details starting with "ext_proc_error") get the
-// OpenAI-style JSON body; pdx's ImmediateResponses (details "pdx_<code>")
-// match no mapper. The typed configs are decoded as Envoy's own protos. The
-// end-to-end tests check the same with a real Envoy.
+// TestRenderErrorReplies checks how the bootstrap makes Envoy answer by
+// itself: the ext_proc filter answers 503 when pdx fails, and every local
+// reply that is not pdx's own (response code details "pdx_<code>") gets an
+// OpenAI-style JSON body with its code, from LocalReplies in order. The
+// typed configs are decoded as Envoy's own protos. The end-to-end tests
+// check the same with a real Envoy.
 func TestRenderErrorReplies(t *testing.T) {
 	var buf bytes.Buffer
 	require.NoError(t, Render(&buf, Config{PdxAddress: "127.0.0.1:9002"}))
@@ -107,27 +110,31 @@ func TestRenderErrorReplies(t *testing.T) {
 	require.False(t, ep.GetFailureModeAllow())
 	require.EqualValues(t, 503, ep.GetStatusOnError().GetCode())
 
-	type mapper struct{ expr, contentType, typ, code string }
-	var got []mapper
+	var got []LocalReply
 	for i := range dig(t, hcm, "local_reply_config", "mappers").([]any) {
 		m := dig(t, hcm, "local_reply_config", "mappers", i).(map[string]any)
 		require.Equal(t, "envoy.access_loggers.extension_filters.cel", dig(t, m, "filter", "extension_filter", "name"))
 		var cel celv3.ExpressionFilter
 		typedConfig(t, dig(t, m, "filter", "extension_filter", "typed_config"), "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter", &cel)
-		require.NotContains(t, m, "status_code", "the mapper keeps the filter's status")
-		require.Contains(t, dig(t, m, "body_format_override", "json_format", "error", "message"), "%RESPONSE_CODE_DETAILS%")
-		got = append(got, mapper{
-			expr:        cel.GetExpression(),
-			contentType: dig(t, m, "body_format_override", "content_type").(string),
-			typ:         dig(t, m, "body_format_override", "json_format", "error", "type").(string),
-			code:        dig(t, m, "body_format_override", "json_format", "error", "code").(string),
-		})
+		require.Equal(t, "application/json", dig(t, m, "body_format_override", "content_type"))
+		msg := dig(t, m, "body_format_override", "json_format", "error", "message").(string)
+		base, ok := strings.CutSuffix(msg, " (%RESPONSE_CODE_DETAILS%)")
+		require.True(t, ok, "the message names Envoy's reason: %q", msg)
+		r := LocalReply{
+			Expression: cel.GetExpression(),
+			Type:       dig(t, m, "body_format_override", "json_format", "error", "type").(string),
+			Code:       dig(t, m, "body_format_override", "json_format", "error", "code").(string),
+			Message:    base,
+		}
+		if st, ok := m["status_code"]; ok {
+			r.Status = int(st.(float64))
+		}
+		got = append(got, r)
 	}
-	// First match wins: the timeout before every other ext_proc failure.
-	require.Equal(t, []mapper{
-		{"response.code_details.startsWith('ext_proc_error_per-message_timeout')", "application/json", "server_error", "router_timeout"},
-		{"response.code_details.startsWith('ext_proc_error')", "application/json", "server_error", "router_unavailable"},
-	}, got)
+	require.Equal(t, LocalReplies, got)
+	for _, r := range LocalReplies[3:] {
+		require.True(t, strings.HasPrefix(r.Expression, "!response.code_details.startsWith('pdx_') && "), "pdx's answers keep their bodies: %s", r.Expression)
+	}
 }
 
 // dig follows map keys and list indexes into a decoded YAML document.

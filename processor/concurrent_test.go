@@ -18,11 +18,19 @@ import (
 // concurrentConnector plays SGLang: the decode body comes back at once and
 // the prefill's outcome arrives later, from the test.
 type concurrentConnector struct {
-	outcome chan error
-	ended   chan error // the prefill context's end, when it ends first
+	outcome  chan error
+	ended    chan error    // the prefill context's end, when it ends first
+	released chan struct{} // one value per Release call
 }
 
-func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Engine, _ *connectors.Request) (connectors.Decode, error) {
+func (c concurrentConnector) Release(context.Context, connectors.Env, *connectors.Request, connectors.Decode) error {
+	if c.released != nil {
+		c.released <- struct{}{}
+	}
+	return nil
+}
+
+func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Env, _ *connectors.Request) (connectors.Decode, error) {
 	done := make(chan error, 1)
 	go func() {
 		select {
@@ -42,7 +50,7 @@ func (concurrentConnector) Concurrent() bool { return true }
 // sends the request phase.
 func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurrentConnector, context.CancelFunc, chan error) {
 	t.Helper()
-	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
+	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1), released: make(chan struct{}, 4)}
 	eps := []connectors.Endpoint{{Address: "127.0.0.1:8100"}}
 	table := routing.Fixed(&routing.Pool{
 		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
@@ -51,10 +59,14 @@ func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurr
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)
 	done := make(chan error, 1)
-	go func() { done <- New(table, &fakeEngine{}, slog.New(slog.DiscardHandler)).Process(stream) }()
+	srv := New(table, &fakeEngine{}, slog.New(slog.DiscardHandler))
+	go func() { done <- srv.Process(stream) }()
 	t.Cleanup(func() {
 		cancel()
 		require.NoError(t, <-done)
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		require.NoError(t, srv.Wait(ctx))
 	})
 
 	stream.in <- headers("POST", "/v1/chat/completions", false)
@@ -96,20 +108,25 @@ func TestConcurrentPrefill(t *testing.T) {
 	})
 
 	t.Run("prefill done before the response headers", func(t *testing.T) {
-		stream, conn, _, _ := concurrentStream(t, time.Minute)
+		stream, conn, cancel, done := concurrentStream(t, time.Minute)
 		conn.outcome <- nil
 		requireNoAnswer(t, stream)
 		stream.in <- responseHeaders
 		require.NotNil(t, next(t, stream).GetResponseHeaders())
+		cancel()
+		require.NoError(t, <-done)
+		done <- nil
+		require.Empty(t, conn.released, "a prefill that succeeded leaves nothing to release")
 	})
 
 	t.Run("prefill fails while the decode runs", func(t *testing.T) {
 		stream, conn, _, _ := concurrentStream(t, time.Minute)
 		conn.outcome <- &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}
-		status, b := immediate(t, next(t, stream))
+		status, b := immediateOf(t, next(t, stream))
 		require.Equal(t, 502, status)
 		require.Equal(t, "prefill_failed", b.Error.Code)
 		require.Contains(t, b.Error.Message, "pool p: prefill engine 127.0.0.1:8100 answered 500: boom")
+		requireReleased(t, conn, "the decode waits for KV that will not come")
 		stream.in <- responseHeaders
 		requireNoAnswer(t, stream)
 	})
@@ -119,7 +136,7 @@ func TestConcurrentPrefill(t *testing.T) {
 		stream.in <- responseHeaders
 		requireNoAnswer(t, stream)
 		conn.outcome <- &connectors.EngineError{Err: errors.New("connection refused")}
-		status, b := immediate(t, next(t, stream))
+		status, b := immediateOf(t, next(t, stream))
 		require.Equal(t, 503, status)
 		require.Equal(t, "prefill_unavailable", b.Error.Code)
 	})
@@ -127,18 +144,29 @@ func TestConcurrentPrefill(t *testing.T) {
 	t.Run("prefill timeout", func(t *testing.T) {
 		stream, conn, _, _ := concurrentStream(t, 50*time.Millisecond)
 		stream.in <- responseHeaders
-		status, b := immediate(t, next(t, stream))
+		status, b := immediateOf(t, next(t, stream))
 		require.Equal(t, 504, status)
 		require.Equal(t, "prefill_timeout", b.Error.Code)
 		require.Contains(t, b.Error.Message, "prefill timed out after 50ms")
 		require.ErrorIs(t, <-conn.ended, errPrefillTimeout)
+		requireReleased(t, conn, "timed out")
 	})
 
-	t.Run("client gone: the prefill is cancelled and Process ends", func(t *testing.T) {
+	t.Run("client gone: the prefill is cancelled, the engines released and Process ends", func(t *testing.T) {
 		_, conn, cancel, done := concurrentStream(t, time.Minute)
 		cancel()
 		require.ErrorIs(t, <-conn.ended, context.Canceled)
 		require.NoError(t, <-done)
 		done <- nil // for the cleanup
+		requireReleased(t, conn, "client gone")
 	})
+}
+
+func requireReleased(t *testing.T, conn concurrentConnector, why string) {
+	t.Helper()
+	select {
+	case <-conn.released:
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no release: %s", why)
+	}
 }

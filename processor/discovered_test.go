@@ -88,7 +88,7 @@ pools:
 				require.Equal(t, tc.wantDecode, setHeaders(out.GetRequestBody().GetResponse().GetHeaderMutation())[DestinationHeader])
 				return
 			}
-			status, b := immediate(t, out)
+			status, b := immediateOf(t, out)
 			require.Equal(t, tc.wantStatus, status)
 			require.Equal(t, tc.wantCode, b.Error.Code)
 			if tc.wantMsg != "" {

@@ -80,7 +80,7 @@ func (r *request) bodyEnded(ctx context.Context, trailers bool) (*extprocv3.Proc
 	}
 	r.chunks = nil
 	r.trailers = trailers
-	return r.route(ctx, body)
+	return r.bodyDone(ctx, body)
 }
 
 // routed is pdx's answer to a request it has routed. In FULL_DUPLEX_STREAMED
@@ -89,7 +89,7 @@ func (r *request) bodyEnded(ctx context.Context, trailers bool) (*extprocv3.Proc
 // the answer to them: Envoy requires headers, body, trailers in that order.
 func (r *request) routed(body []byte, unchanged bool, decode connectors.Endpoint) *extprocv3.ProcessingResponse {
 	if !r.duplex() {
-		return decodeMutation(body, unchanged, decode, r.id)
+		return decodeMutation(body, unchanged, decode, r.id, r.clientID)
 	}
 	headers := &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
@@ -100,7 +100,7 @@ func (r *request) routed(body []byte, unchanged bool, decode connectors.Endpoint
 				SetHeaders:    decodeHeaders(body, decode, r.id),
 			}},
 		}},
-		DynamicMetadata: endpointMetadata(decode),
+		DynamicMetadata: endpointMetadata(decode, r.clientID),
 	}
 	r.queued = streamedRequestBody(body, !r.trailers)
 	if r.trailers {

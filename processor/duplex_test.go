@@ -104,7 +104,7 @@ func TestFullDuplexRoutes(t *testing.T) {
 			calls := eng.Calls()
 			require.Len(t, calls, 1)
 			require.Contains(t, calls[0].body, `"max_tokens":1`, "the prefill got the whole body")
-			require.Equal(t, "client-id", calls[0].id)
+			require.Regexp(t, `^[0-9a-f-]{36}$`, calls[0].id, "engines get pdx's fresh id")
 
 			// The headers answer comes first, once the body has ended.
 			hr := out[0].GetRequestHeaders().GetResponse()
@@ -112,6 +112,8 @@ func TestFullDuplexRoutes(t *testing.T) {
 			require.Nil(t, out[0].GetModeOverride(), "Envoy ignores mode overrides in this mode")
 			lb := out[0].GetDynamicMetadata().GetFields()[MetadataNamespace].GetStructValue().GetFields()
 			require.Equal(t, "127.0.0.1:8200", lb[DestinationHeader].GetStringValue())
+			md := out[0].GetDynamicMetadata().GetFields()[RequestMetadataNamespace].GetStructValue().GetFields()
+			require.Equal(t, "client-id", md["request_id"].GetStringValue(), "the client's id, for the response")
 			require.ElementsMatch(t, clientRoutingHeaders, hr.GetHeaderMutation().GetRemoveHeaders())
 
 			answers := out[1:]
@@ -131,7 +133,7 @@ func TestFullDuplexRoutes(t *testing.T) {
 			require.Equal(t, map[string]string{
 				DestinationHeader: "127.0.0.1:8200",
 				"content-length":  strconv.Itoa(len(decodeBody)),
-				"x-request-id":    "client-id",
+				"x-request-id":    calls[0].id,
 			}, hs)
 		})
 	}
@@ -198,7 +200,7 @@ func TestFullDuplexErrors(t *testing.T) {
 			eng := &fakeEngine{answer: kvAnswer}
 			out := runMany(t, table, eng, tc.msgs...)
 			require.Len(t, out, tc.wantOut, "no answer before the error: %v", out)
-			status, b := immediate(t, out[len(out)-1])
+			status, b := immediateOf(t, out[len(out)-1])
 			require.Equal(t, tc.wantStatus, status)
 			require.Equal(t, tc.wantCode, b.Error.Code)
 			require.Contains(t, b.Error.Message, tc.wantMsg)
@@ -227,61 +229,47 @@ func TestFullDuplexBodyAtLimit(t *testing.T) {
 // Requests pdx does not route: Envoy forwards only what pdx streams back, so
 // every chunk is echoed unchanged, in order, with its end_of_stream.
 func TestFullDuplexPassThrough(t *testing.T) {
-	full := filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED
 	tests := []struct {
 		name string
 		msgs []*extprocv3.ProcessingRequest
 		want func(t *testing.T, out []*extprocv3.ProcessingResponse)
 	}{
 		{
-			name: "GET models has no body",
-			msgs: msgs(duplexHeaders("GET", "/v1/models", true)),
-			want: func(t *testing.T, out []*extprocv3.ProcessingResponse) { require.Len(t, out, 1) },
+			name: "GET without body, routed at once",
+			msgs: msgs(duplexHeaders("GET", "/health", true)),
+			want: func(t *testing.T, out []*extprocv3.ProcessingResponse) {
+				require.Len(t, out, 1)
+				hs := setHeaders(out[0].GetRequestHeaders().GetResponse().GetHeaderMutation())
+				require.Equal(t, "127.0.0.1:8200", hs[DestinationHeader])
+			},
 		},
 		{
-			name: "POST elsewhere: chunks echoed",
+			name: "body that is not JSON: chunks joined and sent on",
 			msgs: append(msgs(duplexHeaders("POST", "/v1/embeddings", false)), chunks(`not json, and not ours`, 5, true)...),
 			want: func(t *testing.T, out []*extprocv3.ProcessingResponse) {
+				require.Len(t, out, 2)
+				require.Equal(t, "127.0.0.1:8200", setHeaders(out[0].GetRequestHeaders().GetResponse().GetHeaderMutation())[DestinationHeader])
 				b, eos := streamed(t, out[1:])
 				require.Equal(t, `not json, and not ours`, string(b))
-				require.Equal(t, []bool{false, false, false, false, true}, eos)
+				require.Equal(t, []bool{true}, eos)
 			},
 		},
 		{
-			name: "POST elsewhere with trailers",
-			msgs: append(append(msgs(duplexHeaders("POST", "/v1/completions/x", false)), chunks(`{}`, 1, false)...), requestTrailers),
+			name: "JSON body stripped, trailers answered",
+			msgs: append(append(msgs(duplexHeaders("POST", "/v1/embeddings", false)), chunks(`{"model":"a","bootstrap_host":"10.6.6.6"}`, 4, false)...), requestTrailers),
 			want: func(t *testing.T, out []*extprocv3.ProcessingResponse) {
-				b, eos := streamed(t, out[1:3])
-				require.Equal(t, `{}`, string(b))
-				require.Equal(t, []bool{false, false}, eos)
-				require.NotNil(t, out[3].GetRequestTrailers())
-			},
-		},
-		{
-			name: "response body in FULL_DUPLEX_STREAMED mode is echoed too",
-			msgs: msgs(
-				withProtocol(headers("GET", "/v1/models", true), full, full),
-				responseHeaders,
-				&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte(`{"object":`)}}},
-				&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte(`"list"}`), EndOfStream: true}}},
-			),
-			want: func(t *testing.T, out []*extprocv3.ProcessingResponse) {
-				require.Len(t, out, 4)
-				require.NotNil(t, out[1].GetResponseHeaders())
-				for i, want := range []string{`{"object":`, `"list"}`} {
-					sr := out[2+i].GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
-					require.Equal(t, want, string(sr.GetBody()))
-					require.Equal(t, i == 1, sr.GetEndOfStream())
-				}
+				require.Len(t, out, 3)
+				b, eos := streamed(t, out[1:2])
+				require.Equal(t, `{"model":"a"}`, string(b))
+				require.Equal(t, []bool{false}, eos)
+				require.NotNil(t, out[2].GetRequestTrailers())
 			},
 		},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			eng := &fakeEngine{}
-			out := runMany(t, testTable(t, true, time.Second), eng, tc.msgs...)
-			require.Len(t, out, len(tc.msgs), "one answer per message")
-			require.NotNil(t, out[0].GetRequestHeaders(), "the headers are answered at once")
+			out := runMany(t, passThroughTable(t), eng, tc.msgs...)
 			for _, r := range out {
 				require.Nil(t, r.GetImmediateResponse())
 			}
@@ -291,11 +279,19 @@ func TestFullDuplexPassThrough(t *testing.T) {
 	}
 }
 
+func TestFullDuplexOtherPaths(t *testing.T) {
+	for _, m := range []*extprocv3.ProcessingRequest{duplexHeaders("POST", "/v1/embeddings", false), duplexHeaders("GET", "/v1/models", true)} {
+		out := runMany(t, testTable(t, true, time.Second), &fakeEngine{}, m)
+		require.Len(t, out, 1)
+		require.NotNil(t, out[0].GetImmediateResponse(), "answered at the headers")
+	}
+}
+
 // A concurrent connector (SGLang) in FULL_DUPLEX_STREAMED mode: the decode
 // is routed once the body has ended, and the response headers (which the
 // filter must send in this mode) wait for the prefill as in BUFFERED mode.
 func TestFullDuplexConcurrentPrefill(t *testing.T) {
-	start := func(t *testing.T) (*fakeStream, concurrentConnector) {
+	start := func(t *testing.T, first ...*extprocv3.ProcessingRequest) (*fakeStream, concurrentConnector) {
 		t.Helper()
 		conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
 		table := routing.Fixed(&routing.Pool{
@@ -310,7 +306,11 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 			close(stream.in)
 			require.NoError(t, <-done)
 		})
-		stream.in <- duplexHeaders("POST", "/v1/chat/completions", false)
+		hdr := duplexHeaders("POST", "/v1/chat/completions", false)
+		if len(first) > 0 {
+			hdr = first[0]
+		}
+		stream.in <- hdr
 		stream.in <- body(chatBody[:10], false)
 		requireNoAnswer(t, stream) // the headers answer waits for the body
 		stream.in <- body(chatBody[10:], true)
@@ -331,10 +331,24 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 		require.NotNil(t, next(t, stream).GetResponseHeaders())
 	})
 
+	t.Run("a response body sent in FULL_DUPLEX_STREAMED mode is echoed", func(t *testing.T) {
+		full := filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED
+		stream, conn := start(t, withProtocol(headers("POST", "/v1/chat/completions", false), full, full))
+		conn.outcome <- nil
+		stream.in <- responseHeaders
+		require.NotNil(t, next(t, stream).GetResponseHeaders())
+		for i, chunk := range []string{`{"object":`, `"list"}`} {
+			stream.in <- &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{Body: []byte(chunk), EndOfStream: i == 1}}}
+			sr := next(t, stream).GetResponseBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+			require.Equal(t, chunk, string(sr.GetBody()))
+			require.Equal(t, i == 1, sr.GetEndOfStream())
+		}
+	})
+
 	t.Run("prefill fails while the decode runs", func(t *testing.T) {
 		stream, conn := start(t)
 		conn.outcome <- &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}
-		status, b := immediate(t, next(t, stream))
+		status, b := immediateOf(t, next(t, stream))
 		require.Equal(t, 502, status)
 		require.Equal(t, "prefill_failed", b.Error.Code)
 	})

@@ -26,6 +26,7 @@ var (
 	errPrefillTimeout = errors.New("prefill timed out")
 	errConfig         = errors.New("pdx is misconfigured")
 	errProtocol       = errors.New("unexpected ext_proc message")
+	errBodyTimeout    = errors.New("the request body did not arrive in time")
 	errNoEndpoint     = routing.ErrNoEndpoint // also what a failed pick wraps
 )
 
@@ -75,12 +76,16 @@ func toAPIError(err error) *apiError {
 		return &apiError{status: 503, typ: typeServer, code: "no_endpoint", msg: msg}
 	case errors.Is(err, errAttemptTimeout):
 		return &apiError{status: 504, typ: typeServer, code: "prefill_timeout", msg: msg}
+	case errors.Is(err, errBodyTimeout):
+		return &apiError{status: 408, typ: typeInvalidRequest, code: "request_timeout", msg: msg}
 	case errors.Is(err, errProtocol), errors.Is(err, errConfig):
 		return &apiError{status: 500, typ: typeServer, code: "internal_error", msg: msg}
 	}
 	if ee, ok := errors.AsType[*connectors.EngineError](err); ok {
 		switch {
-		case ee.Status == 0 && !errors.Is(err, connectors.ErrBadAnswer):
+		case errors.Is(err, connectors.ErrBadAnswer):
+			return &apiError{status: 502, typ: typeServer, code: "bad_prefill_answer", msg: msg}
+		case ee.Status == 0:
 			return &apiError{status: 503, typ: typeServer, code: "prefill_unavailable", msg: msg}
 		case ee.Status == 400 || ee.Status == 413 || ee.Status == 422:
 			// The engine refused the request itself (too long a prompt, a bad
@@ -103,22 +108,33 @@ func (e *apiError) logLevel() slog.Level {
 
 // immediateResponse is the OpenAI-style error answer Envoy sends the client
 // instead of proxying the request.
-func (e *apiError) immediateResponse() *extprocv3.ProcessingResponse {
+func (e *apiError) immediateResponse(requestID string) *extprocv3.ProcessingResponse {
 	body, _ := json.Marshal(map[string]any{"error": map[string]any{
 		"message": e.msg,
 		"type":    e.typ,
 		"code":    e.code,
 	}})
-	headers := []*corev3.HeaderValueOption{setHeader("content-type", "application/json")}
+	resp := immediate(e.status, "application/json", body, "pdx_"+e.code, requestID)
 	if e.allow != "" {
-		headers = append(headers, setHeader("allow", e.allow))
+		hm := resp.GetImmediateResponse().GetHeaders()
+		hm.SetHeaders = append(hm.SetHeaders, setHeader("allow", e.allow))
 	}
+	return resp
+}
+
+// immediate is an answer pdx gives the client itself, which Envoy sends as a
+// local reply. details names it in Envoy's logs ("pdx_" and a code); the
+// local replies Envoy maps to JSON itself are the others.
+func immediate(status int, contentType string, body []byte, details, requestID string) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ImmediateResponse{
 		ImmediateResponse: &extprocv3.ImmediateResponse{
-			Status:  &typev3.HttpStatus{Code: typev3.StatusCode(e.status)},
-			Headers: &extprocv3.HeaderMutation{SetHeaders: headers},
+			Status: &typev3.HttpStatus{Code: typev3.StatusCode(status)},
+			Headers: &extprocv3.HeaderMutation{SetHeaders: []*corev3.HeaderValueOption{
+				setHeader("content-type", contentType),
+				setHeader("x-request-id", requestID),
+			}},
 			Body:    body,
-			Details: "pdx_" + e.code,
+			Details: details,
 		},
 	}}
 }

@@ -18,6 +18,11 @@ const DestinationHeader = "x-gateway-destination-endpoint"
 // MetadataNamespace carries the same endpoint as dynamic metadata.
 const MetadataNamespace = "envoy.lb"
 
+// RequestMetadataNamespace is the dynamic metadata namespace where pdx
+// leaves the client's request id (key "request_id") for Envoy to put in the
+// response: the request itself carries the engines' id by then.
+const RequestMetadataNamespace = "pdx"
+
 func setHeader(key, value string) *corev3.HeaderValueOption {
 	return &corev3.HeaderValueOption{
 		Header:       &corev3.HeaderValue{Key: key, RawValue: []byte(value)},
@@ -58,8 +63,8 @@ func routeHeadersHoldingResponse() *extprocv3.ProcessingResponse {
 	return resp
 }
 
-// passThroughMode asks Envoy to send nothing more of a request pdx does not
-// route (honoured when the filter sets allow_mode_override).
+// passThroughMode asks Envoy to send nothing more of a request that pdx has
+// routed at its headers (honoured when the filter sets allow_mode_override).
 var passThroughMode = &filterextprocv3.ProcessingMode{
 	RequestHeaderMode:   filterextprocv3.ProcessingMode_SEND,
 	ResponseHeaderMode:  filterextprocv3.ProcessingMode_SKIP,
@@ -69,10 +74,21 @@ var passThroughMode = &filterextprocv3.ProcessingMode{
 	ResponseTrailerMode: filterextprocv3.ProcessingMode_SKIP,
 }
 
-func passThroughHeaders() *extprocv3.ProcessingResponse {
-	resp := routeHeaders()
-	resp.ModeOverride = passThroughMode
-	return resp
+// passThroughHeaders routes a request without a body at its headers.
+func passThroughHeaders(decode connectors.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
+	return &extprocv3.ProcessingResponse{
+		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
+			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+				RemoveHeaders: clientRoutingHeaders,
+				SetHeaders: []*corev3.HeaderValueOption{
+					setHeader(DestinationHeader, decode.Address),
+					setHeader("x-request-id", requestID),
+				},
+			}},
+		}},
+		DynamicMetadata: endpointMetadata(decode, clientID),
+		ModeOverride:    passThroughMode,
+	}
 }
 
 // decodeMutation turns the request into the decode request: new body and
@@ -80,7 +96,7 @@ func passThroughHeaders() *extprocv3.ProcessingResponse {
 // endpoint as header and as metadata, and the request id both legs share.
 // A body unchanged from the client's is not sent back: Envoy keeps the one
 // it holds, and neither side copies a prompt for nothing.
-func decodeMutation(body []byte, unchanged bool, decode connectors.Endpoint, requestID string) *extprocv3.ProcessingResponse {
+func decodeMutation(body []byte, unchanged bool, decode connectors.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
 	resp := &extprocv3.CommonResponse{
 		HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: decodeHeaders(body, decode, requestID)},
 	}
@@ -89,7 +105,7 @@ func decodeMutation(body []byte, unchanged bool, decode connectors.Endpoint, req
 	}
 	return &extprocv3.ProcessingResponse{
 		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: resp}},
-		DynamicMetadata: endpointMetadata(decode),
+		DynamicMetadata: endpointMetadata(decode, clientID),
 	}
 }
 
@@ -102,11 +118,15 @@ func decodeHeaders(body []byte, decode connectors.Endpoint, requestID string) []
 	}
 }
 
-// endpointMetadata names the decode endpoint in Envoy's dynamic metadata.
-func endpointMetadata(decode connectors.Endpoint) *structpb.Struct {
+// endpointMetadata names the decode endpoint in Envoy's dynamic metadata,
+// and the client's request id.
+func endpointMetadata(decode connectors.Endpoint, clientID string) *structpb.Struct {
 	return &structpb.Struct{Fields: map[string]*structpb.Value{
 		MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
 			DestinationHeader: structpb.NewStringValue(decode.Address),
+		}}),
+		RequestMetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
+			"request_id": structpb.NewStringValue(clientID),
 		}}),
 	}}
 }

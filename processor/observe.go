@@ -124,7 +124,8 @@ func pathOf(h *extprocv3.HttpHeaders) string {
 // request span as its parent.
 func (r *request) observeAnswer(was state, resp *extprocv3.ProcessingResponse) {
 	o := &r.obs
-	if !o.on() || was == stateRouted || r.state != stateRouted {
+	routed := func(s state) bool { return s == stateRouted || s == statePassThrough }
+	if !o.on() || routed(was) || !routed(r.state) {
 		return
 	}
 	o.answered = time.Since(r.start)
@@ -253,6 +254,10 @@ func (r *request) endObservation() {
 		}
 	case statePassThrough:
 		outcome = metrics.OutcomePassThrough
+	case stateAnswered:
+		outcome = metrics.OutcomeAnswered
+	case stateEnvoyAnswered:
+		outcome = metrics.OutcomeEnvoyAnswered
 	case stateFailed:
 		outcome = o.code
 	}
@@ -270,7 +275,10 @@ func (r *request) endObservation() {
 		}
 	}
 	if s := o.span; s != nil {
-		s.SetAttributes(attribute.String("pdx.request_id", r.id), attribute.String("pdx.outcome", outcome))
+		s.SetAttributes(attribute.String("pdx.request_id", r.clientID), attribute.String("pdx.outcome", outcome))
+		if r.id != "" {
+			s.SetAttributes(attribute.String("pdx.engine_request_id", r.id))
+		}
 		if o.pool != nil {
 			s.SetAttributes(attribute.String("pdx.pool", o.pool.Name), attribute.String("pdx.connector", o.pool.ConnectorName))
 		}

@@ -52,13 +52,14 @@ func TestMetricsRecordOutcomes(t *testing.T) {
 	chat(chatHi)                                             // .3 refuses, .1 fails, no attempt left
 	chat(`{"model":"m","messages":[{"role":"user"}],"n":0}`) // rejected after the pool is known
 	chat(`{"model":`)                                        // rejected before
-	runOn(t, srv, headers("GET", "/v1/models", true))        // not pdx's to route
+	runOn(t, srv, headers("GET", "/v1/models", true))        // answered by pdx
 
 	require.NoError(t, testutil.GatherAndCompare(m.Registry(), strings.NewReader(`
-# HELP pdx_requests_total Requests by pool, connector and outcome: routed, fallback, pass_through, incomplete, or the error code pdx answered with.
+# HELP pdx_requests_total Requests by pool, connector and outcome: routed, fallback, pass_through, answered, envoy_answered, incomplete, or the error code pdx answered with.
 # TYPE pdx_requests_total counter
+pdx_requests_total{connector="",outcome="answered",pool=""} 1
 pdx_requests_total{connector="",outcome="invalid_json",pool=""} 1
-pdx_requests_total{connector="",outcome="pass_through",pool=""} 1
+pdx_requests_total{connector="",outcome="pass_through",pool=""} 0
 pdx_requests_total{connector="nixl",outcome="fallback",pool="p"} 0
 pdx_requests_total{connector="nixl",outcome="invalid_value",pool="p"} 1
 pdx_requests_total{connector="nixl",outcome="prefill_failed",pool="p"} 1

@@ -85,7 +85,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 // passive health; a concurrent prefill's is reported when it arrives.
 func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
 	if connectors.Concurrent(pool.Connector) {
-		decode, err := pool.Connector.Prepare(r.startAttempt(r.prefillCtx, pool, creq.Prefill), r.engine, creq)
+		decode, err := pool.Connector.Prepare(r.startAttempt(r.prefillCtx, pool, creq.Prefill), r.env, creq)
 		if err != nil {
 			r.report(ctx, pool, creq.Prefill, err)
 		}
@@ -93,7 +93,7 @@ func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connect
 	}
 	actx, cancel := context.WithTimeoutCause(r.prefillCtx, pool.AttemptTimeout, errAttemptTimeout)
 	defer cancel()
-	decode, err := pool.Connector.Prepare(r.startAttempt(actx, pool, creq.Prefill), r.engine, creq)
+	decode, err := pool.Connector.Prepare(r.startAttempt(actx, pool, creq.Prefill), r.env, creq)
 	if err != nil && context.Cause(actx) == errAttemptTimeout && r.prefillCtx.Err() == nil {
 		err = fmt.Errorf("%w after %s", errAttemptTimeout, pool.AttemptTimeout)
 	}

@@ -5,10 +5,12 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
 	"net"
 	"strconv"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -183,7 +185,7 @@ func TestRoutesInferenceRequest(t *testing.T) {
 		extraMsgs []*extprocv3.ProcessingRequest
 		wantExtra int // answers to extraMsgs
 	}{
-		{name: "chat, client request id kept", path: "/v1/chat/completions", clientID: "client-id-1", wantKeep: true},
+		{name: "chat, client request id kept for the response", path: "/v1/chat/completions", clientID: "client-id-1", wantKeep: true},
 		{name: "completions with query, id generated", path: "/v1/completions?x=1"},
 		{name: "unprintable client id replaced", path: "/v1/completions", clientID: "bad id"},
 		// pdx has nothing left to do once routed: Process returns, and what
@@ -218,13 +220,17 @@ func TestRoutesInferenceRequest(t *testing.T) {
 			require.Equal(t, "127.0.0.1:8200", hs[DestinationHeader])
 			require.Equal(t, strconv.Itoa(len(decodeBody)), hs["content-length"])
 			require.Equal(t, calls[0].id, hs["x-request-id"], "one request id on both legs")
-			if tc.wantKeep {
-				require.Equal(t, tc.clientID, calls[0].id)
-			} else {
-				require.Regexp(t, `^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`, calls[0].id)
-			}
+			uuid := `^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`
+			require.Regexp(t, uuid, calls[0].id, "engines get pdx's fresh id, never the client's")
 			lb := out[1].GetDynamicMetadata().GetFields()[MetadataNamespace].GetStructValue().GetFields()
 			require.Equal(t, "127.0.0.1:8200", lb[DestinationHeader].GetStringValue())
+			clientID := out[1].GetDynamicMetadata().GetFields()[RequestMetadataNamespace].GetStructValue().GetFields()["request_id"].GetStringValue()
+			if tc.wantKeep {
+				require.Equal(t, tc.clientID, clientID, "the client's id is left for the response")
+			} else {
+				require.Regexp(t, uuid, clientID)
+			}
+			require.NotEqual(t, calls[0].id, clientID)
 
 		})
 	}
@@ -258,28 +264,118 @@ func TestConnectorNoneRoutesWithoutPrefill(t *testing.T) {
 	require.Equal(t, strconv.Itoa(len(compact)), hs["content-length"])
 }
 
+// Paths other than the generation APIs pdx routes get 404, and GET
+// /v1/models is answered from the pools, unless a pool lists them as
+// pass-through.
+func TestOtherPaths(t *testing.T) {
+	eng := &fakeEngine{}
+	table := testTable(t, true, time.Second)
+	for _, path := range []string{"/v1/embeddings", "/v1/completions/x", "/V1/CHAT/COMPLETIONS", "/v1/chat/completions/", "/v1/chat/completions;x", "/v1/responses", "/"} {
+		out := run(t, table, eng, headers("POST", path, false), body(`{"model":"m","kv_transfer_params":{}}`, true))
+		require.Len(t, out, 1, path)
+		status, b := immediateOf(t, out[0])
+		require.Equal(t, 404, status, path)
+		require.Equal(t, "not_found", b.Error.Code, path)
+	}
+
+	out := run(t, table, eng, headers("GET", "/v1/models", true, "x-request-id", "list-1"))
+	require.Len(t, out, 1)
+	ir := out[0].GetImmediateResponse()
+	require.EqualValues(t, 200, ir.GetStatus().GetCode())
+	require.Equal(t, "list-1", setHeaders(ir.GetHeaders())["x-request-id"])
+	var list struct {
+		Object string
+		Data   []struct{ ID, Object, OwnedBy string }
+	}
+	require.NoError(t, json.Unmarshal(ir.GetBody(), &list))
+	require.Equal(t, "list", list.Object)
+	require.Len(t, list.Data, 1)
+	require.Equal(t, "m", list.Data[0].ID)
+	require.Equal(t, "model", list.Data[0].Object)
+
+	out = run(t, table, eng, headers("POST", "/v1/models", false))
+	status, _ := immediateOf(t, out[0])
+	require.Equal(t, 405, status)
+	require.Empty(t, eng.Calls())
+}
+
+func passThroughTable(t *testing.T) *routing.Table {
+	t.Helper()
+	table, err := routing.New(&configv1.Config{Pools: []*configv1.Pool{{
+		Name: "a", Models: []string{"a"}, Connector: "nixl",
+		Prefill:        []*configv1.Endpoint{{Address: "127.0.0.1:8100"}},
+		Decode:         []*configv1.Endpoint{{Address: "127.0.0.1:8200"}},
+		PrefillTimeout: durationpb.New(time.Second),
+		PassThrough:    []string{"/v1/embeddings", "/health"},
+	}, {
+		Name: "b", Models: []string{"b"}, Default: true, Connector: "nixl",
+		Prefill:        []*configv1.Endpoint{{Address: "127.0.0.1:8101"}},
+		Decode:         []*configv1.Endpoint{{Address: "127.0.0.1:8201"}},
+		PrefillTimeout: durationpb.New(time.Second),
+		PassThrough:    []string{"/v1/models", "/tokenize"},
+	}}})
+	require.NoError(t, err)
+	return table
+}
+
 func TestPassThrough(t *testing.T) {
 	tests := []struct {
-		name string
-		msgs []*extprocv3.ProcessingRequest
+		name     string
+		msgs     []*extprocv3.ProcessingRequest
+		decode   string
+		wantBody string // "" for none sent back
 	}{
-		{name: "GET models", msgs: []*extprocv3.ProcessingRequest{headers("GET", "/v1/models", true)}},
-		{name: "POST elsewhere with body", msgs: []*extprocv3.ProcessingRequest{headers("POST", "/v1/embeddings", false), body(`not json`, true), responseHeaders}},
-		{name: "prefix is not the path", msgs: []*extprocv3.ProcessingRequest{headers("POST", "/v1/completions/x", false), body(`{}`, true), requestTrailers}},
+		{name: "GET without body, first pool listing the path", msgs: msgs(headers("GET", "/health", true)), decode: "127.0.0.1:8200"},
+		{name: "GET models passed to the default pool that lists it", msgs: msgs(headers("GET", "/v1/models", true)), decode: "127.0.0.1:8201"},
+		{name: "JSON body: the model's pool, protocol fields stripped", msgs: msgs(headers("POST", "/v1/embeddings", false),
+			body(`{"model":"a","input":"x","kv_transfer_params":{"remote_host":"10.6.6.6"},"bootstrap_room":1}`, true)),
+			decode: "127.0.0.1:8200", wantBody: `{"model":"a","input":"x"}`},
+		{name: "JSON body without a model: the default pool", msgs: msgs(headers("POST", "/tokenize", false), body(`{"prompt":"x"}`, true)), decode: "127.0.0.1:8201"},
+		{name: "body that is not JSON passes as it is", msgs: msgs(headers("POST", "/v1/embeddings", false), body(`input=x`, true)), decode: "127.0.0.1:8200"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			eng := &fakeEngine{}
-			out := run(t, testTable(t, true, time.Second), eng, tc.msgs...)
+			out := run(t, passThroughTable(t), eng, tc.msgs...)
 			require.Len(t, out, len(tc.msgs))
-			hr := out[0].GetRequestHeaders().GetResponse()
-			require.Equal(t, []string{DestinationHeader}, hr.GetHeaderMutation().GetRemoveHeaders())
-			require.Equal(t, passThroughMode, out[0].GetModeOverride())
-			for _, r := range out[1:] {
-				require.Nil(t, r.GetImmediateResponse())
-				require.Nil(t, r.GetRequestBody().GetResponse().GetBodyMutation(), "body untouched")
+			require.Empty(t, eng.Calls(), "no prefill")
+			last := out[len(out)-1]
+			var cr *extprocv3.CommonResponse
+			if len(tc.msgs) == 1 {
+				cr = last.GetRequestHeaders().GetResponse()
+				require.Equal(t, passThroughMode, last.GetModeOverride(), "nothing more of the request is needed")
+			} else {
+				cr = last.GetRequestBody().GetResponse()
+				require.Nil(t, out[0].GetModeOverride())
 			}
-			require.Empty(t, eng.Calls())
+			hs := setHeaders(cr.GetHeaderMutation())
+			require.Equal(t, tc.decode, hs[DestinationHeader])
+			require.Regexp(t, `^[0-9a-f-]{36}$`, hs["x-request-id"])
+			if len(tc.msgs) == 1 {
+				require.Equal(t, []string{DestinationHeader}, cr.GetHeaderMutation().GetRemoveHeaders())
+			}
+			if tc.wantBody == "" {
+				require.Nil(t, cr.GetBodyMutation())
+			} else {
+				require.Equal(t, tc.wantBody, string(cr.GetBodyMutation().GetBody()))
+				require.Equal(t, strconv.Itoa(len(tc.wantBody)), hs["content-length"])
+			}
+		})
+	}
+
+	for _, tc := range []struct {
+		name, path, body, code string
+		status                 int
+	}{
+		{name: "model of a pool without the path", path: "/v1/embeddings", body: `{"model":"b","input":"x"}`, status: 404, code: "not_found"},
+		{name: "JSON that does not parse", path: "/v1/embeddings", body: `{"model":"a","kv_transfer_params":{},}`, status: 400, code: "invalid_json"},
+		{name: "duplicated protocol key", path: "/v1/embeddings", body: `{"model":"a","kv_transfer_params":{},"kv_transfer_param\u0073":{}}`, status: 400, code: "duplicate_key"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out := run(t, passThroughTable(t), &fakeEngine{}, headers("POST", tc.path, false), body(tc.body, true))
+			status, b := immediateOf(t, out[len(out)-1])
+			require.Equal(t, tc.status, status)
+			require.Equal(t, tc.code, b.Error.Code)
 		})
 	}
 }
@@ -293,7 +389,7 @@ type apiErrorBody struct {
 }
 
 // immediate returns the status and error body of an ImmediateResponse.
-func immediate(t *testing.T, r *extprocv3.ProcessingResponse) (int, apiErrorBody) {
+func immediateOf(t *testing.T, r *extprocv3.ProcessingResponse) (int, apiErrorBody) {
 	t.Helper()
 	ir := r.GetImmediateResponse()
 	require.NotNil(t, ir, "want an ImmediateResponse, got %v", r)
@@ -345,7 +441,8 @@ func TestErrors(t *testing.T) {
 		{name: "streamed body chunk", msgs: msgs(post, body(`{"model":`, false)), wantStatus: 500, wantCode: "internal_error", wantMsg: "BUFFERED"},
 		{name: "body before headers", msgs: msgs(body(`{}`, true)), wantStatus: 500, wantCode: "internal_error", wantMsg: "request body in state request_headers"},
 		{name: "headers twice", msgs: msgs(post, post), wantStatus: 500, wantCode: "internal_error"},
-		{name: "response headers before body", msgs: msgs(post, responseHeaders), wantStatus: 500, wantCode: "internal_error"},
+		{name: "response headers before request headers", msgs: msgs(responseHeaders), wantStatus: 500, wantCode: "internal_error"},
+		{name: "model null", msgs: msgs(post, body(`{"model":null}`, true)), wantStatus: 400, wantCode: "missing_model"},
 		{
 			name: "prefill 500", msgs: msgs(post, body(chatBody, true)),
 			engine:     &fakeEngine{err: &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}},
@@ -363,8 +460,15 @@ func TestErrors(t *testing.T) {
 		},
 		{
 			name: "prefill answer not JSON", msgs: msgs(post, body(chatBody, true)),
-			engine: &fakeEngine{answer: `<html>`}, wantStatus: 502, wantCode: "prefill_failed", wantMsg: "invalid prefill answer", wantCalls: 1,
+			engine: &fakeEngine{answer: `<html>`}, wantStatus: 502, wantCode: "bad_prefill_answer", wantMsg: "invalid prefill answer", wantCalls: 1,
 		},
+		{
+			name: "prefill answer names another KV source", msgs: msgs(post, body(chatBody, true)),
+			engine:     &fakeEngine{answer: `{"kv_transfer_params":{"remote_host":"203.0.113.66","remote_port":9901}}`},
+			wantStatus: 502, wantCode: "bad_prefill_answer", wantMsg: `KV source host "203.0.113.66"`, wantCalls: 1,
+		},
+		{name: "too many headers", msgs: msgs(headers("POST", "/v1/chat/completions", false, manyHeaders(96)...)), wantStatus: 431, wantCode: "headers_too_large", wantMsg: "98 headers"},
+		{name: "headers too large", msgs: msgs(headers("POST", "/v1/chat/completions", false, "x-big", strings.Repeat("x", 60<<10-100))), wantStatus: 431, wantCode: "headers_too_large"},
 		{
 			name: "prefill timeout", msgs: msgs(post, body(chatBody, true)), timeout: 50 * time.Millisecond,
 			engine: &fakeEngine{block: true}, wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill on 127.0.0.1:8100: prefill timed out after 50ms", wantCalls: 1,
@@ -381,7 +485,7 @@ func TestErrors(t *testing.T) {
 				timeout = time.Second
 			}
 			out := run(t, testTable(t, !tc.noDefault, timeout), eng, tc.msgs...)
-			status, b := immediate(t, out[len(out)-1])
+			status, b := immediateOf(t, out[len(out)-1])
 			require.Equal(t, tc.wantStatus, status)
 			require.Equal(t, tc.wantCode, b.Error.Code)
 			require.Contains(t, b.Error.Message, tc.wantMsg)
@@ -420,6 +524,15 @@ func TestStreamErrorsAreReturned(t *testing.T) {
 
 func msgs(m ...*extprocv3.ProcessingRequest) []*extprocv3.ProcessingRequest { return m }
 
+// manyHeaders returns n header name/value pairs.
+func manyHeaders(n int) []string {
+	var kv []string
+	for i := range n {
+		kv = append(kv, fmt.Sprintf("x-h-%d", i), "v")
+	}
+	return kv
+}
+
 // A stream keeps the table it started with; SetTable only affects streams
 // that start later (config reload swaps it).
 func TestSetTableIsPerStream(t *testing.T) {
@@ -435,7 +548,7 @@ func TestSetTableIsPerStream(t *testing.T) {
 	srv.SetTable(testTable(t, true, time.Second)) // now with a default pool
 
 	running.in <- body(`{"model":"other","messages":[{}]}`, true)
-	status, _ := immediate(t, <-running.out)
+	status, _ := immediateOf(t, <-running.out)
 	require.Equal(t, 404, status, "the running stream still uses the old table")
 	close(running.in)
 	require.NoError(t, <-done)

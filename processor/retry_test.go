@@ -137,7 +137,7 @@ func TestPrefillRetries(t *testing.T) {
 				require.Equal(t, tc.wantCalls, eng.called())
 			}
 			if tc.wantStatus != 0 {
-				status, b := immediate(t, resp)
+				status, b := immediateOf(t, resp)
 				require.Equal(t, tc.wantStatus, status)
 				require.Equal(t, tc.wantCode, b.Error.Code)
 				require.Contains(t, b.Error.Message, tc.wantMsg)
@@ -179,7 +179,7 @@ func TestClientErrorsDoNotEject(t *testing.T) {
 	}}
 	table := retryTable(t, "  eject_after_failures: 1\n")
 	for range 6 {
-		status, _ := immediate(t, runChat(t, table, eng))
+		status, _ := immediateOf(t, runChat(t, table, eng))
 		require.Equal(t, 400, status)
 	}
 	pool, _ := table.Lookup("m")
@@ -191,7 +191,7 @@ func TestClientErrorsDoNotEject(t *testing.T) {
 func TestBodyLimit(t *testing.T) {
 	big := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 4096) + `"}]}`
 	out := run(t, retryTable(t, ""), &scriptedEngine{}, headers("POST", "/v1/chat/completions", false), body(big, true))
-	status, b := immediate(t, out[1])
+	status, b := immediateOf(t, out[1])
 	require.Equal(t, 413, status)
 	require.Equal(t, "body_too_large", b.Error.Code)
 	require.Contains(t, b.Error.Message, "over the limit of 4096")

@@ -7,9 +7,12 @@ package processor
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"log/slog"
+	"sync"
 	"sync/atomic"
+	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"go.opentelemetry.io/otel/trace"
@@ -25,9 +28,12 @@ import (
 type Server struct {
 	extprocv3.UnimplementedExternalProcessorServer
 
-	table  atomic.Pointer[routing.Table]
-	engine connectors.Engine
-	log    *slog.Logger
+	table atomic.Pointer[routing.Table]
+	env   connectors.Env
+	log   *slog.Logger
+	// bg is the work requests leave behind: telling engines to let go of
+	// what they hold for a decode that will not come.
+	bg sync.WaitGroup
 
 	metrics *metrics.Metrics // nil: none (see observe.go)
 	tracer  trace.Tracer     // nil: no tracing
@@ -35,7 +41,7 @@ type Server struct {
 
 // New returns a server routing by table and calling engines through engine.
 func New(table *routing.Table, engine connectors.Engine, log *slog.Logger, opts ...Option) *Server {
-	s := &Server{engine: engine, log: log}
+	s := &Server{env: connectors.Env{Engine: engine, EngineIDs: connectors.NewEngineIDs(0)}, log: log}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -53,20 +59,40 @@ func (s *Server) SetTable(t *routing.Table) {
 	s.table.Store(t)
 }
 
+// Wait waits until the work requests left behind is done, or ctx ends.
+func (s *Server) Wait(ctx context.Context) error {
+	done := make(chan struct{})
+	go func() {
+		s.bg.Wait()
+		close(done)
+	}()
+	select {
+	case <-done:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
 // Process implements [extprocv3.ExternalProcessorServer].
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	ctx := stream.Context()
-	req := newRequest(s.table.Load(), s.engine, s.log)
+	req := newRequest(s.table.Load(), s.env, s.log, &s.bg)
 	defer req.close()
 	req.startObservation(s.metrics, s.tracer)
 	defer req.endObservation()
 	// While a concurrent prefill runs, pdx must hear both Envoy and the
 	// prefill, so Recv moves to a goroutine; other requests never pay for it.
 	var received chan recvResult
+	var deadline *bodyDeadline
+	defer func() { deadline.stop() }()
 	for {
 		var resp *extprocv3.ProcessingResponse
 		if received == nil && req.pendingPrefill() == nil {
 			msg, err := stream.Recv()
+			if deadline.interrupted() {
+				return nil // the body timed out, and pdx has answered so
+			}
 			if err != nil {
 				return streamErr(ctx, err)
 			}
@@ -88,17 +114,17 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 				return nil // the stream is over; receive may have left quietly
 			}
 		}
-		if resp == nil {
-			continue
-		}
-		if err := stream.Send(resp); err != nil {
-			return streamErr(ctx, err)
-		}
-		// A FULL_DUPLEX_STREAMED body follows the answer to its headers.
-		for _, more := range req.takeQueued() {
-			if err := stream.Send(more); err != nil {
+		if resp != nil {
+			if err := stream.Send(resp); err != nil {
 				return streamErr(ctx, err)
 			}
+			// A FULL_DUPLEX_STREAMED body follows the answer to its headers.
+			for _, more := range req.takeQueued() {
+				if err := stream.Send(more); err != nil {
+					return streamErr(ctx, err)
+				}
+			}
+			req.sent()
 		}
 		if req.finished() {
 			// Nothing more is asked of pdx. Ending the stream now frees the
@@ -106,6 +132,58 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			// if pdx restarts, and a drain waits only for prefills.
 			return nil
 		}
+		deadline = req.awaitBody(ctx, stream, deadline)
+	}
+}
+
+// bodyDeadline answers 408 when a request's body has not arrived within the
+// table's body timeout. Its timer fires while Process waits in Recv, and
+// the timer's function answers: Process itself is blocked, and Envoy keeps
+// the stream open for as long as the client trickles. Process stops the
+// timer before it handles anything Recv returns, so the two never touch the
+// request at once.
+type bodyDeadline struct {
+	at    time.Time
+	timer *time.Timer
+	fired chan struct{} // closed once the timer's answer is sent
+}
+
+// awaitBody arms d while the request waits for its body (a new deadline
+// from the request's start, or the one it has), and stops it otherwise. It
+// returns the deadline in force, nil once the body is in.
+func (r *request) awaitBody(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, d *bodyDeadline) *bodyDeadline {
+	if r.state != stateRequestBody {
+		d.stop()
+		return nil
+	}
+	if d == nil {
+		timeout := r.table.Limits().BodyTimeout
+		d = &bodyDeadline{at: r.start.Add(timeout), fired: make(chan struct{})}
+		d.timer = time.AfterFunc(time.Until(d.at), func() {
+			err := fmt.Errorf("%w: the request body did not arrive within %s", errBodyTimeout, timeout)
+			_ = stream.Send(r.handleErr(ctx, err)) // Envoy then ends the stream
+			close(d.fired)
+		})
+		return d
+	}
+	d.timer.Reset(time.Until(d.at))
+	return d
+}
+
+// interrupted stops the timer; it reports whether the timer had fired, and
+// then waits for its answer to be sent: the request is over.
+func (d *bodyDeadline) interrupted() bool {
+	if d == nil || d.timer.Stop() {
+		return false
+	}
+	<-d.fired
+	return true
+}
+
+// stop stops the timer for good.
+func (d *bodyDeadline) stop() {
+	if d != nil {
+		d.timer.Stop()
 	}
 }
 

@@ -80,7 +80,7 @@ pools:
 func tracedRun(t *testing.T, srv *Server) *extprocv3.ProcessingResponse {
 	t.Helper()
 	out := runOn(t, srv,
-		headers("POST", "/v1/chat/completions?key=secret", false, "traceparent", "00-"+clientTraceID+"-"+clientSpanID+"-01"),
+		headers("POST", "/v1/chat/completions?key=secret", false, "traceparent", "00-"+clientTraceID+"-"+clientSpanID+"-01", "x-request-id", "client-7"),
 		body(chatHi, true))
 	require.Len(t, out, 2)
 	return out[1]
@@ -115,7 +115,9 @@ func TestTracing(t *testing.T) {
 	requireAttrs(t, req.Attributes, map[string]string{
 		"pdx.pool": "p", "pdx.connector": "nixl", "pdx.outcome": "routed",
 		"pdx.decode.endpoint": "127.0.0.1:9", "url.path": "/v1/chat/completions",
+		"pdx.request_id": "client-7",
 	})
+	require.Regexp(t, `^[0-9a-f-]{36}$`, attr(req.Attributes, "pdx.engine_request_id"), "the engines' id, beside the client's")
 
 	attempts := byName["pdx.prefill"]
 	require.Len(t, attempts, 2)
@@ -149,6 +151,16 @@ func TestTracingOff(t *testing.T) {
 
 	require.Equal(t, []string{""}, prefill.traceparents())
 	require.NotContains(t, setHeaders(decode.GetRequestBody().GetResponse().GetHeaderMutation()), "traceparent")
+}
+
+// attr returns the value of attribute key.
+func attr(got []attribute.KeyValue, key string) string {
+	for _, kv := range got {
+		if string(kv.Key) == key {
+			return kv.Value.Emit()
+		}
+	}
+	return ""
 }
 
 func requireAttrs(t *testing.T, got []attribute.KeyValue, want map[string]string) {

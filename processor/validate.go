@@ -15,7 +15,7 @@ import (
 // engine (which would fail it after a prefill, or in the middle of a
 // stream). Fields pdx does not act on are the engine's to judge.
 func validate(body jsonedit.Object, path string, pool *routing.Pool) error {
-	if raw, ok := body.Raw("stream"); ok && string(raw) != "true" && string(raw) != "false" {
+	if raw, ok := body.Raw("stream"); ok && string(raw) != "true" && string(raw) != "false" && string(raw) != "null" {
 		return badRequest("invalid_type", fmt.Sprintf(`"stream" must be a boolean, got %.40s`, raw))
 	}
 	for _, key := range []string{"max_tokens", "max_completion_tokens"} {

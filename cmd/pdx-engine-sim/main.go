@@ -6,6 +6,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -46,6 +47,11 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.KVAddr, "kv-addr", "127.0.0.1:0", "KV listener address (p2p-nccl)")
 	fs.StringVar(&cfg.StoreAddr, "store-addr", "", "address of the KV store (http; see --store)")
 	fs.DurationVar(&cfg.KVWaitTimeout, "kv-wait-timeout", 0, "how long a decode waits for a concurrent or late prefill's KV (default 30s)")
+	fs.DurationVar(&cfg.DecodeQueueLatency, "decode-queue-latency", 0, "how long a NIXL decode waits in vLLM's queue before it pulls its KV")
+	fs.DurationVar(&cfg.DisconnectCheckInterval, "disconnect-check-interval", 0,
+		"how often SGLang notices a waiting request's gone client (default 4s for sglang)")
+	tamper := fs.String("tamper-kv-params", "", "JSON object whose members override the kv_transfer_params a NIXL prefill returns")
+	fs.BoolVar(&cfg.TRTLLMLegacy, "trtllm-legacy", false, "play an older TensorRT-LLM server (DisaggregatedParams without disagg_request_id, ctx_usage, ...)")
 	store := fs.Bool("store", false, "run the shared KV store of --connector http on --addr instead of an engine")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
@@ -54,6 +60,9 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 	cfg.Role = enginesim.Role(*role)
+	if *tamper != "" {
+		cfg.TamperKVParams = json.RawMessage(*tamper)
+	}
 	logger := slog.New(slog.NewJSONHandler(os.Stderr, nil))
 	cfg.Logger = logger
 

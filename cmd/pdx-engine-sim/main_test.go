@@ -20,6 +20,9 @@ func TestRunRejectsBadArguments(t *testing.T) {
 		{"unknown mooncake protocol", []string{"--addr", "127.0.0.1:0", "--connector", "mooncake", "--mooncake-protocol", "rdma"}, "unknown Mooncake protocol"},
 		{"http without store", []string{"--addr", "127.0.0.1:0", "--connector", "http"}, "needs StoreAddr"},
 		{"bad wait timeout", []string{"--kv-wait-timeout", "-1s"}, "KVWaitTimeout must not be negative"},
+		{"bad queue latency", []string{"--decode-queue-latency", "-1s"}, "DecodeQueueLatency must not be negative"},
+		{"bad disconnect check", []string{"--disconnect-check-interval", "-1s"}, "DisconnectCheckInterval must not be negative"},
+		{"tampered params not an object", []string{"--tamper-kv-params", "[1]"}, "TamperKVParams must be a JSON object"},
 		{"store on a bad address", []string{"--store", "--addr", "127.0.0.1:bad"}, "store listen"},
 	}
 	for _, tt := range tests {
@@ -41,6 +44,10 @@ func TestRunServesUntilDone(t *testing.T) {
 		{"mooncake vllm prefill", []string{"--connector", "mooncake", "--mooncake-protocol", "vllm", "--role", "prefill"}},
 		{"p2p-nccl decode", []string{"--connector", "p2p-nccl", "--role", "decode", "--kv-wait-timeout", "1s"}},
 		{"trtllm", []string{"--connector", "trtllm"}},
+		{"trtllm legacy", []string{"--connector", "trtllm", "--trtllm-legacy"}},
+		{"nixl misbehaving", []string{"--role", "prefill", "--decode-queue-latency", "10ms",
+			"--tamper-kv-params", `{"remote_host":"203.0.113.66"}`}},
+		{"sglang decode", []string{"--connector", "sglang", "--role", "decode", "--disconnect-check-interval", "1s"}},
 		{"lmcache", []string{"--connector", "lmcache", "--store-addr", "127.0.0.1:1"}},
 	}
 	for _, tt := range tests {

@@ -3,7 +3,6 @@ package kubernetes_test
 import (
 	"bufio"
 	"bytes"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -21,10 +20,10 @@ import (
 
 	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
 	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
-	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/least_request/v3" // in egCluster
-	jsonpatch "github.com/evanphx/json-patch/v5"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	"github.com/stretchr/testify/require"
-	"google.golang.org/protobuf/encoding/protojson"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -43,6 +42,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/processor"
 )
@@ -60,12 +60,6 @@ const (
 	namespace = "pdx"
 	// egController is Envoy Gateway's GatewayClass controllerName.
 	egController = "gateway.envoyproxy.io/gatewayclass-controller"
-	// grpcOverhead is the room pdx's gRPC server allows around a body of
-	// max_body_bytes (internal/server: max message = max_body_bytes + 1 MiB).
-	// Envoy's buffer limit must lie between the two: above max_body_bytes so
-	// that pdx answers an oversized body itself, below the gRPC limit so that
-	// the body message always fits.
-	grpcOverhead = 1 << 20
 	// h2c is the Gateway API's appProtocol for HTTP/2 over cleartext.
 	h2c = "kubernetes.io/h2c"
 )
@@ -311,6 +305,8 @@ func TestStrictDecodeRejectsUnknownFields(t *testing.T) {
 		wantErr string              // "" means decoding succeeds
 	}{
 		{name: "EnvoyExtensionPolicy as written", file: egDir + "/20-envoyextensionpolicy.yaml"},
+		{name: "EnvoyPatchPolicy pdx-responses as written", file: egDir + "/30-envoypatchpolicy.yaml", doc: 1},
+		{name: "ClientTrafficPolicy as written", file: egDir + "/40-clienttrafficpolicy.yaml"},
 		{name: "Deployment as written", file: baseDir + "/30-pdx-deployment.yaml"},
 		{name: "InferencePool as written", file: poolDir + "/10-inferencepool.yaml"},
 		{
@@ -334,6 +330,16 @@ func TestStrictDecodeRejectsUnknownFields(t *testing.T) {
 			name: "EnvoyPatchPolicy: misspelt value", file: egDir + "/30-envoypatchpolicy.yaml",
 			mutate:  addField("spec.jsonPatches.0.operation", "vaule", "ORIGINAL_DST"),
 			wantErr: `unknown field "spec.jsonPatches[0].operation.vaule"`,
+		},
+		{
+			name: "EnvoyPatchPolicy pdx-responses: misspelt name", file: egDir + "/30-envoypatchpolicy.yaml", doc: 1,
+			mutate:  renameField("spec.jsonPatches.0", "name", "nmae"),
+			wantErr: `unknown field "spec.jsonPatches[0].nmae"`,
+		},
+		{
+			name: "ClientTrafficPolicy: misspelt initialStreamWindowSize", file: egDir + "/40-clienttrafficpolicy.yaml",
+			mutate:  renameField("spec.http2", "initialStreamWindowSize", "initialStreamWindow"),
+			wantErr: `unknown field "spec.http2.initialStreamWindow"`,
 		},
 		{
 			name: "ClientTrafficPolicy: bufferLimit in the wrong case", file: egDir + "/40-clienttrafficpolicy.yaml",
@@ -811,30 +817,30 @@ func requireTargets(t *testing.T, objs []object, refs []gwv1.LocalPolicyTargetRe
 	}
 }
 
-// routedPaths are the requests pdx routes (README: "Request headers").
-var routedPaths = []string{"/v1/chat/completions", "/v1/completions"}
-
-// routedRule returns the index of the rule of route that matches exactly
-// POST on the paths pdx routes.
-func routedRule(t *testing.T, route *gwv1.HTTPRoute) int {
+// requireEveryPath requires route to have one rule, matching every
+// request (PathPrefix /, no method, header or query match): pdx sees every
+// request and the rule's cluster, the one patched to ORIGINAL_DST, takes
+// every request pdx lets through.
+func requireEveryPath(t *testing.T, route *gwv1.HTTPRoute) gwv1.HTTPRouteRule {
 	t.Helper()
-	for i, r := range route.Spec.Rules {
-		var paths []string
-		ok := len(r.Matches) > 0
-		for _, m := range r.Matches {
-			if m.Method == nil || *m.Method != gwv1.HTTPMethodPost || m.Path == nil || m.Path.Type == nil ||
-				*m.Path.Type != gwv1.PathMatchExact || m.Path.Value == nil || len(m.Headers)+len(m.QueryParams) > 0 {
-				ok = false
-				break
-			}
-			paths = append(paths, *m.Path.Value)
-		}
-		if ok && slices.Equal(slices.Sorted(slices.Values(paths)), slices.Sorted(slices.Values(routedPaths))) {
-			return i
-		}
-	}
-	require.Failf(t, "no routed rule", "HTTPRoute %s has no rule matching exactly POST %v", route.Name, routedPaths)
-	return -1
+	require.Len(t, route.Spec.Rules, 1, "HTTPRoute %s: one rule, for every path", route.Name)
+	r := route.Spec.Rules[0]
+	require.Len(t, r.Matches, 1, "HTTPRoute %s", route.Name)
+	m := r.Matches[0]
+	require.Nil(t, m.Method, "pdx answers every method itself")
+	require.Empty(t, m.Headers)
+	require.Empty(t, m.QueryParams)
+	require.NotNil(t, m.Path)
+	require.NotNil(t, m.Path.Type)
+	require.Equal(t, gwv1.PathMatchPathPrefix, *m.Path.Type)
+	require.NotNil(t, m.Path.Value)
+	require.Equal(t, "/", *m.Path.Value, "pdx answers unknown paths and GET /v1/models itself")
+	require.Empty(t, r.Filters, "pdx, not the route, changes requests")
+	require.NotNil(t, r.Timeouts, "Envoy's default route timeout (15s) would cut generations")
+	require.NotNil(t, r.Timeouts.Request)
+	require.Equal(t, gwv1.Duration("0s"), *r.Timeouts.Request, "generations stream for minutes")
+	require.Nil(t, r.Timeouts.BackendRequest)
+	return r
 }
 
 // bufferLimitPattern is the CRDs' pattern for bufferLimit quantities, which
@@ -849,30 +855,25 @@ func bufferLimit(t *testing.T, what string, q *resource.Quantity) int64 {
 }
 
 // TestEnvoyGatewayManifests: every reference of the Envoy Gateway variant
-// resolves, and the ext_proc filter, buffer limits and the ORIGINAL_DST patch
-// are what pdx needs.
+// resolves, and the route, the ext_proc filter, the buffer and header
+// limits and the patches (ORIGINAL_DST, local replies, x-request-id) make
+// Envoy Gateway's Envoy what pdx's own bootstrap is.
 func TestEnvoyGatewayManifests(t *testing.T) {
 	objs := load(t, baseDir, egDir)
 	p := loadPdx(t, objs)
 	maxBody := int64(p.cfg.GetMaxBodyBytes())
+	own := renderPdxEnvoy(t)
 
 	// The route and what it points at.
 	route := get[*gwv1.HTTPRoute](t, objs, "openai")
-	require.NotEmpty(t, route.Spec.ParentRefs)
-	for _, ref := range route.Spec.ParentRefs {
-		requireGateway(t, objs, ref)
-	}
-	for _, r := range route.Spec.Rules {
-		require.NotEmpty(t, r.BackendRefs)
-		for _, b := range r.BackendRefs {
-			requireServiceRef(t, objs, b.BackendObjectReference)
-		}
-	}
-	ruleIdx := routedRule(t, route)
-	rule := route.Spec.Rules[ruleIdx]
-	require.NotNil(t, rule.Timeouts, "Envoy's default route timeout (15s) would cut generations")
-	require.NotNil(t, rule.Timeouts.Request)
-	require.Equal(t, gwv1.Duration("0s"), *rule.Timeouts.Request, "generations stream for minutes")
+	require.Len(t, route.Spec.ParentRefs, 1)
+	parent := route.Spec.ParentRefs[0]
+	requireGateway(t, objs, parent)
+	require.NotNil(t, parent.SectionName, "name the Gateway's listener: the patches name its resources")
+	gw := get[*gwv1.Gateway](t, objs, string(parent.Name))
+	rule := requireEveryPath(t, route)
+	require.Len(t, rule.BackendRefs, 1)
+	requireServiceRef(t, objs, rule.BackendRefs[0].BackendObjectReference)
 
 	// The ext_proc filter.
 	eep := get[*egv1a1.EnvoyExtensionPolicy](t, objs, "pdx")
@@ -898,94 +899,132 @@ func TestEnvoyGatewayManifests(t *testing.T) {
 	require.NoError(t, err)
 	require.Greater(t, mt, p.maxPrefillTimeout(), "messageTimeout must exceed every pool's prefill_timeout")
 	require.NotNil(t, ep.Metadata)
-	require.Contains(t, ep.Metadata.WritableNamespaces, processor.MetadataNamespace)
-	if ep.StatusOnError != nil {
-		require.EqualValues(t, 503, *ep.StatusOnError, "pdx unavailable: 503, retryable")
-	}
+	require.Contains(t, ep.Metadata.WritableNamespaces, processor.MetadataNamespace, "the decode endpoint")
+	require.Contains(t, ep.Metadata.WritableNamespaces, processor.RequestMetadataNamespace, "the client's request id")
+	require.Subset(t, ep.Metadata.WritableNamespaces, own.extProc.GetMetadataOptions().GetReceivingNamespaces().GetUntyped(),
+		"what pdx's own Envoy lets pdx write")
+	require.NotNil(t, ep.StatusOnError, "state statusOnError: 503 explicitly")
+	require.EqualValues(t, own.extProc.GetStatusOnError().GetCode(), *ep.StatusOnError, "pdx unavailable: 503, retryable")
 	require.NotNil(t, ep.BackendSettings)
 	require.NotNil(t, ep.BackendSettings.Connection)
 	require.GreaterOrEqual(t, bufferLimit(t, "ext_proc backendSettings", ep.BackendSettings.Connection.BufferLimit), maxBody)
 
-	// Buffer limits: Envoy buffers what pdx accepts and a little more.
+	// The client side: buffer limits (HTTP/1 and HTTP/2), request ids,
+	// paths and timeouts as in pdx's own Envoy.
 	ctp := get[*egv1a1.ClientTrafficPolicy](t, objs, "pdx")
 	requireTargets(t, objs, ctp.Spec.TargetRefs, "Gateway")
+	require.Equal(t, gw.Name, string(ctp.Spec.TargetRefs[0].Name))
 	require.NotNil(t, ctp.Spec.Connection)
 	client := bufferLimit(t, "ClientTrafficPolicy", ctp.Spec.Connection.BufferLimit)
 	require.Greater(t, client, maxBody, "above max_body_bytes, so that pdx answers an oversized body with its JSON 413")
-	require.Less(t, client, maxBody+grpcOverhead, "below pdx's gRPC message limit (max_body_bytes + 1 MiB)")
+	require.LessOrEqual(t, client, maxBody+envoy.BufferHeadroom, "at most max_body_bytes + envoy.BufferHeadroom")
+	require.Nil(t, ctp.Spec.Connection.ConnectionLimit, "a connection_limit filter would come before the HTTP connection manager the listener patch names by index")
+	require.NotNil(t, ctp.Spec.HTTP2, "Envoy Gateway's HTTP/2 stream window (64 KiB) would be an HTTP/2 client's body limit")
+	require.Equal(t, client, bufferLimit(t, "ClientTrafficPolicy http2.initialStreamWindowSize", ctp.Spec.HTTP2.InitialStreamWindowSize),
+		"over HTTP/2 a stream's buffer limit is its window: the same as the connection buffer limit")
+	require.NotNil(t, ctp.Spec.Headers)
+	require.NotNil(t, ctp.Spec.Headers.RequestID)
+	require.True(t, own.hcm.GetPreserveExternalRequestId() && own.hcm.GetGenerateRequestId().GetValue())
+	require.Equal(t, egv1a1.RequestIDActionPreserveOrGenerate, *ctp.Spec.Headers.RequestID, "keep the client's x-request-id")
+	require.NotNil(t, ctp.Spec.Path)
+	require.NotNil(t, ctp.Spec.Path.EscapedSlashesAction)
+	require.Equal(t, hcmv3.HttpConnectionManager_REJECT_REQUEST, own.hcm.GetPathWithEscapedSlashesAction())
+	require.Equal(t, egv1a1.RejectRequestAction, *ctp.Spec.Path.EscapedSlashesAction)
+	require.Nil(t, ctp.Spec.Path.DisableMergeSlashes, "merge slashes, as pdx's Envoy")
+	require.True(t, own.hcm.GetMergeSlashes())
+	require.NotNil(t, ctp.Spec.Timeout)
+	require.NotNil(t, ctp.Spec.Timeout.HTTP)
+	h := ctp.Spec.Timeout.HTTP
+	duration := func(what string, d *gwv1.Duration) time.Duration {
+		t.Helper()
+		require.NotNil(t, d, "set %s", what)
+		v, err := time.ParseDuration(string(*d))
+		require.NoError(t, err, what)
+		return v
+	}
+	require.Equal(t, own.hcm.GetStreamIdleTimeout().AsDuration(), duration("streamIdleTimeout", h.StreamIdleTimeout))
+	require.Equal(t, own.hcm.GetRequestHeadersTimeout().AsDuration(), duration("requestHeadersReceivedTimeout", h.RequestHeadersReceivedTimeout))
+	require.Nil(t, h.RequestReceivedTimeout, "pdx's request_body_timeout bounds the body, nothing the whole request")
+
+	// The upstream side: the decode engines.
 	btp := get[*egv1a1.BackendTrafficPolicy](t, objs, "pdx-decode")
 	requireTargets(t, objs, btp.Spec.TargetRefs, "HTTPRoute")
 	require.NotNil(t, btp.Spec.Connection)
 	require.GreaterOrEqual(t, bufferLimit(t, "BackendTrafficPolicy", btp.Spec.Connection.BufferLimit), client)
 
-	// ORIGINAL_DST for the routed rule.
-	epp := get[*egv1a1.EnvoyPatchPolicy](t, objs, "pdx-original-dst")
-	require.Equal(t, egv1a1.JSONPatchEnvoyPatchType, epp.Spec.Type)
-	require.Equal(t, gwv1.Group(gwv1.GroupName), epp.Spec.TargetRef.Group)
-	require.Equal(t, gwv1.Kind("Gateway"), epp.Spec.TargetRef.Kind)
-	require.True(t, slices.ContainsFunc(route.Spec.ParentRefs, func(r gwv1.ParentReference) bool { return r.Name == epp.Spec.TargetRef.Name }),
-		"the EnvoyPatchPolicy must target the Gateway of route %s", route.Name)
-	// Envoy Gateway names a rule's cluster httproute/<namespace>/<route>/rule/<index>
-	// (internal/gatewayapi irRouteDestinationName).
-	cluster := fmt.Sprintf("httproute/%s/%s/rule/%d", route.Namespace, route.Name, ruleIdx)
-	require.NotEmpty(t, epp.Spec.JSONPatches)
-	for _, jp := range epp.Spec.JSONPatches {
-		require.Equal(t, egv1a1.ClusterEnvoyResourceType, jp.Type)
-		require.Equal(t, cluster, jp.Name)
+	// The patches, each applied to the resource Envoy Gateway generates.
+	epps := all[*egv1a1.EnvoyPatchPolicy](objs)
+	require.Len(t, epps, 2)
+	listenerName := egListenerName(gw, *parent.SectionName)
+	resources := []egResource{
+		{typ: string(egv1a1.ListenerEnvoyResourceType), name: listenerName, file: egListenerFile},
+		{typ: string(egv1a1.RouteConfigurationEnvoyResourceType), name: listenerName, file: egRouteConfigFile},
 	}
-	patched := applyPatches(t, epp.Spec.JSONPatches)
-	require.NoError(t, patched.ValidateAll())
-	require.Equal(t, clusterv3.Cluster_ORIGINAL_DST, patched.GetType())
-	require.Equal(t, clusterv3.Cluster_CLUSTER_PROVIDED, patched.GetLbPolicy())
-	require.Nil(t, patched.GetEdsClusterConfig())
-	require.Nil(t, patched.GetLoadBalancingPolicy())
-	require.True(t, patched.GetOriginalDstLbConfig().GetUseHttpHeader())
-	require.Equal(t, processor.DestinationHeader, patched.GetOriginalDstLbConfig().GetHttpHeaderName())
-	require.EqualValues(t, bufferLimit(t, "BackendTrafficPolicy", btp.Spec.Connection.BufferLimit), patched.GetPerConnectionBufferLimitBytes().GetValue())
-}
-
-// egCluster is the cluster Envoy Gateway v1.9.1 generates for an HTTPRoute
-// rule with a Service backend under a BackendTrafficPolicy like ours, as
-// its EnvoyPatchPolicy sees it (protojson with proto field names), taken
-// from `egctl x translate` on these manifests. The egctl test checks the
-// real translation.
-const egClusterFile = "testdata/eg-rule-cluster.json"
-
-// applyPatches applies the EnvoyPatchPolicy's operations to egCluster the
-// way Envoy Gateway does (evanphx/json-patch/v5, paths created on add) and
-// parses the result strictly as an Envoy Cluster.
-func applyPatches(t *testing.T, patches []egv1a1.EnvoyJSONPatchConfig) *clusterv3.Cluster {
-	t.Helper()
-	doc, err := os.ReadFile(egClusterFile)
-	require.NoError(t, err)
-	opts := jsonpatch.NewApplyOptions()
-	opts.EnsurePathExistsOnAdd = true
-	for i, p := range patches {
-		op := p.Operation
-		require.Nil(t, op.JSONPath, "patch %d: use path, not jsonPath", i)
-		require.NotNil(t, op.Path, "patch %d", i)
-		o := map[string]any{"op": string(op.Op), "path": *op.Path}
-		if op.Value != nil {
-			o["value"] = json.RawMessage(op.Value.Raw)
-		}
-		if op.From != nil {
-			o["from"] = *op.From
-		}
-		raw, err := json.Marshal([]any{o})
-		require.NoError(t, err)
-		patch, err := jsonpatch.DecodePatch(raw)
-		require.NoError(t, err, "patch %d", i)
-		doc, err = patch.ApplyWithOptions(doc, opts)
-		require.NoError(t, err, "patch %d (%s %s) does not apply to Envoy Gateway's cluster", i, op.Op, *op.Path)
+	for i := range route.Spec.Rules {
+		resources = append(resources, egResource{typ: string(egv1a1.ClusterEnvoyResourceType), name: egRuleCluster(route, i), file: egClusterFile})
 	}
-	var c clusterv3.Cluster
-	require.NoError(t, protojson.Unmarshal(doc, &c), "the patched cluster is not an Envoy Cluster:\n%s", doc)
-	return &c
+	for _, epp := range epps {
+		require.Equal(t, egv1a1.JSONPatchEnvoyPatchType, epp.Spec.Type)
+		require.Equal(t, gwv1.Group(gwv1.GroupName), epp.Spec.TargetRef.Group)
+		require.Equal(t, gwv1.Kind("Gateway"), epp.Spec.TargetRef.Kind)
+		require.Equal(t, gw.Name, string(epp.Spec.TargetRef.Name), "EnvoyPatchPolicy %s must target the Gateway of route %s", epp.Name, route.Name)
+		require.NotEmpty(t, epp.Spec.JSONPatches)
+		for _, jp := range epp.Spec.JSONPatches {
+			require.True(t, slices.ContainsFunc(resources, func(r egResource) bool { return r.typ == string(jp.Type) && r.name == jp.Name }),
+				"EnvoyPatchPolicy %s patches %s %s, which Envoy Gateway does not generate (or this test does not know)", epp.Name, jp.Type, jp.Name)
+		}
+	}
+	for _, r := range resources {
+		require.NotEmpty(t, patchesFor(epps, r.typ, r.name), "nothing patches %s %s", r.typ, r.name)
+	}
+
+	// ORIGINAL_DST for every rule: every request goes to the decode
+	// endpoint pdx picked.
+	for i := range route.Spec.Rules {
+		c := patched[*clusterv3.Cluster](t, epps, egResource{typ: string(egv1a1.ClusterEnvoyResourceType), name: egRuleCluster(route, i), file: egClusterFile})
+		require.Equal(t, clusterv3.Cluster_ORIGINAL_DST, c.GetType())
+		require.Equal(t, clusterv3.Cluster_CLUSTER_PROVIDED, c.GetLbPolicy())
+		require.Nil(t, c.GetEdsClusterConfig())
+		require.Nil(t, c.GetLoadBalancingPolicy())
+		require.True(t, c.GetOriginalDstLbConfig().GetUseHttpHeader())
+		require.Equal(t, processor.DestinationHeader, c.GetOriginalDstLbConfig().GetHttpHeaderName())
+		require.EqualValues(t, bufferLimit(t, "BackendTrafficPolicy", btp.Spec.Connection.BufferLimit), c.GetPerConnectionBufferLimitBytes().GetValue())
+	}
+
+	// The listener: pdx's local replies; header limits Envoy's defaults,
+	// which pdx's must be.
+	l := patched[*listenerv3.Listener](t, epps, resources[0])
+	require.EqualValues(t, client, l.GetPerConnectionBufferLimitBytes().GetValue(), "%s is not Envoy Gateway's listener for these manifests", egListenerFile)
+	hcm := hcmOf(t, l)
+	require.EqualValues(t, client, hcm.GetHttp2ProtocolOptions().GetInitialStreamWindowSize().GetValue(), egListenerFile)
+	requireProtoEqual(t, own.hcm.GetLocalReplyConfig(), hcm.GetLocalReplyConfig(), "the listener's local_reply_config")
+	require.Len(t, own.hcm.GetLocalReplyConfig().GetMappers(), len(envoy.LocalReplies))
+	require.Nil(t, hcm.GetMaxRequestHeadersKb(), "Envoy Gateway sets no header size limit: Envoy's default")
+	require.Nil(t, hcm.GetCommonHttpProtocolOptions().GetMaxHeadersCount(), "Envoy Gateway sets no header count limit: Envoy's default")
+	require.EqualValues(t, envoy.DefaultMaxRequestHeadersKB, own.hcm.GetMaxRequestHeadersKb().GetValue(), "Envoy's default")
+	require.EqualValues(t, envoy.DefaultMaxRequestHeaders, own.hcm.GetCommonHttpProtocolOptions().GetMaxHeadersCount().GetValue(), "Envoy's default")
+	require.EqualValues(t, envoy.DefaultMaxRequestHeadersKB, p.cfg.GetMaxRequestHeadersKb(), "pdx's max_request_headers_kb must be the Gateway's limit")
+	require.EqualValues(t, envoy.DefaultMaxRequestHeaders, p.cfg.GetMaxRequestHeaders(), "pdx's max_request_headers must be the Gateway's limit")
+	ext := extProcOf(t, hcm)
+	require.ElementsMatch(t, ep.Metadata.WritableNamespaces, ext.GetMetadataOptions().GetReceivingNamespaces().GetUntyped(), egListenerFile)
+
+	// The route configuration: the client's x-request-id back, on the only
+	// route, the rule's.
+	rc := patched[*routev3.RouteConfiguration](t, epps, resources[1])
+	requireProtoEqual(t, responseHeaders(own.route.GetResponseHeadersToAdd()), responseHeaders(rc.GetResponseHeadersToAdd()), "the route configuration's response_headers_to_add")
+	require.Len(t, rc.GetVirtualHosts(), 1)
+	require.Len(t, rc.GetVirtualHosts()[0].GetRoutes(), 1)
+	rt := rc.GetVirtualHosts()[0].GetRoutes()[0]
+	require.Equal(t, "/", rt.GetMatch().GetPrefix())
+	require.Equal(t, egRuleCluster(route, 0), rt.GetRoute().GetCluster())
+	require.Empty(t, rt.GetResponseHeadersToAdd(), "the x-request-id headers are the route configuration's only")
+	require.Empty(t, rc.GetVirtualHosts()[0].GetResponseHeadersToAdd())
 }
 
 // TestInferencePoolManifests: the InferencePool variant's references
-// resolve: the pool is the decode Service's pods on its port, its endpoint
-// picker is pdx's gRPC Service, and it fails closed.
+// resolve: every request goes to the pool, the pool is the decode Service's
+// pods on its port, its endpoint picker is pdx's gRPC Service, and it fails
+// closed.
 func TestInferencePoolManifests(t *testing.T) {
 	objs := load(t, baseDir, poolDir)
 	p := loadPdx(t, objs)
@@ -995,20 +1034,17 @@ func TestInferencePoolManifests(t *testing.T) {
 	for _, ref := range route.Spec.ParentRefs {
 		requireGateway(t, objs, ref)
 	}
-	require.NotEmpty(t, route.Spec.Rules)
-	for _, r := range route.Spec.Rules {
-		require.Len(t, r.BackendRefs, 1)
-		b := r.BackendRefs[0]
-		require.NotNil(t, b.Group)
-		require.Equal(t, gwv1.Group(infv1.GroupName), *b.Group)
-		require.NotNil(t, b.Kind)
-		require.Equal(t, gwv1.Kind("InferencePool"), *b.Kind)
-		require.Nil(t, b.Port, "an InferencePool backendRef has no port")
-		get[*infv1.InferencePool](t, objs, string(b.Name))
-		require.NotNil(t, r.Timeouts)
-		require.NotNil(t, r.Timeouts.Request)
-		require.Equal(t, gwv1.Duration("0s"), *r.Timeouts.Request, "generations stream for minutes")
-	}
+	// Every request goes to the pool, so the gateway asks pdx about every
+	// one, as pdx's own Envoy does.
+	r := requireEveryPath(t, route)
+	require.Len(t, r.BackendRefs, 1)
+	b := r.BackendRefs[0]
+	require.NotNil(t, b.Group)
+	require.Equal(t, gwv1.Group(infv1.GroupName), *b.Group)
+	require.NotNil(t, b.Kind)
+	require.Equal(t, gwv1.Kind("InferencePool"), *b.Kind)
+	require.Nil(t, b.Port, "an InferencePool backendRef has no port")
+	get[*infv1.InferencePool](t, objs, string(b.Name))
 
 	pool := get[*infv1.InferencePool](t, objs, "llm-decode")
 	decode := get[*corev1.Service](t, objs, "llm-decode")

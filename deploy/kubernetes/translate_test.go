@@ -4,23 +4,31 @@
 // github.com/envoyproxy/gateway) and the pinned Envoy; `make k8s-translate`
 // installs the first and runs it:
 //
-//	EGCTL=.tools/egctl/egctl go test -tags egctl -run TestEnvoyGatewayTranslation ./deploy/kubernetes/
+//	EGCTL=$PWD/.tools/egctl/egctl go test -tags egctl -run TestEnvoyGatewayTranslation ./deploy/kubernetes/
 
 package kubernetes_test
 
 import (
 	"bytes"
 	"encoding/json"
+	"flag"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 
 	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
+	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
+	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	gwv1 "sigs.k8s.io/gateway-api/apis/v1"
+	"sigs.k8s.io/yaml"
 
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/processor"
@@ -41,26 +49,33 @@ type translation struct {
 	} `json:"xds"`
 }
 
-// TestEnvoyGatewayTranslation runs Envoy Gateway's own translator on base/
-// and envoy-gateway/, requires every route and policy to be accepted, checks
-// the generated ext_proc filter, listener buffer limit and ORIGINAL_DST
-// cluster, and has the pinned Envoy validate the result (as a static
-// bootstrap: EDS endpoints and RDS routes inlined).
-func TestEnvoyGatewayTranslation(t *testing.T) {
-	egctl := os.Getenv("EGCTL")
-	require.NotEmpty(t, egctl, "set EGCTL to Envoy Gateway's egctl (make k8s-translate installs it)")
-	bin, err := envoy.Binary()
-	require.NoError(t, err, "run `make envoy` or set ENVOY_BIN")
+// update rewrites the testdata files of Envoy Gateway's unpatched
+// resources (see egClusterFile) from the translation:
+//
+//	EGCTL=$PWD/.tools/egctl/egctl go test -tags egctl -run TestEnvoyGatewayTranslation ./deploy/kubernetes/ -update
+var update = flag.Bool("update", false, "rewrite testdata/eg-*.json from egctl's translation")
 
+// translate runs egctl on the manifests of dirs, leaving out the documents
+// of the kinds skip.
+func translate(t *testing.T, egctl string, dirs []string, skip ...string) translation {
+	t.Helper()
 	var in bytes.Buffer
-	for _, f := range yamlFiles(t, baseDir, egDir) {
+	for _, f := range yamlFiles(t, dirs...) {
 		data, err := os.ReadFile(f)
 		require.NoError(t, err)
-		in.WriteString("---\n")
-		in.Write(data)
+		docs, err := documents(data)
+		require.NoError(t, err)
+		for _, doc := range docs {
+			var tm metav1.TypeMeta
+			require.NoError(t, yaml.Unmarshal(doc, &tm), f)
+			if slices.Contains(skip, tm.Kind) {
+				continue
+			}
+			in.WriteString("---\n")
+			in.Write(doc)
+		}
 	}
-	dir := t.TempDir()
-	inFile := filepath.Join(dir, "in.yaml")
+	inFile := filepath.Join(t.TempDir(), "in.yaml")
 	require.NoError(t, os.WriteFile(inFile, in.Bytes(), 0o600))
 	cmd := exec.CommandContext(t.Context(), egctl, "x", "translate", "--from", "gateway-api", "--to", "gateway-api,xds",
 		"--type", "all", "--output", "json", "--add-missing-resources", "--file", inFile)
@@ -70,6 +85,35 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	require.NoError(t, err, "egctl: %s", stderr.String())
 	var tr translation
 	require.NoError(t, json.Unmarshal(out, &tr))
+	return tr
+}
+
+// dumpOf returns the xDS of the translation's only Gateway.
+func dumpOf(t *testing.T, tr translation) xdsDump {
+	t.Helper()
+	require.Len(t, tr.XDS, 1, "one Gateway")
+	var dump xdsDump
+	for _, x := range tr.XDS {
+		dump = newXDSDump(t, x.Configs)
+	}
+	return dump
+}
+
+// TestEnvoyGatewayTranslation runs Envoy Gateway's own translator on base/
+// and envoy-gateway/, requires every route and policy to be accepted,
+// checks that the generated Envoy config is pdx's own bootstrap where pdx
+// depends on it (ext_proc filter, buffer and header limits, one route to
+// the ORIGINAL_DST cluster, local replies, x-request-id response headers),
+// checks the testdata the manifest tests patch against the unpatched
+// translation, and has the pinned Envoy validate the result (as a static
+// bootstrap: EDS endpoints and RDS routes inlined).
+func TestEnvoyGatewayTranslation(t *testing.T) {
+	egctl := os.Getenv("EGCTL")
+	require.NotEmpty(t, egctl, "set EGCTL to Envoy Gateway's egctl (make k8s-translate installs it)")
+	bin, err := envoy.Binary()
+	require.NoError(t, err, "run `make envoy` or set ENVOY_BIN")
+	dirs := []string{baseDir, egDir}
+	tr := translate(t, egctl, dirs)
 
 	// Everything accepted, every reference resolved.
 	accepted := func(what string, conds []metav1.Condition, want ...string) {
@@ -108,7 +152,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	for _, p := range tr.BackendTrafficPolicies {
 		policies["BackendTrafficPolicy "+p.Name] = p.Status.Ancestors
 	}
-	require.Len(t, policies, 4)
+	require.Len(t, policies, 5)
 	for name, ancestors := range policies {
 		require.NotEmpty(t, ancestors, name)
 		for _, a := range ancestors {
@@ -117,58 +161,163 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	}
 
 	// The generated xDS.
-	require.Len(t, tr.XDS, 1, "one Gateway")
-	var dump xdsDump
-	for _, x := range tr.XDS {
-		dump = newXDSDump(t, x.Configs)
-	}
-	objs := load(t, baseDir, egDir)
+	dump := dumpOf(t, tr)
+	objs := load(t, dirs...)
+	p := loadPdx(t, objs)
+	own := renderPdxEnvoy(t)
 	ctp := get[*egv1a1.ClientTrafficPolicy](t, objs, "pdx")
+	eep := get[*egv1a1.EnvoyExtensionPolicy](t, objs, "pdx")
+	route := get[*gwv1.HTTPRoute](t, objs, "openai")
+	gw := get[*gwv1.Gateway](t, objs, "pdx")
+	name := egListenerName(gw, *route.Spec.ParentRefs[0].SectionName)
+	bufferLimit := ctp.Spec.Connection.BufferLimit.Value()
 
-	decode := dump.clusters["httproute/pdx/openai/rule/0"]
-	require.NotNil(t, decode, "no cluster httproute/pdx/openai/rule/0: Envoy Gateway names clusters differently")
-	require.Equal(t, "ORIGINAL_DST", decode["type"])
-	require.Equal(t, "CLUSTER_PROVIDED", decode["lbPolicy"])
-	require.NotContains(t, decode, "edsClusterConfig")
-	require.NotContains(t, decode, "loadBalancingPolicy")
-	require.Equal(t, map[string]any{"useHttpHeader": true, "httpHeaderName": processor.DestinationHeader}, decode["originalDstLbConfig"])
-	require.Equal(t, "EDS", dump.clusters["httproute/pdx/openai/rule/1"]["type"], "the pass-through rule keeps its EDS cluster")
+	// Every rule's cluster is ORIGINAL_DST.
+	for i := range route.Spec.Rules {
+		c := egRuleCluster(route, i)
+		decode := dump.clusters[c]
+		require.NotNil(t, decode, "no cluster %s: Envoy Gateway names clusters differently", c)
+		require.Equal(t, "ORIGINAL_DST", decode["type"], c)
+		require.Equal(t, "CLUSTER_PROVIDED", decode["lbPolicy"], c)
+		require.NotContains(t, decode, "edsClusterConfig", c)
+		require.NotContains(t, decode, "loadBalancingPolicy", c)
+		require.Equal(t, map[string]any{"useHttpHeader": true, "httpHeaderName": processor.DestinationHeader}, decode["originalDstLbConfig"], c)
+	}
 
-	var extProc []map[string]any
-	var listeners int
+	// The route configuration: one route, every path, no timeout, to an
+	// ORIGINAL_DST cluster; the client's x-request-id back.
+	require.Len(t, dump.routes, 1)
+	rc := xdsResource[*routev3.RouteConfiguration](t, dump.routes[name], "route configuration "+name)
+	require.Len(t, rc.GetVirtualHosts(), 1)
+	var routes int
+	for _, vh := range rc.GetVirtualHosts() {
+		for _, r := range vh.GetRoutes() {
+			routes++
+			c := r.GetRoute().GetCluster()
+			require.NotNil(t, dump.clusters[c], "route %s: no cluster %s", r.GetName(), c)
+			require.Equal(t, "ORIGINAL_DST", dump.clusters[c]["type"], "route %s: every request goes to the decode endpoint pdx picked", r.GetName())
+			require.Equal(t, "/", r.GetMatch().GetPrefix(), r.GetName())
+			require.Empty(t, r.GetMatch().GetHeaders(), r.GetName())
+			require.Equal(t, own.route.GetRoute().GetTimeout().AsDuration(), r.GetRoute().GetTimeout().AsDuration(), "route %s: no timeout", r.GetName())
+			require.NotNil(t, r.GetRoute().GetTimeout(), "route %s: Envoy's default is 15s", r.GetName())
+			require.Empty(t, r.GetResponseHeadersToAdd(), r.GetName())
+		}
+		require.Empty(t, vh.GetResponseHeadersToAdd(), vh.GetName())
+	}
+	require.Equal(t, 1, routes)
+	requireProtoEqual(t, responseHeaders(own.route.GetResponseHeadersToAdd()), responseHeaders(rc.GetResponseHeadersToAdd()), "the route configuration's response_headers_to_add")
+
+	// The Gateway's listener.
+	var listeners []*listenerv3.Listener
 	for _, l := range dump.listeners {
-		walk(l, func(m map[string]any) {
-			if tc, ok := m["typedConfig"].(map[string]any); ok &&
-				tc["@type"] == "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor" {
-				extProc = append(extProc, tc)
-			}
-		})
-		if strings.HasPrefix(l["name"].(string), "pdx/pdx/") {
-			listeners++
-			require.EqualValues(t, ctp.Spec.Connection.BufferLimit.Value(), l["perConnectionBufferLimitBytes"], "listener %s", l["name"])
+		if strings.HasPrefix(l["name"].(string), gw.Namespace+"/"+gw.Name+"/") {
+			listeners = append(listeners, xdsResource[*listenerv3.Listener](t, l, "listener "+l["name"].(string)))
 		}
 	}
-	require.Equal(t, 1, listeners, "the Gateway's listener")
-	require.Len(t, extProc, 1)
-	ep := extProc[0]
-	require.Equal(t, map[string]any{
-		"requestHeaderMode":   "SEND",
-		"requestBodyMode":     "BUFFERED",
-		"requestTrailerMode":  "SKIP",
-		"responseHeaderMode":  "SKIP",
-		"responseTrailerMode": "SKIP",
-	}, ep["processingMode"])
-	require.NotContains(t, ep, "failureModeAllow", "fail closed (false is the default)")
-	require.Equal(t, true, ep["allowModeOverride"])
-	require.Equal(t, "40s", ep["messageTimeout"])
-	require.Equal(t, map[string]any{"receivingNamespaces": map[string]any{"untyped": []any{processor.MetadataNamespace}}}, ep["metadataOptions"])
+	require.Len(t, listeners, 1, "the Gateway's listener")
+	l := listeners[0]
+	require.Equal(t, name, l.GetName())
+	require.EqualValues(t, bufferLimit, l.GetPerConnectionBufferLimitBytes().GetValue())
+	hcm := hcmOf(t, l)
+	require.Equal(t, name, hcm.GetRds().GetRouteConfigName())
+	require.EqualValues(t, bufferLimit, hcm.GetHttp2ProtocolOptions().GetInitialStreamWindowSize().GetValue(), "HTTP/2 bodies are bounded alike")
+	requireProtoEqual(t, own.hcm.GetLocalReplyConfig(), hcm.GetLocalReplyConfig(), "the listener's local_reply_config")
+	// No header limits set: Envoy's defaults, as in pdx's own Envoy and pdx.
+	require.Nil(t, hcm.GetMaxRequestHeadersKb())
+	require.Nil(t, hcm.GetCommonHttpProtocolOptions().GetMaxHeadersCount())
+	require.Equal(t, own.hcm.GetMaxRequestHeadersKb().GetValue(), p.cfg.GetMaxRequestHeadersKb())
+	require.Equal(t, own.hcm.GetCommonHttpProtocolOptions().GetMaxHeadersCount().GetValue(), p.cfg.GetMaxRequestHeaders())
+	require.EqualValues(t, envoy.DefaultMaxRequestHeadersKB, p.cfg.GetMaxRequestHeadersKb())
+	require.EqualValues(t, envoy.DefaultMaxRequestHeaders, p.cfg.GetMaxRequestHeaders())
+	// Request ids, paths and timeouts as in pdx's own Envoy.
+	require.Equal(t, own.hcm.GetGenerateRequestId().GetValue(), hcm.GetGenerateRequestId().GetValue())
+	require.Equal(t, own.hcm.GetPreserveExternalRequestId(), hcm.GetPreserveExternalRequestId())
+	require.Equal(t, own.hcm.GetNormalizePath().GetValue(), hcm.GetNormalizePath().GetValue())
+	require.Equal(t, own.hcm.GetMergeSlashes(), hcm.GetMergeSlashes())
+	require.Equal(t, own.hcm.GetPathWithEscapedSlashesAction(), hcm.GetPathWithEscapedSlashesAction())
+	require.Equal(t, own.hcm.GetStreamIdleTimeout().AsDuration(), hcm.GetStreamIdleTimeout().AsDuration())
+	require.Equal(t, own.hcm.GetRequestHeadersTimeout().AsDuration(), hcm.GetRequestHeadersTimeout().AsDuration())
+	require.Equal(t, own.hcm.GetRequestTimeout().AsDuration(), hcm.GetRequestTimeout().AsDuration())
+
+	// The ext_proc filter.
+	ep := extProcOf(t, hcm)
+	require.Equal(t, extprocv3.ProcessingMode_BUFFERED, ep.GetProcessingMode().GetRequestBodyMode())
+	requireProtoEqual(t, own.extProc.GetProcessingMode(), ep.GetProcessingMode(), "the ext_proc processing mode")
+	require.False(t, ep.GetFailureModeAllow(), "fail closed")
+	require.True(t, ep.GetAllowModeOverride())
+	require.Equal(t, string(*eep.Spec.ExtProc[0].MessageTimeout), ep.GetMessageTimeout().AsDuration().String())
+	require.Greater(t, ep.GetMessageTimeout().AsDuration(), p.maxPrefillTimeout())
+	require.Equal(t, own.extProc.GetStatusOnError().GetCode(), ep.GetStatusOnError().GetCode())
+	require.Equal(t, []string{processor.MetadataNamespace, processor.RequestMetadataNamespace}, ep.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
+	require.ElementsMatch(t, own.extProc.GetMetadataOptions().GetReceivingNamespaces().GetUntyped(), ep.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
+
+	// The testdata the manifest tests apply the patches to is Envoy
+	// Gateway's translation without them.
+	unpatched := dumpOf(t, translate(t, egctl, dirs, "EnvoyPatchPolicy"))
+	gen := map[string]map[string]any{
+		egClusterFile:     unpatched.clusters[egRuleCluster(route, 0)],
+		egRouteConfigFile: unpatched.routes[name],
+	}
+	for _, l := range unpatched.listeners {
+		if l["name"] == name {
+			gen[egListenerFile] = l
+		}
+	}
+	for _, r := range []egResource{
+		{typ: string(egv1a1.ClusterEnvoyResourceType), file: egClusterFile},
+		{typ: string(egv1a1.ListenerEnvoyResourceType), file: egListenerFile},
+		{typ: string(egv1a1.RouteConfigurationEnvoyResourceType), file: egRouteConfigFile},
+	} {
+		require.NotNil(t, gen[r.file], "no resource for %s in the translation", r.file)
+		want := xdsResourceAs(t, gen[r.file], r.newMessage(), r.file)
+		if *update {
+			writeTestdata(t, r.file, want)
+			continue
+		}
+		doc, err := os.ReadFile(r.file)
+		require.NoError(t, err)
+		got := r.newMessage()
+		require.NoError(t, protojson.Unmarshal(doc, got), r.file)
+		if !proto.Equal(want, got) {
+			require.Failf(t, "stale testdata", "%s is not Envoy Gateway's translation of the manifests (rerun with -update):\n%s", r.file, protoYAML(t, want))
+		}
+	}
 
 	// The real Envoy accepts it.
-	bootstrap := filepath.Join(dir, "envoy.json")
+	bootstrap := filepath.Join(t.TempDir(), "envoy.json")
 	data, err := json.MarshalIndent(dump.staticBootstrap(t), "", "  ")
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(bootstrap, data, 0o600))
 	require.NoError(t, envoy.ValidateFile(t.Context(), bin, bootstrap))
+}
+
+// xdsResource decodes one resource of a config dump (protojson) as
+// Envoy's proto, strictly.
+func xdsResource[T proto.Message](t *testing.T, r map[string]any, what string) T {
+	t.Helper()
+	var zero T
+	return xdsResourceAs(t, r, zero.ProtoReflect().New().Interface(), what).(T)
+}
+
+func xdsResourceAs(t *testing.T, r map[string]any, msg proto.Message, what string) proto.Message {
+	t.Helper()
+	require.NotNil(t, r, "no %s", what)
+	raw, err := json.Marshal(r)
+	require.NoError(t, err)
+	require.NoError(t, protojson.Unmarshal(raw, msg), what)
+	return msg
+}
+
+// writeTestdata writes m as indented protojson with proto field names, the
+// way Envoy Gateway's EnvoyPatchPolicy sees it.
+func writeTestdata(t *testing.T, file string, m proto.Message) {
+	t.Helper()
+	raw, err := protojson.MarshalOptions{UseProtoNames: true}.Marshal(m)
+	require.NoError(t, err)
+	var out bytes.Buffer
+	require.NoError(t, json.Indent(&out, raw, "", "  "))
+	out.WriteByte('\n')
+	require.NoError(t, os.WriteFile(file, out.Bytes(), 0o644))
 }
 
 // xdsDump is one Envoy's config as egctl prints it (admin config dumps, in

@@ -29,6 +29,11 @@ const (
 	DefaultAdminAddress   = "127.0.0.1:9003"
 	DefaultMaxBodyBytes   = 16 << 20 // 16 MiB
 	DefaultPrefillTimeout = 30 * time.Second
+	// Envoy's defaults for a listener's request headers (count and KiB).
+	DefaultMaxRequestHeaders   = 100
+	DefaultMaxRequestHeadersKB = 60
+	DefaultRequestBodyTimeout  = time.Minute
+	MaxRequestBodyTimeout      = time.Hour
 )
 
 // Defaults of a pool's failure handling.
@@ -97,6 +102,15 @@ func applyDefaults(cfg *configv1.Config) {
 	if cfg.MaxBodyBytes == 0 {
 		cfg.MaxBodyBytes = DefaultMaxBodyBytes
 	}
+	if cfg.MaxRequestHeaders == 0 {
+		cfg.MaxRequestHeaders = DefaultMaxRequestHeaders
+	}
+	if cfg.MaxRequestHeadersKb == 0 {
+		cfg.MaxRequestHeadersKb = DefaultMaxRequestHeadersKB
+	}
+	if cfg.RequestBodyTimeout == nil {
+		cfg.RequestBodyTimeout = durationpb.New(DefaultRequestBodyTimeout)
+	}
 	for _, p := range cfg.Pools {
 		// A message field has presence, so an explicit "0s" stays and is
 		// rejected by validation rather than silently replaced.
@@ -105,6 +119,9 @@ func applyDefaults(cfg *configv1.Config) {
 		}
 		if p.Connector == "mooncake" && p.MooncakeProtocol == "" {
 			p.MooncakeProtocol = "nixl"
+		}
+		if p.Connector == "trtllm" && p.TrtllmProtocol == "" {
+			p.TrtllmProtocol = "current"
 		}
 		if p.PrefillAttempts == 0 {
 			p.PrefillAttempts = DefaultPrefillAttempts

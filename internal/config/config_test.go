@@ -54,9 +54,12 @@ func TestParseAppliesDefaults(t *testing.T) {
 	cfg, err := Parse([]byte(minimal))
 	require.NoError(t, err)
 	requireProtoEqual(t, &configv1.Config{
-		GrpcAddress:  "127.0.0.1:9002",
-		AdminAddress: "127.0.0.1:9003",
-		MaxBodyBytes: 16 << 20,
+		GrpcAddress:         "127.0.0.1:9002",
+		AdminAddress:        "127.0.0.1:9003",
+		MaxBodyBytes:        16 << 20,
+		MaxRequestHeaders:   100,
+		MaxRequestHeadersKb: 60,
+		RequestBodyTimeout:  durationpb.New(time.Minute),
 		Pools: []*configv1.Pool{{
 			Name:           "p",
 			Models:         []string{"m"},
@@ -78,6 +81,7 @@ func TestParseAllFields(t *testing.T) {
 	// JSON is accepted too; durations use Go syntax.
 	cfg, err := Parse([]byte(`{
 		"grpc_address": ":7000", "admin_address": "localhost:7001", "max_body_bytes": 1024,
+		"max_request_headers": 200, "max_request_headers_kb": 96, "request_body_timeout": "5s",
 		"pools": [
 			{"name": "a-1", "models": ["x", "y"], "connector": "nixl", "prefill_timeout": "1m30s",
 			 "prefill": [{"address": "[::1]:1"}], "decode": [{"address": "192.168.0.1:65535"}]},
@@ -88,9 +92,12 @@ func TestParseAllFields(t *testing.T) {
 		]}`))
 	require.NoError(t, err)
 	requireProtoEqual(t, &configv1.Config{
-		GrpcAddress:  ":7000",
-		AdminAddress: "localhost:7001",
-		MaxBodyBytes: 1024,
+		GrpcAddress:         ":7000",
+		AdminAddress:        "localhost:7001",
+		MaxBodyBytes:        1024,
+		MaxRequestHeaders:   200,
+		MaxRequestHeadersKb: 96,
+		RequestBodyTimeout:  durationpb.New(5 * time.Second),
 		Pools: []*configv1.Pool{{
 			Name:           "a-1",
 			Models:         []string{"x", "y"},
@@ -127,11 +134,22 @@ func TestParseErrors(t *testing.T) {
 		yaml string
 		want []string // each must appear in the error
 	}{
+		{"request_body_timeout zero", minimal + "request_body_timeout: 0s\n", []string{
+			`config: request_body_timeout: 0s must be greater than 0`}},
+		{"request_body_timeout too long", minimal + "request_body_timeout: 2h\n", []string{
+			`config: request_body_timeout: 2h0m0s exceeds the maximum of 1h0m0s`}},
+		{"max_request_headers too low", minimal + "max_request_headers: 8\n", []string{
+			`config: max_request_headers: 8 is below 16`}},
+		{"pass_through paths", pools(pool(`pass_through: [v1/x, "/v1/y?z=1", /v1/completions, /v1/e, /v1/e]`)), []string{
+			`config: pools[0].pass_through[0]: "v1/x" is not a path`,
+			`config: pools[0].pass_through[1]: "/v1/y?z=1" is not a path`,
+			`config: pools[0].pass_through[2]: "/v1/completions" is routed by pdx itself`,
+			`config: pools[0].pass_through[4]: duplicate path "/v1/e"`}},
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
-			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls)`}},
+			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
 			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
@@ -312,7 +330,22 @@ pools:
 		{name: "p2p ok", connector: "p2p-nccl", prefillExtra: ", kv_address: 127.0.0.1:21001", decodeExtra: ", kv_address: 127.0.0.1:22001", check: func(t *testing.T, p *configv1.Pool) {
 			require.Equal(t, "127.0.0.1:22001", p.GetDecode()[0].GetKvAddress())
 		}},
-		{name: "kv_address elsewhere", connector: "nixl", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].decode[0].kv_address: only valid with connector "p2p-nccl"`},
+		{name: "kv_address elsewhere", connector: "http", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].decode[0].kv_address: only valid with connectors "p2p-nccl", "nixl" and "mooncake"`},
+		{name: "kv_address of a NIXL side channel", connector: "nixl", prefillExtra: ", kv_address: 127.0.0.1:5600", check: func(t *testing.T, p *configv1.Pool) {
+			require.Equal(t, "127.0.0.1:5600", p.GetPrefill()[0].GetKvAddress())
+		}},
+		{name: "allowed_kv_hosts", connector: "nixl", poolExtra: "\n  allowed_kv_hosts: [10.1.0.0/16, 192.168.0.7, kv.example]", check: func(t *testing.T, p *configv1.Pool) {
+			require.Equal(t, []string{"10.1.0.0/16", "192.168.0.7", "kv.example"}, p.GetAllowedKvHosts())
+		}},
+		{name: "bad allowed_kv_hosts", connector: "nixl", poolExtra: "\n  allowed_kv_hosts: [10.1.0.0/40]", wantErr: `pools[0].allowed_kv_hosts[0]: "10.1.0.0/40" is not a CIDR prefix`},
+		{name: "trtllm_protocol defaults to current", connector: "trtllm", check: func(t *testing.T, p *configv1.Pool) {
+			require.Equal(t, "current", p.GetTrtllmProtocol())
+		}},
+		{name: "trtllm_protocol legacy", connector: "trtllm", poolExtra: "\n  trtllm_protocol: legacy", check: func(t *testing.T, p *configv1.Pool) {
+			require.Equal(t, "legacy", p.GetTrtllmProtocol())
+		}},
+		{name: "unknown trtllm_protocol", connector: "trtllm", poolExtra: "\n  trtllm_protocol: v2", wantErr: `pools[0].trtllm_protocol: "v2" is not "current" or "legacy"`},
+		{name: "trtllm_protocol elsewhere", connector: "nixl", poolExtra: "\n  trtllm_protocol: legacy", wantErr: `pools[0].trtllm_protocol: only valid with connector "trtllm"`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -458,8 +491,8 @@ func TestKubernetesDiscovery(t *testing.T) {
 			`config: pools[0].kubernetes.bootstrap_port: 70000 is not a port (1-65535)`}},
 		{name: "p2p needs kv_port", yaml: kpool("p2p-nccl"), wantErr: []string{
 			`config: pools[0].kubernetes.kv_port: required with connector "p2p-nccl"`}},
-		{name: "kv_port elsewhere", yaml: kpool("nixl", "kv_port: 21001"), wantErr: []string{
-			`config: pools[0].kubernetes.kv_port: only valid with connector "p2p-nccl"`}},
+		{name: "kv_port elsewhere", yaml: kpool("sglang", "kv_port: 21001"), wantErr: []string{
+			`config: pools[0].kubernetes.kv_port: only valid with connectors "p2p-nccl", "nixl" and "mooncake"`}},
 		{name: "same roles", yaml: kpool("nixl", "prefill_role: both", "decode_role: both"), wantErr: []string{
 			`config: pools[0].kubernetes.decode_role: "both" is also prefill_role`}},
 		{name: "bad role label", yaml: kpool("nixl", "role_label: -role"), wantErr: []string{

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 )
 
 var poolNameRE = regexp.MustCompile(`^[a-z0-9-]+$`)
@@ -31,6 +32,16 @@ func validate(cfg *configv1.Config) []error {
 		if t.GetKeyFile() == "" {
 			v.fail("tls.key_file", "required when tls is set")
 		}
+	}
+	switch d := cfg.GetRequestBodyTimeout().AsDuration(); {
+	case d <= 0:
+		v.fail("request_body_timeout", "%v must be greater than 0", d)
+	case d > MaxRequestBodyTimeout:
+		v.fail("request_body_timeout", "%v exceeds the maximum of %v", d, MaxRequestBodyTimeout)
+	}
+	if n := cfg.GetMaxRequestHeaders(); n < 16 {
+		// Room for the pseudo-headers and Envoy's own, and pdx's.
+		v.fail("max_request_headers", "%d is below 16", n)
 	}
 	if len(cfg.GetPools()) == 0 {
 		v.fail("pools", "at least one pool is required")
@@ -90,7 +101,7 @@ func validate(cfg *configv1.Config) []error {
 					v.fail(path+"."+role.name, "must be empty when kubernetes discovers the pool's endpoints")
 				}
 			}
-			v.kubernetes(path+".kubernetes", p.GetConnector(), p.GetKubernetes())
+			v.kubernetes(path+".kubernetes", p.GetConnector(), kvAddressConnectors(p), p.GetKubernetes())
 		case p.GetConnector() == "none":
 			// Aggregated engines: pdx picks a decode endpoint and calls no prefill.
 			if len(p.GetPrefill()) > 0 {
@@ -103,6 +114,7 @@ func validate(cfg *configv1.Config) []error {
 		}
 		v.connectorOptions(path, p)
 		v.failureHandling(path, p)
+		v.passThrough(path, p.GetPassThrough())
 
 		switch d := p.GetPrefillTimeout().AsDuration(); {
 		case d <= 0:
@@ -157,6 +169,18 @@ func (v *validator) failureHandling(path string, p *configv1.Pool) {
 	}
 }
 
+// kvAddressConnectors are the connectors that use an endpoint's
+// kv_address: P2P NCCL's ZMQ address, NIXL's side channel.
+func kvAddressConnectors(p *configv1.Pool) bool {
+	switch p.GetConnector() {
+	case "p2p-nccl", "nixl":
+		return true
+	case "mooncake":
+		return p.GetMooncakeProtocol() == "nixl"
+	}
+	return false
+}
+
 // connectorOptions checks the fields that only some connectors use.
 func (v *validator) connectorOptions(path string, p *configv1.Pool) {
 	switch mp := p.GetMooncakeProtocol(); {
@@ -164,6 +188,17 @@ func (v *validator) connectorOptions(path string, p *configv1.Pool) {
 		v.fail(path+".mooncake_protocol", "only valid with connector \"mooncake\", not %q", p.GetConnector())
 	case p.GetConnector() == "mooncake" && mp != "nixl" && mp != "vllm":
 		v.fail(path+".mooncake_protocol", "%q is not \"nixl\" or \"vllm\"", mp)
+	}
+	switch tp := p.GetTrtllmProtocol(); {
+	case p.GetConnector() != "trtllm" && tp != "":
+		v.fail(path+".trtllm_protocol", "only valid with connector \"trtllm\", not %q", p.GetConnector())
+	case p.GetConnector() == "trtllm" && tp != "current" && tp != "legacy":
+		v.fail(path+".trtllm_protocol", "%q is not \"current\" or \"legacy\"", tp)
+	}
+	for i, h := range p.GetAllowedKvHosts() {
+		if _, err := connectors.ParseHostSet([]string{h}); err != nil {
+			v.fail(fmt.Sprintf("%s.allowed_kv_hosts[%d]", path, i), "%v", err)
+		}
 	}
 	for _, role := range []struct {
 		name string
@@ -174,8 +209,8 @@ func (v *validator) connectorOptions(path string, p *configv1.Pool) {
 			switch {
 			case p.GetConnector() == "p2p-nccl" && ep.GetKvAddress() == "":
 				v.fail(kp, "required with connector \"p2p-nccl\" (the engine's ZMQ kv_ip:kv_port)")
-			case p.GetConnector() != "p2p-nccl" && ep.GetKvAddress() != "":
-				v.fail(kp, "only valid with connector \"p2p-nccl\"")
+			case !kvAddressConnectors(p) && ep.GetKvAddress() != "":
+				v.fail(kp, "only valid with connectors \"p2p-nccl\", \"nixl\" and \"mooncake\" (protocol \"nixl\")")
 			case ep.GetKvAddress() != "":
 				v.endpointAddress(kp, ep.GetKvAddress())
 			}
@@ -186,8 +221,29 @@ func (v *validator) connectorOptions(path string, p *configv1.Pool) {
 	}
 }
 
+// routedPaths are the paths pdx routes itself; a pool cannot pass them
+// through.
+var routedPaths = []string{"/v1/chat/completions", "/v1/completions"}
+
+// passThrough checks a pool's pass_through paths.
+func (v *validator) passThrough(path string, paths []string) {
+	seen := map[string]bool{}
+	for i, p := range paths {
+		pp := fmt.Sprintf("%s.pass_through[%d]", path, i)
+		switch {
+		case !strings.HasPrefix(p, "/") || strings.ContainsAny(p, "?# \t"):
+			v.fail(pp, "%q is not a path (it starts with / and has no query)", p)
+		case slices.Contains(routedPaths, p):
+			v.fail(pp, "%q is routed by pdx itself", p)
+		case seen[p]:
+			v.fail(pp, "duplicate path %q", p)
+		}
+		seen[p] = true
+	}
+}
+
 // kubernetes checks a pool's discovery section.
-func (v *validator) kubernetes(path, connector string, k *configv1.KubernetesDiscovery) {
+func (v *validator) kubernetes(path, connector string, kvAddress bool, k *configv1.KubernetesDiscovery) {
 	switch ns := k.GetNamespace(); {
 	case ns == "":
 		v.fail(path+".namespace", "required")
@@ -248,8 +304,8 @@ func (v *validator) kubernetes(path, connector string, k *configv1.KubernetesDis
 	switch kp := k.GetKvPort(); {
 	case connector == "p2p-nccl" && kp == 0:
 		v.fail(path+".kv_port", "required with connector \"p2p-nccl\" (the engines' ZMQ kv_port)")
-	case connector != "p2p-nccl" && kp != 0:
-		v.fail(path+".kv_port", "only valid with connector \"p2p-nccl\"")
+	case !kvAddress && kp != 0:
+		v.fail(path+".kv_port", "only valid with connectors \"p2p-nccl\", \"nixl\" and \"mooncake\" (protocol \"nixl\")")
 	case kp > 65535:
 		v.fail(path+".kv_port", "%d is not a port (1-65535)", kp)
 	}

@@ -3,8 +3,11 @@ package enginesim
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
+	"maps"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -21,7 +24,43 @@ type exchange struct {
 	// headersSent is set once the 200 headers of an SSE answer are out
 	// (see openStream): from then on a refusal is an SSE error event.
 	headersSent bool
+	// work and run, when a protocol sets them, stand in for the request's
+	// context: work in the phases where the engine computes or waits
+	// without output, run while it generates. SGLang's end with errAborted
+	// on /abort_request, and its work context notices a gone client only
+	// at its disconnect checks.
+	work, run context.Context
+	done      []func() // run when the handler returns
 }
+
+// workContext is the context of the phases without output.
+func (x *exchange) workContext() context.Context {
+	if x.work != nil {
+		return x.work
+	}
+	return x.r.Context()
+}
+
+// runContext is the context of generation.
+func (x *exchange) runContext() context.Context {
+	if x.run != nil {
+		return x.run
+	}
+	return x.r.Context()
+}
+
+// onDone registers f to run when the request's handler returns.
+func (x *exchange) onDone(f func()) { x.done = append(x.done, f) }
+
+func (x *exchange) finish() {
+	for _, f := range slices.Backward(x.done) {
+		f()
+	}
+}
+
+// errAborted ends the contexts of a request aborted by SGLang's
+// /abort_request.
+var errAborted = errors.New("aborted by /abort_request")
 
 func (s *Server) handleInference(a api) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
@@ -31,13 +70,14 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 			w:   w,
 			r:   r,
 		}
+		defer x.finish()
 		body, err := readBody(w, r)
 		x.rec.Body = s.recordBody(body)
 		if err != nil {
 			s.reject(x, badRequest("reading request body: %v", err))
 			return
 		}
-		x.req, err = parseRequest(a, body)
+		x.req, err = parseRequest(a, dialectOf(s.cfg.Connector), body)
 		if err != nil {
 			s.reject(x, err)
 			return
@@ -84,14 +124,34 @@ func (s *Server) abandon(x *exchange, err error) {
 	s.commit(x.seq, x.rec)
 }
 
+// interrupted ends a request whose context ctx ended before its answer: an
+// SGLang abort finishes it with finish_reason "abort" and the tokens toks
+// it had generated (SGLang's FINISH_ABORT without a status code is a normal
+// finish); otherwise its client went away or its engine is closing.
+func (s *Server) interrupted(x *exchange, ctx context.Context, toks []string) {
+	cause := context.Cause(ctx)
+	if !errors.Is(cause, errAborted) {
+		s.abandon(x, cause)
+		return
+	}
+	x.rec.Error = "aborted by /abort_request"
+	if x.req.stream {
+		s.stream(x, toks, func(int) time.Duration { return 0 }, "abort")
+		return
+	}
+	x.rec.Status = http.StatusOK
+	s.commit(x.seq, x.rec)
+	writeJSON(x.w, http.StatusOK, s.completion(x, toks, "abort", nil))
+}
+
 func (s *Server) servePlain(x *exchange) {
 	x.rec.Kind = KindPlain
 	if s.cfg.Role != RolePrefill {
 		x.rec.KV = KVRecomputed
 		x.w.Header().Set(HeaderKV, KVRecomputed)
 	}
-	if err := sleep(x.r.Context(), s.prefillTime(x.req)); err != nil {
-		s.abandon(x, err)
+	if err := sleep(x.workContext(), s.prefillTime(x.req)); err != nil {
+		s.interrupted(x, x.workContext(), nil)
 		return
 	}
 	s.generate(x)
@@ -120,7 +180,7 @@ func (s *Server) servePrefill(x *exchange) {
 		return
 	}
 	id, blocks := s.kv.allocate(x.rec.Fingerprint, x.rec.RequestID, promptTokens(x.req.prompt), time.Now())
-	params := mustJSON(issuedKVParams{
+	params := s.tampered(mustJSON(issuedKVParams{
 		DoRemotePrefill: true,
 		RemoteEngineID:  s.cfg.EngineID,
 		RemoteBlockIDs:  blocks,
@@ -128,10 +188,23 @@ func (s *Server) servePrefill(x *exchange) {
 		RemoteHost:      s.host,
 		RemotePort:      s.port,
 		TPSize:          1,
-	})
+	}))
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
 	writeJSON(x.w, http.StatusOK, s.completion(x, first, "length", params))
+}
+
+// tampered is params with Config.TamperKVParams' members put over them.
+func (s *Server) tampered(params json.RawMessage) json.RawMessage {
+	if s.tamper == nil {
+		return params
+	}
+	var m map[string]json.RawMessage
+	if err := json.Unmarshal(params, &m); err != nil {
+		return params
+	}
+	maps.Copy(m, s.tamper)
+	return mustJSON(m)
 }
 
 func (s *Server) serveDecode(x *exchange) {
@@ -151,7 +224,18 @@ func (s *Server) serveDecode(x *exchange) {
 		return
 	}
 	ctx := x.r.Context()
-	pulled, err := s.pullKV(ctx, src, x.req.kv, x.rec.RequestID)
+	if err := s.queue(ctx); err != nil {
+		s.abortUnscheduled(x, src, err)
+		return
+	}
+	// Once scheduled, the decode reads its blocks whether or not the client
+	// stays: vLLM frees an aborted request's KV only when its transfer is
+	// done, and the prefill learns of the read from it.
+	pctx, cancel := s.detached(ctx)
+	done := s.holdSlot()
+	pulled, err := s.pullKV(pctx, src, x.req.kv, x.rec.RequestID)
+	done()
+	cancel()
 	switch {
 	case ctx.Err() != nil:
 		s.abandon(x, ctx.Err())
@@ -172,6 +256,49 @@ func (s *Server) serveDecode(x *exchange) {
 	x.w.Header().Set(HeaderKV, KVPulled)
 	x.w.Header().Set(HeaderKVSource, src)
 	s.generate(x)
+}
+
+// queue is a decode's wait in vLLM's waiting queue until the scheduler takes
+// it (Config.DecodeQueueLatency). The error is the client's, gone, or the
+// wait context's when the engine closes.
+func (s *Server) queue(ctx context.Context) error {
+	if s.cfg.DecodeQueueLatency <= 0 {
+		return ctx.Err() // scheduled at once, unless the client is gone already
+	}
+	s.mu.Lock()
+	s.waiting++
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		s.waiting--
+		s.mu.Unlock()
+	}()
+	ctx, cancel := s.waitContext(ctx)
+	defer cancel()
+	return sleep(ctx, s.cfg.DecodeQueueLatency)
+}
+
+// abortUnscheduled ends a decode aborted before it was scheduled, its
+// client gone (or its engine closing). vLLM's NixlConnector then reads no
+// block but still notifies the prefill, which frees the KV: "the request
+// must have been aborted before it was scheduled ... notify and free blocks
+// in the prefill instance" (nixl_connector.py request_finished, PR #19223).
+func (s *Server) abortUnscheduled(x *exchange, src string, err error) {
+	ctx, cancel := s.detached(x.r.Context())
+	defer cancel()
+	note := fmt.Sprintf("notified the prefill engine at %s to release the KV of remote_request_id %s", src, *x.req.kv.RemoteRequestID)
+	var ok struct{}
+	if nerr := s.sideCall(ctx, s.client, "the KV release notification to "+src, "http://"+src+"/sim/kv/release", x.rec.RequestID,
+		releaseRequest{RemoteEngineID: *x.req.kv.RemoteEngineID, RemoteRequestID: *x.req.kv.RemoteRequestID, RequestID: x.rec.RequestID}, &ok); nerr != nil {
+		note = asAPIError(nerr).msg
+	}
+	if x.r.Context().Err() == nil {
+		s.reject(x, &apiError{status: http.StatusServiceUnavailable, msg: "engine is shutting down; " + note})
+		return
+	}
+	x.rec.Status = statusClientGone
+	x.rec.Error = "client went away before the request was scheduled: " + err.Error() + "; " + note
+	s.commit(x.seq, x.rec)
 }
 
 // prefillTime is the simulated cost of computing the prompt's KV.
@@ -209,13 +336,25 @@ func (s *Server) generate(x *exchange) {
 	for i := range toks {
 		total += s.tokenDelay(i)
 	}
-	if err := sleep(x.r.Context(), total); err != nil {
-		s.abandon(x, err)
+	ctx, start := x.runContext(), time.Now()
+	if err := sleep(ctx, total); err != nil {
+		s.interrupted(x, ctx, toks[:s.tokensBy(time.Since(start), len(toks))])
 		return
 	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
 	writeJSON(x.w, http.StatusOK, s.completion(x, toks, "length", nil))
+}
+
+// tokensBy is how many of n output tokens are out after elapsed.
+func (s *Server) tokensBy(elapsed time.Duration, n int) int {
+	var t time.Duration
+	for i := range n {
+		if t += s.tokenDelay(i); t > elapsed {
+			return i
+		}
+	}
+	return n
 }
 
 // answerPrefill answers a prefill leg at once with its one token, as SSE
@@ -235,7 +374,7 @@ func (s *Server) answerPrefill(x *exchange, finish string) {
 // delay(i) and flushed as produced so that a client sees the simulated
 // inter-token latency; the last chunk has finish as its finish reason.
 func (s *Server) stream(x *exchange, toks []string, delay func(int) time.Duration, finish string) {
-	ctx := x.r.Context()
+	ctx := x.runContext()
 	if !x.headersSent {
 		x.writeStreamHeader()
 	}
@@ -259,8 +398,12 @@ func (s *Server) stream(x *exchange, toks []string, delay func(int) time.Duratio
 	}
 	for i, tok := range toks {
 		if err := sleep(ctx, delay(i)); err != nil {
-			s.abandon(x, err)
-			return
+			if !errors.Is(context.Cause(ctx), errAborted) {
+				s.abandon(x, context.Cause(ctx))
+				return
+			}
+			toks, finish = toks[:i], "abort"
+			break
 		}
 		if err := send(chunk(tokenChoice(x.req.api, tok, ""))); err != nil {
 			s.abandon(x, err)
@@ -343,6 +486,9 @@ type completionResponse struct {
 	Choices          []choice        `json:"choices"`
 	Usage            *usage          `json:"usage,omitempty"`
 	KVTransferParams json.RawMessage `json:"kv_transfer_params,omitempty"`
+	// PromptTokenIDs is a TensorRT-LLM context answer's tokenization of
+	// the prompt.
+	PromptTokenIDs json.RawMessage `json:"prompt_token_ids,omitempty"`
 }
 
 type choice struct {
@@ -373,7 +519,7 @@ type usage struct {
 }
 
 func usageOf(req *inferenceRequest, completion int) *usage {
-	p := promptTokens(req.prompt)
+	p := req.promptTokens
 	return &usage{PromptTokens: p, CompletionTokens: completion, TotalTokens: p + completion}
 }
 

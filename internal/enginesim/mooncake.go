@@ -8,6 +8,7 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"time"
 )
 
@@ -22,12 +23,24 @@ type mooncakeProtocol struct {
 	s         *Server
 	boot      *sideServer // nil on a decode engine
 	transfers *handoffs
+
+	mu            sync.Mutex
+	queries       int                                  // GET /query calls, but those of simulated decode engines
+	engineQueries int                                  // GET /query calls of simulated decode engines
+	engines       map[string]map[string]mooncakeEngine // a decode's /query answers, by bootstrap host:port
+}
+
+func (p *mooncakeProtocol) report(st *State, now time.Time) {
+	st.addHandoffs(p.transfers, now)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	st.BootstrapQueries += p.queries
 }
 
 const mooncakeName = "mooncake (vllm)"
 
 func newMooncakeProtocol(ctx context.Context, s *Server) (*mooncakeProtocol, error) {
-	p := &mooncakeProtocol{s: s, transfers: newHandoffs("transfer_id", s.cfg.KVTTL)}
+	p := &mooncakeProtocol{s: s, transfers: newHandoffs("transfer_id", s.cfg.KVTTL), engines: make(map[string]map[string]mooncakeEngine)}
 	if s.cfg.Role == RoleDecode {
 		return p, nil
 	}
@@ -95,7 +108,7 @@ func (p *mooncakeProtocol) prefill(x *exchange) {
 	x.rec.Kind = KindPrefill
 	kv := x.leg.(mooncakeParams)
 	problems := checkTransferID(kv, x.rec.RequestID)
-	problems = append(problems, prefillEditProblems(x.req, true)...)
+	problems = append(problems, prefillEditProblems(x.req)...)
 	for name, isSet := range map[string]bool{
 		"remote_bootstrap_addr": kv.RemoteBootstrapAddr != nil,
 		"remote_engine_id":      kv.RemoteEngineID != nil,
@@ -129,7 +142,18 @@ type mooncakeEngine struct {
 	WorkerAddr map[string]map[string]string `json:"worker_addr"`
 }
 
-func (p *mooncakeProtocol) handleQuery(w http.ResponseWriter, _ *http.Request) {
+// headerQueryingEngine marks the /query calls of simulated decode engines,
+// so that BootstrapQueries counts the router's alone.
+const headerQueryingEngine = "X-Pdx-Sim-Querying-Engine"
+
+func (p *mooncakeProtocol) handleQuery(w http.ResponseWriter, r *http.Request) {
+	p.mu.Lock()
+	if r.Header.Get(headerQueryingEngine) == "" {
+		p.queries++
+	} else {
+		p.engineQueries++
+	}
+	p.mu.Unlock()
 	writeJSON(w, http.StatusOK, map[string]mooncakeEngine{
 		"0": {EngineID: p.s.cfg.EngineID, WorkerAddr: map[string]map[string]string{"0": {"0": p.s.addr}}},
 	})
@@ -197,12 +221,7 @@ func (p *mooncakeProtocol) decode(x *exchange) {
 	ctx, cancel := s.waitContext(x.r.Context())
 	defer cancel()
 
-	var engines map[string]mooncakeEngine
-	what := "querying the Mooncake bootstrap server at " + boot
-	hreq, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+boot+"/query", nil)
-	if err == nil {
-		err = s.roundTrip(ctx, s.client, what, hreq, &engines)
-	}
+	engines, err := p.query(ctx, boot)
 	if err != nil {
 		s.finishDecode(x, "transfer_id "+*kv.TransferID, kvAnswer{}, err)
 		return
@@ -217,10 +236,39 @@ func (p *mooncakeProtocol) decode(x *exchange) {
 	ctx, cancelWait := context.WithTimeout(ctx, wait+sideGrace)
 	defer cancelWait()
 	var got kvAnswer
-	what = "KV transfer of transfer_id " + *kv.TransferID + " from Mooncake worker " + worker
+	what := "KV transfer of transfer_id " + *kv.TransferID + " from Mooncake worker " + worker
+	// The scheduled decode holds its allocated blocks while it waits for
+	// the remote KV (WAITING_FOR_REMOTE_KVS).
+	release := s.holdSlot()
 	err = s.sideCall(ctx, s.waitClient(), what, "http://"+worker+"/sim/kv/transfer", x.rec.RequestID,
 		transferRequest{TransferID: *kv.TransferID, EngineID: *kv.RemoteEngineID, WaitMS: wait.Milliseconds()}, &got)
+	release()
 	s.finishDecode(x, "transfer_id "+*kv.TransferID, got, err)
+}
+
+// query asks the bootstrap server at boot (host:port) which engines it
+// serves, once: like upstream's decode (_connect_to_prefiller_bootstrap,
+// mooncake_connector.py), it keeps the answer for later requests.
+func (p *mooncakeProtocol) query(ctx context.Context, boot string) (map[string]mooncakeEngine, error) {
+	p.mu.Lock()
+	engines, ok := p.engines[boot]
+	p.mu.Unlock()
+	if ok {
+		return engines, nil
+	}
+	what := "querying the Mooncake bootstrap server at " + boot
+	hreq, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+boot+"/query", nil)
+	if err != nil {
+		return nil, badRequest("%s failed: %v", what, err)
+	}
+	hreq.Header.Set(headerQueryingEngine, p.s.addr)
+	if err := p.s.roundTrip(ctx, p.s.client, what, hreq, &engines); err != nil {
+		return nil, err
+	}
+	p.mu.Lock()
+	p.engines[boot] = engines
+	p.mu.Unlock()
+	return engines, nil
 }
 
 // bootstrapHostPort checks remote_bootstrap_addr, "http://host:port" as

@@ -48,6 +48,33 @@ func TestMooncakeVLLMQuery(t *testing.T) {
 	require.JSONEq(t, `{"0":{"engine_id":"mc-prefill","worker_addr":{"0":{"0":"`+p.Addr()+`"}}}}`, string(r.body))
 }
 
+// The bootstrap server counts the router's GET /query calls; a decode
+// engine asks once per bootstrap server and keeps the answer, as
+// upstream's decode does.
+func TestMooncakeVLLMBootstrapQueries(t *testing.T) {
+	p, d := mooncakePair(t, Config{}, time.Minute)
+	for i := range 3 {
+		rid := "req-" + itoa(i)
+		client := chatBody("query "+rid).with("max_tokens", 3)
+		post(t, p, "/v1/chat/completions", rid, mooncakePrefill(client, rid)).decode(t)
+		requireDecodePulled(t, d, p, post(t, d, "/v1/chat/completions", rid, mooncakeDecode(client, p, rid)), client, false, wantText(t, client))
+	}
+	mp := p.proto.(*mooncakeProtocol)
+	mp.mu.Lock()
+	require.Equal(t, 1, mp.engineQueries, "the decode engine asked once")
+	mp.mu.Unlock()
+	require.Zero(t, p.BootstrapQueries(), "the decode engine's query is not the router's")
+
+	req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://127.0.0.1:"+strconv.Itoa(p.BootstrapPort())+"/query", nil)
+	require.NoError(t, err)
+	for range 2 {
+		require.Equal(t, http.StatusOK, do(t, req).status)
+	}
+	require.Equal(t, 2, p.BootstrapQueries())
+	require.Equal(t, 2, p.State().BootstrapQueries)
+	require.Equal(t, 3, p.State().KVPulled)
+}
+
 func TestMooncakeVLLMHandoff(t *testing.T) {
 	for _, api := range bothAPIs {
 		for _, stream := range []bool{false, true} {
@@ -77,6 +104,7 @@ func TestMooncakeVLLMDecodeBeforePrefill(t *testing.T) {
 	client := completionBody("late prefill").with("max_tokens", 3)
 	dc := goPost(t, d, "/v1/completions", "req-1", mooncakeDecode(client, p, "req-1"))
 	waitForWaiters(t, p.proto.(*mooncakeProtocol).transfers)
+	require.Equal(t, 1, d.HeldSlots(), "the scheduled decode holds its blocks while it waits")
 	post(t, p, "/v1/completions", "req-1", mooncakePrefill(client, "req-1")).decode(t)
 	requireDecodePulled(t, d, p, await(t, dc), client, false, wantText(t, client))
 }

@@ -54,7 +54,7 @@ func validatePrefill(req *inferenceRequest, requestID string) error {
 	if requestID == "" {
 		problems = append(problems, "missing X-Request-Id header (prefill and decode must share one)")
 	}
-	problems = append(problems, prefillEditProblems(req, false)...)
+	problems = append(problems, prefillEditProblems(req)...)
 	kv := req.kv
 	for name, isSet := range map[string]bool{
 		"remote_engine_id":  kv.RemoteEngineID != nil,
@@ -199,6 +199,37 @@ func (s *Server) servePull(w http.ResponseWriter, r *http.Request, rec *Record) 
 	return pullResponse{Fingerprint: entry.fingerprint, RequestID: entry.requestID}, nil
 }
 
+// releaseRequest is the body of POST /sim/kv/release, the stand-in for the
+// NIXL notification "<remote_request_id>:<tp_size>" that a decode sends
+// without reading a block, to make the prefill free the KV.
+type releaseRequest struct {
+	RemoteEngineID  string `json:"remote_engine_id"`
+	RemoteRequestID string `json:"remote_request_id"`
+	RequestID       string `json:"request_id"` // X-Request-Id of the aborted decode
+}
+
+// handleRelease serves the prefill side of a release notification.
+func (s *Server) handleRelease(w http.ResponseWriter, r *http.Request) {
+	sr := s.startSide(r, KindKVRelease)
+	var rr releaseRequest
+	if ae := sr.readSide(w, r, &rr); ae != nil {
+		s.answerSide(w, r, sr, nil, ae)
+		return
+	}
+	if rr.RemoteEngineID != s.cfg.EngineID {
+		s.answerSide(w, r, sr, nil, badRequest("remote_engine_id mismatch: a KV release was sent for engine %q but this engine is %q",
+			rr.RemoteEngineID, s.cfg.EngineID))
+		return
+	}
+	e, ae := s.kv.release(rr.RemoteRequestID, rr.RequestID, time.Now())
+	sr.rec.Fingerprint = e.fingerprint
+	if ae != nil {
+		s.answerSide(w, r, sr, nil, ae)
+		return
+	}
+	s.answerSide(w, r, sr, struct{}{}, nil)
+}
+
 // kvEntry is the KV a prefill left behind for a decode to pull.
 type kvEntry struct {
 	fingerprint string // of the prompt whose KV the blocks hold
@@ -206,7 +237,11 @@ type kvEntry struct {
 	blockIDs    [][]int
 	created     time.Time
 	consumedBy  string // X-Request-Id of the decode that pulled it, "" until then
+	releasedBy  string // X-Request-Id of the decode whose abort notification freed it
 }
+
+// held reports whether the blocks are still pinned for a decode.
+func (e *kvEntry) held() bool { return e.consumedBy == "" && e.releasedBy == "" }
 
 const (
 	blockSize       = 16 // vLLM's default tokens per KV block
@@ -214,16 +249,49 @@ const (
 )
 
 // kvStore holds the prefilled KV of one engine, keyed by remote_request_id.
+// Like vLLM's NixlConnector on the prefill side, it pins an entry's blocks
+// until a decode reads them, a decode's notification frees them, or
+// VLLM_NIXL_ABORT_REQUEST_TIMEOUT (the ttl) passes.
 type kvStore struct {
 	ttl time.Duration
 
 	mu        sync.Mutex
 	nextBlock int
 	entries   map[string]*kvEntry
+	freed     kvFreed
+}
+
+// kvFreed counts how held KV was freed.
+type kvFreed struct {
+	pulled, released, expired int
+}
+
+func (f kvFreed) add(o kvFreed) kvFreed {
+	return kvFreed{pulled: f.pulled + o.pulled, released: f.released + o.released, expired: f.expired + o.expired}
 }
 
 func newKVStore(ttl time.Duration) *kvStore {
 	return &kvStore{ttl: ttl, nextBlock: 1, entries: make(map[string]*kvEntry)}
+}
+
+// expire drops the entry under id if its time is up, counting it as
+// expired if it was still held; it reports whether it did. k.mu is held.
+func (k *kvStore) expire(id string, e *kvEntry, now time.Time) bool {
+	if now.Sub(e.created) <= k.ttl {
+		return false
+	}
+	if e.held() {
+		k.freed.expired++
+	}
+	delete(k.entries, id)
+	return true
+}
+
+// sweep drops expired entries. k.mu is held.
+func (k *kvStore) sweep(now time.Time) {
+	for id, e := range k.entries {
+		k.expire(id, e, now)
+	}
 }
 
 // allocate remembers the KV of a finished prefill and returns its
@@ -232,11 +300,7 @@ func newKVStore(ttl time.Duration) *kvStore {
 func (k *kvStore) allocate(fingerprint, requestID string, tokens int, now time.Time) (string, [][]int) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	for id, e := range k.entries {
-		if now.Sub(e.created) > k.ttl {
-			delete(k.entries, id)
-		}
-	}
+	k.sweep(now)
 	n := min(tokens/blockSize+1, maxBlocksIssued)
 	blocks := make([]int, n)
 	for i := range blocks {
@@ -249,19 +313,41 @@ func (k *kvStore) allocate(fingerprint, requestID string, tokens int, now time.T
 	return id, ids
 }
 
-// take hands out the KV named by a pull, once. Consumed entries stay until
+// lookup finds the live entry under id. k.mu is held.
+func (k *kvStore) lookup(id string, now time.Time) (*kvEntry, *apiError) {
+	e, ok := k.entries[id]
+	if ok && k.expire(id, e, now) {
+		ok = false
+	}
+	if !ok {
+		return nil, &apiError{status: http.StatusNotFound,
+			msg: fmt.Sprintf("no KV for remote_request_id %q (unknown or expired)", id)}
+	}
+	return e, nil
+}
+
+// gone explains why a known entry can no longer be had, or is nil while it
+// is held. k.mu is held.
+func gone(id string, e *kvEntry) *apiError {
+	switch {
+	case e.consumedBy != "":
+		return &apiError{status: http.StatusConflict,
+			msg: fmt.Sprintf("KV of remote_request_id %q was already pulled by request %q", id, e.consumedBy)}
+	case e.releasedBy != "":
+		return &apiError{status: http.StatusConflict,
+			msg: fmt.Sprintf("KV of remote_request_id %q was released: the decode of request %q was aborted before it pulled and notified this engine", id, e.releasedBy)}
+	}
+	return nil
+}
+
+// take hands out the KV named by a pull, once. Freed entries stay until
 // they expire so that a second pull is told why it fails (409, not 404).
 func (k *kvStore) take(pr pullRequest, now time.Time) (kvEntry, *apiError) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
-	e, ok := k.entries[pr.RemoteRequestID]
-	if ok && now.Sub(e.created) > k.ttl {
-		delete(k.entries, pr.RemoteRequestID)
-		ok = false
-	}
-	if !ok {
-		return kvEntry{}, &apiError{status: http.StatusNotFound,
-			msg: fmt.Sprintf("no KV for remote_request_id %q (unknown or expired)", pr.RemoteRequestID)}
+	e, ae := k.lookup(pr.RemoteRequestID, now)
+	if ae != nil {
+		return kvEntry{}, ae
 	}
 	var blocks [][]int
 	if err := json.Unmarshal(pr.RemoteBlockIDs, &blocks); err != nil || !slices.EqualFunc(blocks, e.blockIDs, slices.Equal) {
@@ -269,15 +355,51 @@ func (k *kvStore) take(pr pullRequest, now time.Time) (kvEntry, *apiError) {
 			msg: fmt.Sprintf("remote_block_ids mismatch for remote_request_id %q: issued %s, got %s",
 				pr.RemoteRequestID, mustJSON(e.blockIDs), bytes.TrimSpace(pr.RemoteBlockIDs))}
 	}
-	if e.consumedBy != "" {
-		return *e, &apiError{status: http.StatusConflict,
-			msg: fmt.Sprintf("KV of remote_request_id %q was already pulled by request %q", pr.RemoteRequestID, e.consumedBy)}
+	if ae := gone(pr.RemoteRequestID, e); ae != nil {
+		return *e, ae
 	}
-	e.consumedBy = pr.RequestID
-	if e.consumedBy == "" {
-		e.consumedBy = "(no request id)"
-	}
+	e.consumedBy = orNoID(pr.RequestID)
+	k.freed.pulled++
 	return *e, nil
+}
+
+// release frees the KV of a decode that was aborted before it pulled, as
+// NIXL's notification "<remote_request_id>:<tp_size>" without a read does.
+func (k *kvStore) release(id, by string, now time.Time) (kvEntry, *apiError) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	e, ae := k.lookup(id, now)
+	if ae != nil {
+		return kvEntry{}, ae
+	}
+	if ae := gone(id, e); ae != nil {
+		return *e, ae
+	}
+	e.releasedBy = orNoID(by)
+	k.freed.released++
+	return *e, nil
+}
+
+// stats is the number of entries held and how many were freed, and how.
+func (k *kvStore) stats(now time.Time) (int, kvFreed) {
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	k.sweep(now)
+	held := 0
+	for _, e := range k.entries {
+		if e.held() {
+			held++
+		}
+	}
+	return held, k.freed
+}
+
+// orNoID names a request without an X-Request-Id in messages.
+func orNoID(id string) string {
+	if id == "" {
+		return "(no request id)"
+	}
+	return id
 }
 
 // newPullClient is the default KV pull client. It only dials loopback

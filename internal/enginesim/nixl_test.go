@@ -115,7 +115,7 @@ func promptOf(t *testing.T, b body) string {
 	if _, ok := b["messages"]; ok {
 		a = apiChat
 	}
-	req, err := parseRequest(a, data)
+	req, err := parseRequest(a, dialectVLLM, data)
 	require.NoError(t, err)
 	return req.prompt
 }
@@ -246,7 +246,8 @@ func TestNixlPrefillDerivationErrors(t *testing.T) {
 		{name: "min_completion_tokens", body: good.with("min_completion_tokens", 1), wantMsg: "min_completion_tokens must be absent"},
 		{name: "limit not 1", body: good.with("max_tokens", 7), wantMsg: "max_tokens must be 1 on a prefill request, got 7"},
 		{name: "limit missing", body: good.with("max_tokens", nil), wantMsg: "output limit missing"},
-		{name: "both limits", body: good.with("max_completion_tokens", 1), wantMsg: "both max_completion_tokens and max_tokens are set"},
+		{name: "max_completion_tokens read before max_tokens", body: good.with("max_completion_tokens", 5),
+			wantMsg: "max_completion_tokens must be 1 on a prefill request, got 5 (vLLM's /v1/chat/completions reads max_completion_tokens before max_tokens)"},
 		{name: "max_completion_tokens not 1", body: good.with("max_tokens", nil, "max_completion_tokens", 16),
 			wantMsg: "max_completion_tokens must be 1 on a prefill request, got 16"},
 		{name: "missing request id", requestID: "-", body: good, wantMsg: "missing X-Request-Id"},

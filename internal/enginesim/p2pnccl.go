@@ -55,6 +55,8 @@ func parseP2PRequestID(id string) (p2pLeg, error) {
 	return p2pLeg{prefillAddr: m[1], decodeAddr: m[2]}, nil
 }
 
+func (p *p2pProtocol) report(st *State, now time.Time) { st.addHandoffs(p.received, now) }
+
 func (p *p2pProtocol) classify(x *exchange) (mode, error) {
 	if err := foreignFields(x.req, ConnectorP2PNCCL); err != nil {
 		return modePlain, err
@@ -159,7 +161,9 @@ func (p *p2pProtocol) decode(x *exchange) {
 	}
 	ctx, cancel := s.waitContext(x.r.Context())
 	defer cancel()
+	release := s.holdSlot()
 	got, err := p.received.take(ctx, x.rec.RequestID, x.rec.RequestID, s.cfg.KVWaitTimeout)
+	release()
 	if ae, ok := err.(*apiError); ok && ae.status == http.StatusGatewayTimeout {
 		err = &apiError{status: ae.status, msg: fmt.Sprintf("no KV arrived at KV listener %s for request id %q within %v (no prefill at %s sent it)",
 			p.listener.addr, x.rec.RequestID, s.cfg.KVWaitTimeout, leg.prefillAddr)}

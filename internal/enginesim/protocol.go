@@ -109,10 +109,11 @@ func foreignFields(req *inferenceRequest, name string, own ...string) error {
 
 // prefillEditProblems lists how a prefill request departs from the
 // prefill-only edits of a client request: stream false, no stream_options,
-// min_tokens or min_completion_tokens, and an output limit of 1. With
-// bothLimits, max_tokens and max_completion_tokens may both be present if
-// both are 1 (upstream vLLM's Mooncake proxy sets both).
-func prefillEditProblems(req *inferenceRequest, bothLimits bool) []string {
+// min_tokens or min_completion_tokens, and an output limit of 1 as vLLM
+// reads it on the request's endpoint. Both limit keys may be present (vLLM's
+// toy_proxy_server.py sets max_tokens to 1 always and max_completion_tokens
+// to 1 when the client used it); only the key vLLM reads must be 1.
+func prefillEditProblems(req *inferenceRequest) []string {
 	var problems []string
 	if req.stream {
 		problems = append(problems, "stream must be false on a prefill request")
@@ -122,36 +123,44 @@ func prefillEditProblems(req *inferenceRequest, bothLimits bool) []string {
 			problems = append(problems, name+" must be absent on a prefill request")
 		}
 	}
-	limits := limitFields(req.api)
-	var set []string
-	for _, name := range limits {
-		if req.has(name) {
-			set = append(set, name)
-		}
-	}
+	read, _ := req.readLimit() // parseRequest already checked the keys are integers
 	switch {
-	case len(set) == 0:
-		problems = append(problems, "output limit missing: "+strings.Join(limits, " or ")+" must be 1 on a prefill request")
-	case len(set) > 1 && !bothLimits:
-		problems = append(problems, "both max_completion_tokens and max_tokens are set; exactly one must be 1 on a prefill request")
-	default:
-		for _, name := range set {
-			// parseRequest already checked it is an integer.
-			if n, _ := req.intField(name); n != 1 {
-				problems = append(problems, fmt.Sprintf("%s must be 1 on a prefill request, got %d", name, n))
-			}
-		}
-	}
-	if req.api == apiCompletions && req.has("max_completion_tokens") {
-		problems = append(problems, "max_completion_tokens is ignored by /v1/completions; use max_tokens")
+	case !read.set:
+		problems = append(problems, missingLimit(req))
+	case read.n != 1:
+		problems = append(problems, fmt.Sprintf("%s must be 1 on a prefill request, got %d (%s)", read.key, read.n, limitRule(req.api, read.key)))
 	}
 	return problems
+}
+
+// limitRule says why key is the limit vLLM reads on an endpoint.
+func limitRule(a api, key string) string {
+	switch {
+	case a == apiCompletions:
+		return "vLLM's /v1/completions reads only max_tokens"
+	case key == "max_completion_tokens":
+		return "vLLM's /v1/chat/completions reads max_completion_tokens before max_tokens"
+	}
+	return "vLLM's /v1/chat/completions reads max_tokens when max_completion_tokens is absent or null"
+}
+
+// missingLimit describes a prefill request without the limit vLLM reads: the
+// engine would generate up to its default instead of one token.
+func missingLimit(req *inferenceRequest) string {
+	if req.api == apiChat {
+		return "output limit missing: vLLM's /v1/chat/completions reads max_completion_tokens, else max_tokens; one of them must be 1 on a prefill request"
+	}
+	msg := "output limit missing: max_tokens must be 1 on a prefill request (vLLM's /v1/completions reads only max_tokens and defaults it to 16"
+	if req.has("max_completion_tokens") {
+		msg += "; it ignores max_completion_tokens"
+	}
+	return msg + ")"
 }
 
 // validatePrefillEdits refuses a prefill request whose prefill-only edits
 // are wrong, naming every problem.
 func validatePrefillEdits(req *inferenceRequest, name string) error {
-	problems := prefillEditProblems(req, true)
+	problems := prefillEditProblems(req)
 	if len(problems) == 0 {
 		return nil
 	}
@@ -172,6 +181,7 @@ type kvAnswer struct {
 // bootstrap room, a transfer id, ...).
 type handoff struct {
 	kvAnswer
+	owner      string // the request id that holds the KV while it waits, where the engine tracks one (SGLang's rid)
 	created    time.Time
 	consumedBy string // X-Request-Id of the decode that took it, "" until then
 }
@@ -186,10 +196,31 @@ type handoffs struct {
 	entries map[string]*handoff
 	changed chan struct{} // closed and replaced whenever an entry is added
 	waiters int           // takes waiting for a registration (for tests)
+	freed   kvFreed
 }
 
 func newHandoffs(what string, ttl time.Duration) *handoffs {
 	return &handoffs{what: what, ttl: ttl, entries: make(map[string]*handoff), changed: make(chan struct{})}
+}
+
+// expire drops the entry under key if its time is up, counting it as
+// expired if nobody took it; it reports whether it did. h.mu is held.
+func (h *handoffs) expire(key string, e *handoff, now time.Time) bool {
+	if now.Sub(e.created) <= h.ttl {
+		return false
+	}
+	if e.consumedBy == "" {
+		h.freed.expired++
+	}
+	delete(h.entries, key)
+	return true
+}
+
+// sweep drops expired entries. h.mu is held.
+func (h *handoffs) sweep(now time.Time) {
+	for k, e := range h.entries {
+		h.expire(k, e, now)
+	}
 }
 
 // put registers KV under key. A key in use (registered and not yet taken) is
@@ -197,21 +228,69 @@ func newHandoffs(what string, ttl time.Duration) *handoffs {
 // engines only need ids to be unique among requests in flight. Expired
 // entries are swept here.
 func (h *handoffs) put(key string, a kvAnswer, now time.Time) *apiError {
+	return h.putOwned(key, "", a, now)
+}
+
+// putOwned is put for KV held on behalf of the request owner.
+func (h *handoffs) putOwned(key, owner string, a kvAnswer, now time.Time) *apiError {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	for k, e := range h.entries {
-		if now.Sub(e.created) > h.ttl {
-			delete(h.entries, k)
-		}
-	}
+	h.sweep(now)
 	if e, ok := h.entries[key]; ok && e.consumedBy == "" {
 		return &apiError{status: http.StatusConflict,
 			msg: fmt.Sprintf("%s %s is already in use (prefilled for request %q and not yet taken)", h.what, key, e.RequestID)}
 	}
-	h.entries[key] = &handoff{kvAnswer: a, created: now}
+	h.entries[key] = &handoff{kvAnswer: a, owner: owner, created: now}
 	close(h.changed)
 	h.changed = make(chan struct{})
 	return nil
+}
+
+// owners lists the owners of the KV held (registered, not taken, not
+// expired), by key.
+func (h *handoffs) owners(now time.Time) map[string]string {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.sweep(now)
+	out := make(map[string]string)
+	for k, e := range h.entries {
+		if e.consumedBy == "" && e.owner != "" {
+			out[k] = e.owner
+		}
+	}
+	return out
+}
+
+// drop frees held KV whose owner matches, before any decode took it; a
+// decode waiting for its key goes on waiting (nothing will come). It
+// returns the number freed.
+func (h *handoffs) drop(match func(owner string) bool, now time.Time) int {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.sweep(now)
+	n := 0
+	for k, e := range h.entries {
+		if e.consumedBy == "" && e.owner != "" && match(e.owner) {
+			delete(h.entries, k)
+			n++
+		}
+	}
+	h.freed.released += n
+	return n
+}
+
+// stats is the number of entries held and how many were freed, and how.
+func (h *handoffs) stats(now time.Time) (int, kvFreed) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.sweep(now)
+	held := 0
+	for _, e := range h.entries {
+		if e.consumedBy == "" {
+			held++
+		}
+	}
+	return held, h.freed
 }
 
 // take hands out the KV under key once, waiting up to wait for a prefill to
@@ -288,8 +367,7 @@ func (h *handoffs) tryTake(key, consumer string, now time.Time) (kvAnswer, strin
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	e, ok := h.entries[key]
-	if ok && now.Sub(e.created) > h.ttl {
-		delete(h.entries, key)
+	if ok && h.expire(key, e, now) {
 		ok = false
 	}
 	switch {
@@ -298,10 +376,8 @@ func (h *handoffs) tryTake(key, consumer string, now time.Time) (kvAnswer, strin
 	case e.consumedBy != "":
 		return kvAnswer{}, e.consumedBy, h.changed
 	}
-	e.consumedBy = consumer
-	if e.consumedBy == "" {
-		e.consumedBy = "(no request id)"
-	}
+	e.consumedBy = orNoID(consumer)
+	h.freed.pulled++
 	return e.kvAnswer, "", nil
 }
 

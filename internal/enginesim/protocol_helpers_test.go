@@ -3,6 +3,7 @@ package enginesim
 import (
 	"bufio"
 	"bytes"
+	"context"
 	"encoding/json"
 	"net/http"
 	"strconv"
@@ -22,12 +23,19 @@ type asyncReply struct {
 // concurrent protocol can be in flight at once.
 func goPost(t *testing.T, s *Server, path, requestID string, body any) <-chan asyncReply {
 	t.Helper()
+	return goPostCtx(t, t.Context(), s, path, requestID, body)
+}
+
+// goPostCtx is goPost with the client's context: cancelling it makes the
+// client go away.
+func goPostCtx(t *testing.T, ctx context.Context, s *Server, path, requestID string, body any) <-chan asyncReply {
+	t.Helper()
 	data := marshal(t, body)
 	client := testClient(t)
 	url := "http://" + s.Addr() + path
 	ch := make(chan asyncReply, 1)
 	go func() {
-		req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, url, bytes.NewReader(data))
+		req, err := http.NewRequestWithContext(ctx, http.MethodPost, url, bytes.NewReader(data))
 		if err != nil {
 			ch <- asyncReply{err: err}
 			return
@@ -117,13 +125,15 @@ func answerText(t *testing.T, r reply, stream bool) string {
 	return r.decode(t).text()
 }
 
-// clientEdits applies the prefill-only edits to a client body.
+// prefillEdits applies the prefill-only edits to a client body as vLLM's
+// toy_proxy_server.py does: max_tokens 1 always, max_completion_tokens 1
+// when the client used it.
 func (b body) prefillEdits() body {
-	out := b.with("stream", false, "stream_options", nil, "min_tokens", nil, "min_completion_tokens", nil)
+	out := b.with("stream", false, "stream_options", nil, "min_tokens", nil, "min_completion_tokens", nil, "max_tokens", 1)
 	if _, ok := b["max_completion_tokens"]; ok {
-		return out.with("max_completion_tokens", 1, "max_tokens", nil)
+		return out.with("max_completion_tokens", 1)
 	}
-	return out.with("max_tokens", 1)
+	return out
 }
 
 // streaming makes a client body stream (with usage) or not.
@@ -176,8 +186,7 @@ func requireRejected(t *testing.T, s *Server, r reply, status int, wantMsg strin
 	require.Contains(t, r.errorMessage(t, status), wantMsg)
 	require.Equal(t, "application/json", r.header.Get("Content-Type"), "refused before any token, even when streaming")
 	require.Empty(t, r.header.Get(HeaderKV))
-	rec := lastRecord(t, s)
-	require.Equal(t, KindRejected, rec.Kind)
+	rec := lastKind(t, s, KindRejected)
 	require.Equal(t, status, rec.Status)
 	require.Contains(t, rec.Error, wantMsg)
 }
@@ -207,8 +216,7 @@ func requireStreamError(t *testing.T, s *Server, r reply, status int, wantMsg st
 	require.Nil(t, eb.Error["param"])
 	msg, _ := eb.Error["message"].(string)
 	require.Contains(t, msg, wantMsg)
-	rec := lastRecord(t, s)
-	require.Equal(t, KindRejected, rec.Kind)
+	rec := lastKind(t, s, KindRejected)
 	require.Equal(t, status, rec.Status)
 	require.Contains(t, rec.Error, wantMsg)
 	require.Empty(t, rec.KV)

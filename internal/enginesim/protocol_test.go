@@ -2,6 +2,7 @@ package enginesim
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"strconv"
 	"testing"
@@ -186,25 +187,48 @@ func TestHandoffs(t *testing.T) {
 	})
 }
 
+// TestPrefillEditProblems: a prefill's limit is 1 as vLLM reads it on its
+// endpoint; both keys may be present (vLLM's toy proxy sets both).
 func TestPrefillEditProblems(t *testing.T) {
+	const (
+		chatMCT    = "vLLM's /v1/chat/completions reads max_completion_tokens before max_tokens"
+		chatMT     = "vLLM's /v1/chat/completions reads max_tokens when max_completion_tokens is absent or null"
+		completion = "vLLM's /v1/completions reads only max_tokens"
+	)
+	chat, cmpl := chatBody("x"), completionBody("x")
 	tests := []struct {
-		name       string
-		body       body
-		bothLimits bool
-		want       []string
+		name string
+		body body
+		want []string
 	}{
-		{"good", chatBody("x").prefillEdits(), false, nil},
-		{"both limits 1, allowed", chatBody("x").with("max_tokens", 1, "max_completion_tokens", 1), true, nil},
-		{"both limits, one not 1", chatBody("x").with("max_tokens", 1, "max_completion_tokens", 2), true,
-			[]string{"max_completion_tokens must be 1 on a prefill request, got 2"}},
-		{"both limits, not allowed", chatBody("x").with("max_tokens", 1, "max_completion_tokens", 1), false,
-			[]string{"both max_completion_tokens and max_tokens are set; exactly one must be 1 on a prefill request"}},
+		{"chat, max_tokens 1", chat.with("max_tokens", 1), nil},
+		{"chat, max_completion_tokens 1", chat.with("max_completion_tokens", 1), nil},
+		{"chat, both 1", chat.with("max_tokens", 1, "max_completion_tokens", 1), nil},
+		{"chat reads max_completion_tokens first", chat.with("max_completion_tokens", 1, "max_tokens", 5), nil},
+		{"chat, max_completion_tokens 5 beats max_tokens 1", chat.with("max_completion_tokens", 5, "max_tokens", 1),
+			[]string{"max_completion_tokens must be 1 on a prefill request, got 5 (" + chatMCT + ")"}},
+		{"chat, null max_completion_tokens is absent", chat.with("max_completion_tokens", json.RawMessage("null"), "max_tokens", 2),
+			[]string{"max_tokens must be 1 on a prefill request, got 2 (" + chatMT + ")"}},
+		{"chat, no limit", chat, []string{"output limit missing: vLLM's /v1/chat/completions reads max_completion_tokens, else max_tokens; one of them must be 1 on a prefill request"}},
+		{"completions, max_tokens 1", cmpl.with("max_tokens", 1), nil},
+		{"completions, both 1", cmpl.with("max_tokens", 1, "max_completion_tokens", 1), nil},
+		{"completions ignore max_completion_tokens", cmpl.with("max_tokens", 1, "max_completion_tokens", 5), nil},
+		{"completions, max_tokens 2", cmpl.with("max_tokens", 2, "max_completion_tokens", 1),
+			[]string{"max_tokens must be 1 on a prefill request, got 2 (" + completion + ")"}},
+		{"completions, only max_completion_tokens", cmpl.with("max_completion_tokens", 1),
+			[]string{"output limit missing: max_tokens must be 1 on a prefill request (vLLM's /v1/completions reads only max_tokens and defaults it to 16; it ignores max_completion_tokens)"}},
+		{"completions, no limit", cmpl,
+			[]string{"output limit missing: max_tokens must be 1 on a prefill request (vLLM's /v1/completions reads only max_tokens and defaults it to 16)"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			req, err := parseRequest(apiChat, marshal(t, tt.body))
+			a := apiCompletions
+			if _, ok := tt.body["messages"]; ok {
+				a = apiChat
+			}
+			req, err := parseRequest(a, dialectVLLM, marshal(t, tt.body))
 			require.NoError(t, err)
-			require.Equal(t, tt.want, prefillEditProblems(req, tt.bothLimits))
+			require.Equal(t, tt.want, prefillEditProblems(req))
 		})
 	}
 }

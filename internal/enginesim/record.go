@@ -21,9 +21,12 @@ type Record struct {
 	// before the response was complete. A refusal sent as an SSE error
 	// event after a 200 (an SGLang streaming decode) has the status the
 	// event names.
-	Status int             `json:"status"`
-	Error  string          `json:"error,omitempty"`
-	Body   json.RawMessage `json:"body"` // the request body as received (compact)
+	Status int `json:"status"`
+	// RID is the request id a client set in the body (SGLang's rid; for
+	// KindAbort the rid asked to abort); "" when the engine made one up.
+	RID   string          `json:"rid,omitempty"`
+	Error string          `json:"error,omitempty"`
+	Body  json.RawMessage `json:"body"` // the request body as received (compact)
 }
 
 // Record kinds. An inference request refused with an error status is
@@ -31,12 +34,17 @@ type Record struct {
 // one place; a refused KV transfer stays KindKVPull or KindKVPush with its
 // error status.
 const (
-	KindPrefill  = "prefill"
-	KindDecode   = "decode"
-	KindPlain    = "plain"   // no KV transfer params
-	KindKVPull   = "kv-pull" // a decode took KV from this (prefill) engine
-	KindKVPush   = "kv-push" // a prefill sent KV to this (decode) engine: P2P NCCL
-	KindRejected = "rejected"
+	KindPrefill = "prefill"
+	KindDecode  = "decode"
+	KindPlain   = "plain"   // no KV transfer params
+	KindKVPull  = "kv-pull" // a decode took KV from this (prefill) engine
+	KindKVPush  = "kv-push" // a prefill sent KV to this (decode) engine: P2P NCCL
+	// KindKVRelease is a decode's notification to this (prefill) engine to
+	// free KV it will not pull (vLLM NIXL: the decode was aborted before
+	// it was scheduled).
+	KindKVRelease = "kv-release"
+	KindAbort     = "abort" // a call of SGLang's POST /abort_request
+	KindRejected  = "rejected"
 )
 
 // Values of Record.KV and of the X-Pdx-Sim-Kv header.

@@ -102,6 +102,7 @@ type inferenceRequest struct {
 	fields       map[string]json.RawMessage // every top-level field, for presence checks
 	model        string
 	prompt       string
+	promptTokens int // counted in usage (TensorRT-LLM's ctx_usage may override it)
 	stream       bool
 	includeUsage bool
 	maxTokens    int // resolved output length
@@ -109,9 +110,65 @@ type inferenceRequest struct {
 	kv           kvTransferParams // meaningful unless mode is modePlain
 }
 
-// parseRequest validates an OpenAI request body the way vLLM's request
-// models would, keeping unknown fields out of the way.
-func parseRequest(a api, body []byte) (*inferenceRequest, error) {
+// dialect is the request model of an engine family: vLLM, SGLang and
+// TensorRT-LLM declare the same OpenAI fields with different types, so they
+// differ in which nulls they refuse and in token-id prompts.
+type dialect int
+
+const (
+	dialectVLLM   dialect = iota // connectors nixl, mooncake, http/lmcache, p2p-nccl
+	dialectSGLang                // connector sglang
+	dialectTRTLLM                // connector trtllm
+)
+
+func dialectOf(connector string) dialect {
+	switch connector {
+	case ConnectorSGLang:
+		return dialectSGLang
+	case ConnectorTRTLLM:
+		return dialectTRTLLM
+	}
+	return dialectVLLM
+}
+
+// notNull is a field an engine declares with a default but not Optional:
+// pydantic refuses an explicit null for it (a 400), where it treats null as
+// absent for the Optional fields.
+type notNull struct {
+	api   api
+	field string
+	decl  string // the declaration, for the message
+}
+
+// nullRefused are the non-Optional fields of each dialect's request models.
+var nullRefused = map[dialect][]notNull{
+	// vllm/entrypoints/openai/completion/protocol.py: CompletionRequest
+	// declares n: int = 1 (ChatCompletionRequest: n: int | None = 1).
+	dialectVLLM: {{apiCompletions, "n", "vLLM's CompletionRequest.n: int = 1"}},
+	// sglang/srt/entrypoints/openai/protocol.py: stream: bool = False on
+	// both requests, CompletionRequest.max_tokens: int = 16 (the chat one
+	// is Optional[int]).
+	dialectSGLang: {
+		{apiChat, "stream", "SGLang's ChatCompletionRequest.stream: bool = False"},
+		{apiCompletions, "stream", "SGLang's CompletionRequest.stream: bool = False"},
+		{apiCompletions, "max_tokens", "SGLang's CompletionRequest.max_tokens: int = 16"},
+	},
+}
+
+// refuseNulls refuses an explicit null for a field the dialect does not
+// declare Optional.
+func (r *inferenceRequest) refuseNulls(d dialect) error {
+	for _, nn := range nullRefused[d] {
+		if raw, ok := r.fields[nn.field]; ok && nn.api == r.api && isNull(raw) {
+			return badRequest("%s must not be null (%s is not Optional)", nn.field, nn.decl)
+		}
+	}
+	return nil
+}
+
+// parseRequest validates an OpenAI request body the way the dialect's
+// request models would, keeping unknown fields out of the way.
+func parseRequest(a api, d dialect, body []byte) (*inferenceRequest, error) {
 	req := &inferenceRequest{api: a}
 	if err := decodeJSON(body, &req.fields); err != nil {
 		return nil, badRequest("request body is not a JSON object: %v", err)
@@ -125,47 +182,19 @@ func parseRequest(a api, body []byte) (*inferenceRequest, error) {
 	if err := req.field("model", &req.model); err != nil {
 		return nil, err
 	}
-
-	switch a {
-	case apiChat:
-		var msgs []Message
-		if err := req.field("messages", &msgs); err != nil {
-			return nil, err
-		}
-		if len(msgs) == 0 {
-			return nil, badRequest("messages is required and must not be empty")
-		}
-		for i, m := range msgs {
-			if m.Role == "" {
-				return nil, badRequest("messages[%d].role is required", i)
-			}
-		}
-		req.prompt = ChatPromptText(msgs)
-	case apiCompletions:
-		if !req.has("prompt") {
-			return nil, badRequest("prompt is required")
-		}
-		p, err := completionPrompt(req.fields["prompt"])
-		if err != nil {
-			return nil, err
-		}
-		req.prompt = p
+	if err := req.refuseNulls(d); err != nil {
+		return nil, err
 	}
+	if err := req.parsePrompt(d); err != nil {
+		return nil, err
+	}
+	req.promptTokens = promptTokens(req.prompt)
 
 	if err := req.field("stream", &req.stream); err != nil {
 		return nil, err
 	}
-	if req.has("stream_options") {
-		if !req.stream {
-			return nil, badRequest("stream_options can only be set when stream is true")
-		}
-		var opts struct {
-			IncludeUsage bool `json:"include_usage"`
-		}
-		if err := req.field("stream_options", &opts); err != nil {
-			return nil, err
-		}
-		req.includeUsage = opts.IncludeUsage
+	if err := req.parseStreamOptions(d); err != nil {
+		return nil, err
 	}
 
 	limit, err := req.outputLimit()
@@ -190,9 +219,84 @@ func parseRequest(a api, body []byte) (*inferenceRequest, error) {
 	return req, nil
 }
 
-// limitFields are the fields that bound the output length on each endpoint, in
-// order of precedence. vLLM's completions API has no max_completion_tokens and
-// silently ignores it, so it does not count there.
+// parsePrompt sets the prompt text. TensorRT-LLM's generation server may
+// get the prompt as the context server's token ids (its disagg server puts
+// them in prompt for /v1/completions and in prompt_token_ids for chat,
+// openai_disagg_service.py _get_gen_request); they then are the prompt.
+func (r *inferenceRequest) parsePrompt(d dialect) error {
+	switch r.api {
+	case apiChat:
+		var msgs []Message
+		if err := r.field("messages", &msgs); err != nil {
+			return err
+		}
+		if len(msgs) == 0 {
+			return badRequest("messages is required and must not be empty")
+		}
+		for i, m := range msgs {
+			if m.Role == "" {
+				return badRequest("messages[%d].role is required", i)
+			}
+		}
+		r.prompt = ChatPromptText(msgs)
+		if d == dialectTRTLLM && r.has("prompt_token_ids") {
+			ids, err := tokenIDs(r.fields["prompt_token_ids"], "prompt_token_ids")
+			if err != nil {
+				return err
+			}
+			r.prompt = detokenize(ids)
+		}
+	case apiCompletions:
+		if !r.has("prompt") {
+			return badRequest("prompt is required")
+		}
+		p, err := completionPrompt(r.fields["prompt"], d == dialectTRTLLM)
+		if err != nil {
+			return err
+		}
+		r.prompt = p
+	}
+	return nil
+}
+
+// parseStreamOptions reads stream_options, which needs stream. vLLM's
+// validate_stream_options refuses `data.get("stream_options") and not
+// data.get("stream")`: a truthy stream_options, so {} (and null) pass
+// without stream, and stream null counts as false. The other dialects keep
+// the stricter rule: any stream_options needs stream true.
+func (r *inferenceRequest) parseStreamOptions(d dialect) error {
+	if !r.has("stream_options") {
+		return nil
+	}
+	var opts struct {
+		IncludeUsage bool `json:"include_usage"`
+	}
+	if err := r.field("stream_options", &opts); err != nil {
+		return err
+	}
+	refused := !r.stream
+	if d == dialectVLLM {
+		refused = refused && !isEmptyObject(r.fields["stream_options"])
+	}
+	if refused {
+		return badRequest("stream_options can only be set when stream is true")
+	}
+	r.includeUsage = r.stream && opts.IncludeUsage
+	return nil
+}
+
+// isEmptyObject reports whether raw is the JSON object {}.
+func isEmptyObject(raw json.RawMessage) bool {
+	var m map[string]json.RawMessage
+	return decodeJSON(raw, &m) == nil && m != nil && len(m) == 0
+}
+
+// limitFields are the fields that bound the output length on each endpoint,
+// in the order vLLM reads them. Chat takes max_completion_tokens when it is
+// set and not null, else max_tokens (chat_completion/serving.py,
+// build_tok_params in chat_completion/protocol.py); vLLM's CompletionRequest
+// has no max_completion_tokens (completion/protocol.py) and, allowing extra
+// fields, ignores it there.
 func limitFields(a api) []string {
 	if a == apiChat {
 		return []string{"max_completion_tokens", "max_tokens"}
@@ -200,22 +304,46 @@ func limitFields(a api) []string {
 	return []string{"max_tokens"}
 }
 
-// outputLimit resolves the number of tokens to generate.
-func (r *inferenceRequest) outputLimit() (int, error) {
+// limitRead is the output limit as the engine reads it: the key it takes
+// and its value; set is false when no key is given (the engine's default).
+type limitRead struct {
+	key string
+	n   int64
+	set bool
+}
+
+// readLimit finds the limit key the endpoint reads. Every limit key it
+// declares must be an integer (pydantic checks them all); only the first
+// one set counts.
+func (r *inferenceRequest) readLimit() (limitRead, error) {
+	var read limitRead
 	for _, name := range limitFields(r.api) {
 		if !r.has(name) {
 			continue
 		}
 		n, err := r.intField(name)
 		if err != nil {
-			return 0, err
+			return limitRead{}, err
 		}
-		if n < 1 {
-			return 0, badRequest("%s must be at least 1, got %d", name, n)
+		if !read.set {
+			read = limitRead{key: name, n: n, set: true}
 		}
-		return int(min(n, maxMaxTokens)), nil
 	}
-	return defaultMaxTokens, nil
+	return read, nil
+}
+
+// outputLimit resolves the number of tokens to generate.
+func (r *inferenceRequest) outputLimit() (int, error) {
+	read, err := r.readLimit()
+	switch {
+	case err != nil:
+		return 0, err
+	case !read.set:
+		return defaultMaxTokens, nil
+	case read.n < 1:
+		return 0, badRequest("%s must be at least 1, got %d", read.key, read.n)
+	}
+	return int(min(read.n, maxMaxTokens)), nil
 }
 
 // has reports whether a top-level field is present and not null; OpenAI
@@ -255,9 +383,10 @@ func (r *inferenceRequest) intField(name string) (int64, error) {
 }
 
 // completionPrompt is the prompt text of /v1/completions: the string, or the
-// strings of an array joined by "\n". Token-id prompts have no text to
+// strings of an array joined by "\n". With tokens, an array of token ids is
+// a prompt too (detokenized); elsewhere token-id prompts have no text to
 // fingerprint, so the simulator refuses them.
-func completionPrompt(raw json.RawMessage) (string, error) {
+func completionPrompt(raw json.RawMessage, tokens bool) (string, error) {
 	var v any
 	if err := decodeJSON(raw, &v); err != nil {
 		return "", badRequest("invalid prompt: %v", err)
@@ -268,6 +397,13 @@ func completionPrompt(raw json.RawMessage) (string, error) {
 	case []any:
 		if len(p) == 0 {
 			return "", badRequest("prompt must not be empty")
+		}
+		if _, isNum := p[0].(json.Number); isNum && tokens {
+			ids, err := tokenIDs(raw, "prompt")
+			if err != nil {
+				return "", err
+			}
+			return detokenize(ids), nil
 		}
 		parts := make([]string, len(p))
 		for i, e := range p {
@@ -280,11 +416,6 @@ func completionPrompt(raw json.RawMessage) (string, error) {
 		return strings.Join(parts, "\n"), nil
 	}
 	return "", badRequest("prompt must be a string or an array of strings")
-}
-
-// promptTokens approximates a tokenizer: about four characters a token.
-func promptTokens(text string) int {
-	return max(1, len(text)/4)
 }
 
 // decodeJSON decodes exactly one JSON value, keeping numbers as json.Number

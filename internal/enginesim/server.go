@@ -13,9 +13,11 @@
 package enginesim
 
 import (
+	"bytes"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -45,10 +47,14 @@ type Config struct {
 	Role            Role          // default RoleBoth
 	EngineID        string        // default: random hex string
 	PrefillLatency  time.Duration // fixed latency of a prefill (also of the prompt phase of a plain request)
-	PrefillPerToken time.Duration // extra per prompt token (tokens ~= len(prompt text)/4, at least 1)
+	PrefillPerToken time.Duration // extra per prompt token (tokens = the simulator tokenizer's, 4 bytes a token, at least 1)
 	DecodeLatency   time.Duration // fixed time to first output token
 	DecodePerToken  time.Duration // per further output token (SSE chunks are spaced by it)
-	KVTTL           time.Duration // prefilled KV kept this long if never pulled; default 2m
+	// KVTTL is how long a prefill keeps KV that no decode takes before it
+	// frees it; default 2m. For NIXL it stands for vLLM's
+	// VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s upstream, 120 s in older
+	// releases), for SGLang's prefill for SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT.
+	KVTTL time.Duration
 	// Connector is the KV connector protocol the engine speaks; like vLLM's
 	// --kv-transfer-config, one engine speaks one: "nixl" (default), "http"
 	// (alias "lmcache"), "mooncake", "sglang", "p2p-nccl" or "trtllm".
@@ -69,7 +75,31 @@ type Config struct {
 	StoreAddr string
 	// KVWaitTimeout bounds how long a decode waits for the KV of a prefill
 	// that runs concurrently with it or has not arrived yet; default 30s.
+	// For SGLang it stands for SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s
+	// upstream), during which the decode holds its pre-allocated KV.
 	KVWaitTimeout time.Duration
+	// DecodeQueueLatency is how long a NIXL decode request waits in vLLM's
+	// waiting queue before the scheduler takes it and it pulls its KV. A
+	// client that goes away meanwhile aborts it unscheduled, and the decode
+	// notifies the prefill to free the KV (vLLM PR #19223).
+	DecodeQueueLatency time.Duration
+	// DisconnectCheckInterval is how often SGLang's tokenizer manager looks
+	// at the client of a request that waits for output
+	// (SGLANG_REQUEST_STATE_WAIT_TIMEOUT, 4 s): a client that went away is
+	// noticed, and its request aborted, only at the next check. Default 4s
+	// for Connector "sglang"; the other engines notice at once.
+	DisconnectCheckInterval time.Duration
+	// TamperKVParams is a JSON object whose members override those of the
+	// kv_transfer_params a NIXL prefill returns (e.g. a foreign remote_host):
+	// a misbehaving prefill engine, for testing a router's check of the KV
+	// source. Decodes still pull from loopback addresses only.
+	TamperKVParams json.RawMessage
+	// TRTLLMLegacy makes a Connector "trtllm" engine an older TensorRT-LLM
+	// server, whose DisaggregatedParams declares only request_type,
+	// first_gen_tokens, ctx_request_id, encoded_opaque_state and
+	// draft_tokens (so it refuses disagg_request_id, ctx_usage, ...), and
+	// whose context answers carry no prompt_token_ids or disagg_request_id.
+	TRTLLMLegacy bool
 	// Client is used for KV pulls. The default has a tuned transport, a 10s
 	// timeout and dials loopback addresses only (the simulator is a test
 	// fixture, and a tampered remote_host must not send traffic elsewhere).
@@ -91,12 +121,20 @@ type Tally struct {
 	Pulled int
 	// Rejected counts requests and transfers answered with an error status.
 	Rejected int
+	// KVRelease counts KV release notifications a prefill engine received
+	// (vLLM NIXL, a decode aborted before it pulled); Abort counts SGLang
+	// /abort_request calls.
+	KVRelease, Abort int
 }
 
 const (
 	defaultKVTTL         = 2 * time.Minute
 	defaultKVWaitTimeout = 30 * time.Second
-	defaultSideAddr      = "127.0.0.1:0"
+	// defaultSGLangDisconnectCheck is SGLang's
+	// SGLANG_REQUEST_STATE_WAIT_TIMEOUT (environ.py; the literal timeout=4
+	// of tokenizer_manager.py's _wait_one_response in older releases).
+	defaultSGLangDisconnectCheck = 4 * time.Second
+	defaultSideAddr              = "127.0.0.1:0"
 	// shutdownGrace bounds how long Close lets in-flight requests finish
 	// before their contexts are cancelled.
 	shutdownGrace = 5 * time.Second
@@ -124,7 +162,8 @@ func (c Config) withDefaults() (Config, error) {
 	for name, d := range map[string]time.Duration{
 		"PrefillLatency": c.PrefillLatency, "PrefillPerToken": c.PrefillPerToken,
 		"DecodeLatency": c.DecodeLatency, "DecodePerToken": c.DecodePerToken, "KVTTL": c.KVTTL,
-		"KVWaitTimeout": c.KVWaitTimeout,
+		"KVWaitTimeout": c.KVWaitTimeout, "DecodeQueueLatency": c.DecodeQueueLatency,
+		"DisconnectCheckInterval": c.DisconnectCheckInterval,
 	} {
 		if d < 0 {
 			return c, fmt.Errorf("enginesim: %s must not be negative, got %v", name, d)
@@ -161,10 +200,28 @@ func (c Config) withDefaults() (Config, error) {
 	if (c.Connector == ConnectorHTTP || c.Connector == ConnectorLMCache) && c.StoreAddr == "" {
 		return c, fmt.Errorf("enginesim: connector %q needs StoreAddr, the address of a KV store (see StartStore)", c.Connector)
 	}
+	if c.DisconnectCheckInterval == 0 && c.Connector == ConnectorSGLang {
+		c.DisconnectCheckInterval = defaultSGLangDisconnectCheck
+	}
+	if _, err := parseTamper(c.TamperKVParams); err != nil {
+		return c, err
+	}
 	if c.Logger == nil {
 		c.Logger = slog.New(slog.DiscardHandler)
 	}
 	return c, nil
+}
+
+// parseTamper reads Config.TamperKVParams: nothing, or a JSON object.
+func parseTamper(raw json.RawMessage) (map[string]json.RawMessage, error) {
+	if len(bytes.TrimSpace(raw)) == 0 {
+		return nil, nil
+	}
+	var m map[string]json.RawMessage
+	if err := decodeJSON(raw, &m); err != nil || m == nil {
+		return nil, fmt.Errorf("enginesim: TamperKVParams must be a JSON object, got %s", bytes.TrimSpace(raw))
+	}
+	return m, nil
 }
 
 // Server is a running simulator.
@@ -177,8 +234,10 @@ type Server struct {
 	client    *http.Client
 	ownClient bool // whether Close should drop the client's idle connections
 	kv        *kvStore
+	tamper    map[string]json.RawMessage // Config.TamperKVParams
 	srv       *http.Server
-	served    chan struct{} // closed when Serve has returned
+	served    chan struct{}   // closed when Serve has returned
+	base      context.Context // the requests' base context: cancelled once Close gives up on them
 	cancel    context.CancelFunc
 	proto     protocol
 	sides     []*sideServer // bootstrap servers and KV listeners of the protocol
@@ -192,6 +251,8 @@ type Server struct {
 	resetSeq  uint64 // requests that arrived before this are not recorded
 	records   []sequenced
 	tally     Tally
+	waiting   int // NIXL decodes in the waiting queue (Config.DecodeQueueLatency)
+	slots     int // decodes holding pre-allocated KV while they wait for a prefill's
 	closing   bool
 	stopWatch func() bool // detaches Close from the Start context
 	inflight  sync.WaitGroup
@@ -232,6 +293,7 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 		client:      cfg.Client,
 		kv:          newKVStore(cfg.KVTTL),
 		served:      make(chan struct{}),
+		base:        baseCtx,
 		cancel:      cancel,
 		waitsDone:   waitsDone,
 		stopWaiting: stopWaiting,
@@ -239,6 +301,7 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 	if s.client == nil {
 		s.client, s.ownClient = newPullClient(), true
 	}
+	s.tamper, _ = parseTamper(cfg.TamperKVParams) // withDefaults checked it
 	errorLog := slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)
 	s.proto, err = newProtocol(ctx, s)
 	if err != nil {
@@ -395,9 +458,10 @@ func (s *Server) Close() error {
 }
 
 // Records returns a copy of every recorded request, in arrival order. Only
-// inference requests and KV transfers (pulls, and P2P NCCL pushes) are
-// recorded; a record appears once its response is decided, before the
-// response is complete on the wire.
+// inference requests, KV transfers (pulls, and P2P NCCL pushes), KV release
+// notifications and SGLang /abort_request calls are recorded; a record
+// appears once its response is decided, before the response is complete on
+// the wire.
 func (s *Server) Records() []Record {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -459,6 +523,10 @@ func (s *Server) count(rec Record) {
 		t.KVPull++
 	case KindKVPush:
 		t.KVPush++
+	case KindKVRelease:
+		t.KVRelease++
+	case KindAbort:
+		t.Abort++
 	}
 	if rec.KV == KVPulled {
 		t.Pulled++
@@ -501,6 +569,10 @@ func (s *Server) routes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/chat/completions", s.handleInference(apiChat))
 	mux.HandleFunc("POST /v1/completions", s.handleInference(apiCompletions))
 	mux.HandleFunc("POST /sim/kv/pull", s.handlePull)
+	mux.HandleFunc("POST /sim/kv/release", s.handleRelease)
+	mux.HandleFunc("GET /sim/state", func(w http.ResponseWriter, _ *http.Request) {
+		writeJSON(w, http.StatusOK, s.State())
+	})
 	mux.HandleFunc("GET /health", func(w http.ResponseWriter, _ *http.Request) {
 		w.WriteHeader(http.StatusOK)
 	})
@@ -508,7 +580,8 @@ func (s *Server) routes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /sim/requests", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, s.Records())
 	})
-	paths := []string{"/v1/chat/completions", "/v1/completions", "/sim/kv/pull", "/health", "/v1/models", "/sim/requests"}
+	paths := []string{"/v1/chat/completions", "/v1/completions", "/sim/kv/pull", "/sim/kv/release", "/sim/state",
+		"/health", "/v1/models", "/sim/requests"}
 	if r, ok := s.proto.(routeAdder); ok {
 		paths = append(paths, r.addRoutes(mux)...)
 	}

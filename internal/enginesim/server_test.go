@@ -106,7 +106,11 @@ func TestBadRequests(t *testing.T) {
 		{"zero max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", 0), "max_tokens must be at least 1"},
 		{"string max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", "5"), "max_tokens must be an integer"},
 		{"fractional max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", 1.5), "max_tokens must be an integer, got 1.5"},
-		{"stream_options without stream", "/v1/chat/completions", chatBody("x").with("stream_options", map[string]any{}), "stream_options can only be set"},
+		{"stream_options without stream", "/v1/chat/completions", chatBody("x").with("stream_options", map[string]any{"include_usage": true}), "stream_options can only be set"},
+		{"stream_options with stream null", "/v1/chat/completions",
+			chatBody("x").with("stream", json.RawMessage("null"), "stream_options", map[string]any{"include_usage": false}), "stream_options can only be set"},
+		{"completions n null", "/v1/completions", completionBody("x").with("n", json.RawMessage("null")),
+			"n must not be null (vLLM's CompletionRequest.n: int = 1 is not Optional)"},
 		{"kv params not an object", "/v1/chat/completions", chatBody("x").with("kv_transfer_params", "yes"), "invalid kv_transfer_params"},
 	}
 	for _, tt := range tests {
@@ -124,6 +128,43 @@ func TestBadRequests(t *testing.T) {
 	}
 }
 
+// TestNulls: null is absent for Optional fields and refused for fields an
+// engine declares with a default but not Optional, which differ by engine.
+func TestNulls(t *testing.T) {
+	null := json.RawMessage("null")
+	tests := []struct {
+		name      string
+		connector string
+		body      body
+		wantMsg   string // "" when accepted
+	}{
+		{"vLLM chat nulls", ConnectorNIXL, chatBody("x").with("stream", null, "stream_options", null, "max_tokens", null,
+			"max_completion_tokens", null, "n", null, "temperature", null), ""},
+		{"vLLM completions nulls", ConnectorMooncake, completionBody("x").with("stream", null, "stream_options", null, "max_tokens", null), ""},
+		{"vLLM completions n null", ConnectorHTTP, completionBody("x").with("n", null), "n must not be null (vLLM's CompletionRequest.n: int = 1 is not Optional)"},
+		// validate_stream_options refuses a truthy stream_options without stream.
+		{"vLLM empty stream_options without stream", ConnectorNIXL, chatBody("x").with("stream_options", map[string]any{}), ""},
+		{"vLLM stream_options with stream null", ConnectorMooncake, chatBody("x").with("stream", null, "stream_options", map[string]any{"include_usage": true}),
+			"stream_options can only be set when stream is true"},
+		{"SGLang chat stream null", ConnectorSGLang, chatBody("x").with("stream", null), "stream must not be null (SGLang's ChatCompletionRequest.stream: bool = False is not Optional)"},
+		{"SGLang completions stream null", ConnectorSGLang, completionBody("x").with("stream", null), "stream must not be null (SGLang's CompletionRequest.stream: bool = False"},
+		{"SGLang completions max_tokens null", ConnectorSGLang, completionBody("x").with("max_tokens", null), "max_tokens must not be null (SGLang's CompletionRequest.max_tokens: int = 16"},
+		{"SGLang chat max_tokens null", ConnectorSGLang, chatBody("x").with("max_tokens", null, "n", null), ""},
+		{"SGLang completions n null", ConnectorSGLang, completionBody("x").with("n", null), ""},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := startSim(t, Config{Connector: tt.connector, StoreAddr: "127.0.0.1:1"})
+			r := post(t, s, pathFor(tt.body), "req-1", tt.body)
+			if tt.wantMsg == "" {
+				require.Equal(t, defaultMaxTokens, r.decode(t).Usage.CompletionTokens)
+				return
+			}
+			requireRejected(t, s, r, http.StatusBadRequest, tt.wantMsg)
+		})
+	}
+}
+
 func TestRoutes(t *testing.T) {
 	s := startSim(t, Config{})
 	tests := []struct {
@@ -133,6 +174,9 @@ func TestRoutes(t *testing.T) {
 		{http.MethodGet, "/health", http.StatusOK},
 		{http.MethodGet, "/v1/models", http.StatusOK},
 		{http.MethodGet, "/sim/requests", http.StatusOK},
+		{http.MethodGet, "/sim/state", http.StatusOK},
+		{http.MethodGet, "/sim/kv/release", http.StatusMethodNotAllowed},
+		{http.MethodPost, "/abort_request", http.StatusNotFound}, // SGLang's, not vLLM's
 		{http.MethodGet, "/v1/chat/completions", http.StatusMethodNotAllowed},
 		{http.MethodGet, "/nope", http.StatusNotFound},
 	}

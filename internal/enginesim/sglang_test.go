@@ -115,7 +115,7 @@ func TestSGLangLosslessRoom(t *testing.T) {
 	post(t, p, "/v1/completions", "req-1", raw(bigRoom)).decode(t)
 	// float64 would turn both rooms into 2^53: the engine must not.
 	r := post(t, d, "/v1/completions", "req-1", raw(bigRoomLow))
-	requireRejected(t, d, r, http.StatusGatewayTimeout, "no prefill registered KV for bootstrap_room "+bigRoomLow)
+	requireRejected(t, d, r, http.StatusInternalServerError, "no prefill registered KV for bootstrap_room "+bigRoomLow)
 	r = post(t, d, "/v1/completions", "req-1", raw(bigRoom))
 	require.Equal(t, KVPulled, r.header.Get(HeaderKV), "body: %s", r.body)
 	require.Equal(t, bigRoom, rooms(p)[0], "the prefill registered the exact room")
@@ -148,10 +148,11 @@ func TestSGLangDecodeFailures(t *testing.T) {
 		early bool
 	}{
 		{
+			// decode.py fails a receiver timed out in WaitingForInput with 500.
 			name:    "no prefill in time",
-			run:     func(_ *testing.T, p, _ *Server) body { return withRoom(chatBody(prompt), p, 42) },
-			status:  http.StatusGatewayTimeout,
-			wantMsg: "no prefill registered KV for bootstrap_room 42 within 200ms",
+			run:     func(_ *testing.T, p, _ *Server) body { return withRoom(chatBody(prompt).with("rid", "r-42"), p, 42) },
+			status:  http.StatusInternalServerError,
+			wantMsg: "Decode transfer failed for request rank=0 decode_req.req.rid='r-42' decode_req.req.bootstrap_room=42 with exception timed out after 0.2s in KVPoll.WaitingForInput (KV pull of bootstrap_room 42 from the bootstrap server at 127.0.0.1:",
 		},
 		{
 			name: "wrong prompt",
@@ -258,16 +259,26 @@ func TestSGLangRoleBothIgnoresBootstrap(t *testing.T) {
 	requireRejected(t, s, post(t, s, "/v1/chat/completions", "req-1", withRoom(chatBody("x"), s, "1")), 400, "bootstrap_room must be an integer")
 }
 
+// A decode whose client went away keeps its slot until SGLang's next
+// disconnect check notices it; the check aborts the decode, and its wait at
+// the prefill's bootstrap server ends too.
 func TestSGLangDecodeClientGone(t *testing.T) {
+	const check = 30 * time.Millisecond
 	for _, stream := range []bool{false, true} {
 		t.Run("decode"+streamName(stream), func(t *testing.T) {
-			p, d := sglangPair(t, Config{}, time.Minute)
-			ctx, cancel := context.WithTimeout(t.Context(), 100*time.Millisecond)
+			p := startSim(t, Config{Role: RolePrefill, Connector: ConnectorSGLang})
+			d := startSim(t, Config{Role: RoleDecode, Connector: ConnectorSGLang, KVWaitTimeout: time.Minute, DisconnectCheckInterval: check})
+			ctx, cancel := context.WithCancel(t.Context())
 			defer cancel()
 			req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+d.Addr()+"/v1/chat/completions",
 				bytesOf(t, withRoom(chatBody("x").streaming(stream), p, 5)))
 			require.NoError(t, err)
 			req.Header.Set("X-Request-Id", "gone")
+			start := time.Now()
+			go func() {
+				waitForWaiters(t, p.proto.(*sglangProtocol).rooms)
+				cancel()
+			}()
 			resp, err := testClient(t).Do(req)
 			if stream {
 				require.NoError(t, err, "a streaming decode answers 200 at once")
@@ -275,8 +286,11 @@ func TestSGLangDecodeClientGone(t *testing.T) {
 				_, err = io.ReadAll(resp.Body)
 				resp.Body.Close()
 			}
-			require.ErrorIs(t, err, context.DeadlineExceeded)
+			require.ErrorIs(t, err, context.Canceled)
 			requireAbandoned(t, d, KindDecode)
+			require.GreaterOrEqual(t, time.Since(start), check, "noticed at a check, not at once")
+			require.Contains(t, d.Records()[0].Error, "noticed at SGLang's disconnect check")
+			require.Zero(t, d.HeldSlots())
 			// The bootstrap server stops waiting for the room too.
 			require.Eventually(t, func() bool { return len(p.Records()) == 1 }, 5*time.Second, 5*time.Millisecond)
 			require.Equal(t, statusClientGone, p.Records()[0].Status)

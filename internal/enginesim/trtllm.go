@@ -42,15 +42,58 @@ type trtllmParams map[string]json.RawMessage
 
 func (d trtllmParams) has(name string) bool { return !isNull(d[name]) }
 
+func (p *trtllmProtocol) report(st *State, now time.Time) { st.addHandoffs(p.ctxs, now) }
+
+// trtllmFields are the members TensorRT-LLM's DisaggregatedParams declares
+// (tensorrt_llm/serve/openai_protocol.py; conversation_id as the disagg
+// service of the same era sets it); trtllmLegacyFields those of older
+// releases. The model is a pydantic OpenAIBaseModel with extra="forbid":
+// any other member is refused.
+var (
+	trtllmFields = []string{"request_type", "first_gen_tokens", "first_gen_log_probs", "first_gen_logits", "ctx_request_id",
+		"encoded_opaque_state", "draft_tokens", "disagg_request_id", "ctx_dp_rank", "ctx_info_endpoint", "schedule_style",
+		"ctx_usage", "return_prompt_token_ids_b64", "resolved_thinking", "conversation_id"}
+	trtllmLegacyFields = []string{"request_type", "first_gen_tokens", "ctx_request_id", "encoded_opaque_state", "draft_tokens"}
+)
+
+// extraMembers refuses members of d the server's DisaggregatedParams does not
+// declare, as pydantic's extra="forbid" does (null values too).
+func (p *trtllmProtocol) extraMembers(d trtllmParams) error {
+	declared := trtllmFields
+	if p.s.cfg.TRTLLMLegacy {
+		declared = trtllmLegacyFields
+	}
+	var extra []string
+	for name := range d {
+		if !slices.Contains(declared, name) {
+			extra = append(extra, "disaggregated_params."+name)
+		}
+	}
+	if len(extra) == 0 {
+		return nil
+	}
+	slices.Sort(extra)
+	return badRequest("%s: extra inputs are not permitted (this TensorRT-LLM server's DisaggregatedParams declares only %s)",
+		strings.Join(extra, ", "), strings.Join(declared, ", "))
+}
+
 func (p *trtllmProtocol) classify(x *exchange) (mode, error) {
 	if err := foreignFields(x.req, ConnectorTRTLLM, "disaggregated_params"); err != nil {
 		return modePlain, err
+	}
+	if _, ok := x.req.fields["prompt_token_ids"]; ok && p.s.cfg.TRTLLMLegacy && x.req.api == apiChat {
+		// Before the disagg server relayed the context's token ids, the
+		// chat request had no such field, and it forbids extra ones.
+		return modePlain, badRequest("prompt_token_ids: extra inputs are not permitted (this TensorRT-LLM server's ChatCompletionRequest does not declare it)")
 	}
 	if !x.req.has("disaggregated_params") {
 		return modePlain, nil
 	}
 	var d trtllmParams
 	if err := x.req.field("disaggregated_params", &d); err != nil {
+		return modePlain, err
+	}
+	if err := p.extraMembers(d); err != nil {
 		return modePlain, err
 	}
 	var typ string
@@ -92,6 +135,23 @@ type trtllmIssued struct {
 	CtxRequestID       uint64 `json:"ctx_request_id"`
 	EncodedOpaqueState string `json:"encoded_opaque_state"`
 	DraftTokens        []int  `json:"draft_tokens"`
+	// DisaggRequestID echoes the request's disagg_request_id, exactly (the
+	// disagg service checks that the context answer carries it).
+	DisaggRequestID json.RawMessage `json:"disagg_request_id,omitempty"`
+}
+
+// intMember checks that a member of d, when set, is a JSON integer, and
+// returns its canonical digits ("" when unset); TensorRT-LLM's ids go up
+// to 2^63-1, so they are never parsed as float64.
+func intMember(d trtllmParams, name string, problems *[]string) string {
+	if !d.has(name) {
+		return ""
+	}
+	t, ok := intText(d[name])
+	if !ok {
+		*problems = append(*problems, "disaggregated_params."+name+" must be an integer, got "+string(d[name]))
+	}
+	return t
 }
 
 func (p *trtllmProtocol) prefill(x *exchange) {
@@ -107,6 +167,10 @@ func (p *trtllmProtocol) prefill(x *exchange) {
 			problems = append(problems, "disaggregated_params."+name+" must be absent on a context_only request")
 		}
 	}
+	disaggID := intMember(d, "disagg_request_id", &problems)
+	if string(d["return_prompt_token_ids_b64"]) == "true" {
+		problems = append(problems, "disaggregated_params.return_prompt_token_ids_b64 is not modelled (a simulator limitation, not TensorRT-LLM's)")
+	}
 	if len(problems) > 0 {
 		s.reject(x, badRequest("invalid trtllm context request: %s", strings.Join(problems, "; ")))
 		return
@@ -120,6 +184,9 @@ func (p *trtllmProtocol) prefill(x *exchange) {
 		FirstGenTokens:     []int{firstTokenID(x.rec.Fingerprint)},
 		CtxRequestID:       newCtxRequestID(),
 		EncodedOpaqueState: base64.StdEncoding.EncodeToString([]byte(s.addr)),
+	}
+	if disaggID != "" {
+		issued.DisaggRequestID = json.RawMessage(disaggID)
 	}
 	finish := "length"
 	if strings.Contains(x.req.prompt, eosMarker) {
@@ -135,6 +202,11 @@ func (p *trtllmProtocol) prefill(x *exchange) {
 	}
 	resp := s.completion(x, outputTokens(x.rec.Fingerprint, 1), finish, nil)
 	resp.Choices[0].DisaggregatedParams = mustJSON(issued)
+	if !p.s.cfg.TRTLLMLegacy {
+		// The context's tokenization of the prompt, which the disagg
+		// server hands the generation server in place of the prompt.
+		resp.PromptTokenIDs = mustJSON(tokenize(x.req.prompt))
+	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
 	writeJSON(x.w, http.StatusOK, resp)
@@ -195,6 +267,16 @@ func (p *trtllmProtocol) decode(x *exchange) {
 	if err != nil {
 		problems = append(problems, err.Error())
 	}
+	intMember(d, "disagg_request_id", &problems)
+	if d.has("ctx_usage") {
+		if n, err := ctxPromptTokens(d["ctx_usage"]); err != nil {
+			problems = append(problems, err.Error())
+		} else {
+			// The generation server reports the context's prompt tokens
+			// (rewrite_usage_info_from_ctx, llmapi/disagg_utils.py).
+			x.req.promptTokens = n
+		}
+	}
 	if len(problems) > 0 {
 		s.reject(x, badRequest("invalid trtllm generation request: %s", strings.Join(problems, "; ")))
 		return
@@ -210,6 +292,24 @@ func (p *trtllmProtocol) decode(x *exchange) {
 		}
 	}
 	s.finishDecode(x, "ctx_request_id "+id, got, err)
+}
+
+// ctxPromptTokens reads the prompt_tokens of a ctx_usage (TensorRT-LLM's
+// UsageInfo, prompt_tokens: int = 0).
+func ctxPromptTokens(raw json.RawMessage) (int, error) {
+	var u map[string]json.RawMessage
+	if err := decodeJSON(raw, &u); err != nil || u == nil {
+		return 0, fmt.Errorf("disaggregated_params.ctx_usage must be a usage object, got %s", raw)
+	}
+	if isNull(u["prompt_tokens"]) {
+		return 0, nil
+	}
+	num, ok := jsonNumber(u["prompt_tokens"])
+	n, err := strconv.Atoi(num)
+	if !ok || err != nil || n < 0 {
+		return 0, fmt.Errorf("disaggregated_params.ctx_usage.prompt_tokens must be a non-negative integer, got %s", u["prompt_tokens"])
+	}
+	return n, nil
 }
 
 // intText returns the canonical decimal text of a JSON integer that fits

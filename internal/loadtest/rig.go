@@ -80,7 +80,7 @@ func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
 	ecfg := envoy.Config{
 		PdxAddress:       r.pdx.grpcAddr,
 		MessageTimeout:   o.prefillTimeout + 5*time.Second,
-		BufferLimitBytes: maxBody + 1<<20,
+		BufferLimitBytes: maxBody + envoy.BufferHeadroom/2,
 	}
 	if r.envoy, err = envoy.Start(ctx, o.envoyBin, ecfg, nil); err != nil {
 		return nil, fmt.Errorf("envoy: %w", err)

@@ -24,12 +24,14 @@ import (
 
 // Request outcomes besides the error codes of pdx's answers.
 const (
-	OutcomeRouted      = "routed"       // sent to a decode endpoint after its prefill
-	OutcomeFallback    = "fallback"     // sent to a decode endpoint without prefill
-	OutcomePassThrough = "pass_through" // not an inference request; left alone
-	OutcomeIncomplete  = "incomplete"   // the stream ended before pdx answered
-	OutcomeError       = "error"        // any error code, where the code is too many labels
-	ResultOK           = "ok"           // a prefill (attempt) that succeeded
+	OutcomeRouted        = "routed"         // sent to a decode endpoint after its prefill
+	OutcomeFallback      = "fallback"       // sent to a decode endpoint without prefill
+	OutcomePassThrough   = "pass_through"   // on a pass-through path, sent to a decode endpoint as it was
+	OutcomeAnswered      = "answered"       // answered by pdx (GET /v1/models, or a prefill that finished it)
+	OutcomeEnvoyAnswered = "envoy_answered" // Envoy answered itself before pdx routed it (its 413, 408)
+	OutcomeIncomplete    = "incomplete"     // the stream ended before pdx answered
+	OutcomeError         = "error"          // any error code, where the code is too many labels
+	ResultOK             = "ok"             // a prefill (attempt) that succeeded
 )
 
 // Histogram buckets, in seconds. pdx's own latency includes the prefill of
@@ -67,7 +69,7 @@ func New() *Metrics {
 		reg: prometheus.NewRegistry(),
 		requests: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdx_requests_total",
-			Help: "Requests by pool, connector and outcome: routed, fallback, pass_through, incomplete, or the error code pdx answered with.",
+			Help: "Requests by pool, connector and outcome: routed, fallback, pass_through, answered, envoy_answered, incomplete, or the error code pdx answered with.",
 		}, []string{"pool", "connector", "outcome"}),
 		routeDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "pdx_request_duration_seconds",

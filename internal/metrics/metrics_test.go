@@ -53,7 +53,7 @@ func TestRequestOutcomes(t *testing.T) {
 	m.Pool(nil).Request(OutcomeIncomplete, 0)
 
 	require.NoError(t, testutil.CollectAndCompare(m.requests, strings.NewReader(`
-# HELP pdx_requests_total Requests by pool, connector and outcome: routed, fallback, pass_through, incomplete, or the error code pdx answered with.
+# HELP pdx_requests_total Requests by pool, connector and outcome: routed, fallback, pass_through, answered, envoy_answered, incomplete, or the error code pdx answered with.
 # TYPE pdx_requests_total counter
 pdx_requests_total{connector="",outcome="incomplete",pool=""} 1
 pdx_requests_total{connector="",outcome="invalid_json",pool=""} 1

@@ -39,6 +39,12 @@ type Pool struct {
 	// Fallback sends a request whose prefill attempts all failed to a decode
 	// endpoint with the plain client body, instead of failing it.
 	Fallback bool
+	// PassThrough are the paths besides the routed generation APIs that the
+	// pool's decode endpoints serve as they are.
+	PassThrough []string
+	// KVHosts are the hosts besides a prefill endpoint's own that its
+	// answers may name as the KV source.
+	KVHosts connectors.HostSet
 
 	// update serializes SetEndpoints.
 	update sync.Mutex
@@ -108,11 +114,58 @@ type Table struct {
 	byModel    map[string]*Pool
 	fallback   *Pool
 	concurrent bool
-	maxBody    int
+	limits     Limits
+	models     []string // every pool's models, in config order
+	created    time.Time
+}
+
+// Limits are the bounds pdx holds a request to.
+type Limits struct {
+	// MaxBodyBytes is the largest request body pdx routes.
+	MaxBodyBytes int
+	// MaxHeaders and MaxHeaderBytes are Envoy's limits on a request's
+	// headers, which pdx's header mutations must stay within.
+	MaxHeaders, MaxHeaderBytes int
+	// BodyTimeout bounds the time a request's body takes to arrive.
+	BodyTimeout time.Duration
 }
 
 // MaxBodyBytes is the largest request body pdx routes.
-func (t *Table) MaxBodyBytes() int { return t.maxBody }
+func (t *Table) MaxBodyBytes() int { return t.limits.MaxBodyBytes }
+
+// Limits returns the bounds pdx holds a request to.
+func (t *Table) Limits() Limits { return t.limits }
+
+// Models lists the models the table's pools name, in config order (the
+// default pool's unnamed models are not among them), and when the table
+// was built.
+func (t *Table) Models() ([]string, time.Time) { return t.models, t.created }
+
+// PassThrough returns the pool that serves path as it is for a request
+// naming model ("" when it names none): the model's pool if it lists path;
+// without a model, the default pool if it lists path, else the first pool
+// that does. It reports false when no such pool exists.
+func (t *Table) PassThrough(path, model string) (*Pool, bool) {
+	if model != "" {
+		p, ok := t.Lookup(model)
+		return p, ok && slices.Contains(p.PassThrough, path)
+	}
+	if t.fallback != nil && slices.Contains(t.fallback.PassThrough, path) {
+		return t.fallback, true
+	}
+	for _, p := range t.pools {
+		if slices.Contains(p.PassThrough, path) {
+			return p, true
+		}
+	}
+	return nil, false
+}
+
+// PassesThrough reports whether some pool serves path as it is.
+func (t *Table) PassesThrough(path string) bool {
+	_, ok := t.PassThrough(path, "")
+	return ok
+}
 
 // HasConcurrent reports whether some pool's connector prefills concurrently
 // with the decode. Such requests need Envoy to send the response headers to
@@ -138,11 +191,24 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	if err := config.ValidateConnectors(cfg, connectors.Names()); err != nil {
 		return nil, err
 	}
-	t := &Table{byModel: map[string]*Pool{}, maxBody: int(cfg.GetMaxBodyBytes())}
+	t := &Table{byModel: map[string]*Pool{}, created: time.Now(), limits: Limits{
+		MaxBodyBytes:   int(cfg.GetMaxBodyBytes()),
+		MaxHeaders:     int(cfg.GetMaxRequestHeaders()),
+		MaxHeaderBytes: int(cfg.GetMaxRequestHeadersKb()) << 10,
+		BodyTimeout:    cfg.GetRequestBodyTimeout().AsDuration(),
+	}}
+	t.limits = defaultLimits(t.limits)
 	for i, pc := range cfg.GetPools() {
-		conn, err := connectors.New(pc.GetConnector(), connectors.Options{MooncakeProtocol: pc.GetMooncakeProtocol()})
+		conn, err := connectors.New(pc.GetConnector(), connectors.Options{
+			MooncakeProtocol: pc.GetMooncakeProtocol(),
+			TRTLLMProtocol:   pc.GetTrtllmProtocol(),
+		})
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].connector: %w", i, err)
+		}
+		kvHosts, err := connectors.ParseHostSet(pc.GetAllowedKvHosts())
+		if err != nil {
+			return nil, fmt.Errorf("pools[%d].allowed_kv_hosts: %w", i, err)
 		}
 		t.concurrent = t.concurrent || connectors.Concurrent(conn)
 		health := picker.Options{
@@ -167,6 +233,8 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 			AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
 			Attempts:       max(1, int(pc.GetPrefillAttempts())),
 			Fallback:       pc.GetOnPrefillFailure() == "fallback",
+			PassThrough:    pc.GetPassThrough(),
+			KVHosts:        kvHosts,
 		}
 		if p.AttemptTimeout <= 0 { // a config not through config.Parse
 			p.AttemptTimeout = p.PrefillTimeout
@@ -174,6 +242,7 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 		t.pools = append(t.pools, p)
 		for _, m := range pc.GetModels() {
 			t.byModel[m] = p
+			t.models = append(t.models, m)
 		}
 		if pc.GetDefault() {
 			t.fallback = p
@@ -220,5 +289,21 @@ func endpoints(eps []*configv1.Endpoint) []connectors.Endpoint {
 
 // Fixed returns a table that sends every model to pool.
 func Fixed(pool *Pool) *Table {
-	return &Table{pools: []*Pool{pool}, byModel: map[string]*Pool{}, fallback: pool, concurrent: connectors.Concurrent(pool.Connector)}
+	return &Table{pools: []*Pool{pool}, byModel: map[string]*Pool{}, fallback: pool,
+		concurrent: connectors.Concurrent(pool.Connector), limits: defaultLimits(Limits{}), created: time.Now()}
+}
+
+// defaultLimits fills in Envoy's defaults for a config not through
+// config.Parse (tests).
+func defaultLimits(l Limits) Limits {
+	if l.MaxHeaders == 0 {
+		l.MaxHeaders = config.DefaultMaxRequestHeaders
+	}
+	if l.MaxHeaderBytes == 0 {
+		l.MaxHeaderBytes = config.DefaultMaxRequestHeadersKB << 10
+	}
+	if l.BodyTimeout <= 0 {
+		l.BodyTimeout = config.DefaultRequestBodyTimeout
+	}
+	return l
 }

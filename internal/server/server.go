@@ -176,6 +176,11 @@ func (s *Server) shutdown(ctx context.Context) error {
 		// Admin connections still open when ctx ends are cut like the streams.
 		err = s.admin.Close()
 	}
+	// Releases of engines' work that requests left behind are short (each
+	// bounded by seconds); a forced drain does not wait for them.
+	if s.proc.Wait(ctx) != nil {
+		s.log.Warn("stopped before the engines were told to release every request's work")
+	}
 	s.engine.CloseIdleConnections()
 	for range 2 {
 		if e := <-s.served; e != nil && !errors.Is(e, http.ErrServerClosed) && !errors.Is(e, grpc.ErrServerStopped) {

@@ -160,16 +160,16 @@ func TestStartBusyAddress(t *testing.T) {
 	}
 }
 
-// modelsHeaders is the first message of an ext_proc stream for GET /v1/models,
-// which pdx passes through without calling any engine.
-func modelsHeaders() *extprocv3.ProcessingRequest {
+// chatHeaders is the first message of an ext_proc stream for a chat
+// request: pdx answers it and waits for the body, keeping the stream open,
+// without calling any engine.
+func chatHeaders() *extprocv3.ProcessingRequest {
 	return &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestHeaders{
 		RequestHeaders: &extprocv3.HttpHeaders{
 			Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-				{Key: ":method", RawValue: []byte("GET")},
-				{Key: ":path", RawValue: []byte("/v1/models")},
+				{Key: ":method", RawValue: []byte("POST")},
+				{Key: ":path", RawValue: []byte("/v1/chat/completions")},
 			}},
-			EndOfStream: true,
 		},
 	}}
 }
@@ -193,10 +193,10 @@ func TestShutdownDrainsThenCutsStreams(t *testing.T) {
 	defer stopStream()
 	stream, err := extprocv3.NewExternalProcessorClient(conn).Process(streamCtx)
 	require.NoError(t, err)
-	require.NoError(t, stream.Send(modelsHeaders()))
+	require.NoError(t, stream.Send(chatHeaders()))
 	pr, err := stream.Recv()
 	require.NoError(t, err)
-	require.NotNil(t, pr.GetRequestHeaders(), "GET /v1/models is passed through")
+	require.NotNil(t, pr.GetRequestHeaders(), "the headers are answered; pdx waits for the body")
 	require.Nil(t, pr.GetImmediateResponse())
 
 	// The drain deadline is a context cancelled by hand once the drain has

@@ -43,7 +43,8 @@ type Options struct {
 	// LogLevel is pdx's log level (default Info).
 	LogLevel slog.Level
 	// MaxBodyBytes is pdx's max_body_bytes (default 16 MiB); Envoy buffers a
-	// little more, so that pdx, not Envoy, answers bodies over it.
+	// little more (see envoy.BufferHeadroom), so that pdx, not Envoy,
+	// answers bodies just over it.
 	MaxBodyBytes int
 	// PKI, when set, makes pdx require mutual TLS with its certificates and
 	// Envoy present its client certificate. EnvoyWithoutClientCert leaves
@@ -52,6 +53,15 @@ type Options struct {
 	EnvoyWithoutClientCert bool
 	// PoolYAML is added to the pool's config, e.g. "prefill_attempts: 2".
 	PoolYAML string
+	// NotDefault leaves the stack's pool without default: true, so that it
+	// serves only Model.
+	NotDefault bool
+	// ConfigYAML is added to the top level of pdx's config, e.g.
+	// "request_body_timeout: 1s"; PoolsYAML after the stack's pool, as more
+	// list items of pools.
+	ConfigYAML, PoolsYAML string
+	// Envoy, when set, adjusts Envoy's config before it starts.
+	Envoy func(*envoy.Config)
 	// RequestBodyMode is the ext_proc filter's request body mode
 	// (envoy.Config.RequestBodyMode): BUFFERED by default, or
 	// FULL_DUPLEX_STREAMED.
@@ -131,17 +141,15 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if s.Pdx, err = server.Start(cfg, log); err != nil {
 		return nil, err
 	}
-	var defaults []string
-	for _, d := range s.Decode {
-		defaults = append(defaults, d.Addr())
-	}
 	ecfg := envoy.Config{
 		ListenPort:       opts.ListenPort,
 		PdxAddress:       s.Pdx.GRPCAddr(),
-		DefaultEndpoints: defaults,
 		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
-		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + 1<<20,
+		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + envoy.BufferHeadroom/2,
 		RequestBodyMode:  opts.RequestBodyMode,
+	}
+	if opts.Envoy != nil {
+		opts.Envoy(&ecfg)
 	}
 	if p := opts.PKI; p != nil {
 		ecfg.PdxTLS = &envoy.TLS{CAFile: p.CAFile, SNI: p.ServerName}
@@ -176,9 +184,12 @@ func (s *Stack) pdxConfig(opts Options) string {
 	if p := opts.PKI; p != nil {
 		fmt.Fprintf(&b, "tls: {cert_file: %q, key_file: %q, client_ca_file: %q}\n", p.ServerCertFile, p.ServerKey, p.CAFile)
 	}
+	for line := range strings.Lines(opts.ConfigYAML) {
+		fmt.Fprintf(&b, "%s\n", strings.TrimSpace(line))
+	}
 	fmt.Fprintf(&b, "pools:\n")
-	fmt.Fprintf(&b, "- name: demo\n  models: [%s]\n  default: true\n  connector: %s\n  prefill_timeout: %s\n",
-		Model, opts.Connector, opts.PrefillTimeout)
+	fmt.Fprintf(&b, "- name: demo\n  models: [%s]\n  default: %v\n  connector: %s\n  prefill_timeout: %s\n",
+		Model, !opts.NotDefault, opts.Connector, opts.PrefillTimeout)
 	if opts.MooncakeProtocol != "" {
 		fmt.Fprintf(&b, "  mooncake_protocol: %s\n", opts.MooncakeProtocol)
 	}
@@ -202,6 +213,7 @@ func (s *Stack) pdxConfig(opts Options) string {
 			fmt.Fprintf(&b, "    kv_address: %s\n", kv)
 		}
 	}
+	b.WriteString(opts.PoolsYAML)
 	return b.String()
 }
 

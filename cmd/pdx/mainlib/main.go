@@ -9,7 +9,6 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"strings"
 	"time"
 
 	"github.com/pdx-router/pdx/envoy"
@@ -132,7 +131,8 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.DurationVar(&c.MessageTimeout, "message-timeout", envoy.DefaultMessageTimeout, "ext_proc message timeout; keep it above every pool's prefill_timeout")
 	fs.IntVar(&c.BufferLimitBytes, "buffer-limit", envoy.DefaultBufferLimitBytes, "largest request body Envoy buffers; match pdx's max_body_bytes")
 	fs.StringVar(&c.RequestBodyMode, "request-body-mode", envoy.BodyBuffered, "how Envoy sends request bodies to pdx: "+envoy.BodyBuffered+" or "+envoy.BodyFullDuplexStreamed+" (the InferencePool integrations' mode)")
-	passThrough := fs.String("pass-through", "", "comma-separated host:port engines for requests pdx does not route (GET /v1/models, ...)")
+	fs.IntVar(&c.MaxRequestHeaders, "max-request-headers", envoy.DefaultMaxRequestHeaders, "largest number of request headers; match pdx's max_request_headers")
+	fs.IntVar(&c.MaxRequestHeadersKB, "max-request-headers-kb", envoy.DefaultMaxRequestHeadersKB, "largest size of request headers, in KiB; match pdx's max_request_headers_kb")
 	var t envoy.TLS
 	fs.StringVar(&t.CAFile, "pdx-ca", "", "reach pdx over TLS: CA file that verifies pdx's certificate")
 	fs.StringVar(&t.SNI, "pdx-sni", "", "with --pdx-ca: the DNS name pdx's certificate is valid for")
@@ -143,9 +143,6 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	}
 	if t != (envoy.TLS{}) {
 		c.PdxTLS = &t
-	}
-	if *passThrough != "" {
-		c.DefaultEndpoints = strings.Split(*passThrough, ",")
 	}
 	return envoy.Render(stdout, c)
 }

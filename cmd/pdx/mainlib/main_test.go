@@ -58,7 +58,7 @@ func TestEnvoyConfigValidates(t *testing.T) {
 	bin, err := envoy.Binary()
 	require.NoError(t, err)
 	for name, args := range map[string][]string{
-		"plaintext": {"--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0", "--pass-through", "decode-0:8000,decode-1:8000"},
+		"plaintext": {"--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0", "--max-request-headers", "200", "--max-request-headers-kb", "96"},
 		"mutual TLS": {"--pdx-address", "pdx:9002", "--pdx-ca", pki.CAFile, "--pdx-sni", pki.ServerName,
 			"--pdx-client-cert", pki.ClientCertFile, "--pdx-client-key", pki.ClientKey},
 		"full-duplex streamed body": {"--pdx-address", "pdx:9002", "--request-body-mode", "FULL_DUPLEX_STREAMED"},

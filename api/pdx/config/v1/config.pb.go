@@ -33,8 +33,8 @@ type Config struct {
 	// Address the Envoy ext_proc gRPC server listens on, as "host:port".
 	// Default: "127.0.0.1:9002".
 	GrpcAddress string `protobuf:"bytes,1,opt,name=grpc_address,json=grpcAddress,proto3" json:"grpc_address,omitempty"`
-	// Address of the HTTP admin server, as "host:port". It serves /healthz and
-	// /readyz (metrics will follow). Default: "127.0.0.1:9003".
+	// Address of the HTTP admin server, as "host:port". It serves /healthz,
+	// /readyz and /metrics. Default: "127.0.0.1:9003".
 	AdminAddress string `protobuf:"bytes,2,opt,name=admin_address,json=adminAddress,proto3" json:"admin_address,omitempty"`
 	// Largest request body, in bytes, that pdx accepts for routing. It is also
 	// the gRPC maximum message size, because Envoy sends the buffered body in a
@@ -45,9 +45,23 @@ type Config struct {
 	Pools []*Pool `protobuf:"bytes,4,rep,name=pools,proto3" json:"pools,omitempty"`
 	// TLS for the ext_proc gRPC listener. Unset: plaintext, for a pdx that
 	// only Envoy on the same host or pod network reaches.
-	Tls           *TLS `protobuf:"bytes,5,opt,name=tls,proto3" json:"tls,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Tls *TLS `protobuf:"bytes,5,opt,name=tls,proto3" json:"tls,omitempty"`
+	// Envoy's limit on the number of a request's headers: the listener's
+	// common_http_protocol_options.max_headers_count (Envoy's default, 100),
+	// pseudo-headers and the headers Envoy adds included. Envoy refuses a
+	// header mutation that would exceed it, so pdx answers 431 to a request
+	// whose headers leave no room for the ones pdx sets. 0 or unset means 100.
+	MaxRequestHeaders uint32 `protobuf:"varint,6,opt,name=max_request_headers,json=maxRequestHeaders,proto3" json:"max_request_headers,omitempty"`
+	// Envoy's limit on the size of a request's headers in KiB: the listener's
+	// max_request_headers_kb (Envoy's default, 60). As max_request_headers,
+	// for size. 0 or unset means 60.
+	MaxRequestHeadersKb uint32 `protobuf:"varint,7,opt,name=max_request_headers_kb,json=maxRequestHeadersKb,proto3" json:"max_request_headers_kb,omitempty"`
+	// Longest time a request's body may take to arrive, from its headers on,
+	// as a Go duration string; a slower upload gets 408. Default: 60s; at
+	// most 1h.
+	RequestBodyTimeout *durationpb.Duration `protobuf:"bytes,8,opt,name=request_body_timeout,json=requestBodyTimeout,proto3" json:"request_body_timeout,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *Config) Reset() {
@@ -111,6 +125,27 @@ func (x *Config) GetPools() []*Pool {
 func (x *Config) GetTls() *TLS {
 	if x != nil {
 		return x.Tls
+	}
+	return nil
+}
+
+func (x *Config) GetMaxRequestHeaders() uint32 {
+	if x != nil {
+		return x.MaxRequestHeaders
+	}
+	return 0
+}
+
+func (x *Config) GetMaxRequestHeadersKb() uint32 {
+	if x != nil {
+		return x.MaxRequestHeadersKb
+	}
+	return 0
+}
+
+func (x *Config) GetRequestBodyTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.RequestBodyTimeout
 	}
 	return nil
 }
@@ -247,9 +282,34 @@ type Pool struct {
 	// of listing them in prefill and decode. The sets follow the cluster live:
 	// a pod that turns ready is picked from the next request on, one that is
 	// no longer ready, terminates or goes away is not picked any more.
-	Kubernetes    *KubernetesDiscovery `protobuf:"bytes,14,opt,name=kubernetes,proto3" json:"kubernetes,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Kubernetes *KubernetesDiscovery `protobuf:"bytes,14,opt,name=kubernetes,proto3" json:"kubernetes,omitempty"`
+	// Paths besides the generation APIs pdx routes (POST
+	// /v1/chat/completions and /v1/completions) that are sent to one of the
+	// pool's decode endpoints, as they are, e.g. "/v1/embeddings",
+	// "/tokenize" or "/v1/models" (which pdx otherwise answers itself from
+	// its pools). Exact paths, without the query. A request on such a path
+	// goes to the pool of the "model" in its JSON body; without one, to the
+	// default pool if it lists the path, else to the first pool that does.
+	// Protocol fields (kv_transfer_params, bootstrap_*,
+	// disaggregated_params) are stripped from JSON bodies, as on every leg
+	// pdx routes. Any other path gets 404.
+	PassThrough []string `protobuf:"bytes,15,rep,name=pass_through,json=passThrough,proto3" json:"pass_through,omitempty"`
+	// Hosts, besides the prefill endpoint's own, that a prefill engine's
+	// answer may name as the place the decode engine pulls the KV from (vLLM
+	// NIXL's remote_host; TensorRT-LLM's ctx_info_endpoint): IP addresses,
+	// CIDR prefixes or DNS names, for engines behind NAT or with a KV network
+	// of their own. An answer naming any other host is refused (502
+	// bad_prefill_answer) and nothing reaches the decode engine.
+	AllowedKvHosts []string `protobuf:"bytes,16,rep,name=allowed_kv_hosts,json=allowedKvHosts,proto3" json:"allowed_kv_hosts,omitempty"`
+	// What the "trtllm" connector sends: "current" (the default: what
+	// TensorRT-LLM's disagg server sends today, with disagg_request_id, the
+	// context's usage and prompt token ids) or "legacy" (servers whose
+	// disaggregated_params know only request_type, first_gen_tokens,
+	// ctx_request_id, encoded_opaque_state and draft_tokens, and refuse
+	// anything else). Only valid with connector "trtllm".
+	TrtllmProtocol string `protobuf:"bytes,17,opt,name=trtllm_protocol,json=trtllmProtocol,proto3" json:"trtllm_protocol,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Pool) Reset() {
@@ -380,6 +440,27 @@ func (x *Pool) GetKubernetes() *KubernetesDiscovery {
 	return nil
 }
 
+func (x *Pool) GetPassThrough() []string {
+	if x != nil {
+		return x.PassThrough
+	}
+	return nil
+}
+
+func (x *Pool) GetAllowedKvHosts() []string {
+	if x != nil {
+		return x.AllowedKvHosts
+	}
+	return nil
+}
+
+func (x *Pool) GetTrtllmProtocol() string {
+	if x != nil {
+		return x.TrtllmProtocol
+	}
+	return ""
+}
+
 // KubernetesDiscovery finds a pool's engines among the pods of one namespace.
 // The labels follow Kthena's ModelServing, which labels every pod with its
 // role (modelserving.volcano.sh/role) and its serving group
@@ -423,9 +504,11 @@ type KubernetesDiscovery struct {
 	// Port of the prefill engines' KV bootstrap server (SGLang, or vLLM
 	// Mooncake with mooncake_protocol "vllm"). 0 or unset means 8998.
 	BootstrapPort uint32 `protobuf:"varint,10,opt,name=bootstrap_port,json=bootstrapPort,proto3" json:"bootstrap_port,omitempty"`
-	// The engines' P2P NCCL ZMQ port (vLLM's kv_port); each engine's
-	// kv_address is its pod IP and this port. Required with connector
-	// "p2p-nccl", not valid otherwise.
+	// The engines' KV port; each engine's kv_address is its pod IP and this
+	// port. With connector "p2p-nccl" (required there) the P2P NCCL ZMQ port
+	// (vLLM's kv_port); with "nixl" and "mooncake" (protocol "nixl") the NIXL
+	// side channel port (VLLM_NIXL_SIDE_CHANNEL_PORT). Not valid with other
+	// connectors.
 	KvPort        uint32 `protobuf:"varint,11,opt,name=kv_port,json=kvPort,proto3" json:"kv_port,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -550,9 +633,13 @@ type Endpoint struct {
 	// for the "mooncake" connector with mooncake_protocol "vllm". Used by those
 	// connectors on prefill endpoints only. 0 or unset means 8998.
 	BootstrapPort uint32 `protobuf:"varint,2,opt,name=bootstrap_port,json=bootstrapPort,proto3" json:"bootstrap_port,omitempty"`
-	// The engine's P2P NCCL ZMQ address as "ip:port" (vLLM's P2pNcclConnector
-	// kv_ip and kv_port). Required on every endpoint of a "p2p-nccl" pool,
-	// unused otherwise.
+	// The engine's KV address as "ip:port". With connector "p2p-nccl"
+	// (required on every endpoint there) its P2P NCCL ZMQ address (vLLM's
+	// P2pNcclConnector kv_ip and kv_port). With "nixl" and "mooncake"
+	// (protocol "nixl"), optional, on prefill endpoints: the NIXL side
+	// channel (VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT) that the engine's
+	// answers must name as the KV source; unset, they must name the engine's
+	// own host (any port). Not valid with other connectors.
 	KvAddress     string `protobuf:"bytes,3,opt,name=kv_address,json=kvAddress,proto3" json:"kv_address,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -613,17 +700,20 @@ var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xc7\x01\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xf9\x02\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
 	"\x0emax_body_bytes\x18\x03 \x01(\rR\fmaxBodyBytes\x12)\n" +
 	"\x05pools\x18\x04 \x03(\v2\x13.pdx.config.v1.PoolR\x05pools\x12$\n" +
-	"\x03tls\x18\x05 \x01(\v2\x12.pdx.config.v1.TLSR\x03tls\"c\n" +
+	"\x03tls\x18\x05 \x01(\v2\x12.pdx.config.v1.TLSR\x03tls\x12.\n" +
+	"\x13max_request_headers\x18\x06 \x01(\rR\x11maxRequestHeaders\x123\n" +
+	"\x16max_request_headers_kb\x18\a \x01(\rR\x13maxRequestHeadersKb\x12K\n" +
+	"\x14request_body_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\x12requestBodyTimeout\"c\n" +
 	"\x03TLS\x12\x1b\n" +
 	"\tcert_file\x18\x01 \x01(\tR\bcertFile\x12\x19\n" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
-	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\xa3\x05\n" +
+	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\x99\x06\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -641,7 +731,10 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x0eeject_duration\x18\r \x01(\v2\x19.google.protobuf.DurationR\rejectDuration\x12B\n" +
 	"\n" +
 	"kubernetes\x18\x0e \x01(\v2\".pdx.config.v1.KubernetesDiscoveryR\n" +
-	"kubernetes\"\xda\x03\n" +
+	"kubernetes\x12!\n" +
+	"\fpass_through\x18\x0f \x03(\tR\vpassThrough\x12(\n" +
+	"\x10allowed_kv_hosts\x18\x10 \x03(\tR\x0eallowedKvHosts\x12'\n" +
+	"\x0ftrtllm_protocol\x18\x11 \x01(\tR\x0etrtllmProtocol\"\xda\x03\n" +
 	"\x13KubernetesDiscovery\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
 	"\aservice\x18\x02 \x01(\tR\aservice\x12V\n" +
@@ -690,20 +783,21 @@ var file_pdx_config_v1_config_proto_goTypes = []any{
 	(*durationpb.Duration)(nil), // 6: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
-	2, // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
-	1, // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	4, // 2: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	4, // 3: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	6, // 4: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	6, // 5: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	6, // 6: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	3, // 7: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	5, // 8: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	9, // [9:9] is the sub-list for method output_type
-	9, // [9:9] is the sub-list for method input_type
-	9, // [9:9] is the sub-list for extension type_name
-	9, // [9:9] is the sub-list for extension extendee
-	0, // [0:9] is the sub-list for field type_name
+	2,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
+	1,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
+	6,  // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	4,  // 3: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	4,  // 4: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	6,  // 5: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	6,  // 6: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	6,  // 7: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	3,  // 8: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	5,  // 9: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	10, // [10:10] is the sub-list for method output_type
+	10, // [10:10] is the sub-list for method input_type
+	10, // [10:10] is the sub-list for extension type_name
+	10, // [10:10] is the sub-list for extension extendee
+	0,  // [0:10] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }

@@ -1,0 +1,171 @@
+package connectors
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"net"
+	"net/netip"
+	"strconv"
+	"strings"
+)
+
+// A prefill answer that names the host the decode pulls KV from (vLLM
+// NIXL's remote_host and remote_port) would, if passed on blindly, let a
+// misbehaving or compromised prefill engine point a decode engine at any
+// host: to read another tenant's KV, or to make it connect somewhere. pdx
+// passes on only the engine it called.
+
+// HostSet is a set of hosts: IP addresses, CIDR prefixes and DNS names. The
+// zero value is empty. It is not changed once parsed.
+type HostSet struct {
+	prefixes []netip.Prefix
+	names    []string // lower case
+}
+
+// ParseHostSet parses hosts, each an IP address ("10.1.0.5"), a CIDR
+// prefix ("10.1.0.0/16") or a DNS name ("kv-0.example").
+func ParseHostSet(hosts []string) (HostSet, error) {
+	var s HostSet
+	for _, h := range hosts {
+		switch {
+		case strings.Contains(h, "/"):
+			p, err := netip.ParsePrefix(h)
+			if err != nil {
+				return HostSet{}, fmt.Errorf("%q is not a CIDR prefix: %w", h, err)
+			}
+			s.prefixes = append(s.prefixes, p.Masked())
+		default:
+			if ip, err := netip.ParseAddr(h); err == nil {
+				s.prefixes = append(s.prefixes, netip.PrefixFrom(ip.Unmap(), ip.Unmap().BitLen()))
+				continue
+			}
+			if !dnsName(h) {
+				return HostSet{}, fmt.Errorf("%q is not an IP address, a CIDR prefix or a DNS name", h)
+			}
+			s.names = append(s.names, strings.ToLower(h))
+		}
+	}
+	return s, nil
+}
+
+// Contains reports whether host, an IP address or a DNS name, is in s.
+func (s HostSet) Contains(host string) bool {
+	if ip, err := netip.ParseAddr(host); err == nil {
+		ip = ip.Unmap()
+		for _, p := range s.prefixes {
+			if p.Contains(ip) {
+				return true
+			}
+		}
+		return false
+	}
+	for _, n := range s.names {
+		if strings.EqualFold(n, host) {
+			return true
+		}
+	}
+	return false
+}
+
+func dnsName(h string) bool {
+	if h == "" || len(h) > 253 {
+		return false
+	}
+	for label := range strings.SplitSeq(strings.TrimSuffix(h, "."), ".") {
+		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
+			return false
+		}
+		for i := 0; i < len(label); i++ {
+			c := label[i]
+			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
+				return false
+			}
+		}
+	}
+	return true
+}
+
+// sameHost reports whether two hosts name the same machine: equal IP
+// addresses (however written), or equal names.
+func sameHost(a []byte, b string) bool {
+	if string(a) == b {
+		return true // the common case, without parsing (which allocates)
+	}
+	ia, errA := netip.ParseAddr(string(a))
+	ib, errB := netip.ParseAddr(b)
+	if errA == nil && errB == nil {
+		return ia.Unmap() == ib.Unmap()
+	}
+	return strings.EqualFold(string(a), b)
+}
+
+// checkKVSource checks a KV source that a prefill answer names, host and
+// port, against the prefill endpoint pdx called: with a kv_address
+// configured (or discovered) for it, the source must be that port, on that
+// host or an allowed one; without, any port on the endpoint's own host or an
+// allowed one (see checkKVHost).
+func checkKVSource(req *Request, host []byte, port int) error {
+	ep := req.Prefill
+	if ep.KVAddress == "" {
+		return checkKVHost(req, host)
+	}
+	kvHost, kvPort, err := net.SplitHostPort(ep.KVAddress)
+	if err != nil {
+		return fmt.Errorf("%w: kv_address %q is not host:port", ErrBadAnswer, ep.KVAddress)
+	}
+	if p, err := strconv.Atoi(kvPort); err != nil || p != port || !(sameHost(host, kvHost) || req.KVHosts.Contains(string(host))) {
+		return fmt.Errorf("%w: the answer names KV source %s, but the engine's kv_address is %s",
+			ErrBadAnswer, net.JoinHostPort(string(host), strconv.Itoa(port)), ep.KVAddress)
+	}
+	return nil
+}
+
+// checkKVHost checks a host that a prefill answer names: the prefill
+// endpoint's own host or an allowed one. vLLM advertises "localhost" unless
+// VLLM_NIXL_SIDE_CHANNEL_HOST is set; that is the engine itself only when
+// pdx reaches it on loopback too.
+func checkKVHost(req *Request, host []byte) error {
+	own := req.Prefill.Host()
+	if sameHost(host, own) || req.KVHosts.Contains(string(host)) || strings.EqualFold(string(host), "localhost") && loopback(own) {
+		return nil
+	}
+	return fmt.Errorf("%w: the answer names KV source host %q, not the engine's own %s (list other hosts in the pool's allowed_kv_hosts)",
+		ErrBadAnswer, host, own)
+}
+
+func loopback(host string) bool {
+	ip, err := netip.ParseAddr(host)
+	return err == nil && ip.IsLoopback()
+}
+
+// jsonString decodes raw, a JSON value, as a string. Hosts are plain ASCII:
+// one without escapes is the bytes between the quotes, not a copy.
+func jsonString(raw []byte) ([]byte, bool) {
+	if len(raw) < 2 || raw[0] != '"' {
+		return nil, false
+	}
+	if !bytes.ContainsRune(raw, '\\') {
+		return raw[1 : len(raw)-1], true
+	}
+	var s string
+	if json.Unmarshal(raw, &s) != nil {
+		return nil, false
+	}
+	return []byte(s), true
+}
+
+// jsonPort decodes raw, a JSON value, as a port number.
+func jsonPort(raw []byte) (int, bool) {
+	if len(raw) == 0 || len(raw) > 5 {
+		return 0, false
+	}
+	n := 0
+	for _, c := range raw {
+		if c < '0' || c > '9' {
+			return 0, false
+		}
+		n = n*10 + int(c-'0')
+	}
+	return n, n >= 1 && n <= 65535
+}

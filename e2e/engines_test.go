@@ -1,0 +1,107 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/enginesim"
+	"github.com/pdx-router/pdx/internal/stack"
+)
+
+// A prefill engine's answer cannot steer the decode's KV pull: pdx passes
+// on only a KV source that is the engine it called (or one the pool
+// allows), and answers anything else with 502 without a decode.
+func TestKVSourceFromThePrefillAnswer(t *testing.T) {
+	for _, connector := range []string{"nixl", "mooncake"} {
+		t.Run(connector, func(t *testing.T) {
+			st := startStack(t, stack.Options{Connector: connector, Prefill: 1, Decode: 1, PoolYAML: "prefill_attempts: 1",
+				Tune: func(role enginesim.Role, _ int, c *enginesim.Config) {
+					if role == enginesim.RolePrefill {
+						c.TamperKVParams = json.RawMessage(`{"remote_host":"203.0.113.66","remote_port":9901,"extra":1}`)
+					}
+				}})
+			_, hc := newClient(t, st)
+			a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"steer me","max_tokens":2}`)
+			requireAPIError(t, a, 502, "bad_prefill_answer", `KV source host "203.0.113.66"`)
+			require.Empty(t, st.Decode[0].Records(), "nothing reached the decode engine")
+		})
+	}
+
+}
+
+// The prefill's output limit is 1 as vLLM reads it on every path: on
+// /v1/completions vLLM reads only max_tokens, so a client's
+// max_completion_tokens must not leave it at vLLM's default of 16.
+func TestPrefillOutputLimit(t *testing.T) {
+	st := startStack(t, stack.Options{Prefill: 1, Decode: 1})
+	_, hc := newClient(t, st)
+	for _, tc := range []struct{ path, body, prompt string }{
+		{"/v1/completions", `{"model":"demo-model","prompt":"limit a","max_completion_tokens":5}`, "limit a"},
+		{"/v1/chat/completions", `{"model":"demo-model","messages":[{"role":"user","content":"limit b"}],"max_completion_tokens":5,"max_tokens":7}`, chatPrompt("limit b")},
+		{"/v1/chat/completions", `{"model":"demo-model","messages":[{"role":"user","content":"limit c"}],"max_tokens":5}`, chatPrompt("limit c")},
+	} {
+		a := post(t, hc, st.URL()+tc.path, tc.body)
+		require.Equal(t, 200, a.status, a.body)
+		requireHandoff(t, st, tc.prompt)
+	}
+}
+
+// Engines never see a client's X-Request-Id: clients that send the same
+// id at once get their own answers, each engine request has a fresh id,
+// and each client gets its own id back.
+func TestEngineRequestIDs(t *testing.T) {
+	for _, connector := range []string{"nixl", "http", "trtllm"} {
+		t.Run(connector, func(t *testing.T) {
+			st := startStack(t, stack.Options{Connector: connector, Prefill: 1, Decode: 1})
+			_, hc := newClient(t, st)
+			const n = 16
+			var wg sync.WaitGroup
+			answers := make([]answer, n)
+			for i := range n {
+				wg.Go(func() {
+					answers[i] = post(t, hc, st.URL()+"/v1/completions",
+						fmt.Sprintf(`{"model":"demo-model","prompt":"same id %d","max_tokens":2}`, i), "X-Request-Id", "one-id-for-all")
+				})
+			}
+			wg.Wait()
+			seen := map[string]bool{}
+			for i, a := range answers {
+				require.Equal(t, 200, a.status, a.body)
+				require.Contains(t, a.body, wantPrefix(fmt.Sprintf("same id %d", i)))
+				require.Equal(t, "one-id-for-all", a.header.Get("X-Request-Id"))
+				fp := enginesim.Fingerprint(fmt.Sprintf("same id %d", i))
+				recs := recordsWhere(st, func(r enginesim.Record) bool { return r.Fingerprint == fp })
+				require.Len(t, recs["prefill"], 1)
+				id := recs["prefill"][0].RequestID
+				require.NotEqual(t, "one-id-for-all", id)
+				require.False(t, seen[id], "engine request id %s reused", id)
+				seen[id] = true
+				requireOneHandoff(t, st, fp, recs)
+			}
+		})
+	}
+}
+
+// OpenAI clients send null for the options they leave unset: pdx reads
+// null as absent, and engines get such members left out (SGLang refuses
+// "stream": null, vLLM's completions refuse "n": null).
+func TestNullOptionals(t *testing.T) {
+	for _, connector := range []string{"nixl", "sglang"} {
+		t.Run(connector, func(t *testing.T) {
+			st := startStack(t, stack.Options{Connector: connector, Prefill: 1, Decode: 1})
+			_, hc := newClient(t, st)
+			a := post(t, hc, st.URL()+"/v1/completions",
+				`{"model":"demo-model","prompt":"nulls","stream":null,"stream_options":null,"max_tokens":null,"max_completion_tokens":null,"n":null,"temperature":null}`)
+			require.Equal(t, 200, a.status, a.body)
+			requireHandoff(t, st, "nulls")
+			a = post(t, hc, st.URL()+"/v1/chat/completions",
+				`{"model":"demo-model","messages":[{"role":"user","content":"chat nulls"}],"stream":null,"max_tokens":null,"n":null}`)
+			require.Equal(t, 200, a.status, a.body)
+			requireHandoff(t, st, chatPrompt("chat nulls"))
+		})
+	}
+}
