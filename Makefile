@@ -34,7 +34,7 @@ envoy:
 
 ## demo: Envoy + pdx + simulated engines, a batch of real requests, a table.
 demo: envoy
-	$(GO) run ./cmd/pdx demo $(DEMO_ARGS)
+	$(GO) run ./cmd/pdx-demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
 test: envoy fmt-check vet proto-check unit bench-compile fuzz k8s-translate

@@ -4,8 +4,9 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
 // TestPrepareAllocs bounds the allocations of one request through the NIXL

@@ -7,6 +7,7 @@ import (
 	"strings"
 	"testing"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -14,7 +15,7 @@ import (
 // measure the connectors' own work, not an engine's.
 type fixedEngine struct{ post, get []byte }
 
-func (e fixedEngine) Post(context.Context, Endpoint, string, string, net.Buffers) ([]byte, error) {
+func (e fixedEngine) Post(context.Context, endpoint.Endpoint, string, string, net.Buffers) ([]byte, error) {
 	return e.post, nil
 }
 

@@ -10,46 +10,14 @@ package connectors
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"slices"
 	"strings"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
-
-// Endpoint is an engine picked for one leg of a request.
-type Endpoint struct {
-	// Address is the engine's HTTP address, a literal "ip:port".
-	Address string
-	// BootstrapPort is a prefill engine's KV bootstrap port (SGLang, upstream
-	// vLLM Mooncake); 0 means DefaultBootstrapPort.
-	BootstrapPort int
-	// KVAddress is the engine's P2P NCCL ZMQ "ip:port".
-	KVAddress string
-	// Group pairs engines: a decode endpoint's prefill is picked only among
-	// the prefill endpoints of its group (Kubernetes discovery with a
-	// group_label). Empty: unpaired. Connectors do not use it.
-	Group string
-}
-
-// DefaultBootstrapPort is SGLang's and vLLM Mooncake's default bootstrap port.
-const DefaultBootstrapPort = 8998
-
-// Host is the IP part of Address.
-func (e Endpoint) Host() string {
-	host, _, _ := net.SplitHostPort(e.Address)
-	return host
-}
-
-// Bootstrap returns the bootstrap port, defaulted.
-func (e Endpoint) Bootstrap() int {
-	if e.BootstrapPort == 0 {
-		return DefaultBootstrapPort
-	}
-	return e.BootstrapPort
-}
 
 // Request is one client request as a connector sees it.
 type Request struct {
@@ -62,11 +30,11 @@ type Request struct {
 	// Body is the client's parsed JSON body.
 	Body jsonedit.Object
 	// Prefill and Decode are the endpoints picked for the two legs.
-	Prefill, Decode Endpoint
+	Prefill, Decode endpoint.Endpoint
 	// KVHosts are the hosts, besides the prefill endpoint's own, that a
 	// prefill answer may name as the decode's KV source (the pool's
 	// allowed_kv_hosts: NAT, a separate KV network).
-	KVHosts HostSet
+	KVHosts endpoint.HostSet
 }
 
 // Decode is what Envoy sends to the decode endpoint.
@@ -132,45 +100,12 @@ func Concurrent(c Connector) bool {
 type Engine interface {
 	// Post sends body (its pieces one after another, only read) to path
 	// on endpoint with the given X-Request-Id and returns the answer's
-	// body. A non-2xx answer is an *EngineError.
-	Post(ctx context.Context, endpoint Endpoint, path, requestID string, body net.Buffers) ([]byte, error)
+	// body. A non-2xx answer is an *engines.Error.
+	Post(ctx context.Context, endpoint endpoint.Endpoint, path, requestID string, body net.Buffers) ([]byte, error)
 	// Get fetches http://address+path (a bootstrap server's, for example)
-	// and returns the answer's body. A non-2xx answer is an *EngineError.
+	// and returns the answer's body. A non-2xx answer is an *engines.Error.
 	Get(ctx context.Context, address, path string) ([]byte, error)
 }
-
-// EngineError reports a prefill call that did not produce a usable answer.
-type EngineError struct {
-	Endpoint Endpoint
-	// Status is the engine's HTTP status, or 0 when none was received.
-	Status int
-	// Message describes what was wrong, e.g. the engine's error text.
-	Message string
-	Err     error
-}
-
-func (e *EngineError) Error() string {
-	var b strings.Builder
-	fmt.Fprintf(&b, "prefill engine %s", e.Endpoint.Address)
-	if e.Status != 0 {
-		fmt.Fprintf(&b, " answered %d", e.Status)
-	}
-	if e.Message != "" {
-		b.WriteString(": ")
-		b.WriteString(e.Message)
-	}
-	if e.Err != nil {
-		b.WriteString(": ")
-		b.WriteString(e.Err.Error())
-	}
-	return b.String()
-}
-
-func (e *EngineError) Unwrap() error { return e.Err }
-
-// ErrBadAnswer marks a prefill answer that does not follow the protocol, or
-// names a KV source other than the engine pdx called.
-var ErrBadAnswer = errors.New("invalid prefill answer")
 
 // Options are a pool's connector settings.
 type Options struct {

@@ -15,6 +15,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -25,8 +27,8 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // engineCall is one call a fakeEngine received.
 type engineCall struct {
 	method string // http.MethodPost or http.MethodGet
-	// endpoint is a POST's endpoint; a GET's is Endpoint{Address: address}.
-	endpoint  Endpoint
+	// endpoint is a POST's endpoint; a GET's is endpoint.Endpoint{Address: address}.
+	endpoint  endpoint.Endpoint
 	path      string
 	requestID string // POST only
 	body      string // POST only
@@ -38,7 +40,7 @@ type reply struct {
 	body string
 	err  error
 	// block makes the call wait for its ctx to end and then fail with an
-	// *EngineError wrapping ctx.Err(), as HTTPEngine does.
+	// *engines.Error wrapping ctx.Err(), as engines.HTTP does.
 	block bool
 	// fn, when set, computes the answer from the call.
 	fn func(engineCall) ([]byte, error)
@@ -46,7 +48,7 @@ type reply struct {
 
 // fakeEngine is the [Engine] of the connector tests. It records every call
 // and answers as programmed with on; calls nobody programmed fail with a 404
-// *EngineError. It is safe for concurrent use.
+// *engines.Error. It is safe for concurrent use.
 type fakeEngine struct {
 	mu      sync.Mutex
 	replies map[string]reply
@@ -70,13 +72,13 @@ func (e *fakeEngine) on(method, address, path string, r reply) *fakeEngine {
 }
 
 // Post implements [Engine].
-func (e *fakeEngine) Post(ctx context.Context, ep Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
+func (e *fakeEngine) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
 	return e.do(ctx, engineCall{method: http.MethodPost, endpoint: ep, path: path, requestID: requestID, body: string(bytes.Join(body, nil))})
 }
 
 // Get implements [Engine].
 func (e *fakeEngine) Get(ctx context.Context, address, path string) ([]byte, error) {
-	return e.do(ctx, engineCall{method: http.MethodGet, endpoint: Endpoint{Address: address}, path: path})
+	return e.do(ctx, engineCall{method: http.MethodGet, endpoint: endpoint.Endpoint{Address: address}, path: path})
 }
 
 func (e *fakeEngine) do(ctx context.Context, c engineCall) ([]byte, error) {
@@ -86,14 +88,14 @@ func (e *fakeEngine) do(ctx context.Context, c engineCall) ([]byte, error) {
 	e.mu.Unlock()
 	switch {
 	case !ok:
-		return nil, &EngineError{Endpoint: c.endpoint, Status: 404, Message: fmt.Sprintf("fake engine: nothing programmed for %s %s%s", c.method, c.endpoint.Address, c.path)}
+		return nil, &engines.Error{Endpoint: c.endpoint, Status: 404, Message: fmt.Sprintf("fake engine: nothing programmed for %s %s%s", c.method, c.endpoint.Address, c.path)}
 	case r.block:
 		select {
 		case e.blocked <- c:
 		default:
 		}
 		<-ctx.Done()
-		return nil, &EngineError{Endpoint: c.endpoint, Err: ctx.Err()}
+		return nil, &engines.Error{Endpoint: c.endpoint, Err: ctx.Err()}
 	case r.fn != nil:
 		return r.fn(c)
 	case r.err != nil:
@@ -111,8 +113,8 @@ func (e *fakeEngine) recorded() []engineCall {
 
 // Test endpoints.
 var (
-	testPrefill = Endpoint{Address: "10.0.0.1:8100", KVAddress: "10.0.0.1:21001"}
-	testDecode  = Endpoint{Address: "10.0.0.2:8200", KVAddress: "10.0.0.2:22001"}
+	testPrefill = endpoint.Endpoint{Address: "10.0.0.1:8100", KVAddress: "10.0.0.1:21001"}
+	testDecode  = endpoint.Endpoint{Address: "10.0.0.2:8200", KVAddress: "10.0.0.2:22001"}
 )
 
 // newRequest returns a request for the client body on the test endpoints.
@@ -143,12 +145,12 @@ func prefillOutcome(t *testing.T, ch <-chan error) error {
 	return err
 }
 
-// requireEngineError checks that err is an *EngineError naming ep.
-func requireEngineError(t *testing.T, err error, ep Endpoint) *EngineError {
+// requireEngineError checks that err is an *engines.Error naming ep.
+func requireEngineError(t *testing.T, err error, ep endpoint.Endpoint) *engines.Error {
 	t.Helper()
 	require.Error(t, err)
-	ee, ok := errors.AsType[*EngineError](err)
-	require.True(t, ok, "want an *EngineError, got %T: %v", err, err)
+	ee, ok := errors.AsType[*engines.Error](err)
+	require.True(t, ok, "want an *engines.Error, got %T: %v", err, err)
 	require.Equal(t, ep, ee.Endpoint)
 	return ee
 }

@@ -10,6 +10,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/engines"
 )
 
 func TestEngineIDs(t *testing.T) {
@@ -139,7 +141,7 @@ func TestMooncakeEngineIDCached(t *testing.T) {
 	}
 	require.Equal(t, 1, queries())
 
-	eng.on(http.MethodPost, testPrefill.Address, req.Path, reply{err: &EngineError{Status: 0, Message: "connection refused"}})
+	eng.on(http.MethodPost, testPrefill.Address, req.Path, reply{err: &engines.Error{Status: 0, Message: "connection refused"}})
 	d, err := MooncakeVLLMConnector{}.Prepare(t.Context(), env, req)
 	require.NoError(t, err)
 	require.Error(t, <-d.Prefill)

@@ -13,6 +13,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -26,7 +27,7 @@ import (
 //   - no client-sent protocol field, however its key is escaped;
 //   - every other client member with its exact bytes, in its order, and
 //     nothing else;
-//   - bad engine answers fail with an *EngineError wrapping ErrBadAnswer.
+//   - bad engine answers fail with an *engines.Error wrapping engines.ErrBadAnswer.
 //
 // Bodies jsonedit.Parse rejects never reach a connector (the processor
 // answers 400), so those inputs end early.
@@ -444,12 +445,12 @@ func fuzzPrefillOutcome(t *testing.T, ch <-chan error) error {
 // protocol does not allow.
 func requireBadAnswer(t *testing.T, err error, d Decode, answer []byte) {
 	t.Helper()
-	ee, ok := errors.AsType[*EngineError](err)
+	ee, ok := errors.AsType[*engines.Error](err)
 	if !ok {
-		t.Fatalf("Prepare with bad answer %q: %T %v, want an *EngineError", answer, err, err)
+		t.Fatalf("Prepare with bad answer %q: %T %v, want an *engines.Error", answer, err, err)
 	}
-	if ee.Endpoint != testPrefill || !errors.Is(err, ErrBadAnswer) {
-		t.Fatalf("Prepare with bad answer %q: %v (endpoint %+v), want ErrBadAnswer from %+v", answer, err, ee.Endpoint, testPrefill)
+	if ee.Endpoint != testPrefill || !errors.Is(err, engines.ErrBadAnswer) {
+		t.Fatalf("Prepare with bad answer %q: %v (endpoint %+v), want engines.ErrBadAnswer from %+v", answer, err, ee.Endpoint, testPrefill)
 	}
 	if d.Body != nil || d.RequestID != "" || d.Prefill != nil {
 		t.Fatalf("Prepare failed but returned a decode: %+v", d)

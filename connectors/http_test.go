@@ -7,6 +7,8 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/engines"
 )
 
 func TestHTTPPrepare(t *testing.T) {
@@ -67,8 +69,8 @@ func TestHTTPPrepareErrors(t *testing.T) {
 		wantErr string
 		is      error
 	}{
-		{name: "engine error passed up", reply: reply{err: &EngineError{Endpoint: testPrefill, Status: 500, Message: "boom"}}, wantErr: "answered 500: boom"},
-		{name: "plain error becomes an EngineError", reply: reply{err: errors.New("refused")}, wantErr: "refused"},
+		{name: "engine error passed up", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 500, Message: "boom"}}, wantErr: "answered 500: boom"},
+		{name: "plain error becomes an engines.Error", reply: reply{err: errors.New("refused")}, wantErr: "refused"},
 		{name: "context ends the prefill", ctx: canceled, reply: reply{block: true}, is: context.Canceled},
 	}
 	for _, tc := range tests {

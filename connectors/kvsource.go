@@ -8,6 +8,8 @@ import (
 	"net/netip"
 	"strconv"
 	"strings"
+
+	"github.com/pdx-router/pdx/internal/engines"
 )
 
 // A prefill answer that names the host the decode pulls KV from (vLLM
@@ -15,76 +17,6 @@ import (
 // misbehaving or compromised prefill engine point a decode engine at any
 // host: to read another tenant's KV, or to make it connect somewhere. pdx
 // passes on only the engine it called.
-
-// HostSet is a set of hosts: IP addresses, CIDR prefixes and DNS names. The
-// zero value is empty. It is not changed once parsed.
-type HostSet struct {
-	prefixes []netip.Prefix
-	names    []string // lower case
-}
-
-// ParseHostSet parses hosts, each an IP address ("10.1.0.5"), a CIDR
-// prefix ("10.1.0.0/16") or a DNS name ("kv-0.example").
-func ParseHostSet(hosts []string) (HostSet, error) {
-	var s HostSet
-	for _, h := range hosts {
-		switch {
-		case strings.Contains(h, "/"):
-			p, err := netip.ParsePrefix(h)
-			if err != nil {
-				return HostSet{}, fmt.Errorf("%q is not a CIDR prefix: %w", h, err)
-			}
-			s.prefixes = append(s.prefixes, p.Masked())
-		default:
-			if ip, err := netip.ParseAddr(h); err == nil {
-				s.prefixes = append(s.prefixes, netip.PrefixFrom(ip.Unmap(), ip.Unmap().BitLen()))
-				continue
-			}
-			if !dnsName(h) {
-				return HostSet{}, fmt.Errorf("%q is not an IP address, a CIDR prefix or a DNS name", h)
-			}
-			s.names = append(s.names, strings.ToLower(h))
-		}
-	}
-	return s, nil
-}
-
-// Contains reports whether host, an IP address or a DNS name, is in s.
-func (s HostSet) Contains(host string) bool {
-	if ip, err := netip.ParseAddr(host); err == nil {
-		ip = ip.Unmap()
-		for _, p := range s.prefixes {
-			if p.Contains(ip) {
-				return true
-			}
-		}
-		return false
-	}
-	for _, n := range s.names {
-		if strings.EqualFold(n, host) {
-			return true
-		}
-	}
-	return false
-}
-
-func dnsName(h string) bool {
-	if h == "" || len(h) > 253 {
-		return false
-	}
-	for label := range strings.SplitSeq(strings.TrimSuffix(h, "."), ".") {
-		if label == "" || len(label) > 63 || label[0] == '-' || label[len(label)-1] == '-' {
-			return false
-		}
-		for i := 0; i < len(label); i++ {
-			c := label[i]
-			if !(c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '-') {
-				return false
-			}
-		}
-	}
-	return true
-}
 
 // sameHost reports whether two hosts name the same machine: equal IP
 // addresses (however written), or equal names.
@@ -112,11 +44,11 @@ func checkKVSource(req *Request, host []byte, port int) error {
 	}
 	kvHost, kvPort, err := net.SplitHostPort(ep.KVAddress)
 	if err != nil {
-		return fmt.Errorf("%w: kv_address %q is not host:port", ErrBadAnswer, ep.KVAddress)
+		return fmt.Errorf("%w: kv_address %q is not host:port", engines.ErrBadAnswer, ep.KVAddress)
 	}
 	if p, err := strconv.Atoi(kvPort); err != nil || p != port || !(sameHost(host, kvHost) || req.KVHosts.Contains(string(host))) {
 		return fmt.Errorf("%w: the answer names KV source %s, but the engine's kv_address is %s",
-			ErrBadAnswer, net.JoinHostPort(string(host), strconv.Itoa(port)), ep.KVAddress)
+			engines.ErrBadAnswer, net.JoinHostPort(string(host), strconv.Itoa(port)), ep.KVAddress)
 	}
 	return nil
 }
@@ -131,7 +63,7 @@ func checkKVHost(req *Request, host []byte) error {
 		return nil
 	}
 	return fmt.Errorf("%w: the answer names KV source host %q, not the engine's own %s (list other hosts in the pool's allowed_kv_hosts)",
-		ErrBadAnswer, host, own)
+		engines.ErrBadAnswer, host, own)
 }
 
 func loopback(host string) bool {

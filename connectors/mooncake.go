@@ -6,6 +6,8 @@ import (
 	"net"
 	"strconv"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -44,7 +46,7 @@ func (MooncakeVLLMConnector) Concurrent() bool { return true }
 func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
 	host := req.Prefill.Host()
 	if host == "" {
-		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "address is not ip:port"}
+		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	bootstrap := net.JoinHostPort(host, strconv.Itoa(req.Prefill.Bootstrap()))
 	engineID, err := env.EngineIDs.get(ctx, bootstrap, func(ctx context.Context) ([]byte, error) {
@@ -70,16 +72,16 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request)
 
 // queryEngineID asks the bootstrap server at addr for the engine id of the
 // prefill engine ep.
-func queryEngineID(ctx context.Context, engine Engine, ep Endpoint, addr string) ([]byte, error) {
+func queryEngineID(ctx context.Context, engine Engine, ep endpoint.Endpoint, addr string) ([]byte, error) {
 	answer, err := engine.Get(ctx, addr, "/query")
 	if err != nil {
 		// Status 0: whatever the bootstrap server said, the client's request
 		// is not at fault; the prefill engine is unavailable.
-		return nil, &EngineError{Endpoint: ep, Message: "querying Mooncake bootstrap server " + addr, Err: err}
+		return nil, &engines.Error{Endpoint: ep, Message: "querying Mooncake bootstrap server " + addr, Err: err}
 	}
 	id, err := mooncakeEngineID(answer)
 	if err != nil {
-		return nil, &EngineError{Endpoint: ep, Message: "reading Mooncake bootstrap server " + addr + " /query", Err: err}
+		return nil, &engines.Error{Endpoint: ep, Message: "reading Mooncake bootstrap server " + addr + " /query", Err: err}
 	}
 	return id, nil
 }
@@ -116,19 +118,19 @@ func mooncakeDecodeParams(transferID []byte, bootstrapURL string, engineID []byt
 func mooncakeEngineID(answer []byte) ([]byte, error) {
 	ranks, err := jsonedit.Parse(answer)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrBadAnswer, err)
+		return nil, fmt.Errorf("%w: %w", engines.ErrBadAnswer, err)
 	}
 	raw, ok := ranks.Raw("0")
 	if !ok {
-		return nil, fmt.Errorf("%w: no dp rank 0 registered (answer %.80s)", ErrBadAnswer, answer)
+		return nil, fmt.Errorf("%w: no dp rank 0 registered (answer %.80s)", engines.ErrBadAnswer, answer)
 	}
 	rank, err := jsonedit.Parse(raw)
 	if err != nil {
-		return nil, fmt.Errorf("%w: dp rank 0 is %.40s, not an object", ErrBadAnswer, raw)
+		return nil, fmt.Errorf("%w: dp rank 0 is %.40s, not an object", engines.ErrBadAnswer, raw)
 	}
 	id, ok := rank.Raw("engine_id")
 	if !ok || id[0] != '"' || len(id) == 2 {
-		return nil, fmt.Errorf("%w: dp rank 0 has no engine_id string", ErrBadAnswer)
+		return nil, fmt.Errorf("%w: dp rank 0 has no engine_id string", engines.ErrBadAnswer)
 	}
 	return id, nil
 }

@@ -10,6 +10,9 @@ import (
 
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 )
 
 func TestNewMooncake(t *testing.T) {
@@ -101,7 +104,7 @@ func TestMooncakeVLLMPrepare(t *testing.T) {
 			require.Equal(t, tc.decode, strings.ReplaceAll(string(got.Body), id, "xfer-ID"))
 			calls[1].body = strings.ReplaceAll(calls[1].body, id, "xfer-ID")
 			require.Equal(t, []engineCall{
-				{method: http.MethodGet, endpoint: Endpoint{Address: tc.bootstrap}, path: "/query"},
+				{method: http.MethodGet, endpoint: endpoint.Endpoint{Address: tc.bootstrap}, path: "/query"},
 				{method: http.MethodPost, endpoint: req.Prefill, path: req.Path, requestID: got.RequestID, body: tc.prefill},
 			}, calls, "one fresh request id on both legs")
 		})
@@ -145,14 +148,14 @@ func TestMooncakeVLLMQueryErrors(t *testing.T) {
 		wantErr string
 		is      error
 	}{
-		{name: "bootstrap server fails", reply: reply{err: &EngineError{Endpoint: Endpoint{Address: "10.0.0.1:8998"}, Status: 500, Message: "boom"}}, wantErr: "querying Mooncake bootstrap server 10.0.0.1:8998: prefill engine 10.0.0.1:8998 answered 500: boom"},
+		{name: "bootstrap server fails", reply: reply{err: &engines.Error{Endpoint: endpoint.Endpoint{Address: "10.0.0.1:8998"}, Status: 500, Message: "boom"}}, wantErr: "querying Mooncake bootstrap server 10.0.0.1:8998: prefill engine 10.0.0.1:8998 answered 500: boom"},
 		{name: "bootstrap server unreachable", reply: reply{err: errors.New("connection refused")}, wantErr: "connection refused"},
-		{name: "not JSON", reply: reply{body: `<html>`}, is: ErrBadAnswer},
-		{name: "nothing registered yet", reply: reply{body: `{}`}, wantErr: "no dp rank 0", is: ErrBadAnswer},
-		{name: "rank 0 null", reply: reply{body: `{"0":null}`}, is: ErrBadAnswer},
-		{name: "engine id not a string", reply: reply{body: `{"0":{"engine_id":5}}`}, wantErr: "no engine_id string", is: ErrBadAnswer},
-		{name: "engine id empty", reply: reply{body: `{"0":{"engine_id":""}}`}, is: ErrBadAnswer},
-		{name: "engine id missing", reply: reply{body: `{"0":{"worker_addr":{}}}`}, is: ErrBadAnswer},
+		{name: "not JSON", reply: reply{body: `<html>`}, is: engines.ErrBadAnswer},
+		{name: "nothing registered yet", reply: reply{body: `{}`}, wantErr: "no dp rank 0", is: engines.ErrBadAnswer},
+		{name: "rank 0 null", reply: reply{body: `{"0":null}`}, is: engines.ErrBadAnswer},
+		{name: "engine id not a string", reply: reply{body: `{"0":{"engine_id":5}}`}, wantErr: "no engine_id string", is: engines.ErrBadAnswer},
+		{name: "engine id empty", reply: reply{body: `{"0":{"engine_id":""}}`}, is: engines.ErrBadAnswer},
+		{name: "engine id missing", reply: reply{body: `{"0":{"worker_addr":{}}}`}, is: engines.ErrBadAnswer},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -184,7 +187,7 @@ func TestMooncakeVLLMPrefillOutcome(t *testing.T) {
 		wantErr string
 	}{
 		{name: "success", reply: reply{body: `{"choices":[]}`}},
-		{name: "engine error", reply: reply{err: &EngineError{Endpoint: testPrefill, Status: 503, Message: "overloaded"}}, wantErr: "answered 503: overloaded"},
+		{name: "engine error", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 503, Message: "overloaded"}}, wantErr: "answered 503: overloaded"},
 		{name: "plain error named by the endpoint", reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
 	}
 	for _, tc := range tests {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -30,7 +31,7 @@ func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) 
 		err = nixlKVSource(req, params)
 	}
 	if err != nil {
-		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "reading kv_transfer_params", Err: err}
+		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "reading kv_transfer_params", Err: err}
 	}
 	// params == nil (the prefill ended on EOS/stop) deletes the key: the
 	// decode engine then recomputes from the plain client body. Either way a
@@ -45,17 +46,17 @@ func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) 
 func nixlKVSource(req *Request, params []byte) error {
 	obj, err := jsonedit.Parse(params)
 	if err != nil {
-		return fmt.Errorf("%w: %w", ErrBadAnswer, err)
+		return fmt.Errorf("%w: %w", engines.ErrBadAnswer, err)
 	}
 	rawHost, _ := obj.Raw("remote_host")
 	host, ok := jsonString(rawHost)
 	if !ok || len(host) == 0 {
-		return fmt.Errorf("%w: kv_transfer_params.remote_host is %.40s, not a host name", ErrBadAnswer, orAbsent(rawHost))
+		return fmt.Errorf("%w: kv_transfer_params.remote_host is %.40s, not a host name", engines.ErrBadAnswer, orAbsent(rawHost))
 	}
 	rawPort, _ := obj.Raw("remote_port")
 	port, ok := jsonPort(rawPort)
 	if !ok {
-		return fmt.Errorf("%w: kv_transfer_params.remote_port is %.40s, not a port", ErrBadAnswer, orAbsent(rawPort))
+		return fmt.Errorf("%w: kv_transfer_params.remote_port is %.40s, not a port", engines.ErrBadAnswer, orAbsent(rawPort))
 	}
 	return checkKVSource(req, host, port)
 }
@@ -132,14 +133,14 @@ func prefillOnlyEdits(dst []jsonedit.Edit, client jsonedit.Object) []jsonedit.Ed
 func kvTransferParams(answer []byte) ([]byte, error) {
 	obj, err := jsonedit.Parse(answer)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", ErrBadAnswer, err)
+		return nil, fmt.Errorf("%w: %w", engines.ErrBadAnswer, err)
 	}
 	raw, ok := obj.Raw(keyKVTransferParams)
 	if !ok || string(raw) == "null" {
 		return nil, nil
 	}
 	if raw[0] != '{' {
-		return nil, fmt.Errorf("%w: kv_transfer_params is %.40s, not an object", ErrBadAnswer, raw)
+		return nil, fmt.Errorf("%w: kv_transfer_params is %.40s, not an object", engines.ErrBadAnswer, raw)
 	}
 	return raw, nil
 }

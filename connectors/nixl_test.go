@@ -8,6 +8,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -143,9 +145,9 @@ func TestNIXLPrepare(t *testing.T) {
 		{name: "KV source missing", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_engine_id":"e"}}`, wantErr: "remote_host is nothing"},
 		{name: "KV host not a string", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_host":1,"remote_port":21001}}`, wantErr: "remote_host is 1"},
 		{name: "KV port not a port", client: `{"model":"m"}`, answer: `{"kv_transfer_params":{"remote_host":"10.0.0.1","remote_port":"21001"}}`, wantErr: "remote_port is \"21001\""},
-		{name: "engine error passed up", client: `{"model":"m"}`, engineErr: &EngineError{Endpoint: testPrefill, Status: 500}, wantErr: "answered 500"},
-		{name: "engine error named by its endpoint", client: `{"model":"m"}`, engineErr: &EngineError{Status: 503}, wantErr: "prefill engine 10.0.0.1:8100 answered 503"},
-		{name: "other engine errors become EngineErrors", client: `{"model":"m"}`, engineErr: errors.New("boom"), wantErr: "prefill engine 10.0.0.1:8100: boom"},
+		{name: "engine error passed up", client: `{"model":"m"}`, engineErr: &engines.Error{Endpoint: testPrefill, Status: 500}, wantErr: "answered 500"},
+		{name: "engine error named by its endpoint", client: `{"model":"m"}`, engineErr: &engines.Error{Status: 503}, wantErr: "prefill engine 10.0.0.1:8100 answered 503"},
+		{name: "other engine errors become engines.Errors", client: `{"model":"m"}`, engineErr: errors.New("boom"), wantErr: "prefill engine 10.0.0.1:8100: boom"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -161,7 +163,7 @@ func TestNIXLPrepare(t *testing.T) {
 				require.ErrorContains(t, err, tc.wantErr)
 				requireEngineError(t, err, testPrefill)
 				if tc.engineErr == nil {
-					require.ErrorIs(t, err, ErrBadAnswer)
+					require.ErrorIs(t, err, engines.ErrBadAnswer)
 				}
 				return
 			}
@@ -176,20 +178,20 @@ func TestNIXLPrepare(t *testing.T) {
 // The decode may be told to pull KV only from the prefill engine pdx
 // called: its own host (or kv_address), or a host the pool allows.
 func TestNIXLKVSource(t *testing.T) {
-	allowed, err := ParseHostSet([]string{"192.168.7.0/24", "kv-0.example"})
+	allowed, err := endpoint.ParseHostSet([]string{"192.168.7.0/24", "kv-0.example"})
 	require.NoError(t, err)
-	noKV := Endpoint{Address: "10.0.0.1:8100"}
-	loop := Endpoint{Address: "127.0.0.1:8100"}
+	noKV := endpoint.Endpoint{Address: "10.0.0.1:8100"}
+	loop := endpoint.Endpoint{Address: "127.0.0.1:8100"}
 	tests := []struct {
 		name    string
-		prefill Endpoint
-		hosts   HostSet
+		prefill endpoint.Endpoint
+		hosts   endpoint.HostSet
 		host    string
 		port    int
 		ok      bool
 	}{
 		{name: "own host, any port", prefill: noKV, host: "10.0.0.1", port: 5600, ok: true},
-		{name: "own host written otherwise", prefill: Endpoint{Address: "[fd00::1]:8100"}, host: "fd00:0::1", port: 5600, ok: true},
+		{name: "own host written otherwise", prefill: endpoint.Endpoint{Address: "[fd00::1]:8100"}, host: "fd00:0::1", port: 5600, ok: true},
 		{name: "another host", prefill: noKV, host: "10.0.0.2", port: 5600},
 		{name: "localhost from a remote engine", prefill: noKV, host: "localhost", port: 5600},
 		{name: "localhost from an engine on loopback", prefill: loop, host: "localhost", port: 5600, ok: true},
@@ -209,22 +211,9 @@ func TestNIXLKVSource(t *testing.T) {
 				require.NoError(t, err)
 				return
 			}
-			require.ErrorIs(t, err, ErrBadAnswer)
+			require.ErrorIs(t, err, engines.ErrBadAnswer)
 		})
 	}
-}
-
-func TestParseHostSet(t *testing.T) {
-	_, err := ParseHostSet([]string{"10.0.0.0/33"})
-	require.ErrorContains(t, err, "not a CIDR prefix")
-	_, err = ParseHostSet([]string{"bad host!"})
-	require.ErrorContains(t, err, "not an IP address, a CIDR prefix or a DNS name")
-	s, err := ParseHostSet([]string{"::ffff:10.1.2.3", "10.2.0.0/16"})
-	require.NoError(t, err)
-	require.True(t, s.Contains("10.1.2.3"), "IPv4-mapped addresses are their IPv4 address")
-	require.True(t, s.Contains("10.2.255.1"))
-	require.False(t, s.Contains("10.3.0.1"))
-	require.False(t, HostSet{}.Contains("10.1.2.3"))
 }
 
 // Release sends the decode engine a one-token decode with the prefill's

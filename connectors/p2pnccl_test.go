@@ -8,6 +8,9 @@ import (
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 )
 
 // p2pID matches vLLM's xPyD proxy id for the test endpoints: uuid4().hex.
@@ -64,16 +67,16 @@ func TestP2PNCCLErrors(t *testing.T) {
 	tests := []struct {
 		name     string
 		ctx      context.Context
-		prefill  Endpoint
-		decode   Endpoint
+		prefill  endpoint.Endpoint
+		decode   endpoint.Endpoint
 		reply    reply
 		wantErr  string
 		is       error
 		noEngine bool
 	}{
-		{name: "prefill without kv address", prefill: Endpoint{Address: "10.0.0.1:8100"}, decode: testDecode, wantErr: "no kv_address", noEngine: true},
-		{name: "decode without kv address", prefill: testPrefill, decode: Endpoint{Address: "10.0.0.2:8200"}, wantErr: "no kv_address", noEngine: true},
-		{name: "engine error", prefill: testPrefill, decode: testDecode, reply: reply{err: &EngineError{Endpoint: testPrefill, Status: 400, Message: "bad id"}}, wantErr: "answered 400: bad id"},
+		{name: "prefill without kv address", prefill: endpoint.Endpoint{Address: "10.0.0.1:8100"}, decode: testDecode, wantErr: "no kv_address", noEngine: true},
+		{name: "decode without kv address", prefill: testPrefill, decode: endpoint.Endpoint{Address: "10.0.0.2:8200"}, wantErr: "no kv_address", noEngine: true},
+		{name: "engine error", prefill: testPrefill, decode: testDecode, reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "bad id"}}, wantErr: "answered 400: bad id"},
 		{name: "plain error named by the endpoint", prefill: testPrefill, decode: testDecode, reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
 		{name: "context ends the prefill", ctx: canceled, prefill: testPrefill, decode: testDecode, reply: reply{block: true}, is: context.Canceled},
 	}
@@ -91,7 +94,7 @@ func TestP2PNCCLErrors(t *testing.T) {
 			require.Error(t, err)
 			if tc.noEngine {
 				require.Empty(t, eng.recorded())
-				_, isEngine := errors.AsType[*EngineError](err)
+				_, isEngine := errors.AsType[*engines.Error](err)
 				require.False(t, isEngine, "a configuration error, not an engine failure")
 			} else {
 				requireEngineError(t, err, testPrefill)

@@ -8,6 +8,8 @@ import (
 	"strconv"
 	"time"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -25,7 +27,7 @@ func (SGLang) Concurrent() bool { return true }
 func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
 	host := req.Prefill.Host()
 	if host == "" {
-		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "address is not ip:port"}
+		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	rid := sglangRID()
 	body := sglangBody(req.Body, host, req.Prefill.Bootstrap(), sglangRoom(), rid)
@@ -86,7 +88,7 @@ func (SGLang) Release(ctx context.Context, env Env, req *Request, d Decode) erro
 			}
 		}
 		errs = errs[:0]
-		for _, ep := range []Endpoint{req.Decode, req.Prefill} {
+		for _, ep := range []endpoint.Endpoint{req.Decode, req.Prefill} {
 			if _, err := env.Engine.Post(ctx, ep, "/abort_request", req.ID, net.Buffers{abort}); err != nil {
 				errs = append(errs, engineFailure(ep, err))
 			}

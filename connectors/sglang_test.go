@@ -12,6 +12,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -108,7 +110,7 @@ func ridOf(t *testing.T, body []byte) string {
 func TestSGLangPrepare(t *testing.T) {
 	tests := []struct {
 		name     string
-		prefill  Endpoint
+		prefill  endpoint.Endpoint
 		client   string
 		wantBody string // with ROOM for the room, RID for the rid
 	}{
@@ -120,7 +122,7 @@ func TestSGLangPrepare(t *testing.T) {
 		},
 		{
 			name:     "own bootstrap port, IPv6",
-			prefill:  Endpoint{Address: "[fd00::1]:8100", BootstrapPort: 9100},
+			prefill:  endpoint.Endpoint{Address: "[fd00::1]:8100", BootstrapPort: 9100},
 			client:   `{"model":"m","prompt":"p","bootstrap_host":"10.6.6.6"}`,
 			wantBody: `{"model":"m","prompt":"p","bootstrap_host":"fd00::1","bootstrap_port":9100,"bootstrap_room":ROOM,"rid":"RID"}`,
 		},
@@ -182,7 +184,7 @@ func TestSGLangPrefillOutcome(t *testing.T) {
 		wantErr string
 	}{
 		{name: "success", reply: reply{body: `{"text":"a"}`}},
-		{name: "engine error", reply: reply{err: &EngineError{Endpoint: testPrefill, Status: 400, Message: "bad room"}}, wantErr: "answered 400: bad room"},
+		{name: "engine error", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "bad room"}}, wantErr: "answered 400: bad room"},
 		{name: "plain error named by the endpoint", reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
 	}
 	for _, tc := range tests {
@@ -219,7 +221,7 @@ func TestSGLangCancelledWhilePrefillHangs(t *testing.T) {
 
 func TestSGLangNotIPPort(t *testing.T) {
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	req.Prefill = Endpoint{Address: "no-port"}
+	req.Prefill = endpoint.Endpoint{Address: "no-port"}
 	eng := newFakeEngine()
 	_, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	requireEngineError(t, err, req.Prefill)
@@ -234,7 +236,7 @@ func TestSGLangRelease(t *testing.T) {
 	eng := newFakeEngine().
 		on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`}).
 		on(http.MethodPost, testPrefill.Address, "/abort_request", reply{body: ``}).
-		on(http.MethodPost, testDecode.Address, "/abort_request", reply{err: &EngineError{Status: 500, Message: "down"}})
+		on(http.MethodPost, testDecode.Address, "/abort_request", reply{err: &engines.Error{Status: 500, Message: "down"}})
 	got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	require.NoError(t, err)
 	require.NoError(t, <-got.Prefill)

@@ -8,6 +8,8 @@ import (
 	"errors"
 	"net"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -95,22 +97,22 @@ func appendJSONString(dst []byte, s string) []byte {
 	return append(dst, quoted...)
 }
 
-// engineFailure makes sure an engine call's error is an *EngineError naming
+// engineFailure makes sure an engine call's error is an *engines.Error naming
 // ep, as [Engine] promises and the processor relies on to choose the
 // client's status. Errors of conforming engines pass unchanged.
-func engineFailure(ep Endpoint, err error) error {
-	if ee, ok := err.(*EngineError); ok {
-		if ee.Endpoint == (Endpoint{}) {
+func engineFailure(ep endpoint.Endpoint, err error) error {
+	if ee, ok := err.(*engines.Error); ok {
+		if ee.Endpoint == (endpoint.Endpoint{}) {
 			named := *ee
 			named.Endpoint = ep
 			return &named
 		}
 		return err
 	}
-	if _, ok := errors.AsType[*EngineError](err); ok {
+	if _, ok := errors.AsType[*engines.Error](err); ok {
 		return err
 	}
-	return &EngineError{Endpoint: ep, Err: err}
+	return &engines.Error{Endpoint: ep, Err: err}
 }
 
 // startPrefill posts the prefill in a goroutine of its own and returns the
@@ -119,7 +121,7 @@ func engineFailure(ep Endpoint, err error) error {
 // when Post returns, which an [Engine] does once ctx is done. The answer's
 // body is discarded (the engine client has read it to the end). failed, if
 // not nil, is called before a failure is delivered.
-func startPrefill(ctx context.Context, engine Engine, ep Endpoint, path, requestID string, body net.Buffers, failed func()) <-chan error {
+func startPrefill(ctx context.Context, engine Engine, ep endpoint.Endpoint, path, requestID string, body net.Buffers, failed func()) <-chan error {
 	done := make(chan error, 1)
 	go func() {
 		_, err := engine.Post(ctx, ep, path, requestID, body)

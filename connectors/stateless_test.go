@@ -114,8 +114,6 @@ func TestImmutableTypeGuard(t *testing.T) {
 var packageVars = map[string]string{
 	// Filled by its composite literal; New and Names only read it.
 	"registry": "connector constructors",
-	// A sentinel compared with errors.Is; never reassigned.
-	"ErrBadAnswer": "sentinel error",
 	// Fixed JSON fragments, only passed as jsonedit.Edit values, which
 	// AppendEdited copies into a fresh buffer: read, never written,
 	// appended to or aliased by an output.

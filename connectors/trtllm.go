@@ -10,6 +10,7 @@ import (
 	"strconv"
 	"strings"
 
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -64,7 +65,7 @@ func (c TRTLLM) Prepare(ctx context.Context, env Env, req *Request) (Decode, err
 		err = trtllmCheckSource(req, ca.params)
 	}
 	if err != nil {
-		return Decode{}, &EngineError{Endpoint: req.Prefill, Message: "reading the context answer", Err: err}
+		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "reading the context answer", Err: err}
 	}
 	if ca.finished {
 		// The context server finished the request (EOS or a stop string on
@@ -112,32 +113,32 @@ func parseTRTLLMContext(answer []byte) (trtllmContext, error) {
 	var ca trtllmContext
 	var err error
 	if ca.resp, err = jsonedit.Parse(answer); err != nil {
-		return ca, fmt.Errorf("%w: %w", ErrBadAnswer, err)
+		return ca, fmt.Errorf("%w: %w", engines.ErrBadAnswer, err)
 	}
 	rawChoices, ok := ca.resp.Raw("choices")
 	if !ok {
-		return ca, fmt.Errorf("%w: no choices", ErrBadAnswer)
+		return ca, fmt.Errorf("%w: no choices", engines.ErrBadAnswer)
 	}
 	// RawMessage keeps each choice's bytes; nothing goes through float64.
 	var choices []json.RawMessage
 	if err := json.Unmarshal(rawChoices, &choices); err != nil || len(choices) != 1 {
-		return ca, fmt.Errorf("%w: choices is %.40s, not an array of one choice", ErrBadAnswer, rawChoices)
+		return ca, fmt.Errorf("%w: choices is %.40s, not an array of one choice", engines.ErrBadAnswer, rawChoices)
 	}
 	if ca.choice, err = jsonedit.Parse(choices[0]); err != nil {
-		return ca, fmt.Errorf("%w: choices[0] is %.40s, not an object", ErrBadAnswer, choices[0])
+		return ca, fmt.Errorf("%w: choices[0] is %.40s, not an object", engines.ErrBadAnswer, choices[0])
 	}
 	if ca.finished = trtllmFinished(ca.choice); ca.finished {
 		return ca, nil
 	}
 	raw, ok := ca.choice.Raw(keyDisaggregatedParams)
 	if !ok || string(raw) == "null" {
-		return ca, fmt.Errorf("%w: choices[0] has no disaggregated_params", ErrBadAnswer)
+		return ca, fmt.Errorf("%w: choices[0] has no disaggregated_params", engines.ErrBadAnswer)
 	}
 	if ca.params, err = jsonedit.Parse(raw); err != nil {
-		return ca, fmt.Errorf("%w: disaggregated_params is %.40s, not an object", ErrBadAnswer, raw)
+		return ca, fmt.Errorf("%w: disaggregated_params is %.40s, not an object", engines.ErrBadAnswer, raw)
 	}
 	if id, ok := ca.params.Raw("ctx_request_id"); !ok || !isJSONNumber(id) {
-		return ca, fmt.Errorf("%w: disaggregated_params has no ctx_request_id", ErrBadAnswer)
+		return ca, fmt.Errorf("%w: disaggregated_params has no ctx_request_id", engines.ErrBadAnswer)
 	}
 	return ca, nil
 }
@@ -156,7 +157,7 @@ func trtllmCheckSource(req *Request, params jsonedit.Object) error {
 	if s, ok := jsonString(raw); ok {
 		endpoints = []string{string(s)}
 	} else if json.Unmarshal(raw, &endpoints) != nil {
-		return fmt.Errorf("%w: ctx_info_endpoint is %.40s, not a string or a list of strings", ErrBadAnswer, raw)
+		return fmt.Errorf("%w: ctx_info_endpoint is %.40s, not a string or a list of strings", engines.ErrBadAnswer, raw)
 	}
 	for _, e := range endpoints {
 		host := e

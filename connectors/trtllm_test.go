@@ -11,6 +11,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -230,24 +231,24 @@ func TestTRTLLMPrepareErrors(t *testing.T) {
 		wantErr string
 		is      error
 	}{
-		{name: "engine error", reply: reply{err: &EngineError{Endpoint: testPrefill, Status: 400, Message: "streaming context"}}, wantErr: "answered 400: streaming context"},
+		{name: "engine error", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "streaming context"}}, wantErr: "answered 400: streaming context"},
 		{name: "plain error named by the endpoint", reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
 		{name: "context ends the prefill", ctx: canceled, reply: reply{block: true}, is: context.Canceled},
-		{name: "not JSON", reply: reply{body: `<html>`}, is: ErrBadAnswer},
-		{name: "no choices", reply: reply{body: `{"id":"x"}`}, wantErr: "no choices", is: ErrBadAnswer},
-		{name: "no choice", reply: reply{body: `{"choices":[]}`}, is: ErrBadAnswer},
-		{name: "two choices", reply: reply{body: `{"choices":[{"disaggregated_params":` + ctxParams + `},{"disaggregated_params":` + ctxParams + `}]}`}, is: ErrBadAnswer},
-		{name: "choices not an array", reply: reply{body: `{"choices":{}}`}, is: ErrBadAnswer},
-		{name: "choice not an object", reply: reply{body: `{"choices":[1]}`}, is: ErrBadAnswer},
-		{name: "missing disaggregated_params", reply: reply{body: `{"choices":[{"text":"a","finish_reason":"length"}]}`}, wantErr: "no disaggregated_params", is: ErrBadAnswer},
-		{name: "null disaggregated_params", reply: reply{body: `{"choices":[{"disaggregated_params":null}]}`}, is: ErrBadAnswer},
-		{name: "top-level disaggregated_params is not where upstream puts them", reply: reply{body: `{"disaggregated_params":` + ctxParams + `,"choices":[{"text":"a"}]}`}, is: ErrBadAnswer},
-		{name: "disaggregated_params not an object", reply: reply{body: `{"choices":[{"disaggregated_params":[1]}]}`}, is: ErrBadAnswer},
-		{name: "no ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"request_type":"context_only"}}]}`}, wantErr: "no ctx_request_id", is: ErrBadAnswer},
-		{name: "null ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":null}}]}`}, is: ErrBadAnswer},
-		{name: "string ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":"1"}}]}`}, is: ErrBadAnswer},
-		{name: "ctx_info_endpoint elsewhere", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":"tcp://203.0.113.66:8500"}}]}`}, wantErr: `"203.0.113.66"`, is: ErrBadAnswer},
-		{name: "ctx_info_endpoint not a string", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":7}}]}`}, is: ErrBadAnswer},
+		{name: "not JSON", reply: reply{body: `<html>`}, is: engines.ErrBadAnswer},
+		{name: "no choices", reply: reply{body: `{"id":"x"}`}, wantErr: "no choices", is: engines.ErrBadAnswer},
+		{name: "no choice", reply: reply{body: `{"choices":[]}`}, is: engines.ErrBadAnswer},
+		{name: "two choices", reply: reply{body: `{"choices":[{"disaggregated_params":` + ctxParams + `},{"disaggregated_params":` + ctxParams + `}]}`}, is: engines.ErrBadAnswer},
+		{name: "choices not an array", reply: reply{body: `{"choices":{}}`}, is: engines.ErrBadAnswer},
+		{name: "choice not an object", reply: reply{body: `{"choices":[1]}`}, is: engines.ErrBadAnswer},
+		{name: "missing disaggregated_params", reply: reply{body: `{"choices":[{"text":"a","finish_reason":"length"}]}`}, wantErr: "no disaggregated_params", is: engines.ErrBadAnswer},
+		{name: "null disaggregated_params", reply: reply{body: `{"choices":[{"disaggregated_params":null}]}`}, is: engines.ErrBadAnswer},
+		{name: "top-level disaggregated_params is not where upstream puts them", reply: reply{body: `{"disaggregated_params":` + ctxParams + `,"choices":[{"text":"a"}]}`}, is: engines.ErrBadAnswer},
+		{name: "disaggregated_params not an object", reply: reply{body: `{"choices":[{"disaggregated_params":[1]}]}`}, is: engines.ErrBadAnswer},
+		{name: "no ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"request_type":"context_only"}}]}`}, wantErr: "no ctx_request_id", is: engines.ErrBadAnswer},
+		{name: "null ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":null}}]}`}, is: engines.ErrBadAnswer},
+		{name: "string ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":"1"}}]}`}, is: engines.ErrBadAnswer},
+		{name: "ctx_info_endpoint elsewhere", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":"tcp://203.0.113.66:8500"}}]}`}, wantErr: `"203.0.113.66"`, is: engines.ErrBadAnswer},
+		{name: "ctx_info_endpoint not a string", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":7}}]}`}, is: engines.ErrBadAnswer},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -19,6 +19,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 )
 
 const (
@@ -141,11 +142,11 @@ func TestEnvoyConfigIsRendered(t *testing.T) {
 // deploy/envoy.yaml (with `pdx` as a STRICT_DNS host name, which validate
 // mode accepts without resolving it).
 func TestEnvoyConfigValidates(t *testing.T) {
-	bin, err := envoy.Binary()
+	bin, err := envoyproc.Binary()
 	require.NoError(t, err, "validating deploy/envoy.yaml needs Envoy: run `make envoy` or set ENVOY_BIN")
 	abs, err := filepath.Abs(envoyFile)
 	require.NoError(t, err)
-	require.NoError(t, envoy.ValidateFile(t.Context(), bin, abs))
+	require.NoError(t, envoyproc.ValidateFile(t.Context(), bin, abs))
 }
 
 func TestComposeServices(t *testing.T) {

@@ -8,8 +8,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // A prefill engine's answer cannot steer the decode's KV pull: pdx passes

@@ -17,8 +17,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // errorCase is one way a client gets an error: how to cause it and what it

@@ -13,8 +13,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // The Envoy filter of these tests streams request bodies to pdx in

@@ -17,9 +17,9 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/pdx-router/pdx/connectors"
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -43,7 +43,7 @@ func startStack(t *testing.T, opts stack.Options) *stack.Stack {
 // pool that is closed when the test ends.
 func newClient(t *testing.T, st *stack.Stack) (openai.Client, *http.Client) {
 	t.Helper()
-	hc := &http.Client{Transport: connectors.NewTransport(), Timeout: 2 * time.Minute}
+	hc := &http.Client{Transport: engines.NewTransport(), Timeout: 2 * time.Minute}
 	t.Cleanup(hc.CloseIdleConnections)
 	return openai.NewClient(
 		option.WithBaseURL(st.URL()+"/v1/"),

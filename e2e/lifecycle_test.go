@@ -23,11 +23,12 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/logbuf"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // These tests follow requests through the events of a deployment's life
@@ -547,7 +548,7 @@ func send(ctx context.Context, hc *http.Client, url, prompt string, bound time.D
 // newHTTPClient is a client with its own connection pool, closed when the
 // test ends.
 func newHTTPClient(t *testing.T) *http.Client {
-	hc := &http.Client{Transport: connectors.NewTransport()}
+	hc := &http.Client{Transport: engines.NewTransport()}
 	t.Cleanup(hc.CloseIdleConnections)
 	return hc
 }
@@ -609,7 +610,7 @@ type procStack struct {
 	grpcAddr, adminAddr string
 	args                []string
 	prefill, decode     []*enginesim.Server
-	envoy               *envoy.Process
+	envoy               *envoyproc.Process
 	pdx                 *pdxProcess
 	pdxLog              *logbuf.Buffer
 }
@@ -659,12 +660,12 @@ func startProcStack(t *testing.T, opts procOptions) *procStack {
 	})
 	ps.startPdx(t)
 
-	envoyBin, err := envoy.Binary()
+	envoyBin, err := envoyproc.Binary()
 	require.NoError(t, err)
 	if opts.messageTimeout == 0 {
 		opts.messageTimeout = 15 * time.Second
 	}
-	ps.envoy, err = envoy.Start(t.Context(), envoyBin, envoy.Config{PdxAddress: ps.grpcAddr, MessageTimeout: opts.messageTimeout}, nil)
+	ps.envoy, err = envoyproc.Start(t.Context(), envoyBin, envoy.Config{PdxAddress: ps.grpcAddr, MessageTimeout: opts.messageTimeout}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		if t.Failed() {

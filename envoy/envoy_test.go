@@ -16,27 +16,6 @@ import (
 	"sigs.k8s.io/yaml"
 )
 
-func TestRenderValidates(t *testing.T) {
-	bin, err := Binary()
-	require.NoError(t, err, "the end-to-end tests need Envoy: run `make envoy` or set ENVOY_BIN")
-	tests := []struct {
-		name string
-		cfg  Config
-	}{
-		{name: "loopback defaults", cfg: Config{PdxAddress: "127.0.0.1:9002"}},
-		{name: "docker-style names, own limits", cfg: Config{
-			ListenAddress: "0.0.0.0", ListenPort: 10000, AdminPort: 9901, PdxAddress: "pdx:9002",
-			MessageTimeout: 90 * time.Second, BufferLimitBytes: 64 << 20, MaxRequestHeaders: 200, MaxRequestHeadersKB: 96,
-		}},
-		{name: "full-duplex streamed body", cfg: Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: BodyFullDuplexStreamed}},
-	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			require.NoError(t, Validate(t.Context(), bin, tc.cfg))
-		})
-	}
-}
-
 func TestRender(t *testing.T) {
 	var buf bytes.Buffer
 	require.NoError(t, Render(&buf, Config{PdxAddress: "127.0.0.1:9002", MessageTimeout: 1500 * time.Millisecond}))

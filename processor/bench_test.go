@@ -11,14 +11,14 @@ import (
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // instantEngine answers every prefill at once, so the benchmark measures
 // pdx's own work on a request.
 type instantEngine struct{}
 
-func (instantEngine) Post(context.Context, connectors.Endpoint, string, string, net.Buffers) ([]byte, error) {
+func (instantEngine) Post(context.Context, endpoint.Endpoint, string, string, net.Buffers) ([]byte, error) {
 	return []byte(kvAnswer), nil
 }
 

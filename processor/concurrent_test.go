@@ -11,6 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -38,7 +40,7 @@ func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Env, _ *c
 			done <- err
 		case <-ctx.Done():
 			c.ended <- context.Cause(ctx)
-			done <- &connectors.EngineError{Err: ctx.Err()}
+			done <- &engines.Error{Err: ctx.Err()}
 		}
 	}()
 	return connectors.Decode{Body: []byte(`{"model":"m","bootstrap_room":7}`), Prefill: done}, nil
@@ -51,10 +53,10 @@ func (concurrentConnector) Concurrent() bool { return true }
 func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurrentConnector, context.CancelFunc, chan error) {
 	t.Helper()
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1), released: make(chan struct{}, 4)}
-	eps := []connectors.Endpoint{{Address: "127.0.0.1:8100"}}
+	eps := []endpoint.Endpoint{{Address: "127.0.0.1:8100"}}
 	table := routing.Fixed(&routing.Pool{
 		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
-		Prefill: picker.NewRoundRobin(eps, picker.Options{}), Decode: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+		Prefill: picker.NewRoundRobin(eps, picker.Options{}), Decode: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
 	})
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)
@@ -121,7 +123,7 @@ func TestConcurrentPrefill(t *testing.T) {
 
 	t.Run("prefill fails while the decode runs", func(t *testing.T) {
 		stream, conn, _, _ := concurrentStream(t, time.Minute)
-		conn.outcome <- &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}
+		conn.outcome <- &engines.Error{Endpoint: endpoint.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}
 		status, b := immediateOf(t, next(t, stream))
 		require.Equal(t, 502, status)
 		require.Equal(t, "prefill_failed", b.Error.Code)
@@ -135,7 +137,7 @@ func TestConcurrentPrefill(t *testing.T) {
 		stream, conn, _, _ := concurrentStream(t, time.Minute)
 		stream.in <- responseHeaders
 		requireNoAnswer(t, stream)
-		conn.outcome <- &connectors.EngineError{Err: errors.New("connection refused")}
+		conn.outcome <- &engines.Error{Err: errors.New("connection refused")}
 		status, b := immediateOf(t, next(t, stream))
 		require.Equal(t, 503, status)
 		require.Equal(t, "prefill_unavailable", b.Error.Code)

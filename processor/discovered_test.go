@@ -6,20 +6,20 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
 // TestDiscoveredPool routes through a pool whose endpoints are set the way
 // Kubernetes discovery sets them: possibly none, and paired by group.
 func TestDiscoveredPool(t *testing.T) {
-	ep := func(addr, group string) connectors.Endpoint {
-		return connectors.Endpoint{Address: addr, Group: group}
+	ep := func(addr, group string) endpoint.Endpoint {
+		return endpoint.Endpoint{Address: addr, Group: group}
 	}
 	tests := []struct {
 		name              string
-		prefill, decode   []connectors.Endpoint
+		prefill, decode   []endpoint.Endpoint
 		answers           map[string]func(ctx context.Context) ([]byte, error)
 		wantCalls         []string
 		wantDecode        string // the routed decode endpoint; "" wants an error
@@ -27,33 +27,33 @@ func TestDiscoveredPool(t *testing.T) {
 		wantCode, wantMsg string
 	}{
 		{
-			name: "no decode endpoint", prefill: []connectors.Endpoint{ep("127.0.0.1:1", "")},
+			name: "no decode endpoint", prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "")},
 			wantStatus: 503, wantCode: "no_endpoint", wantMsg: "no endpoint available: pool p has no ready decode endpoint",
 		},
 		{
-			name: "unpaired", prefill: []connectors.Endpoint{ep("127.0.0.1:1", "")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "")},
+			name: "unpaired", prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "")},
 			wantCalls: []string{"127.0.0.1:1"}, wantDecode: "127.0.0.1:9",
 		},
 		{
 			name:    "prefill from the decode's group",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "g2"), ep("127.0.0.1:2", "g1")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "g1")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "g2"), ep("127.0.0.1:2", "g1")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "g1")},
 			wantCalls: []string{"127.0.0.1:2"}, wantDecode: "127.0.0.1:9",
 		},
 		{
 			name:    "retries stay in the group",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "g1"), ep("127.0.0.1:3", "g2"), ep("127.0.0.1:2", "g1")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "g1")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "g1"), ep("127.0.0.1:3", "g2"), ep("127.0.0.1:2", "g1")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "g1")},
 			answers:   map[string]func(ctx context.Context) ([]byte, error){"127.0.0.1:1": answer(503)},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2"}, wantDecode: "127.0.0.1:9",
 		},
 		{
 			name:    "no other group's prefill once the group's are tried",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "g1"), ep("127.0.0.1:3", "g2")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "g1")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "g1"), ep("127.0.0.1:3", "g2")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "g1")},
 			answers:   map[string]func(ctx context.Context) ([]byte, error){"127.0.0.1:1": answer(503)},
 			wantCalls: []string{"127.0.0.1:1"}, wantStatus: 502, wantCode: "prefill_failed",
 		},
 		{
 			name:    "decode's group has no prefill",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "g2")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "g1")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "g2")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "g1")},
 			wantStatus: 503, wantCode: "no_endpoint",
 			wantMsg: `no endpoint available: pool p has no ready prefill endpoint in group "g1" of decode endpoint 127.0.0.1:9`,
 		},

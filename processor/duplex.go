@@ -7,7 +7,7 @@ import (
 	filterextprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // FULL_DUPLEX_STREAMED request bodies, the mode of the Gateway API Inference
@@ -87,7 +87,7 @@ func (r *request) bodyEnded(ctx context.Context, trailers bool) (*extprocv3.Proc
 // mode that is the answer to the headers, which Envoy is still waiting for,
 // followed by the decode body in chunks and, if the client sent trailers,
 // the answer to them: Envoy requires headers, body, trailers in that order.
-func (r *request) routed(body []byte, unchanged bool, decode connectors.Endpoint) *extprocv3.ProcessingResponse {
+func (r *request) routed(body []byte, unchanged bool, decode endpoint.Endpoint) *extprocv3.ProcessingResponse {
 	if !r.duplex() {
 		return decodeMutation(body, unchanged, decode, r.id, r.clientID)
 	}

@@ -14,6 +14,8 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -296,8 +298,8 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 		conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
 		table := routing.Fixed(&routing.Pool{
 			Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-			Prefill: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
-			Decode:  picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+			Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
+			Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
 		})
 		stream := newFakeStream(t.Context())
 		done := make(chan error, 1)
@@ -347,7 +349,7 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 
 	t.Run("prefill fails while the decode runs", func(t *testing.T) {
 		stream, conn := start(t)
-		conn.outcome <- &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}
+		conn.outcome <- &engines.Error{Endpoint: endpoint.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}
 		status, b := immediateOf(t, next(t, stream))
 		require.Equal(t, 502, status)
 		require.Equal(t, "prefill_failed", b.Error.Code)

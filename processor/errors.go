@@ -11,7 +11,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -81,9 +81,9 @@ func toAPIError(err error) *apiError {
 	case errors.Is(err, errProtocol), errors.Is(err, errConfig):
 		return &apiError{status: 500, typ: typeServer, code: "internal_error", msg: msg}
 	}
-	if ee, ok := errors.AsType[*connectors.EngineError](err); ok {
+	if ee, ok := errors.AsType[*engines.Error](err); ok {
 		switch {
-		case errors.Is(err, connectors.ErrBadAnswer):
+		case errors.Is(err, engines.ErrBadAnswer):
 			return &apiError{status: 502, typ: typeServer, code: "bad_prefill_answer", msg: msg}
 		case ee.Status == 0:
 			return &apiError{status: 503, typ: typeServer, code: "prefill_unavailable", msg: msg}

@@ -16,7 +16,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -114,8 +114,8 @@ func concurrentTable() *routing.Table {
 	return routing.Fixed(&routing.Pool{
 		Name: "p", ConnectorName: "sglang", Connector: concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)},
 		PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-		Prefill: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
-		Decode:  picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+		Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
+		Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
 	})
 }
 
@@ -128,7 +128,7 @@ type releaseEngine struct {
 	decodes []engineCall
 }
 
-func (e *releaseEngine) Post(_ context.Context, ep connectors.Endpoint, path, id string, body net.Buffers) ([]byte, error) {
+func (e *releaseEngine) Post(_ context.Context, ep endpoint.Endpoint, path, id string, body net.Buffers) ([]byte, error) {
 	if ep.Address == "127.0.0.1:8200" {
 		e.mu.Lock()
 		e.decodes = append(e.decodes, engineCall{endpoint: ep.Address, path: path, id: id, body: string(bytes.Join(body, nil))})

@@ -8,7 +8,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // DestinationHeader names the decode endpoint for Envoy's ORIGINAL_DST
@@ -75,7 +75,7 @@ var passThroughMode = &filterextprocv3.ProcessingMode{
 }
 
 // passThroughHeaders routes a request without a body at its headers.
-func passThroughHeaders(decode connectors.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
+func passThroughHeaders(decode endpoint.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
 			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
@@ -96,7 +96,7 @@ func passThroughHeaders(decode connectors.Endpoint, requestID, clientID string) 
 // endpoint as header and as metadata, and the request id both legs share.
 // A body unchanged from the client's is not sent back: Envoy keeps the one
 // it holds, and neither side copies a prompt for nothing.
-func decodeMutation(body []byte, unchanged bool, decode connectors.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
+func decodeMutation(body []byte, unchanged bool, decode endpoint.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
 	resp := &extprocv3.CommonResponse{
 		HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: decodeHeaders(body, decode, requestID)},
 	}
@@ -110,7 +110,7 @@ func decodeMutation(body []byte, unchanged bool, decode connectors.Endpoint, req
 }
 
 // decodeHeaders are the headers pdx sets on the decode request.
-func decodeHeaders(body []byte, decode connectors.Endpoint, requestID string) []*corev3.HeaderValueOption {
+func decodeHeaders(body []byte, decode endpoint.Endpoint, requestID string) []*corev3.HeaderValueOption {
 	return []*corev3.HeaderValueOption{
 		setHeader(DestinationHeader, decode.Address),
 		setHeader("content-length", strconv.Itoa(len(body))),
@@ -120,7 +120,7 @@ func decodeHeaders(body []byte, decode connectors.Endpoint, requestID string) []
 
 // endpointMetadata names the decode endpoint in Envoy's dynamic metadata,
 // and the client's request id.
-func endpointMetadata(decode connectors.Endpoint, clientID string) *structpb.Struct {
+func endpointMetadata(decode endpoint.Endpoint, clientID string) *structpb.Struct {
 	return &structpb.Struct{Fields: map[string]*structpb.Value{
 		MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
 			DestinationHeader: structpb.NewStringValue(decode.Address),

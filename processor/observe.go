@@ -13,7 +13,8 @@ import (
 	"go.opentelemetry.io/otel/propagation"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -131,7 +132,7 @@ func (r *request) observeAnswer(was state, resp *extprocv3.ProcessingResponse) {
 	o.answered = time.Since(r.start)
 	if o.attempting && r.prefill == nil {
 		// A concurrent connector that finished its prefill in Prepare.
-		r.attemptDone(o.attemptPool, connectors.Endpoint{Address: o.attemptOn}, nil)
+		r.attemptDone(o.attemptPool, endpoint.Endpoint{Address: o.attemptOn}, nil)
 	}
 	if o.span == nil {
 		return
@@ -183,7 +184,7 @@ func (r *request) observeFailure(code string) {
 // startAttempt notes a prefill attempt on ep and returns the context to run
 // it in: with tracing, one carrying the attempt's span, whose traceparent
 // the engine client sends.
-func (r *request) startAttempt(ctx context.Context, pool *routing.Pool, ep connectors.Endpoint) context.Context {
+func (r *request) startAttempt(ctx context.Context, pool *routing.Pool, ep endpoint.Endpoint) context.Context {
 	o := &r.obs
 	if !o.on() {
 		return ctx
@@ -208,7 +209,7 @@ func (r *request) startAttempt(ctx context.Context, pool *routing.Pool, ep conne
 }
 
 // attemptDone notes the outcome of the prefill attempt in flight.
-func (r *request) attemptDone(pool *routing.Pool, ep connectors.Endpoint, err error) {
+func (r *request) attemptDone(pool *routing.Pool, ep endpoint.Endpoint, err error) {
 	o := &r.obs
 	if !o.attempting {
 		return
@@ -224,7 +225,7 @@ func (r *request) attemptDone(pool *routing.Pool, ep connectors.Endpoint, err er
 	if s := o.attempt; s != nil {
 		o.attempt = nil
 		s.SetAttributes(attribute.String("pdx.status", result))
-		if ee, ok := errors.AsType[*connectors.EngineError](err); ok && ee.Status != 0 {
+		if ee, ok := errors.AsType[*engines.Error](err); ok && ee.Status != 0 {
 			s.SetAttributes(attribute.Int("http.response.status_code", ee.Status))
 		}
 		if err != nil {
@@ -243,7 +244,7 @@ func (r *request) endObservation() {
 	o.metrics.StreamEnded()
 	if o.attempting {
 		// A concurrent prefill still running: the request ended without it.
-		r.attemptDone(o.attemptPool, connectors.Endpoint{Address: o.attemptOn}, context.Canceled)
+		r.attemptDone(o.attemptPool, endpoint.Endpoint{Address: o.attemptOn}, context.Canceled)
 	}
 	outcome := metrics.OutcomeIncomplete
 	switch r.state {

@@ -15,7 +15,7 @@ import (
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
@@ -131,8 +131,8 @@ func concurrentMetricsStream(t *testing.T) (*metrics.Metrics, *fakeStream, concu
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
 	table := routing.Fixed(&routing.Pool{
 		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-		Prefill: picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
-		Decode:  picker.NewRoundRobin([]connectors.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+		Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
+		Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
 	})
 	m := metrics.New()
 	ctx, cancel := context.WithCancel(t.Context())

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -31,7 +33,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	// so the request cancels it (close); a sequential one ends here.
 	r.prefillCtx, r.cancelPrefill = context.WithTimeoutCause(ctx, pool.PrefillTimeout, errPrefillTimeout)
 	r.prefillPool = pool
-	var tried []connectors.Endpoint
+	var tried []endpoint.Endpoint
 	var last error       // decides the client's status
 	var earlier []string // for the message
 	for n := range pool.Attempts {
@@ -105,7 +107,7 @@ func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connect
 // endpoint's faults count: a request the engine rejected, or a client that
 // went away, says nothing about the endpoint. Metrics and the attempt's
 // span record every outcome.
-func (r *request) report(ctx context.Context, pool *routing.Pool, ep connectors.Endpoint, err error) {
+func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.Endpoint, err error) {
 	r.attemptDone(pool, ep, err)
 	if err != nil && (ctx.Err() != nil || !endpointFault(err)) {
 		return
@@ -118,11 +120,11 @@ func (r *request) report(ctx context.Context, pool *routing.Pool, ep connectors.
 
 // prefillErr says which prefill failed, and names the overall timeout as
 // such rather than as the context error it surfaces as.
-func (r *request) prefillErr(pool *routing.Pool, ep connectors.Endpoint, err error) error {
+func (r *request) prefillErr(pool *routing.Pool, ep endpoint.Endpoint, err error) error {
 	if context.Cause(r.prefillCtx) == errPrefillTimeout {
 		err = fmt.Errorf("%w after %s", errPrefillTimeout, pool.PrefillTimeout)
 	}
-	if ee, ok := errors.AsType[*connectors.EngineError](err); ok && ee.Endpoint.Address == ep.Address {
+	if ee, ok := errors.AsType[*engines.Error](err); ok && ee.Endpoint.Address == ep.Address {
 		return fmt.Errorf("pool %s: %w", pool.Name, err) // it names the endpoint
 	}
 	return fmt.Errorf("pool %s, prefill on %s: %w", pool.Name, ep.Address, err)
@@ -143,11 +145,11 @@ func endpointFault(err error) bool {
 	if errors.Is(err, errAttemptTimeout) || errors.Is(err, errPrefillTimeout) {
 		return true
 	}
-	ee, ok := errors.AsType[*connectors.EngineError](err)
+	ee, ok := errors.AsType[*engines.Error](err)
 	if !ok {
 		return false
 	}
-	return ee.Status == 0 || ee.Status >= 500 || errors.Is(err, connectors.ErrBadAnswer)
+	return ee.Status == 0 || ee.Status >= 500 || errors.Is(err, engines.ErrBadAnswer)
 }
 
 // retryable reports whether another endpoint may succeed where this one
@@ -157,7 +159,7 @@ func retryable(ctx, prefillCtx context.Context, err error) bool {
 	if ctx.Err() != nil || prefillCtx.Err() != nil {
 		return false
 	}
-	if ee, ok := errors.AsType[*connectors.EngineError](err); ok && ee.Status == 429 {
+	if ee, ok := errors.AsType[*engines.Error](err); ok && ee.Status == 429 {
 		return true
 	}
 	return endpointFault(err) && !errors.Is(err, errPrefillTimeout)
@@ -170,8 +172,8 @@ func fallbackable(ctx context.Context, err error) bool {
 	if ctx.Err() != nil {
 		return false
 	}
-	ee, ok := errors.AsType[*connectors.EngineError](err)
-	return !ok || ee.Status == 0 || ee.Status == 429 || ee.Status >= 500 || errors.Is(err, connectors.ErrBadAnswer)
+	ee, ok := errors.AsType[*engines.Error](err)
+	return !ok || ee.Status == 0 || ee.Status == 429 || ee.Status >= 500 || errors.Is(err, engines.ErrBadAnswer)
 }
 
 // sleep waits for d or until ctx ends.

@@ -24,6 +24,8 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -81,7 +83,7 @@ type engineCall struct {
 	ctxErrEnd error
 }
 
-func (e *fakeEngine) Post(ctx context.Context, ep connectors.Endpoint, path, id string, body net.Buffers) ([]byte, error) {
+func (e *fakeEngine) Post(ctx context.Context, ep endpoint.Endpoint, path, id string, body net.Buffers) ([]byte, error) {
 	call := engineCall{endpoint: ep.Address, path: path, id: id, body: string(bytes.Join(body, nil))}
 	if e.block {
 		<-ctx.Done()
@@ -91,7 +93,7 @@ func (e *fakeEngine) Post(ctx context.Context, ep connectors.Endpoint, path, id 
 	e.calls = append(e.calls, call)
 	e.mu.Unlock()
 	if e.block {
-		return nil, &connectors.EngineError{Endpoint: ep, Err: ctx.Err()}
+		return nil, &engines.Error{Endpoint: ep, Err: ctx.Err()}
 	}
 	return []byte(e.answer), e.err
 }
@@ -445,17 +447,17 @@ func TestErrors(t *testing.T) {
 		{name: "model null", msgs: msgs(post, body(`{"model":null}`, true)), wantStatus: 400, wantCode: "missing_model"},
 		{
 			name: "prefill 500", msgs: msgs(post, body(chatBody, true)),
-			engine:     &fakeEngine{err: &connectors.EngineError{Endpoint: connectors.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}},
+			engine:     &fakeEngine{err: &engines.Error{Endpoint: endpoint.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}},
 			wantStatus: 502, wantCode: "prefill_failed", wantMsg: "127.0.0.1:8100 answered 500: boom", wantCalls: 1,
 		},
 		{
 			name: "prefill refuses the request", msgs: msgs(post, body(chatBody, true)),
-			engine:     &fakeEngine{err: &connectors.EngineError{Status: 400, Message: "prompt too long"}},
+			engine:     &fakeEngine{err: &engines.Error{Status: 400, Message: "prompt too long"}},
 			wantStatus: 400, wantCode: "prefill_rejected", wantMsg: "prompt too long", wantCalls: 1,
 		},
 		{
 			name: "prefill unreachable", msgs: msgs(post, body(chatBody, true)),
-			engine:     &fakeEngine{err: &connectors.EngineError{Err: errors.New("connection refused")}},
+			engine:     &fakeEngine{err: &engines.Error{Err: errors.New("connection refused")}},
 			wantStatus: 503, wantCode: "prefill_unavailable", wantCalls: 1,
 		},
 		{

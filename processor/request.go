@@ -15,6 +15,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -90,7 +91,7 @@ type request struct {
 	prefillCtx    context.Context
 	cancelPrefill context.CancelFunc
 	prefillPool   *routing.Pool
-	prefillOn     connectors.Endpoint
+	prefillOn     endpoint.Endpoint
 	// A concurrent connector's prefill, still running while Envoy sends the
 	// decode; nil once its outcome is in (or for sequential connectors).
 	prefill <-chan error

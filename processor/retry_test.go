@@ -14,6 +14,8 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -26,7 +28,7 @@ type scriptedEngine struct {
 	calls []string
 }
 
-func (e *scriptedEngine) Post(ctx context.Context, ep connectors.Endpoint, _, _ string, _ net.Buffers) ([]byte, error) {
+func (e *scriptedEngine) Post(ctx context.Context, ep endpoint.Endpoint, _, _ string, _ net.Buffers) ([]byte, error) {
 	e.mu.Lock()
 	e.calls = append(e.calls, ep.Address)
 	e.mu.Unlock()
@@ -47,15 +49,15 @@ var (
 	answerOK = func(context.Context) ([]byte, error) { return []byte(kvAnswer), nil }
 	answer   = func(status int) func(context.Context) ([]byte, error) {
 		return func(context.Context) ([]byte, error) {
-			return nil, &connectors.EngineError{Status: status, Message: fmt.Sprintf("status %d", status)}
+			return nil, &engines.Error{Status: status, Message: fmt.Sprintf("status %d", status)}
 		}
 	}
 	answerRefused = func(context.Context) ([]byte, error) {
-		return nil, &connectors.EngineError{Err: errors.New("connection refused")}
+		return nil, &engines.Error{Err: errors.New("connection refused")}
 	}
 	answerHang = func(ctx context.Context) ([]byte, error) {
 		<-ctx.Done()
-		return nil, &connectors.EngineError{Err: ctx.Err()}
+		return nil, &engines.Error{Err: ctx.Err()}
 	}
 	answerGarbage = func(context.Context) ([]byte, error) { return []byte(`<html>`), nil }
 )
@@ -168,8 +170,8 @@ func TestPassiveHealth(t *testing.T) {
 	calls := eng.called()
 	require.Equal(t, 2, strings.Count(strings.Join(calls, " "), "127.0.0.1:1"), "ejected after 2 failures: %v", calls)
 	pool, _ := table.Lookup("m")
-	require.False(t, pool.Prefill.Healthy(connectors.Endpoint{Address: "127.0.0.1:1"}))
-	require.True(t, pool.Prefill.Healthy(connectors.Endpoint{Address: "127.0.0.1:2"}))
+	require.False(t, pool.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:1"}))
+	require.True(t, pool.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:2"}))
 }
 
 // A request the engine refuses says nothing about the endpoint's health.

@@ -18,8 +18,8 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -95,7 +95,7 @@ func TestTracing(t *testing.T) {
 	exp := tracetest.NewInMemoryExporter()
 	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
 	t.Cleanup(func() { require.NoError(t, tp.Shutdown(context.Background())) })
-	engine := connectors.NewHTTPEngine()
+	engine := engines.NewHTTP()
 	t.Cleanup(engine.CloseIdleConnections)
 	srv := New(tracedTable(t, prefill.srv.Listener.Addr().String()), engine, slog.New(slog.DiscardHandler), WithTracerProvider(tp))
 
@@ -143,7 +143,7 @@ func TestTracing(t *testing.T) {
 // none and the client's reaches the decode untouched.
 func TestTracingOff(t *testing.T) {
 	prefill := startTracedPrefill(t)
-	engine := connectors.NewHTTPEngine()
+	engine := engines.NewHTTP()
 	t.Cleanup(engine.CloseIdleConnections)
 	srv := New(tracedTable(t, prefill.srv.Listener.Addr().String()), engine, slog.New(slog.DiscardHandler))
 

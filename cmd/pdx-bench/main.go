@@ -20,8 +20,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/loadtest"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/loadtest"
 )
 
 func main() {
@@ -61,7 +61,7 @@ func run(ctx context.Context, args []string) error {
 		return errors.New("--pdx-bin is required (make bench builds it)")
 	}
 	if plan.EnvoyBin == "" {
-		bin, err := envoy.Binary()
+		bin, err := envoyproc.Binary()
 		if err != nil {
 			return err
 		}

@@ -31,6 +31,7 @@ import (
 	"sigs.k8s.io/yaml"
 
 	"github.com/pdx-router/pdx/envoy"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/processor"
 )
 
@@ -110,7 +111,7 @@ func dumpOf(t *testing.T, tr translation) xdsDump {
 func TestEnvoyGatewayTranslation(t *testing.T) {
 	egctl := os.Getenv("EGCTL")
 	require.NotEmpty(t, egctl, "set EGCTL to Envoy Gateway's egctl (make k8s-translate installs it)")
-	bin, err := envoy.Binary()
+	bin, err := envoyproc.Binary()
 	require.NoError(t, err, "run `make envoy` or set ENVOY_BIN")
 	dirs := []string{baseDir, egDir}
 	tr := translate(t, egctl, dirs)
@@ -288,7 +289,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	data, err := json.MarshalIndent(dump.staticBootstrap(t), "", "  ")
 	require.NoError(t, err)
 	require.NoError(t, os.WriteFile(bootstrap, data, 0o600))
-	require.NoError(t, envoy.ValidateFile(t.Context(), bin, bootstrap))
+	require.NoError(t, envoyproc.ValidateFile(t.Context(), bin, bootstrap))
 }
 
 // xdsResource decodes one resource of a config dump (protojson) as

@@ -13,7 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 var poolNameRE = regexp.MustCompile(`^[a-z0-9-]+$`)
@@ -196,7 +196,7 @@ func (v *validator) connectorOptions(path string, p *configv1.Pool) {
 		v.fail(path+".trtllm_protocol", "%q is not \"current\" or \"legacy\"", tp)
 	}
 	for i, h := range p.GetAllowedKvHosts() {
-		if _, err := connectors.ParseHostSet([]string{h}); err != nil {
+		if _, err := endpoint.ParseHostSet([]string{h}); err != nil {
 			v.fail(fmt.Sprintf("%s.allowed_kv_hosts[%d]", path, i), "%v", err)
 		}
 	}

@@ -31,7 +31,7 @@ import (
 	"k8s.io/client-go/tools/cache"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // Target is a pool that discovery feeds.
@@ -47,7 +47,7 @@ type Target struct {
 	// Set receives the pool's current endpoints, sorted by address, each
 	// time they change (routing.Pool.SetEndpoints). It is called with no
 	// two calls at once.
-	Set func(prefill, decode []connectors.Endpoint)
+	Set func(prefill, decode []endpoint.Endpoint)
 }
 
 // Event is an informer event that discovery has handled.
@@ -86,7 +86,7 @@ type Discovery struct {
 // target is a Target with the sets it was last given.
 type target struct {
 	Target
-	prefill, decode []connectors.Endpoint
+	prefill, decode []endpoint.Endpoint
 	pushed          bool
 }
 
@@ -294,7 +294,7 @@ type engine struct {
 
 // endpoints computes a target's prefill and decode endpoints from w's
 // caches, each sorted by address.
-func endpoints(w *watch, t Target) (prefill, decode []connectors.Endpoint) {
+func endpoints(w *watch, t Target) (prefill, decode []endpoint.Endpoint) {
 	spec := t.Spec
 	var engines []engine
 	if spec.GetService() != "" {
@@ -313,7 +313,7 @@ func endpoints(w *watch, t Target) (prefill, decode []connectors.Endpoint) {
 				continue // another role (a router, a proxy) or none
 			}
 		}
-		ep := connectors.Endpoint{Address: net.JoinHostPort(e.ip.String(), strconv.Itoa(e.port))}
+		ep := endpoint.Endpoint{Address: net.JoinHostPort(e.ip.String(), strconv.Itoa(e.port))}
 		if g := spec.GetGroupLabel(); g != "" {
 			if ep.Group = e.pod.Labels[g]; ep.Group == "" {
 				continue // cannot be paired
@@ -335,7 +335,7 @@ func endpoints(w *watch, t Target) (prefill, decode []connectors.Endpoint) {
 		// only complete groups.
 		prefill, decode = paired(prefill, decode)
 	}
-	byAddress := func(a, b connectors.Endpoint) int {
+	byAddress := func(a, b endpoint.Endpoint) int {
 		return cmp.Or(cmp.Compare(a.Address, b.Address), cmp.Compare(a.Group, b.Group))
 	}
 	slices.SortFunc(prefill, byAddress)
@@ -344,8 +344,8 @@ func endpoints(w *watch, t Target) (prefill, decode []connectors.Endpoint) {
 }
 
 // paired keeps the endpoints of the groups that have both roles.
-func paired(prefill, decode []connectors.Endpoint) ([]connectors.Endpoint, []connectors.Endpoint) {
-	has := func(eps []connectors.Endpoint) map[string]bool {
+func paired(prefill, decode []endpoint.Endpoint) ([]endpoint.Endpoint, []endpoint.Endpoint) {
+	has := func(eps []endpoint.Endpoint) map[string]bool {
 		m := map[string]bool{}
 		for _, ep := range eps {
 			m[ep.Group] = true
@@ -353,8 +353,8 @@ func paired(prefill, decode []connectors.Endpoint) ([]connectors.Endpoint, []con
 		return m
 	}
 	withPrefill, withDecode := has(prefill), has(decode)
-	prefill = slices.DeleteFunc(prefill, func(ep connectors.Endpoint) bool { return !withDecode[ep.Group] })
-	decode = slices.DeleteFunc(decode, func(ep connectors.Endpoint) bool { return !withPrefill[ep.Group] })
+	prefill = slices.DeleteFunc(prefill, func(ep endpoint.Endpoint) bool { return !withDecode[ep.Group] })
+	decode = slices.DeleteFunc(decode, func(ep endpoint.Endpoint) bool { return !withPrefill[ep.Group] })
 	return prefill, decode
 }
 
@@ -529,7 +529,7 @@ func slimPod(obj any) (any, error) {
 	return slim, nil
 }
 
-func addresses(eps []connectors.Endpoint) []string {
+func addresses(eps []endpoint.Endpoint) []string {
 	out := make([]string, len(eps))
 	for i, ep := range eps {
 		out[i] = ep.Address

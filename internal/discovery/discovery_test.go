@@ -18,8 +18,8 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	clienttesting "k8s.io/client-go/testing"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -204,7 +204,7 @@ func (h *harness) deleteSlice(name string) {
 }
 
 // show renders endpoints as "ip:port" or "ip:port/group".
-func show(eps []connectors.Endpoint) []string {
+func show(eps []endpoint.Endpoint) []string {
 	var out []string
 	for _, ep := range eps {
 		s := ep.Address
@@ -232,13 +232,13 @@ func (h *harness) requirePicks(prefill, decode []string) {
 	for range decode {
 		d, err := h.pool.PickDecode()
 		require.NoError(h.t, err)
-		picked = append(picked, show([]connectors.Endpoint{d})...)
+		picked = append(picked, show([]endpoint.Endpoint{d})...)
 		if len(prefill) == 0 {
 			continue // connector none
 		}
 		p, err := h.pool.PickPrefill(d)
 		require.NoError(h.t, err)
-		require.Contains(h.t, prefill, show([]connectors.Endpoint{p})[0])
+		require.Contains(h.t, prefill, show([]endpoint.Endpoint{p})[0])
 		require.Equal(h.t, d.Group, p.Group, "paired within the group")
 	}
 	slices.Sort(picked)
@@ -507,7 +507,7 @@ func TestGroupPairing(t *testing.T) {
 	h.applySlice(newSlice("engines-a", "engines", discoveryv1.AddressTypeIPv4, append(eps, sliceEP{pod: "g2-p", ip: "10.0.2.1"})...))
 	h.requirePicks([]string{"10.0.1.1:8000/g1", "10.0.2.1:8000/g2"}, []string{"10.0.1.11:8000/g1", "10.0.2.11:8000/g2"})
 	for range 4 {
-		p, err := h.pool.PickPrefill(connectors.Endpoint{Address: "10.0.2.11:8000", Group: "g2"})
+		p, err := h.pool.PickPrefill(endpoint.Endpoint{Address: "10.0.2.11:8000", Group: "g2"})
 		require.NoError(t, err)
 		require.Equal(t, "10.0.2.1:8000", p.Address)
 	}
@@ -534,8 +534,8 @@ func TestP2PKVAddress(t *testing.T) {
 `)
 	h.createPods(podSpec{name: "p", ip: "10.0.0.1", role: "prefill"}, podSpec{name: "d", ip: "10.0.0.2", role: "decode"})
 	h.applySlice(newSlice("engines-a", "engines", discoveryv1.AddressTypeIPv4, sliceEP{pod: "p", ip: "10.0.0.1"}, sliceEP{pod: "d", ip: "10.0.0.2"}))
-	require.Equal(t, []connectors.Endpoint{{Address: "10.0.0.1:8000", KVAddress: "10.0.0.1:21001"}}, h.pool.Prefill.Endpoints())
-	require.Equal(t, []connectors.Endpoint{{Address: "10.0.0.2:8000", KVAddress: "10.0.0.2:21001"}}, h.pool.Decode.Endpoints())
+	require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.1:8000", KVAddress: "10.0.0.1:21001"}}, h.pool.Prefill.Endpoints())
+	require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.2:8000", KVAddress: "10.0.0.2:21001"}}, h.pool.Decode.Endpoints())
 }
 
 // TestSetTargets replaces the pools fed, as a config reload does.
@@ -573,7 +573,7 @@ func TestSetTargets(t *testing.T) {
 // RBAC, and leaves nothing running.
 func TestSetTargetsUnlisted(t *testing.T) {
 	_, target := newPool(t, servicePool)
-	target.Set = func(_, _ []connectors.Endpoint) { t.Error("no endpoints can be known") }
+	target.Set = func(_, _ []endpoint.Endpoint) { t.Error("no endpoints can be known") }
 	client := fake.NewClientset()
 	client.PrependReactor("list", "pods", func(clienttesting.Action) (bool, runtime.Object, error) {
 		return true, nil, errors.New(`pods is forbidden: User "system:serviceaccount:llm:pdx" cannot list resource "pods"`)

@@ -19,6 +19,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -329,8 +330,8 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 		for _, side := range []struct {
 			role   string
 			picker interface {
-				Endpoints() []connectors.Endpoint
-				Healthy(connectors.Endpoint) bool
+				Endpoints() []endpoint.Endpoint
+				Healthy(endpoint.Endpoint) bool
 			}
 		}{{"prefill", p.Prefill}, {"decode", p.Decode}} {
 			for _, ep := range side.picker.Endpoints() {

@@ -9,8 +9,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -133,7 +133,7 @@ pdx_endpoint_healthy{endpoint="10.0.1.3:8000",pool="b",role="decode"} 1
 // holds twice (a registry refuses duplicates, failing the whole scrape).
 func TestEndpointListedTwice(t *testing.T) {
 	m := New()
-	eps := []connectors.Endpoint{{Address: "10.0.0.1:8000"}, {Address: "10.0.0.1:8000"}}
+	eps := []endpoint.Endpoint{{Address: "10.0.0.1:8000"}, {Address: "10.0.0.1:8000"}}
 	table := routing.Fixed(&routing.Pool{Name: "p", Prefill: picker.NewRoundRobin(eps, picker.Options{}), Decode: picker.NewRoundRobin(eps, picker.Options{})})
 	m.CollectEndpoints(func() *routing.Table { return table })
 	n, err := testutil.GatherAndCount(m.Registry(), "pdx_endpoint_healthy")

@@ -8,7 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // Defaults for the zero Options.
@@ -76,11 +76,11 @@ type endpointSet struct {
 	// endpoints is the turn order, as configured; it may name an endpoint
 	// twice. health[i] is endpoints[i]'s health; repeats share one, since
 	// health is a property of the engine, not of its place in the list.
-	endpoints []connectors.Endpoint
+	endpoints []endpoint.Endpoint
 	health    []*health
 	// byEP finds an endpoint's health for Report and Healthy in large
 	// pools; small ones are scanned (see lookup). nil when small.
-	byEP map[connectors.Endpoint]*health
+	byEP map[endpoint.Endpoint]*health
 	// groups holds, per Endpoint.Group, the positions of the group's
 	// endpoints and the group's own turn counter (PickGroup). nil when no
 	// endpoint has a group.
@@ -114,7 +114,7 @@ type health struct {
 
 // NewRoundRobin returns a picker over endpoints. It keeps its own copy of
 // endpoints. An empty picker's Pick fails until SetEndpoints gives it some.
-func NewRoundRobin(endpoints []connectors.Endpoint, opts Options) *RoundRobin {
+func NewRoundRobin(endpoints []endpoint.Endpoint, opts Options) *RoundRobin {
 	if opts.FailureThreshold <= 0 {
 		opts.FailureThreshold = DefaultFailureThreshold
 	}
@@ -145,7 +145,7 @@ func NewRoundRobin(endpoints []connectors.Endpoint, opts Options) *RoundRobin {
 // once for every caller: a Pick running concurrently returns an endpoint of
 // the old set or of the new one. Endpoints in both keep their health;
 // endpoints that leave lose it (one that comes back starts afresh).
-func (r *RoundRobin) SetEndpoints(endpoints []connectors.Endpoint) {
+func (r *RoundRobin) SetEndpoints(endpoints []endpoint.Endpoint) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.set.Store(newEndpointSet(endpoints, r.set.Load()))
@@ -153,7 +153,7 @@ func (r *RoundRobin) SetEndpoints(endpoints []connectors.Endpoint) {
 
 // newEndpointSet builds a set of endpoints, taking the health of those that
 // prev (which may be nil) has.
-func newEndpointSet(endpoints []connectors.Endpoint, prev *endpointSet) *endpointSet {
+func newEndpointSet(endpoints []endpoint.Endpoint, prev *endpointSet) *endpointSet {
 	s := &endpointSet{
 		endpoints: slices.Clone(endpoints),
 		health:    make([]*health, len(endpoints)),
@@ -165,7 +165,7 @@ func newEndpointSet(endpoints []connectors.Endpoint, prev *endpointSet) *endpoin
 	if prev == nil {
 		states = make([]health, len(endpoints))
 	}
-	byEP := make(map[connectors.Endpoint]*health, len(endpoints))
+	byEP := make(map[endpoint.Endpoint]*health, len(endpoints))
 	for i, ep := range s.endpoints {
 		h, ok := byEP[ep]
 		if !ok {
@@ -205,7 +205,7 @@ const scanMax = 16
 
 // lookup returns ep's health, or nil if ep is not one of s's endpoints (or
 // s is nil).
-func (s *endpointSet) lookup(ep connectors.Endpoint) *health {
+func (s *endpointSet) lookup(ep endpoint.Endpoint) *health {
 	if s == nil {
 		return nil
 	}
@@ -229,7 +229,7 @@ func (s *endpointSet) lookup(ep connectors.Endpoint) *health {
 // when every endpoint is excluded does it return ok=false.
 //
 // Pick does not allocate, and takes no lock.
-func (r *RoundRobin) Pick(exclude ...connectors.Endpoint) (ep connectors.Endpoint, ok bool) {
+func (r *RoundRobin) Pick(exclude ...endpoint.Endpoint) (ep endpoint.Endpoint, ok bool) {
 	return r.pick(r.set.Load(), nil, &r.next, exclude)
 }
 
@@ -238,24 +238,24 @@ func (r *RoundRobin) Pick(exclude ...connectors.Endpoint) (ep connectors.Endpoin
 // ok=false when the group has no endpoint, or all of them are excluded.
 //
 // PickGroup does not allocate, and takes no lock.
-func (r *RoundRobin) PickGroup(group string, exclude ...connectors.Endpoint) (ep connectors.Endpoint, ok bool) {
+func (r *RoundRobin) PickGroup(group string, exclude ...endpoint.Endpoint) (ep endpoint.Endpoint, ok bool) {
 	s := r.set.Load()
 	g := s.groups[group]
 	if g == nil {
-		return connectors.Endpoint{}, false
+		return endpoint.Endpoint{}, false
 	}
 	return r.pick(s, g.members, &g.next, exclude)
 }
 
 // pick picks among the positions members of s (all of them when members is
 // nil), drawing turns from counter.
-func (r *RoundRobin) pick(s *endpointSet, members []int, counter *atomic.Uint64, exclude []connectors.Endpoint) (connectors.Endpoint, bool) {
+func (r *RoundRobin) pick(s *endpointSet, members []int, counter *atomic.Uint64, exclude []endpoint.Endpoint) (endpoint.Endpoint, bool) {
 	n := uint64(len(s.endpoints))
 	if members != nil {
 		n = uint64(len(members))
 	}
 	if n == 0 {
-		return connectors.Endpoint{}, false
+		return endpoint.Endpoint{}, false
 	}
 	// The clock is read only when an ejected endpoint is met, so the common
 	// case, all admitted, costs one atomic add and one atomic load.
@@ -288,7 +288,7 @@ func position(members []int, k uint64) int {
 // fallback scans all positions after turn for an admitted endpoint not in
 // exclude; failing that, it returns the non-excluded one whose ejection ends
 // first, ties going to the earliest in turn order.
-func (r *RoundRobin) fallback(s *endpointSet, members []int, turn uint64, exclude []connectors.Endpoint, now int64) (connectors.Endpoint, bool) {
+func (r *RoundRobin) fallback(s *endpointSet, members []int, turn uint64, exclude []endpoint.Endpoint, now int64) (endpoint.Endpoint, bool) {
 	n := uint64(len(s.endpoints))
 	if members != nil {
 		n = uint64(len(members))
@@ -308,7 +308,7 @@ func (r *RoundRobin) fallback(s *endpointSet, members []int, turn uint64, exclud
 		}
 	}
 	if best < 0 {
-		return connectors.Endpoint{}, false
+		return endpoint.Endpoint{}, false
 	}
 	return s.endpoints[best], true
 }
@@ -326,7 +326,7 @@ func (r *RoundRobin) admitted(h *health, now *int64) bool {
 	return *now >= u
 }
 
-func excluded(ep connectors.Endpoint, exclude []connectors.Endpoint) bool {
+func excluded(ep endpoint.Endpoint, exclude []endpoint.Endpoint) bool {
 	for _, e := range exclude {
 		if e == ep {
 			return true
@@ -353,7 +353,7 @@ func (r *RoundRobin) elapsed() int64 {
 // an endpoint out for as long as its in-flight requests keep failing.
 //
 // Reports about endpoints the picker does not have are ignored.
-func (r *RoundRobin) Report(ep connectors.Endpoint, ok bool) {
+func (r *RoundRobin) Report(ep endpoint.Endpoint, ok bool) {
 	h := r.set.Load().lookup(ep)
 	if h == nil {
 		return
@@ -396,7 +396,7 @@ func (r *RoundRobin) Report(ep connectors.Endpoint, ok bool) {
 
 // Healthy reports whether ep is currently admitted: a known endpoint that is
 // not ejected, or whose cool-down is over.
-func (r *RoundRobin) Healthy(ep connectors.Endpoint) bool {
+func (r *RoundRobin) Healthy(ep endpoint.Endpoint) bool {
 	h := r.set.Load().lookup(ep)
 	if h == nil {
 		return false
@@ -406,11 +406,11 @@ func (r *RoundRobin) Healthy(ep connectors.Endpoint) bool {
 }
 
 // Contains reports whether ep is one of the picker's endpoints.
-func (r *RoundRobin) Contains(ep connectors.Endpoint) bool {
+func (r *RoundRobin) Contains(ep endpoint.Endpoint) bool {
 	return r.set.Load().lookup(ep) != nil
 }
 
 // Endpoints returns a copy of the picker's endpoints, in turn order.
-func (r *RoundRobin) Endpoints() []connectors.Endpoint {
+func (r *RoundRobin) Endpoints() []endpoint.Endpoint {
 	return slices.Clone(r.set.Load().endpoints)
 }

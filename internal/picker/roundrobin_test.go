@@ -10,14 +10,14 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 var (
-	epA = connectors.Endpoint{Address: "127.0.0.1:1"}
-	epB = connectors.Endpoint{Address: "127.0.0.1:2"}
-	epC = connectors.Endpoint{Address: "127.0.0.1:3"}
-	abc = []connectors.Endpoint{epA, epB, epC}
+	epA = endpoint.Endpoint{Address: "127.0.0.1:1"}
+	epB = endpoint.Endpoint{Address: "127.0.0.1:2"}
+	epC = endpoint.Endpoint{Address: "127.0.0.1:3"}
+	abc = []endpoint.Endpoint{epA, epB, epC}
 )
 
 // fakeClock is a settable clock, safe for concurrent use.
@@ -47,9 +47,9 @@ func newTestRR(t testing.TB, threshold int, coolDown time.Duration) (*RoundRobin
 }
 
 // picks calls Pick n times and returns what it got, failing on ok=false.
-func picks(t *testing.T, rr *RoundRobin, n int, exclude ...connectors.Endpoint) []connectors.Endpoint {
+func picks(t *testing.T, rr *RoundRobin, n int, exclude ...endpoint.Endpoint) []endpoint.Endpoint {
 	t.Helper()
-	var got []connectors.Endpoint
+	var got []endpoint.Endpoint
 	for range n {
 		ep, ok := rr.Pick(exclude...)
 		require.True(t, ok)
@@ -58,7 +58,7 @@ func picks(t *testing.T, rr *RoundRobin, n int, exclude ...connectors.Endpoint) 
 	return got
 }
 
-func eject(rr *RoundRobin, ep connectors.Endpoint, threshold int) {
+func eject(rr *RoundRobin, ep endpoint.Endpoint, threshold int) {
 	for range threshold {
 		rr.Report(ep, false)
 	}
@@ -67,19 +67,19 @@ func eject(rr *RoundRobin, ep connectors.Endpoint, threshold int) {
 func TestPickOrder(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
-		ejected []connectors.Endpoint
-		exclude []connectors.Endpoint
-		want    []connectors.Endpoint
+		ejected []endpoint.Endpoint
+		exclude []endpoint.Endpoint
+		want    []endpoint.Endpoint
 	}{
-		{name: "all healthy", want: []connectors.Endpoint{epA, epB, epC, epA, epB, epC, epA}},
-		{name: "exclude one", exclude: []connectors.Endpoint{epB}, want: []connectors.Endpoint{epA, epC, epA, epC}},
-		{name: "exclude two", exclude: []connectors.Endpoint{epA, epC}, want: []connectors.Endpoint{epB, epB, epB}},
-		{name: "exclude unknown", exclude: []connectors.Endpoint{{Address: "10.0.0.1:1"}}, want: []connectors.Endpoint{epA, epB, epC, epA}},
+		{name: "all healthy", want: []endpoint.Endpoint{epA, epB, epC, epA, epB, epC, epA}},
+		{name: "exclude one", exclude: []endpoint.Endpoint{epB}, want: []endpoint.Endpoint{epA, epC, epA, epC}},
+		{name: "exclude two", exclude: []endpoint.Endpoint{epA, epC}, want: []endpoint.Endpoint{epB, epB, epB}},
+		{name: "exclude unknown", exclude: []endpoint.Endpoint{{Address: "10.0.0.1:1"}}, want: []endpoint.Endpoint{epA, epB, epC, epA}},
 		// A passed-over endpoint uses up its turn, so the others keep an
 		// even share instead of its successor getting double.
-		{name: "one ejected", ejected: []connectors.Endpoint{epB}, want: []connectors.Endpoint{epA, epC, epA, epC, epA, epC}},
-		{name: "two ejected", ejected: []connectors.Endpoint{epA, epB}, want: []connectors.Endpoint{epC, epC, epC}},
-		{name: "ejected and excluded", ejected: []connectors.Endpoint{epA}, exclude: []connectors.Endpoint{epC}, want: []connectors.Endpoint{epB, epB}},
+		{name: "one ejected", ejected: []endpoint.Endpoint{epB}, want: []endpoint.Endpoint{epA, epC, epA, epC, epA, epC}},
+		{name: "two ejected", ejected: []endpoint.Endpoint{epA, epB}, want: []endpoint.Endpoint{epC, epC, epC}},
+		{name: "ejected and excluded", ejected: []endpoint.Endpoint{epA}, exclude: []endpoint.Endpoint{epC}, want: []endpoint.Endpoint{epB, epB}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rr, _ := newTestRR(t, 3, time.Minute)
@@ -143,7 +143,7 @@ func TestOutlierDetection(t *testing.T) {
 	}
 }
 
-func containsEP(eps []connectors.Endpoint, ep connectors.Endpoint) bool {
+func containsEP(eps []endpoint.Endpoint, ep endpoint.Endpoint) bool {
 	for _, e := range eps {
 		if e == ep {
 			return true
@@ -155,13 +155,13 @@ func containsEP(eps []connectors.Endpoint, ep connectors.Endpoint) bool {
 func TestPanicMode(t *testing.T) {
 	for _, tc := range []struct {
 		name    string
-		exclude []connectors.Endpoint
-		want    connectors.Endpoint
+		exclude []endpoint.Endpoint
+		want    endpoint.Endpoint
 		ok      bool
 	}{
 		{name: "earliest cool-down end", want: epA, ok: true},
-		{name: "earliest not excluded", exclude: []connectors.Endpoint{epA}, want: epC, ok: true},
-		{name: "only one not excluded", exclude: []connectors.Endpoint{epA, epC}, want: epB, ok: true},
+		{name: "earliest not excluded", exclude: []endpoint.Endpoint{epA}, want: epC, ok: true},
+		{name: "only one not excluded", exclude: []endpoint.Endpoint{epA, epC}, want: epB, ok: true},
 		{name: "all excluded", exclude: abc, ok: false},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -202,18 +202,18 @@ func TestPanicMode(t *testing.T) {
 		require.Equal(t, epA, ep)
 		rr.Report(ep, true)
 		require.True(t, rr.Healthy(epA))
-		require.Equal(t, []connectors.Endpoint{epA, epA, epA}, picks(t, rr, 3))
+		require.Equal(t, []endpoint.Endpoint{epA, epA, epA}, picks(t, rr, 3))
 	})
 }
 
 func TestAllExcluded(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
-		endpoints []connectors.Endpoint
-		exclude   []connectors.Endpoint
+		endpoints []endpoint.Endpoint
+		exclude   []endpoint.Endpoint
 	}{
-		{name: "all excluded", endpoints: abc, exclude: []connectors.Endpoint{epC, epB, epA}},
-		{name: "single excluded", endpoints: []connectors.Endpoint{epA}, exclude: []connectors.Endpoint{epA}},
+		{name: "all excluded", endpoints: abc, exclude: []endpoint.Endpoint{epC, epB, epA}},
+		{name: "single excluded", endpoints: []endpoint.Endpoint{epA}, exclude: []endpoint.Endpoint{epA}},
 		{name: "empty picker", endpoints: nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -226,7 +226,7 @@ func TestAllExcluded(t *testing.T) {
 }
 
 func TestContainsHealthyEndpoints(t *testing.T) {
-	eps := []connectors.Endpoint{epA, epB, epA}
+	eps := []endpoint.Endpoint{epA, epB, epA}
 	rr := NewRoundRobin(eps, Options{FailureThreshold: 1})
 	require.True(t, rr.Contains(epB))
 	require.False(t, rr.Contains(epC))
@@ -238,18 +238,18 @@ func TestContainsHealthyEndpoints(t *testing.T) {
 	got[0] = epC
 	require.Equal(t, eps, rr.Endpoints(), "Endpoints returns a copy")
 	eps[1] = epC
-	require.Equal(t, []connectors.Endpoint{epA, epB, epA}, rr.Endpoints(), "NewRoundRobin keeps a copy")
+	require.Equal(t, []endpoint.Endpoint{epA, epB, epA}, rr.Endpoints(), "NewRoundRobin keeps a copy")
 
 	// A repeated endpoint has one health: ejecting it takes out both turns.
 	rr.Report(epA, false)
-	require.Equal(t, []connectors.Endpoint{epB, epB, epB}, picks(t, rr, 3))
+	require.Equal(t, []endpoint.Endpoint{epB, epB, epB}, picks(t, rr, 3))
 }
 
 func TestLargePool(t *testing.T) {
 	// Past scanMax endpoints are found through a map; same behaviour.
-	var eps []connectors.Endpoint
+	var eps []endpoint.Endpoint
 	for i := range scanMax + 4 {
-		eps = append(eps, connectors.Endpoint{Address: fmt.Sprintf("10.0.0.%d:8000", i+1)})
+		eps = append(eps, endpoint.Endpoint{Address: fmt.Sprintf("10.0.0.%d:8000", i+1)})
 	}
 	eps = append(eps, eps[3]) // a repeat shares its health
 	rr := NewRoundRobin(eps, Options{FailureThreshold: 1})
@@ -296,10 +296,10 @@ func TestPickDoesNotAllocate(t *testing.T) {
 }
 
 func TestRoundRobinConcurrentIsEven(t *testing.T) {
-	eps := []connectors.Endpoint{epA, epB}
+	eps := []endpoint.Endpoint{epA, epB}
 	rr := NewRoundRobin(eps, Options{})
 	var mu sync.Mutex
-	counts := map[connectors.Endpoint]int{}
+	counts := map[endpoint.Endpoint]int{}
 	var wg sync.WaitGroup
 	for range 8 {
 		wg.Go(func() {
@@ -314,7 +314,7 @@ func TestRoundRobinConcurrentIsEven(t *testing.T) {
 		})
 	}
 	wg.Wait()
-	require.Equal(t, map[connectors.Endpoint]int{epA: 400, epB: 400}, counts)
+	require.Equal(t, map[endpoint.Endpoint]int{epA: 400, epB: 400}, counts)
 }
 
 // TestConcurrentPickReport runs Picks and Reports together (for -race) with B
@@ -344,11 +344,11 @@ func TestConcurrentPickReport(t *testing.T) {
 	})
 
 	var mu sync.Mutex
-	counts := map[connectors.Endpoint]int{}
+	counts := map[endpoint.Endpoint]int{}
 	var wg sync.WaitGroup
 	for range goroutines {
 		wg.Go(func() {
-			local := map[connectors.Endpoint]int{}
+			local := map[endpoint.Endpoint]int{}
 			for range perGoroutine {
 				ep, ok := rr.Pick()
 				assert.True(t, ok)
@@ -401,12 +401,12 @@ func TestConcurrentStateChanges(t *testing.T) {
 func BenchmarkPick(b *testing.B) {
 	for _, bc := range []struct {
 		name    string
-		ejected []connectors.Endpoint
-		exclude []connectors.Endpoint
+		ejected []endpoint.Endpoint
+		exclude []endpoint.Endpoint
 	}{
 		{name: "healthy"},
-		{name: "exclude", exclude: []connectors.Endpoint{epA}},
-		{name: "one ejected", ejected: []connectors.Endpoint{epB}},
+		{name: "exclude", exclude: []endpoint.Endpoint{epA}},
+		{name: "one ejected", ejected: []endpoint.Endpoint{epB}},
 		{name: "all ejected", ejected: abc},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
@@ -448,31 +448,31 @@ func BenchmarkPickReport(b *testing.B) {
 }
 
 func TestSetEndpoints(t *testing.T) {
-	epD := connectors.Endpoint{Address: "127.0.0.1:4"}
+	epD := endpoint.Endpoint{Address: "127.0.0.1:4"}
 	for _, tc := range []struct {
 		name        string
-		next        []connectors.Endpoint
-		wantHealthy map[connectors.Endpoint]bool // after the swap
-		wantPicks   []connectors.Endpoint
+		next        []endpoint.Endpoint
+		wantHealthy map[endpoint.Endpoint]bool // after the swap
+		wantPicks   []endpoint.Endpoint
 	}{
 		{
 			// B stays ejected across the swap; A and C keep being healthy.
 			name:        "remaining endpoints keep their health",
-			next:        []connectors.Endpoint{epC, epB, epA},
-			wantHealthy: map[connectors.Endpoint]bool{epA: true, epB: false, epC: true},
-			wantPicks:   []connectors.Endpoint{epC, epA, epC, epA},
+			next:        []endpoint.Endpoint{epC, epB, epA},
+			wantHealthy: map[endpoint.Endpoint]bool{epA: true, epB: false, epC: true},
+			wantPicks:   []endpoint.Endpoint{epC, epA, epC, epA},
 		},
 		{
 			name:        "removed endpoints are no longer picked",
-			next:        []connectors.Endpoint{epA},
-			wantHealthy: map[connectors.Endpoint]bool{epA: true, epB: false, epC: false},
-			wantPicks:   []connectors.Endpoint{epA, epA},
+			next:        []endpoint.Endpoint{epA},
+			wantHealthy: map[endpoint.Endpoint]bool{epA: true, epB: false, epC: false},
+			wantPicks:   []endpoint.Endpoint{epA, epA},
 		},
 		{
 			name:        "new endpoints start healthy",
-			next:        []connectors.Endpoint{epB, epD},
-			wantHealthy: map[connectors.Endpoint]bool{epB: false, epD: true},
-			wantPicks:   []connectors.Endpoint{epD, epD},
+			next:        []endpoint.Endpoint{epB, epD},
+			wantHealthy: map[endpoint.Endpoint]bool{epB: false, epD: true},
+			wantPicks:   []endpoint.Endpoint{epD, epD},
 		},
 		{
 			name: "empty set picks nothing",
@@ -498,7 +498,7 @@ func TestSetEndpoints(t *testing.T) {
 	t.Run("an endpoint that leaves and comes back starts afresh", func(t *testing.T) {
 		rr, _ := newTestRR(t, 1, time.Hour)
 		rr.Report(epB, false)
-		rr.SetEndpoints([]connectors.Endpoint{epA})
+		rr.SetEndpoints([]endpoint.Endpoint{epA})
 		rr.Report(epB, false) // ignored: not an endpoint now
 		rr.SetEndpoints(abc)
 		require.True(t, rr.Healthy(epB))
@@ -506,38 +506,38 @@ func TestSetEndpoints(t *testing.T) {
 
 	t.Run("the caller's slice is copied", func(t *testing.T) {
 		rr, _ := newTestRR(t, 1, time.Hour)
-		eps := []connectors.Endpoint{epA, epB}
+		eps := []endpoint.Endpoint{epA, epB}
 		rr.SetEndpoints(eps)
 		eps[0] = epC
-		require.Equal(t, []connectors.Endpoint{epA, epB}, rr.Endpoints())
+		require.Equal(t, []endpoint.Endpoint{epA, epB}, rr.Endpoints())
 	})
 }
 
 func TestPickGroup(t *testing.T) {
-	in := func(group string, ep connectors.Endpoint) connectors.Endpoint {
+	in := func(group string, ep endpoint.Endpoint) endpoint.Endpoint {
 		ep.Group = group
 		return ep
 	}
 	a1, b1, c2 := in("g1", epA), in("g1", epB), in("g2", epC)
-	ungrouped := connectors.Endpoint{Address: "127.0.0.1:9"}
+	ungrouped := endpoint.Endpoint{Address: "127.0.0.1:9"}
 	for _, tc := range []struct {
 		name    string
 		group   string
-		ejected []connectors.Endpoint
-		exclude []connectors.Endpoint
-		want    []connectors.Endpoint // nil: ok=false
+		ejected []endpoint.Endpoint
+		exclude []endpoint.Endpoint
+		want    []endpoint.Endpoint // nil: ok=false
 	}{
-		{name: "round robin within the group", group: "g1", want: []connectors.Endpoint{a1, b1, a1, b1}},
-		{name: "single member", group: "g2", want: []connectors.Endpoint{c2, c2}},
-		{name: "ejected member passed over", group: "g1", ejected: []connectors.Endpoint{a1}, want: []connectors.Endpoint{b1, b1}},
-		{name: "panic mode stays in the group", group: "g2", ejected: []connectors.Endpoint{c2}, want: []connectors.Endpoint{c2}},
-		{name: "excluded member", group: "g1", exclude: []connectors.Endpoint{b1}, want: []connectors.Endpoint{a1, a1}},
-		{name: "all members excluded", group: "g1", exclude: []connectors.Endpoint{a1, b1}},
+		{name: "round robin within the group", group: "g1", want: []endpoint.Endpoint{a1, b1, a1, b1}},
+		{name: "single member", group: "g2", want: []endpoint.Endpoint{c2, c2}},
+		{name: "ejected member passed over", group: "g1", ejected: []endpoint.Endpoint{a1}, want: []endpoint.Endpoint{b1, b1}},
+		{name: "panic mode stays in the group", group: "g2", ejected: []endpoint.Endpoint{c2}, want: []endpoint.Endpoint{c2}},
+		{name: "excluded member", group: "g1", exclude: []endpoint.Endpoint{b1}, want: []endpoint.Endpoint{a1, a1}},
+		{name: "all members excluded", group: "g1", exclude: []endpoint.Endpoint{a1, b1}},
 		{name: "unknown group", group: "g3"},
 		{name: "no group is not a group", group: ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rr := NewRoundRobin([]connectors.Endpoint{a1, ungrouped, c2, b1}, Options{FailureThreshold: 1, CoolDown: time.Hour})
+			rr := NewRoundRobin([]endpoint.Endpoint{a1, ungrouped, c2, b1}, Options{FailureThreshold: 1, CoolDown: time.Hour})
 			for _, ep := range tc.ejected {
 				rr.Report(ep, false)
 			}
@@ -547,7 +547,7 @@ func TestPickGroup(t *testing.T) {
 				require.Zero(t, ep)
 				return
 			}
-			var got []connectors.Endpoint
+			var got []endpoint.Endpoint
 			for range tc.want {
 				ep, ok := rr.PickGroup(tc.group, tc.exclude...)
 				require.True(t, ok)
@@ -558,16 +558,16 @@ func TestPickGroup(t *testing.T) {
 	}
 
 	t.Run("groups follow SetEndpoints", func(t *testing.T) {
-		rr := NewRoundRobin([]connectors.Endpoint{a1, c2}, Options{})
-		rr.SetEndpoints([]connectors.Endpoint{in("g2", epA), c2})
+		rr := NewRoundRobin([]endpoint.Endpoint{a1, c2}, Options{})
+		rr.SetEndpoints([]endpoint.Endpoint{in("g2", epA), c2})
 		_, ok := rr.PickGroup("g1")
 		require.False(t, ok)
-		require.ElementsMatch(t, []connectors.Endpoint{in("g2", epA), c2},
-			[]connectors.Endpoint{must(rr.PickGroup("g2")), must(rr.PickGroup("g2"))})
+		require.ElementsMatch(t, []endpoint.Endpoint{in("g2", epA), c2},
+			[]endpoint.Endpoint{must(rr.PickGroup("g2")), must(rr.PickGroup("g2"))})
 	})
 }
 
-func must(ep connectors.Endpoint, ok bool) connectors.Endpoint {
+func must(ep endpoint.Endpoint, ok bool) endpoint.Endpoint {
 	if !ok {
 		panic("no endpoint")
 	}
@@ -582,8 +582,8 @@ func TestInherit(t *testing.T) {
 
 	// The new picker keeps B's ejection (with its end time), not C's
 	// absence, and both pickers see each other's Reports afterwards.
-	epD := connectors.Endpoint{Address: "127.0.0.1:4"}
-	rr := NewRoundRobin([]connectors.Endpoint{epA, epB, epD}, Options{FailureThreshold: 2, CoolDown: time.Minute, Now: clk.Now, Inherit: old})
+	epD := endpoint.Endpoint{Address: "127.0.0.1:4"}
+	rr := NewRoundRobin([]endpoint.Endpoint{epA, epB, epD}, Options{FailureThreshold: 2, CoolDown: time.Minute, Now: clk.Now, Inherit: old})
 	require.False(t, rr.Healthy(epB))
 	require.True(t, rr.Healthy(epD))
 	clk.Advance(5 * time.Second)
@@ -606,7 +606,7 @@ func TestConcurrentSetEndpoints(t *testing.T) {
 	rr, _ := newTestRR(t, 1, time.Hour)
 	rr.Report(epB, false)
 	// Every set has B, so that it keeps its ejection, and a healthy endpoint.
-	sets := [][]connectors.Endpoint{abc, {epA, epB}, {epB, epC}, {epC, epB, epA}}
+	sets := [][]endpoint.Endpoint{abc, {epA, epB}, {epB, epC}, {epC, epB, epA}}
 	stop := make(chan struct{})
 	var swapper sync.WaitGroup
 	swapper.Go(func() {
@@ -643,7 +643,7 @@ func TestConcurrentSetEndpoints(t *testing.T) {
 func TestPickGroupDoesNotAllocate(t *testing.T) {
 	a := epA
 	a.Group = "g"
-	rr := NewRoundRobin([]connectors.Endpoint{a, epB}, Options{})
+	rr := NewRoundRobin([]endpoint.Endpoint{a, epB}, Options{})
 	require.Zero(t, testing.AllocsPerRun(100, func() { rr.PickGroup("g") }))
 	require.Zero(t, testing.AllocsPerRun(100, func() { rr.PickGroup("g", a) }))
 }

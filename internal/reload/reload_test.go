@@ -24,8 +24,8 @@ import (
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/discovery"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -82,7 +82,7 @@ func (a *applied) count() int {
 	return len(a.tables)
 }
 
-func addresses(eps []connectors.Endpoint) []string {
+func addresses(eps []endpoint.Endpoint) []string {
 	var out []string
 	for _, ep := range eps {
 		out = append(out, ep.Address)
@@ -107,7 +107,7 @@ func TestReload(t *testing.T) {
 	first := r.Table()
 	p := lookup(t, first, "m")
 	require.Equal(t, []string{"127.0.0.1:1"}, addresses(p.Prefill.Endpoints()))
-	p.Prefill.Report(connectors.Endpoint{Address: "127.0.0.1:1"}, false) // ejected
+	p.Prefill.Report(endpoint.Endpoint{Address: "127.0.0.1:1"}, false) // ejected
 
 	var a applied
 	changed, err := r.Reload(t.Context(), a.apply)
@@ -135,8 +135,8 @@ pools:
 			check: func(t *testing.T, table *routing.Table) {
 				p := lookup(t, table, "m2")
 				require.Equal(t, []string{"127.0.0.1:1", "127.0.0.1:2"}, addresses(p.Prefill.Endpoints()))
-				require.False(t, p.Prefill.Healthy(connectors.Endpoint{Address: "127.0.0.1:1"}), "passive health kept")
-				require.True(t, p.Prefill.Healthy(connectors.Endpoint{Address: "127.0.0.1:2"}))
+				require.False(t, p.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:1"}), "passive health kept")
+				require.True(t, p.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:2"}))
 			},
 		},
 		{

@@ -14,6 +14,7 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
 )
 
@@ -44,7 +45,7 @@ type Pool struct {
 	PassThrough []string
 	// KVHosts are the hosts besides a prefill endpoint's own that its
 	// answers may name as the KV source.
-	KVHosts connectors.HostSet
+	KVHosts endpoint.HostSet
 
 	// update serializes SetEndpoints.
 	update sync.Mutex
@@ -53,10 +54,10 @@ type Pool struct {
 // PickDecode picks the decode endpoint of a request. It fails, wrapping
 // ErrNoEndpoint, when the pool has none at the moment (a discovered pool
 // whose decode pods are all gone or not ready).
-func (p *Pool) PickDecode() (connectors.Endpoint, error) {
+func (p *Pool) PickDecode() (endpoint.Endpoint, error) {
 	ep, ok := p.Decode.Pick()
 	if !ok {
-		return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
+		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
 	}
 	return ep, nil
 }
@@ -67,8 +68,8 @@ func (p *Pool) PickDecode() (connectors.Endpoint, error) {
 // when none is left the pick fails rather than use another group's, whose
 // engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint, when no
 // endpoint is left to try.
-func (p *Pool) PickPrefill(decode connectors.Endpoint, exclude ...connectors.Endpoint) (connectors.Endpoint, error) {
-	var ep connectors.Endpoint
+func (p *Pool) PickPrefill(decode endpoint.Endpoint, exclude ...endpoint.Endpoint) (endpoint.Endpoint, error) {
+	var ep endpoint.Endpoint
 	var ok bool
 	if decode.Group == "" {
 		ep, ok = p.Prefill.Pick(exclude...)
@@ -79,12 +80,12 @@ func (p *Pool) PickPrefill(decode connectors.Endpoint, exclude ...connectors.End
 	case ok:
 		return ep, nil
 	case len(exclude) > 0:
-		return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
+		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
 	case decode.Group != "":
-		return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
+		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
 			ErrNoEndpoint, p.Name, decode.Group, decode.Address)
 	}
-	return connectors.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint", ErrNoEndpoint, p.Name)
+	return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint", ErrNoEndpoint, p.Name)
 }
 
 // SetEndpoints replaces the pool's endpoints (Kubernetes discovery calls it
@@ -94,7 +95,7 @@ func (p *Pool) PickPrefill(decode connectors.Endpoint, exclude ...connectors.End
 // decode's group. So that a decode picked from the old set or from the new
 // one finds its group's prefill endpoints, the prefill set grows to both
 // sets' endpoints before the decode set changes, and shrinks after.
-func (p *Pool) SetEndpoints(prefill, decode []connectors.Endpoint) {
+func (p *Pool) SetEndpoints(prefill, decode []endpoint.Endpoint) {
 	p.update.Lock()
 	defer p.update.Unlock()
 	both := p.Prefill.Endpoints()
@@ -206,7 +207,7 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].connector: %w", i, err)
 		}
-		kvHosts, err := connectors.ParseHostSet(pc.GetAllowedKvHosts())
+		kvHosts, err := endpoint.ParseHostSet(pc.GetAllowedKvHosts())
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].allowed_kv_hosts: %w", i, err)
 		}
@@ -279,10 +280,10 @@ func (t *Table) Lookup(model string) (*Pool, bool) {
 	return t.fallback, t.fallback != nil
 }
 
-func endpoints(eps []*configv1.Endpoint) []connectors.Endpoint {
-	out := make([]connectors.Endpoint, len(eps))
+func endpoints(eps []*configv1.Endpoint) []endpoint.Endpoint {
+	out := make([]endpoint.Endpoint, len(eps))
 	for i, e := range eps {
-		out[i] = connectors.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress()}
+		out[i] = endpoint.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress()}
 	}
 	return out
 }

@@ -6,8 +6,8 @@ import (
 	"github.com/stretchr/testify/require"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
 )
 
@@ -69,44 +69,44 @@ pools:
 }
 
 func TestPick(t *testing.T) {
-	ep := func(addr, group string) connectors.Endpoint { return connectors.Endpoint{Address: addr, Group: group} }
+	ep := func(addr, group string) endpoint.Endpoint { return endpoint.Endpoint{Address: addr, Group: group} }
 	tests := []struct {
 		name            string
-		prefill, decode []connectors.Endpoint
-		exclude         []connectors.Endpoint
-		wantDecode      connectors.Endpoint
-		wantPrefill     []connectors.Endpoint // in turn
+		prefill, decode []endpoint.Endpoint
+		exclude         []endpoint.Endpoint
+		wantDecode      endpoint.Endpoint
+		wantPrefill     []endpoint.Endpoint // in turn
 		wantErr         string
 	}{
 		{
 			name:    "unpaired: any prefill",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", ""), ep("127.0.0.1:2", "")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "")},
-			wantDecode: ep("127.0.0.1:9", ""), wantPrefill: []connectors.Endpoint{ep("127.0.0.1:1", ""), ep("127.0.0.1:2", ""), ep("127.0.0.1:1", "")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", ""), ep("127.0.0.1:2", "")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "")},
+			wantDecode: ep("127.0.0.1:9", ""), wantPrefill: []endpoint.Endpoint{ep("127.0.0.1:1", ""), ep("127.0.0.1:2", ""), ep("127.0.0.1:1", "")},
 		},
 		{
 			name:    "paired: the decode's group only",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:2", "b"), ep("127.0.0.1:3", "a")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "a")},
-			wantDecode: ep("127.0.0.1:9", "a"), wantPrefill: []connectors.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:3", "a"), ep("127.0.0.1:1", "a")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:2", "b"), ep("127.0.0.1:3", "a")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "a")},
+			wantDecode: ep("127.0.0.1:9", "a"), wantPrefill: []endpoint.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:3", "a"), ep("127.0.0.1:1", "a")},
 		},
 		{
 			name:    "no decode",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "")},
 			wantErr: "no endpoint available: pool p has no ready decode endpoint",
 		},
 		{
 			name:    "no prefill",
-			decode:  []connectors.Endpoint{ep("127.0.0.1:9", "")},
+			decode:  []endpoint.Endpoint{ep("127.0.0.1:9", "")},
 			wantErr: "no endpoint available: pool p has no ready prefill endpoint",
 		},
 		{
 			name:    "group without prefill",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "b")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "a")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "b")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "a")},
 			wantErr: `no endpoint available: pool p has no ready prefill endpoint in group "a" of decode endpoint 127.0.0.1:9`,
 		},
 		{
 			name:    "group tried out",
-			prefill: []connectors.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:2", "b")}, decode: []connectors.Endpoint{ep("127.0.0.1:9", "a")},
-			exclude: []connectors.Endpoint{ep("127.0.0.1:1", "a")},
+			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "a"), ep("127.0.0.1:2", "b")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "a")},
+			exclude: []endpoint.Endpoint{ep("127.0.0.1:1", "a")},
 			wantErr: "no endpoint available: pool p has no prefill endpoint left to try",
 		},
 	}
@@ -116,9 +116,9 @@ func TestPick(t *testing.T) {
 			p.SetEndpoints(tc.prefill, tc.decode)
 			d, err := p.PickDecode()
 			if err == nil {
-				var got []connectors.Endpoint
+				var got []endpoint.Endpoint
 				for range max(1, len(tc.wantPrefill)) {
-					var pf connectors.Endpoint
+					var pf endpoint.Endpoint
 					if pf, err = p.PickPrefill(d, tc.exclude...); err != nil {
 						break
 					}
@@ -137,13 +137,13 @@ func TestPick(t *testing.T) {
 }
 
 func TestSetEndpointsKeepsHealth(t *testing.T) {
-	a, b, c := connectors.Endpoint{Address: "127.0.0.1:1"}, connectors.Endpoint{Address: "127.0.0.1:2"}, connectors.Endpoint{Address: "127.0.0.1:3"}
-	p := &Pool{Name: "p", Prefill: picker.NewRoundRobin([]connectors.Endpoint{a, b}, picker.Options{FailureThreshold: 1}),
-		Decode: picker.NewRoundRobin([]connectors.Endpoint{c}, picker.Options{})}
+	a, b, c := endpoint.Endpoint{Address: "127.0.0.1:1"}, endpoint.Endpoint{Address: "127.0.0.1:2"}, endpoint.Endpoint{Address: "127.0.0.1:3"}
+	p := &Pool{Name: "p", Prefill: picker.NewRoundRobin([]endpoint.Endpoint{a, b}, picker.Options{FailureThreshold: 1}),
+		Decode: picker.NewRoundRobin([]endpoint.Endpoint{c}, picker.Options{})}
 	p.Prefill.Report(a, false)
-	p.SetEndpoints([]connectors.Endpoint{c, a}, []connectors.Endpoint{b})
-	require.Equal(t, []connectors.Endpoint{c, a}, p.Prefill.Endpoints(), "the new set, not the union used on the way")
-	require.Equal(t, []connectors.Endpoint{b}, p.Decode.Endpoints())
+	p.SetEndpoints([]endpoint.Endpoint{c, a}, []endpoint.Endpoint{b})
+	require.Equal(t, []endpoint.Endpoint{c, a}, p.Prefill.Endpoints(), "the new set, not the union used on the way")
+	require.Equal(t, []endpoint.Endpoint{b}, p.Decode.Endpoints())
 	require.False(t, p.Prefill.Healthy(a), "still ejected")
 	require.True(t, p.Prefill.Healthy(c))
 }
@@ -168,11 +168,11 @@ pools:
   kubernetes: {namespace: llm, service: engines, port: 8000}
 `))
 	require.NoError(t, err)
-	ep := func(addr string) connectors.Endpoint { return connectors.Endpoint{Address: addr} }
+	ep := func(addr string) endpoint.Endpoint { return endpoint.Endpoint{Address: addr} }
 	static, _ := old.Pool("static")
 	static.Prefill.Report(ep("127.0.0.1:1"), false)
 	found, _ := old.Pool("found")
-	found.SetEndpoints([]connectors.Endpoint{ep("10.0.0.1:8000")}, []connectors.Endpoint{ep("10.0.0.9:8000")})
+	found.SetEndpoints([]endpoint.Endpoint{ep("10.0.0.1:8000")}, []endpoint.Endpoint{ep("10.0.0.9:8000")})
 	found.Prefill.Report(ep("10.0.0.1:8000"), false)
 	found.Prefill.Report(ep("10.0.0.1:8000"), false)
 	found.Prefill.Report(ep("10.0.0.1:8000"), false)
@@ -200,8 +200,8 @@ pools:
 	require.False(t, static.Prefill.Healthy(ep("127.0.0.1:1")), "an ejected endpoint stays ejected across the reload")
 	require.True(t, static.Prefill.Healthy(ep("127.0.0.1:3")))
 	found, _ = table.Pool("found")
-	require.Equal(t, []connectors.Endpoint{ep("10.0.0.1:8000")}, found.Prefill.Endpoints(), "a discovered pool starts from its predecessor's endpoints")
-	require.Equal(t, []connectors.Endpoint{ep("10.0.0.9:8000")}, found.Decode.Endpoints())
+	require.Equal(t, []endpoint.Endpoint{ep("10.0.0.1:8000")}, found.Prefill.Endpoints(), "a discovered pool starts from its predecessor's endpoints")
+	require.Equal(t, []endpoint.Endpoint{ep("10.0.0.9:8000")}, found.Decode.Endpoints())
 	require.False(t, found.Prefill.Healthy(ep("10.0.0.1:8000")))
 	renamed, _ := table.Pool("renamed")
 	require.True(t, renamed.Prefill.Healthy(ep("127.0.0.1:1")), "health is carried by pool name")

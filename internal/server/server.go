@@ -22,7 +22,7 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
-	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/processor"
@@ -42,7 +42,7 @@ type Server struct {
 	grpc    *grpc.Server
 	health  *health.Server
 	admin   *http.Server
-	engine  *connectors.HTTPEngine
+	engine  *engines.HTTP
 	grpcLn  net.Listener
 	adminLn net.Listener
 	ready   atomic.Bool
@@ -114,7 +114,7 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 	}
 	s := &Server{
 		log:     log,
-		engine:  connectors.NewHTTPEngine(),
+		engine:  engines.NewHTTP(),
 		grpc:    grpc.NewServer(opts...),
 		health:  health.NewServer(),
 		grpcLn:  grpcLn,

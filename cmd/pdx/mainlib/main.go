@@ -21,7 +21,6 @@ const usage = `usage: pdx <command> [flags]
 
 commands:
   serve --config FILE   run the ext_proc service
-  demo [--keep]         run Envoy, pdx and simulated engines, send traffic, print what happened
   envoy-config          print the Envoy bootstrap for a pdx at --pdx-address
 `
 
@@ -46,8 +45,6 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	switch args[0] {
 	case "serve":
 		return serve(ctx, args[1:], stderr)
-	case "demo":
-		return demo(ctx, args[1:], stdout, stderr)
 	case "envoy-config":
 		return envoyConfig(args[1:], stdout, stderr)
 	case "help", "-h", "--help":

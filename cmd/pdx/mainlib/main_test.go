@@ -3,6 +3,7 @@ package mainlib
 import (
 	"bytes"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -10,8 +11,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -45,7 +46,7 @@ func TestUsageAndConfigErrors(t *testing.T) {
 }
 
 func TestHelp(t *testing.T) {
-	for _, args := range [][]string{{"help"}, {"serve", "--help"}, {"demo", "-h"}, {"envoy-config", "--help"}} {
+	for _, args := range [][]string{{"help"}, {"serve", "--help"}, {"envoy-config", "--help"}} {
 		var stdout, stderr bytes.Buffer
 		require.NoError(t, Main(t.Context(), args, &stdout, &stderr), args)
 		require.NotEmpty(t, stdout.String()+stderr.String(), args)
@@ -55,7 +56,7 @@ func TestHelp(t *testing.T) {
 func TestEnvoyConfigValidates(t *testing.T) {
 	pki, err := stack.NewPKI(t.TempDir())
 	require.NoError(t, err)
-	bin, err := envoy.Binary()
+	bin, err := envoyproc.Binary()
 	require.NoError(t, err)
 	for name, args := range map[string][]string{
 		"plaintext": {"--pdx-address", "pdx:9002", "--listen-address", "0.0.0.0", "--max-request-headers", "200", "--max-request-headers-kb", "96"},
@@ -69,7 +70,7 @@ func TestEnvoyConfigValidates(t *testing.T) {
 			require.Contains(t, out.String(), "address: pdx")
 			path := filepath.Join(t.TempDir(), "envoy.yaml")
 			require.NoError(t, os.WriteFile(path, out.Bytes(), 0o600))
-			require.NoError(t, envoy.ValidateFile(t.Context(), bin, path))
+			require.NoError(t, envoyproc.ValidateFile(t.Context(), bin, path))
 		})
 	}
 	var out bytes.Buffer
@@ -77,13 +78,14 @@ func TestEnvoyConfigValidates(t *testing.T) {
 	require.ErrorContains(t, Main(t.Context(), []string{"envoy-config", "--request-body-mode", "STREAMED"}, &out, &out), `request body mode "STREAMED"`)
 }
 
-// The demo is the first thing a user runs: it must work and say so.
-func TestDemo(t *testing.T) {
-	var stdout, stderr bytes.Buffer
-	err := Main(t.Context(), []string{"demo", "--port", "0", "--requests", "8"}, &stdout, &stderr)
-	require.NoError(t, err, "stdout:\n%s\nstderr:\n%s", stdout.String(), stderr.String())
-	out := stdout.String()
-	require.Contains(t, out, "KV hand-off (checked by decode engine)")
-	require.Equal(t, 8, strings.Count(out, "verified: own prompt's KV pulled"), out)
-	require.Contains(t, out, "All 8 requests succeeded")
+// The product binary links nothing of the test wing: no engine simulator,
+// no load harness, no Envoy launcher.
+func TestProductLinksNoTestbed(t *testing.T) {
+	out, err := exec.Command("go", "list", "-deps", "github.com/pdx-router/pdx/cmd/pdx").CombinedOutput()
+	require.NoError(t, err, "%s", out)
+	deps := strings.Fields(string(out))
+	require.Contains(t, deps, "github.com/pdx-router/pdx/processor")
+	for _, dep := range deps {
+		require.False(t, strings.HasPrefix(dep, "github.com/pdx-router/pdx/internal/testbed"), "cmd/pdx links %s", dep)
+	}
 }

@@ -12,7 +12,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
-	"github.com/pdx-router/pdx/internal/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 )
 
 // TestServeLogFormat runs serve with each --log-format and checks its first

@@ -16,7 +16,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
-	"github.com/pdx-router/pdx/internal/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 	"github.com/pdx-router/pdx/processor"
 )
 

@@ -1,10 +1,11 @@
-package mainlib
+package main
 
 import (
 	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -15,16 +16,19 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/stack"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // demoPort is the client port the demo prefers, so the printed curl command
 // is easy to reuse; a free port is taken when it is busy.
 const demoPort = 10000
 
+// errUsage is returned for a command line the demo does not understand.
+var errUsage = errors.New("bad usage")
+
 func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
-	fs := flag.NewFlagSet("demo", flag.ContinueOnError)
+	fs := flag.NewFlagSet("pdx-demo", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	keep := fs.Bool("keep", false, "keep everything running after the batch, until interrupted")
 	n := fs.Int("requests", 16, "number of concurrent requests")
@@ -32,7 +36,7 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	prefillLatency := fs.Duration("prefill-latency", 20*time.Millisecond, "simulated prefill time")
 	tokenLatency := fs.Duration("token-latency", 2*time.Millisecond, "simulated time per output token")
 	if err := fs.Parse(args); err != nil {
-		return fmt.Errorf("%w: %w", ErrUsage, err)
+		return fmt.Errorf("%w: %w", errUsage, err)
 	}
 
 	if ln, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", *port)); err != nil {

@@ -1,4 +1,6 @@
-package connectors
+// Package engines is pdx's client of the inference engines' HTTP APIs: one
+// shared, tuned connection pool, and the error every failed call returns.
+package engines
 
 import (
 	"context"
@@ -12,21 +14,23 @@ import (
 	"time"
 
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // maxAnswerBytes bounds a prefill answer. It is one token plus
 // kv_transfer_params (block ids of long prompts run to a few hundred KB).
 const maxAnswerBytes = 8 << 20
 
-// HTTPEngine is the [Engine] pdx uses in production: one shared client whose
+// HTTP is the [Engine] pdx uses in production: one shared client whose
 // connection pool is sized for thousands of concurrent prefill calls.
-type HTTPEngine struct {
+type HTTP struct {
 	client *http.Client
 }
 
-// NewHTTPEngine returns an engine client with a tuned transport.
-func NewHTTPEngine() *HTTPEngine {
-	return &HTTPEngine{client: &http.Client{Transport: NewTransport()}}
+// NewHTTP returns an engine client with a tuned transport.
+func NewHTTP() *HTTP {
+	return &HTTP{client: &http.Client{Transport: NewTransport()}}
 }
 
 // NewTransport returns the transport for engine calls. Go's default keeps
@@ -57,13 +61,13 @@ func NewTransport() *http.Transport {
 }
 
 // CloseIdleConnections closes the pool's idle connections.
-func (e *HTTPEngine) CloseIdleConnections() { e.client.CloseIdleConnections() }
+func (e *HTTP) CloseIdleConnections() { e.client.CloseIdleConnections() }
 
 // Post implements [Engine].
-func (e *HTTPEngine) Post(ctx context.Context, ep Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
+func (e *HTTP) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+ep.Address+path, nil)
 	if err != nil {
-		return nil, &EngineError{Endpoint: ep, Err: err}
+		return nil, &Error{Endpoint: ep, Err: err}
 	}
 	for _, p := range body {
 		req.ContentLength += int64(len(p))
@@ -103,32 +107,32 @@ func (r *piecesReader) Read(p []byte) (int, error) {
 func (r *piecesReader) Close() error { return nil }
 
 // do sends req and reads a bounded answer, turning every failure into an
-// *EngineError.
-func (e *HTTPEngine) do(req *http.Request, ep Endpoint) ([]byte, error) {
+// *Error.
+func (e *HTTP) do(req *http.Request, ep endpoint.Endpoint) ([]byte, error) {
 	// The W3C traceparent of the span in the request's context (pdx's
 	// prefill attempt), so that the engine's span is its child. Without a
 	// span, that is with tracing off, this writes nothing.
 	propagation.TraceContext{}.Inject(req.Context(), propagation.HeaderCarrier(req.Header))
 	resp, err := e.client.Do(req)
 	if err != nil {
-		return nil, &EngineError{Endpoint: ep, Err: unwrapURLError(err)}
+		return nil, &Error{Endpoint: ep, Err: unwrapURLError(err)}
 	}
 	defer resp.Body.Close()
 	answer, err := io.ReadAll(io.LimitReader(resp.Body, maxAnswerBytes+1))
 	if err != nil {
-		return nil, &EngineError{Endpoint: ep, Status: resp.StatusCode, Message: "reading answer", Err: unwrapURLError(err)}
+		return nil, &Error{Endpoint: ep, Status: resp.StatusCode, Message: "reading answer", Err: unwrapURLError(err)}
 	}
 	if len(answer) > maxAnswerBytes {
-		return nil, &EngineError{Endpoint: ep, Status: resp.StatusCode, Err: fmt.Errorf("%w: answer over %d bytes", ErrBadAnswer, maxAnswerBytes)}
+		return nil, &Error{Endpoint: ep, Status: resp.StatusCode, Err: fmt.Errorf("%w: answer over %d bytes", ErrBadAnswer, maxAnswerBytes)}
 	}
 	if resp.StatusCode/100 != 2 {
-		return nil, &EngineError{Endpoint: ep, Status: resp.StatusCode, Message: engineMessage(answer)}
+		return nil, &Error{Endpoint: ep, Status: resp.StatusCode, Message: engineMessage(answer)}
 	}
 	return answer, nil
 }
 
 // unwrapURLError drops *url.Error's "Post \"http://...\":" prefix, which
-// repeats what EngineError already says; errors.Is still sees the cause.
+// repeats what Error already says; errors.Is still sees the cause.
 func unwrapURLError(err error) error {
 	if ue, ok := errors.AsType[*url.Error](err); ok {
 		return ue.Err
@@ -163,10 +167,10 @@ func engineMessage(answer []byte) string {
 }
 
 // Get implements [Engine].
-func (e *HTTPEngine) Get(ctx context.Context, address, path string) ([]byte, error) {
+func (e *HTTP) Get(ctx context.Context, address, path string) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+address+path, nil)
 	if err != nil {
-		return nil, &EngineError{Endpoint: Endpoint{Address: address}, Err: err}
+		return nil, &Error{Endpoint: endpoint.Endpoint{Address: address}, Err: err}
 	}
-	return e.do(req, Endpoint{Address: address})
+	return e.do(req, endpoint.Endpoint{Address: address})
 }

@@ -11,7 +11,7 @@ import (
 	"net/http"
 	"time"
 
-	"github.com/pdx-router/pdx/internal/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 )
 
 // Profile is a set of engine latencies.

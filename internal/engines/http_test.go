@@ -1,4 +1,4 @@
-package connectors
+package engines
 
 import (
 	"context"
@@ -15,23 +15,25 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // newEngine returns an engine whose idle connections are closed when the test
 // ends, so that no keep-alive connection outlives its test server.
-func newEngine(t *testing.T) *HTTPEngine {
+func newEngine(t *testing.T) *HTTP {
 	t.Helper()
-	e := NewHTTPEngine()
+	e := NewHTTP()
 	t.Cleanup(e.CloseIdleConnections)
 	return e
 }
 
-// endpointOf is the Endpoint of a test server: Post takes "ip:port", not a URL.
-func endpointOf(srv *httptest.Server) Endpoint {
-	return Endpoint{Address: srv.Listener.Addr().String()}
+// endpointOf is the endpoint.Endpoint of a test server: Post takes "ip:port", not a URL.
+func endpointOf(srv *httptest.Server) endpoint.Endpoint {
+	return endpoint.Endpoint{Address: srv.Listener.Addr().String()}
 }
 
-func TestHTTPEnginePostRequest(t *testing.T) {
+func TestHTTPPostRequest(t *testing.T) {
 	const body = `{"model":"m","prompt":"hi","max_tokens":1}`
 	const answer = `{"id":"cmpl-1","choices":[{"text":"x"}]}`
 	type seen struct {
@@ -63,7 +65,7 @@ func TestHTTPEnginePostRequest(t *testing.T) {
 	require.Equal(t, body, string(s.body), "the body must reach the engine byte for byte")
 }
 
-func TestHTTPEnginePostErrorAnswer(t *testing.T) {
+func TestHTTPPostErrorAnswer(t *testing.T) {
 	long := strings.Repeat("x", 300)
 	tests := []struct {
 		name    string
@@ -127,8 +129,8 @@ func TestHTTPEnginePostErrorAnswer(t *testing.T) {
 
 			out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 			require.Nil(t, out)
-			ee, ok := errors.AsType[*EngineError](err)
-			require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+			ee, ok := errors.AsType[*Error](err)
+			require.True(t, ok, "want *Error, got %T: %v", err, err)
 			require.Equal(t, ep, ee.Endpoint)
 			require.Equal(t, tc.status, ee.Status)
 			require.Equal(t, tc.message, ee.Message)
@@ -138,7 +140,7 @@ func TestHTTPEnginePostErrorAnswer(t *testing.T) {
 	}
 }
 
-func TestHTTPEnginePostAnswerSize(t *testing.T) {
+func TestHTTPPostAnswerSize(t *testing.T) {
 	tests := []struct {
 		name   string
 		status int
@@ -166,33 +168,33 @@ func TestHTTPEnginePostAnswerSize(t *testing.T) {
 			}
 			require.Nil(t, out)
 			require.ErrorIs(t, err, ErrBadAnswer)
-			ee, ok := errors.AsType[*EngineError](err)
-			require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+			ee, ok := errors.AsType[*Error](err)
+			require.True(t, ok, "want *Error, got %T: %v", err, err)
 			require.Equal(t, tc.status, ee.Status)
 		})
 	}
 }
 
-func TestHTTPEnginePostConnectionRefused(t *testing.T) {
+func TestHTTPPostConnectionRefused(t *testing.T) {
 	// A listener closed right away leaves a loopback port nobody listens on.
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
-	ep := Endpoint{Address: ln.Addr().String()}
+	ep := endpoint.Endpoint{Address: ln.Addr().String()}
 	require.NoError(t, ln.Close())
 
 	out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 	require.Nil(t, out)
-	ee, ok := errors.AsType[*EngineError](err)
-	require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+	ee, ok := errors.AsType[*Error](err)
+	require.True(t, ok, "want *Error, got %T: %v", err, err)
 	require.Equal(t, ep, ee.Endpoint)
 	require.Zero(t, ee.Status, "no answer was received")
-	require.ErrorIs(t, err, syscall.ECONNREFUSED, "the cause must stay visible through EngineError")
+	require.ErrorIs(t, err, syscall.ECONNREFUSED, "the cause must stay visible through Error")
 	require.Contains(t, err.Error(), "prefill engine "+ep.Address)
-	// *url.Error's prefix would repeat the address EngineError already names.
+	// *url.Error's prefix would repeat the address Error already names.
 	require.NotContains(t, err.Error(), `Post "http://`)
 }
 
-func TestHTTPEnginePostContextEnds(t *testing.T) {
+func TestHTTPPostContextEnds(t *testing.T) {
 	tests := []struct {
 		name string
 		// ctx returns the call's context and, for a cancellation, the function
@@ -252,15 +254,15 @@ func TestHTTPEnginePostContextEnds(t *testing.T) {
 				t.Fatal("Post did not return after its context ended")
 			}
 			require.ErrorIs(t, err, tc.want)
-			ee, ok := errors.AsType[*EngineError](err)
-			require.True(t, ok, "want *EngineError, got %T: %v", err, err)
+			ee, ok := errors.AsType[*Error](err)
+			require.True(t, ok, "want *Error, got %T: %v", err, err)
 			require.Zero(t, ee.Status)
 			require.NotContains(t, err.Error(), `Post "http://`)
 		})
 	}
 }
 
-func TestHTTPEngineReusesConnections(t *testing.T) {
+func TestHTTPReusesConnections(t *testing.T) {
 	var conns, calls atomic.Int64
 	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
 		// Every other answer is an error: reading error answers to the end

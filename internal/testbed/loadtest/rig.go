@@ -14,8 +14,9 @@ import (
 	"time"
 
 	"github.com/pdx-router/pdx/envoy"
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 )
 
 // Models of the pdx config the rig runs: one pool per way of serving.
@@ -30,9 +31,9 @@ const (
 type rig struct {
 	prefill, decode []*enginesim.Server
 	pdx             *pdxProcess
-	envoy           *envoy.Process // with ext_proc, to pdx
-	duplex          *envoy.Process // the same in FULL_DUPLEX_STREAMED body mode
-	floor           *envoy.Process // without: the client names the engine
+	envoy           *envoyproc.Process // with ext_proc, to pdx
+	duplex          *envoyproc.Process // the same in FULL_DUPLEX_STREAMED body mode
+	floor           *envoyproc.Process // without: the client names the engine
 }
 
 type rigOptions struct {
@@ -82,16 +83,16 @@ func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
 		MessageTimeout:   o.prefillTimeout + 5*time.Second,
 		BufferLimitBytes: maxBody + envoy.BufferHeadroom/2,
 	}
-	if r.envoy, err = envoy.Start(ctx, o.envoyBin, ecfg, nil); err != nil {
+	if r.envoy, err = envoyproc.Start(ctx, o.envoyBin, ecfg, nil); err != nil {
 		return nil, fmt.Errorf("envoy: %w", err)
 	}
 	dcfg := ecfg
 	dcfg.RequestBodyMode = envoy.BodyFullDuplexStreamed
-	if r.duplex, err = envoy.Start(ctx, o.envoyBin, dcfg, nil); err != nil {
+	if r.duplex, err = envoyproc.Start(ctx, o.envoyBin, dcfg, nil); err != nil {
 		return nil, fmt.Errorf("full-duplex envoy: %w", err)
 	}
 	ecfg.WithoutExtProc = true
-	if r.floor, err = envoy.Start(ctx, o.envoyBin, ecfg, nil); err != nil {
+	if r.floor, err = envoyproc.Start(ctx, o.envoyBin, ecfg, nil); err != nil {
 		return nil, fmt.Errorf("floor envoy: %w", err)
 	}
 	return r, nil
@@ -137,7 +138,7 @@ func (r *rig) tally() enginesim.Tally {
 
 func (r *rig) close() error {
 	var errs []error
-	for _, e := range []*envoy.Process{r.envoy, r.duplex, r.floor} {
+	for _, e := range []*envoyproc.Process{r.envoy, r.duplex, r.floor} {
 		if e != nil {
 			errs = append(errs, e.Stop())
 		}

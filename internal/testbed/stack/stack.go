@@ -13,9 +13,10 @@ import (
 
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
-	"github.com/pdx-router/pdx/internal/enginesim"
-	"github.com/pdx-router/pdx/internal/logbuf"
 	"github.com/pdx-router/pdx/internal/server"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 )
 
 // Model is the model name the stack's pool serves.
@@ -38,7 +39,7 @@ type Options struct {
 	PrefillTimeout time.Duration
 	// ListenPort is Envoy's client port; 0 picks a free one.
 	ListenPort int
-	// EnvoyBin overrides envoy.Binary().
+	// EnvoyBin overrides envoyproc.Binary().
 	EnvoyBin string
 	// LogLevel is pdx's log level (default Info).
 	LogLevel slog.Level
@@ -73,7 +74,7 @@ type Options struct {
 
 // Stack is a running deployment.
 type Stack struct {
-	Envoy   *envoy.Process
+	Envoy   *envoyproc.Process
 	Pdx     *server.Server
 	Prefill []*enginesim.Server
 	Decode  []*enginesim.Server
@@ -99,7 +100,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	}
 	bin := opts.EnvoyBin
 	if bin == "" {
-		if bin, err = envoy.Binary(); err != nil {
+		if bin, err = envoyproc.Binary(); err != nil {
 			return nil, err
 		}
 	}
@@ -157,7 +158,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 			ecfg.PdxTLS.CertFile, ecfg.PdxTLS.KeyFile = p.ClientCertFile, p.ClientKey
 		}
 	}
-	s.Envoy, err = envoy.Start(ctx, bin, ecfg, nil)
+	s.Envoy, err = envoyproc.Start(ctx, bin, ecfg, nil)
 	if err != nil {
 		return nil, err
 	}
