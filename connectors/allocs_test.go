@@ -22,7 +22,7 @@ func TestPrepareAllocs(t *testing.T) {
 		"http": fixedEngine{post: []byte(`{"id":"x"}`)},
 	}
 	for name, eng := range engines {
-		conn, err := New(name, Options{})
+		conn, err := newFor(t, name, "")
 		require.NoError(t, err)
 		req := &Request{ID: "allocs", Path: "/v1/chat/completions", Prefill: testPrefill, Decode: testDecode}
 		allocs := testing.AllocsPerRun(100, func() {

@@ -34,10 +34,10 @@ func BenchmarkPrepare(b *testing.B) {
 	}
 	connectors := []struct {
 		name string
-		opts Options
-	}{{"nixl", Options{}}, {"http", Options{}}, {"mooncake", Options{MooncakeProtocol: "vllm"}}, {"sglang", Options{}}, {"p2p-nccl", Options{}}, {"trtllm", Options{}}}
+		opts string // the mooncake protocol
+	}{{"nixl", ""}, {"http", ""}, {"mooncake", "vllm"}, {"sglang", ""}, {"p2p-nccl", ""}, {"trtllm", ""}}
 	for _, c := range connectors {
-		conn, err := New(c.name, c.opts)
+		conn, err := newFor(b, c.name, c.opts)
 		if err != nil {
 			b.Fatal(err)
 		}

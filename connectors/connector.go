@@ -10,10 +10,7 @@ package connectors
 
 import (
 	"context"
-	"fmt"
 	"net"
-	"slices"
-	"strings"
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/jsonedit"
@@ -89,13 +86,6 @@ type Env struct {
 	EngineIDs *EngineIDs
 }
 
-// Concurrent reports whether c returns the decode while its prefill still
-// runs (see Decode.Prefill). A connector says so with a Concurrent method.
-func Concurrent(c Connector) bool {
-	cc, ok := c.(interface{ Concurrent() bool })
-	return ok && cc.Concurrent()
-}
-
 // Engine sends requests to inference engines.
 type Engine interface {
 	// Post sends body (its pieces one after another, only read) to path
@@ -105,48 +95,4 @@ type Engine interface {
 	// Get fetches http://address+path (a bootstrap server's, for example)
 	// and returns the answer's body. A non-2xx answer is an *engines.Error.
 	Get(ctx context.Context, address, path string) ([]byte, error)
-}
-
-// Options are a pool's connector settings.
-type Options struct {
-	// MooncakeProtocol selects the "mooncake" connector's protocol:
-	// MooncakeNIXL ("nixl", the default when empty) or MooncakeVLLM
-	// ("vllm"). Other connectors ignore it.
-	MooncakeProtocol string
-	// TRTLLMProtocol selects what the "trtllm" connector sends:
-	// TRTLLMCurrent ("current", the default when empty) or TRTLLMLegacy
-	// ("legacy"). Other connectors ignore it.
-	TRTLLMProtocol string
-}
-
-// registry maps connector names to constructors. It is written only here,
-// at package initialization, and never changed.
-var registry = map[string]func(Options) (Connector, error){
-	"nixl":     func(Options) (Connector, error) { return NIXL{}, nil },
-	"http":     func(Options) (Connector, error) { return HTTP{}, nil },
-	"lmcache":  func(Options) (Connector, error) { return HTTP{}, nil },
-	"mooncake": newMooncake,
-	"sglang":   func(Options) (Connector, error) { return SGLang{}, nil },
-	"p2p-nccl": func(Options) (Connector, error) { return P2PNCCL{}, nil },
-	"trtllm":   newTRTLLM,
-	"none":     func(Options) (Connector, error) { return None{}, nil },
-}
-
-// New returns the connector registered under name, configured by opts.
-func New(name string, opts Options) (Connector, error) {
-	newConnector, ok := registry[name]
-	if !ok {
-		return nil, fmt.Errorf("unknown connector %q (known: %s)", name, strings.Join(Names(), ", "))
-	}
-	return newConnector(opts)
-}
-
-// Names lists the registered connector names, sorted.
-func Names() []string {
-	names := make([]string, 0, len(registry))
-	for name := range registry {
-		names = append(names, name)
-	}
-	slices.Sort(names)
-	return names
 }

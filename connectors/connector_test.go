@@ -3,44 +3,114 @@ package connectors
 import (
 	"fmt"
 	"net/http"
-	"strings"
 	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
-// registered returns every registered connector, built by New, the
-// "mooncake" one once per protocol, by a descriptive name.
+// newFor builds the connector a pool of connector name (and, for
+// "mooncake", protocol) gets, its spec's defaults applied.
+func newFor(t testing.TB, name, protocol string) (Connector, error) {
+	t.Helper()
+	p := &configv1.Pool{Connector: name, MooncakeProtocol: protocol}
+	s, err := Lookup(name)
+	if err != nil {
+		return nil, err
+	}
+	if s.Defaults != nil {
+		s.Defaults(p)
+	}
+	c, _, err := New(p)
+	return c, err
+}
+
+// variants are the pool configs of every connector, by a descriptive name:
+// one each, "mooncake" and "trtllm" once per protocol.
+func variants() map[string]*configv1.Pool {
+	all := map[string]*configv1.Pool{}
+	for _, name := range Names() {
+		all[name] = &configv1.Pool{Connector: name}
+	}
+	for _, p := range []string{MooncakeNIXL, MooncakeVLLM} {
+		all["mooncake/"+p] = &configv1.Pool{Connector: "mooncake", MooncakeProtocol: p}
+	}
+	all["trtllm/"+TRTLLMLegacy] = &configv1.Pool{Connector: "trtllm", TrtllmProtocol: TRTLLMLegacy}
+	for _, p := range all {
+		if s, err := Lookup(p.Connector); err == nil && s.Defaults != nil {
+			s.Defaults(p)
+		}
+	}
+	return all
+}
+
+// registered returns every connector, built by New for each of variants.
 func registered(t *testing.T) map[string]Connector {
 	t.Helper()
 	all := map[string]Connector{}
-	for _, name := range Names() {
-		protocols := []string{""}
-		if name == "mooncake" {
-			protocols = []string{"", MooncakeNIXL, MooncakeVLLM}
-		}
-		for _, p := range protocols {
-			c, err := New(name, Options{MooncakeProtocol: p})
-			require.NoError(t, err, name)
-			all[strings.TrimSuffix(name+"/"+p, "/")] = c
-		}
+	for name, p := range variants() {
+		c, _, err := New(p)
+		require.NoError(t, err, name)
+		all[name] = c
 	}
 	return all
 }
 
 func TestNames(t *testing.T) {
 	require.Equal(t, []string{"http", "lmcache", "mooncake", "nixl", "none", "p2p-nccl", "sglang", "trtllm"}, Names())
-	_, err := New("nixel", Options{})
+	_, err := Lookup("nixel")
 	require.EqualError(t, err, `unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`)
+	require.Equal(t, []string{"nixl", "mooncake", "p2p-nccl"}, Claimants(FieldKVAddress))
+	require.Equal(t, []string{"mooncake"}, Claimants(FieldMooncakeProtocol))
 }
 
-func TestConcurrent(t *testing.T) {
-	want := map[string]bool{"mooncake/vllm": true, "sglang": true}
-	for name, c := range registered(t) {
-		require.Equal(t, want[name], Concurrent(c), name)
+func TestTraits(t *testing.T) {
+	want := map[string]Traits{
+		"nixl": {Prefills: true}, "http": {Prefills: true, MultipleChoices: true}, "lmcache": {Prefills: true, MultipleChoices: true},
+		"mooncake": {Prefills: true}, "mooncake/nixl": {Prefills: true}, "mooncake/vllm": {Prefills: true, Concurrent: true},
+		"sglang": {Prefills: true, Concurrent: true}, "p2p-nccl": {Prefills: true},
+		"trtllm": {Prefills: true}, "trtllm/legacy": {Prefills: true}, "none": {MultipleChoices: true},
+	}
+	for name, p := range variants() {
+		_, traits, err := New(p)
+		require.NoError(t, err, name)
+		require.Equal(t, want[name], traits, name)
+	}
+}
+
+func TestSpecsValidate(t *testing.T) {
+	tests := []struct {
+		name string
+		pool *configv1.Pool
+		want []string
+	}{
+		{name: "mooncake protocol", pool: &configv1.Pool{Connector: "mooncake", MooncakeProtocol: "v2"}, want: []string{`pools[0].mooncake_protocol: "v2" is not "nixl" or "vllm"`}},
+		{name: "mooncake vllm takes no kv_address", pool: &configv1.Pool{Connector: "mooncake", MooncakeProtocol: "vllm",
+			Prefill: []*configv1.Endpoint{{Address: "10.0.0.1:1", KvAddress: "10.0.0.1:2"}}}, want: []string{`pools[0].prefill[0].kv_address: not valid with mooncake_protocol "vllm"`}},
+		{name: "trtllm protocol", pool: &configv1.Pool{Connector: "trtllm", TrtllmProtocol: "v2"}, want: []string{`pools[0].trtllm_protocol: "v2" is not "current" or "legacy"`}},
+		{name: "p2p-nccl needs kv_address", pool: &configv1.Pool{Connector: "p2p-nccl",
+			Prefill: []*configv1.Endpoint{{Address: "10.0.0.1:1"}}, Decode: []*configv1.Endpoint{{Address: "10.0.0.2:1", KvAddress: "10.0.0.2:2"}}},
+			want: []string{`pools[0].prefill[0].kv_address: required with connector "p2p-nccl"`}},
+		{name: "p2p-nccl discovered needs kv_port", pool: &configv1.Pool{Connector: "p2p-nccl", Kubernetes: &configv1.KubernetesDiscovery{Namespace: "n"}},
+			want: []string{`pools[0].kubernetes.kv_port: required with connector "p2p-nccl"`}},
+		{name: "nixl", pool: &configv1.Pool{Connector: "nixl", Prefill: []*configv1.Endpoint{{Address: "10.0.0.1:1", KvAddress: "10.0.0.1:5600"}}}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s, err := Lookup(tc.pool.Connector)
+			require.NoError(t, err)
+			var errs []error
+			if s.Validate != nil {
+				errs = s.Validate(tc.pool, "pools[0]")
+			}
+			require.Len(t, errs, len(tc.want), "%v", errs)
+			for i, w := range tc.want {
+				require.ErrorContains(t, errs[i], w)
+			}
+		})
 	}
 }
 
@@ -94,7 +164,7 @@ func TestProtocolFieldsStripped(t *testing.T) {
 						legs = append(legs, call.body)
 					}
 				}
-				if Prefills(c) {
+				if _, isNone := c.(None); !isNone {
 					require.Len(t, legs, 2)
 				} else {
 					require.Len(t, legs, 1, "a connector without prefill calls no engine")
@@ -163,7 +233,7 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 				if id == "" {
 					id = fmt.Sprintf("req-%d", i)
 				}
-				if !Prefills(c) {
+				if _, isNone := c.(None); isNone {
 					require.Empty(t, prefills, "a connector without prefill calls no engine")
 					continue
 				}

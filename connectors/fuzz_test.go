@@ -116,7 +116,7 @@ func FuzzNIXL(f *testing.F) {
 }
 
 func FuzzMooncakeNIXL(f *testing.F) {
-	c, err := New("mooncake", Options{MooncakeProtocol: MooncakeNIXL})
+	c, err := newFor(f, "mooncake", MooncakeNIXL)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -214,7 +214,7 @@ func FuzzSGLang(f *testing.F) {
 var hex32 = regexp.MustCompile(`^[0-9a-f]{32}$`)
 
 func FuzzMooncakeVLLM(f *testing.F) {
-	c, err := New("mooncake", Options{MooncakeProtocol: MooncakeVLLM})
+	c, err := newFor(f, "mooncake", MooncakeVLLM)
 	if err != nil {
 		f.Fatal(err)
 	}

@@ -14,6 +14,15 @@ import (
 // protocol fields). Registered as "http" and "lmcache".
 type HTTP struct{}
 
+var _ Connector = HTTP{}
+
+func httpSpec() Spec {
+	// n > 1 works: the decode engine finds the prompt's KV in the store and
+	// samples as many sequences as asked.
+	traits, build := fixed(HTTP{}, Traits{Prefills: true, MultipleChoices: true})
+	return Spec{Names: []string{"http", "lmcache"}, Traits: traits, New: build}
+}
+
 // Prepare implements [Connector]. The prefill runs to its end before the
 // decode is sent, so the KV is in the store when the decode looks for it.
 func (HTTP) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
@@ -27,7 +36,3 @@ func httpPrefillBody(client jsonedit.Object) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
 	return enginePieces(client, prefillOnlyEdits(buf[:0], client)...)
 }
-
-// MultipleChoices reports that n > 1 works: the decode engine finds the
-// prompt's KV in the store and samples as many sequences as asked.
-func (HTTP) MultipleChoices() bool { return true }

@@ -96,9 +96,8 @@ func TestHTTPPrepareErrors(t *testing.T) {
 
 func TestHTTPRegisteredAsLMCache(t *testing.T) {
 	for _, name := range []string{"http", "lmcache"} {
-		c, err := New(name, Options{})
+		c, err := newFor(t, name, "")
 		require.NoError(t, err)
 		require.Equal(t, HTTP{}, c)
-		require.False(t, Concurrent(c))
 	}
 }

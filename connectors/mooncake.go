@@ -6,12 +6,13 @@ import (
 	"net"
 	"strconv"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
-// Mooncake protocols (Options.MooncakeProtocol).
+// Mooncake protocols (a pool's mooncake_protocol).
 const (
 	// MooncakeNIXL is the NIXL-style protocol Kthena and vllm-ascend use
 	// with Mooncake: exactly the "nixl" connector. The default.
@@ -20,15 +21,54 @@ const (
 	MooncakeVLLM = "vllm"
 )
 
-// newMooncake returns the "mooncake" connector for opts.MooncakeProtocol.
-func newMooncake(opts Options) (Connector, error) {
-	switch opts.MooncakeProtocol {
-	case "", MooncakeNIXL:
-		return NIXL{}, nil
-	case MooncakeVLLM:
-		return MooncakeVLLMConnector{}, nil
+var _ Connector = MooncakeVLLMConnector{}
+
+func mooncakeSpec() Spec {
+	return Spec{
+		Names:  []string{"mooncake"},
+		Fields: []string{FieldMooncakeProtocol, FieldKVAddress},
+		Defaults: func(p *configv1.Pool) {
+			if p.MooncakeProtocol == "" {
+				p.MooncakeProtocol = MooncakeNIXL
+			}
+		},
+		Validate: mooncakeValidate,
+		Traits: func(p *configv1.Pool) Traits {
+			return Traits{Prefills: true, Concurrent: p.GetMooncakeProtocol() == MooncakeVLLM}
+		},
+		New: func(p *configv1.Pool) (Connector, error) {
+			switch p.GetMooncakeProtocol() {
+			case "", MooncakeNIXL:
+				return NIXL{}, nil
+			case MooncakeVLLM:
+				return MooncakeVLLMConnector{}, nil
+			}
+			return nil, fmt.Errorf("unknown mooncake protocol %q (known: %s, %s)", p.GetMooncakeProtocol(), MooncakeNIXL, MooncakeVLLM)
+		},
 	}
-	return nil, fmt.Errorf("unknown mooncake protocol %q (known: %s, %s)", opts.MooncakeProtocol, MooncakeNIXL, MooncakeVLLM)
+}
+
+// mooncakeValidate checks the protocol, and that only the NIXL one, which
+// reads KV sources from prefill answers, gets kv_address.
+func mooncakeValidate(p *configv1.Pool, path string) []error {
+	switch mp := p.GetMooncakeProtocol(); mp {
+	case MooncakeNIXL:
+		return nil
+	case MooncakeVLLM:
+		var errs []error
+		paths, values := kvAddresses(p, path)
+		for i, v := range values {
+			if v != "" {
+				errs = append(errs, fieldError(paths[i], `not valid with mooncake_protocol "vllm", which pdx gives the bootstrap address itself`))
+			}
+		}
+		if p.GetKubernetes().GetKvPort() != 0 {
+			errs = append(errs, fieldError(path+".kubernetes.kv_port", `not valid with mooncake_protocol "vllm"`))
+		}
+		return errs
+	default:
+		return []error{fieldError(path+".mooncake_protocol", "%q is not %q or %q", mp, MooncakeNIXL, MooncakeVLLM)}
+	}
 }
 
 // MooncakeVLLMConnector is upstream vLLM's MooncakeConnector protocol, as its
@@ -38,9 +78,6 @@ func newMooncake(opts Options) (Connector, error) {
 // it. The decode needs the prefill engine's id, which pdx reads from that
 // bootstrap server's /query before it starts either leg.
 type MooncakeVLLMConnector struct{}
-
-// Concurrent reports that the prefill still runs when Prepare returns.
-func (MooncakeVLLMConnector) Concurrent() bool { return true }
 
 // Prepare implements [Connector].
 func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {

@@ -17,20 +17,19 @@ import (
 
 func TestNewMooncake(t *testing.T) {
 	tests := []struct {
-		protocol   string
-		want       Connector
-		concurrent bool
-		wantErr    string
+		protocol string
+		want     Connector
+		wantErr  string
 	}{
 		{protocol: "", want: NIXL{}},
 		{protocol: "nixl", want: NIXL{}},
-		{protocol: "vllm", want: MooncakeVLLMConnector{}, concurrent: true},
+		{protocol: "vllm", want: MooncakeVLLMConnector{}},
 		{protocol: "rdma", wantErr: `unknown mooncake protocol "rdma"`},
 		{protocol: "VLLM", wantErr: `unknown mooncake protocol "VLLM"`},
 	}
 	for _, tc := range tests {
 		t.Run(tc.protocol, func(t *testing.T) {
-			c, err := New("mooncake", Options{MooncakeProtocol: tc.protocol})
+			c, err := newFor(t, "mooncake", tc.protocol)
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)
 				require.Nil(t, c)
@@ -38,7 +37,6 @@ func TestNewMooncake(t *testing.T) {
 			}
 			require.NoError(t, err)
 			require.Equal(t, tc.want, c)
-			require.Equal(t, tc.concurrent, Concurrent(c))
 		})
 	}
 }

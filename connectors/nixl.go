@@ -15,6 +15,16 @@ import (
 // vllm-ascend) is this connector too.
 type NIXL struct{}
 
+var _ interface {
+	Connector
+	Releaser
+} = NIXL{}
+
+func nixlSpec() Spec {
+	traits, build := fixed(NIXL{}, Traits{Prefills: true})
+	return Spec{Names: []string{"nixl"}, Fields: []string{FieldKVAddress}, Traits: traits, New: build}
+}
+
 // nixlPrefillParams asks the prefill engine to keep the KV for a remote
 // decode. It is only ever read (see stateless_test.go).
 var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +

@@ -13,12 +13,10 @@ func (None) Prepare(_ context.Context, _ Env, req *Request) (Decode, error) {
 	return Decode{Body: engineBody(req.Body)}, nil
 }
 
-// Prefills reports that pools of this connector have no prefill leg.
-func (None) Prefills() bool { return false }
+var _ Connector = None{}
 
-// Prefills reports whether c calls a prefill engine; a connector without a
-// prefill leg says so with a Prefills method.
-func Prefills(c Connector) bool {
-	p, ok := c.(interface{ Prefills() bool })
-	return !ok || p.Prefills()
+func noneSpec() Spec {
+	// No prefill leg: n > 1 is the engine's own business.
+	traits, build := fixed(None{}, Traits{MultipleChoices: true})
+	return Spec{Names: []string{"none"}, Traits: traits, New: build}
 }

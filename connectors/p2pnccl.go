@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -13,6 +14,32 @@ import (
 // engine named in the id, which takes it by the same id. The prefill runs to
 // its end before the decode is sent.
 type P2PNCCL struct{}
+
+var _ Connector = P2PNCCL{}
+
+func p2pNCCLSpec() Spec {
+	traits, build := fixed(P2PNCCL{}, Traits{Prefills: true})
+	return Spec{Names: []string{"p2p-nccl"}, Fields: []string{FieldKVAddress}, Traits: traits, New: build, Validate: p2pNCCLValidate}
+}
+
+// p2pNCCLValidate requires every engine's ZMQ address: the request id
+// names both legs' engines by it.
+func p2pNCCLValidate(p *configv1.Pool, path string) []error {
+	if k := p.GetKubernetes(); k != nil {
+		if k.GetKvPort() == 0 {
+			return []error{fieldError(path+".kubernetes.kv_port", `required with connector "p2p-nccl" (the engines' ZMQ kv_port)`)}
+		}
+		return nil
+	}
+	var errs []error
+	paths, values := kvAddresses(p, path)
+	for i, v := range values {
+		if v == "" {
+			errs = append(errs, fieldError(paths[i], `required with connector "p2p-nccl" (the engine's ZMQ kv_ip:kv_port)`))
+		}
+	}
+	return errs
+}
 
 // Prepare implements [Connector].
 func (P2PNCCL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {

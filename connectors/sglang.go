@@ -20,8 +20,15 @@ import (
 // edits: the SGLang prefill server stops after the first token itself).
 type SGLang struct{}
 
-// Concurrent reports that the prefill still runs when Prepare returns.
-func (SGLang) Concurrent() bool { return true }
+var _ interface {
+	Connector
+	Releaser
+} = SGLang{}
+
+func sglangSpec() Spec {
+	traits, build := fixed(SGLang{}, Traits{Prefills: true, Concurrent: true})
+	return Spec{Names: []string{"sglang"}, Traits: traits, New: build}
+}
 
 // Prepare implements [Connector].
 func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {

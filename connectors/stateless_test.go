@@ -112,8 +112,6 @@ func TestImmutableTypeGuard(t *testing.T) {
 // package-level var fails TestNoMutablePackageState: per-request state there
 // would be shared by all requests.
 var packageVars = map[string]string{
-	// Filled by its composite literal; New and Names only read it.
-	"registry": "connector constructors",
 	// Fixed JSON fragments, only passed as jsonedit.Edit values, which
 	// AppendEdited copies into a fresh buffer: read, never written,
 	// appended to or aliased by an output.
@@ -148,6 +146,9 @@ func TestNoMutablePackageState(t *testing.T) {
 			}
 			for _, spec := range gen.Specs {
 				for _, name := range spec.(*ast.ValueSpec).Names {
+					if name.Name == "_" {
+						continue // a compile-time interface assertion: nothing to write to
+					}
 					if _, ok := packageVars[name.Name]; !ok {
 						t.Errorf("%s: package-level var %s: connectors keep no package state (use a const, or a local)", fset.Position(name.Pos()), name.Name)
 					}

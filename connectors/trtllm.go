@@ -10,11 +10,12 @@ import (
 	"strconv"
 	"strings"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
-// TensorRT-LLM protocols (Options.TRTLLMProtocol).
+// TensorRT-LLM protocols (a pool's trtllm_protocol).
 const (
 	// TRTLLMCurrent is what TensorRT-LLM's disagg server sends today: a
 	// disagg_request_id on both legs, and the context's usage and prompt
@@ -26,14 +27,34 @@ const (
 	TRTLLMLegacy = "legacy"
 )
 
-func newTRTLLM(opts Options) (Connector, error) {
-	switch opts.TRTLLMProtocol {
-	case "", TRTLLMCurrent:
-		return TRTLLM{}, nil
-	case TRTLLMLegacy:
-		return TRTLLM{Legacy: true}, nil
+var _ Connector = TRTLLM{}
+
+func trtllmSpec() Spec {
+	return Spec{
+		Names:  []string{"trtllm"},
+		Fields: []string{FieldTRTLLMProtocol},
+		Defaults: func(p *configv1.Pool) {
+			if p.TrtllmProtocol == "" {
+				p.TrtllmProtocol = TRTLLMCurrent
+			}
+		},
+		Validate: func(p *configv1.Pool, path string) []error {
+			if tp := p.GetTrtllmProtocol(); tp != TRTLLMCurrent && tp != TRTLLMLegacy {
+				return []error{fieldError(path+".trtllm_protocol", "%q is not %q or %q", tp, TRTLLMCurrent, TRTLLMLegacy)}
+			}
+			return nil
+		},
+		Traits: func(*configv1.Pool) Traits { return Traits{Prefills: true} },
+		New: func(p *configv1.Pool) (Connector, error) {
+			switch p.GetTrtllmProtocol() {
+			case "", TRTLLMCurrent:
+				return TRTLLM{}, nil
+			case TRTLLMLegacy:
+				return TRTLLM{Legacy: true}, nil
+			}
+			return nil, fmt.Errorf("unknown trtllm protocol %q (known: %s, %s)", p.GetTrtllmProtocol(), TRTLLMCurrent, TRTLLMLegacy)
+		},
 	}
-	return nil, fmt.Errorf("unknown trtllm protocol %q (known: %s, %s)", opts.TRTLLMProtocol, TRTLLMCurrent, TRTLLMLegacy)
 }
 
 // TRTLLM is TensorRT-LLM's disaggregated serving protocol, as its disagg

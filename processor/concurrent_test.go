@@ -46,7 +46,8 @@ func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Env, _ *c
 	return connectors.Decode{Body: []byte(`{"model":"m","bootstrap_room":7}`), Prefill: done}, nil
 }
 
-func (concurrentConnector) Concurrent() bool { return true }
+// concurrentTraits are SGLang's.
+var concurrentTraits = connectors.Traits{Prefills: true, Concurrent: true}
 
 // concurrentStream starts Process on a stream for a concurrent connector and
 // sends the request phase.
@@ -55,7 +56,7 @@ func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurr
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1), released: make(chan struct{}, 4)}
 	eps := []endpoint.Endpoint{{Address: "127.0.0.1:8100"}}
 	table := routing.Fixed(&routing.Pool{
-		Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
+		Name: "p", ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
 		Prefill: picker.NewRoundRobin(eps, picker.Options{}), Decode: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
 	})
 	ctx, cancel := context.WithCancel(t.Context())

@@ -297,7 +297,7 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 		t.Helper()
 		conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
 		table := routing.Fixed(&routing.Pool{
-			Name: "p", ConnectorName: "sglang", Connector: conn, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
+			Name: "p", ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
 			Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
 			Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
 		})

@@ -112,7 +112,7 @@ func TestEnvoyAnswersWhilePdxWaitsForTheBody(t *testing.T) {
 // Envoy for the response headers.
 func concurrentTable() *routing.Table {
 	return routing.Fixed(&routing.Pool{
-		Name: "p", ConnectorName: "sglang", Connector: concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)},
+		Name: "p", ConnectorName: "sglang", Connector: concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}, Traits: concurrentTraits,
 		PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
 		Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
 		Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),

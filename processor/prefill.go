@@ -86,7 +86,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 // attempt is one prefill on creq.Prefill. Its outcome feeds the endpoint's
 // passive health; a concurrent prefill's is reported when it arrives.
 func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
-	if connectors.Concurrent(pool.Connector) {
+	if pool.Traits.Concurrent {
 		decode, err := pool.Connector.Prepare(r.startAttempt(r.prefillCtx, pool, creq.Prefill), r.env, creq)
 		if err != nil {
 			r.report(ctx, pool, creq.Prefill, err)

@@ -485,7 +485,7 @@ func (r *request) route(ctx context.Context, raw []byte) (*extprocv3.ProcessingR
 		return nil, err
 	}
 	var decode connectors.Decode
-	if connectors.Prefills(pool.Connector) {
+	if pool.Traits.Prefills {
 		decode, err = r.prefillWithRetries(ctx, pool, creq)
 	} else {
 		decode, err = pool.Connector.Prepare(ctx, r.env, creq)

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"strconv"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -27,7 +26,7 @@ func validate(body jsonedit.Object, path string, pool *routing.Pool) error {
 	if err != nil {
 		return err
 	}
-	if n > 1 && !connectors.MultipleChoices(pool.Connector) {
+	if n > 1 && !pool.Traits.MultipleChoices {
 		return badRequest("unsupported_value", fmt.Sprintf(
 			`"n" is %d, but connector %q hands over the KV of one sequence: send n of 1 (or leave it out)`, n, pool.ConnectorName))
 	}

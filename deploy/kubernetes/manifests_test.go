@@ -41,7 +41,6 @@ import (
 	"sigs.k8s.io/yaml"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/processor"
@@ -475,7 +474,6 @@ func loadPdx(t *testing.T, objs []object) pdxConfig {
 	require.True(t, ok, "ConfigMap %s has no key %s", cm.Name, key)
 	cfg, err := config.Parse([]byte(data))
 	require.NoError(t, err, "ConfigMap %s, key %s", cm.Name, key)
-	require.NoError(t, config.ValidateConnectors(cfg, connectors.Names()))
 	return pdxConfig{cfg: cfg, container: c}
 }
 

@@ -7,9 +7,9 @@
 // are errors that name the offending field path, such as
 // "pools[0].decode[1].address", and all problems are reported at once.
 //
-// Connector names are not checked here, because the connector registry lives
-// in package connectors: routing.New calls ValidateConnectors with the
-// registered names when it builds the routing table.
+// What a connector reads of a pool, and what it needs there, its spec in
+// package connectors says (connectors.Lookup); this package checks the
+// generic fields and calls the spec for the rest.
 package config
 
 import (
@@ -21,6 +21,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 )
 
 // Defaults filled in for fields the file leaves unset.
@@ -117,11 +118,9 @@ func applyDefaults(cfg *configv1.Config) {
 		if p.PrefillTimeout == nil {
 			p.PrefillTimeout = durationpb.New(DefaultPrefillTimeout)
 		}
-		if p.Connector == "mooncake" && p.MooncakeProtocol == "" {
-			p.MooncakeProtocol = "nixl"
-		}
-		if p.Connector == "trtllm" && p.TrtllmProtocol == "" {
-			p.TrtllmProtocol = "current"
+		spec, err := connectors.Lookup(p.Connector)
+		if err == nil && spec.Defaults != nil {
+			spec.Defaults(p) // the connector's own fields
 		}
 		if p.PrefillAttempts == 0 {
 			p.PrefillAttempts = DefaultPrefillAttempts
@@ -138,9 +137,9 @@ func applyDefaults(cfg *configv1.Config) {
 		if p.EjectDuration == nil {
 			p.EjectDuration = durationpb.New(DefaultEjectDuration)
 		}
-		// Roles mean nothing to connector "none", whose pods are all decode
-		// engines; validation rejects them there.
-		if k := p.GetKubernetes(); k != nil && p.GetConnector() != "none" {
+		// Roles mean nothing to a connector without a prefill leg, whose
+		// pods are all decode engines; validation rejects them there.
+		if k := p.GetKubernetes(); k != nil && (err != nil || spec.Traits(p).Prefills) {
 			if k.RoleLabel == "" {
 				k.RoleLabel = DefaultRoleLabel
 			}

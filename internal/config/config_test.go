@@ -246,16 +246,11 @@ func TestParseLimits(t *testing.T) {
 	}
 }
 
-func TestValidateConnectors(t *testing.T) {
-	cfg, err := Parse([]byte(pools(pool(), pool("name: q", "models: [x]", "connector: nixel"))))
-	require.NoError(t, err)
-
-	require.NoError(t, ValidateConnectors(cfg, []string{"nixl", "nixel"}))
-	require.EqualError(t, ValidateConnectors(cfg, []string{"nixl", "lmcache"}),
-		`config: pools[1].connector: unknown connector "nixel" (known: lmcache, nixl)`)
-	require.EqualError(t, ValidateConnectors(cfg, nil),
-		"config: pools[0].connector: unknown connector \"nixl\" (known: none)\n"+
-			"config: pools[1].connector: unknown connector \"nixel\" (known: none)")
+// A connector pdx does not have is refused where the config is read.
+func TestUnknownConnector(t *testing.T) {
+	_, err := Parse([]byte(pools(pool(), pool("name: q", "models: [x]", "connector: nixel"))))
+	require.EqualError(t, err,
+		`config: pools[1].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`)
 }
 
 func TestLoad(t *testing.T) {
@@ -282,7 +277,6 @@ func TestLoad(t *testing.T) {
 func TestExampleConfig(t *testing.T) {
 	cfg, err := Load("../../deploy/pdx.yaml")
 	require.NoError(t, err)
-	require.NoError(t, ValidateConnectors(cfg, []string{"nixl"}))
 
 	require.Len(t, cfg.GetPools(), 1)
 	p := cfg.GetPools()[0]
@@ -330,7 +324,7 @@ pools:
 		{name: "p2p ok", connector: "p2p-nccl", prefillExtra: ", kv_address: 127.0.0.1:21001", decodeExtra: ", kv_address: 127.0.0.1:22001", check: func(t *testing.T, p *configv1.Pool) {
 			require.Equal(t, "127.0.0.1:22001", p.GetDecode()[0].GetKvAddress())
 		}},
-		{name: "kv_address elsewhere", connector: "http", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].decode[0].kv_address: only valid with connectors "p2p-nccl", "nixl" and "mooncake"`},
+		{name: "kv_address elsewhere", connector: "http", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].decode[0].kv_address: only valid with connectors "nixl", "mooncake", "p2p-nccl", not "http"`},
 		{name: "kv_address of a NIXL side channel", connector: "nixl", prefillExtra: ", kv_address: 127.0.0.1:5600", check: func(t *testing.T, p *configv1.Pool) {
 			require.Equal(t, "127.0.0.1:5600", p.GetPrefill()[0].GetKvAddress())
 		}},
@@ -492,7 +486,7 @@ func TestKubernetesDiscovery(t *testing.T) {
 		{name: "p2p needs kv_port", yaml: kpool("p2p-nccl"), wantErr: []string{
 			`config: pools[0].kubernetes.kv_port: required with connector "p2p-nccl"`}},
 		{name: "kv_port elsewhere", yaml: kpool("sglang", "kv_port: 21001"), wantErr: []string{
-			`config: pools[0].kubernetes.kv_port: only valid with connectors "p2p-nccl", "nixl" and "mooncake"`}},
+			`config: pools[0].kubernetes.kv_port: only valid with connectors "nixl", "mooncake", "p2p-nccl", not "sglang"`}},
 		{name: "same roles", yaml: kpool("nixl", "prefill_role: both", "decode_role: both"), wantErr: []string{
 			`config: pools[0].kubernetes.decode_role: "both" is also prefill_role`}},
 		{name: "bad role label", yaml: kpool("nixl", "role_label: -role"), wantErr: []string{

@@ -13,6 +13,7 @@ import (
 	"k8s.io/apimachinery/pkg/util/validation"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
@@ -86,8 +87,10 @@ func validate(cfg *configv1.Config) []error {
 			}
 		}
 
-		if p.GetConnector() == "" {
-			v.fail(path+".connector", "required")
+		spec, known := v.connector(path, p)
+		traits := connectors.Traits{Prefills: true}
+		if known {
+			traits = spec.Traits(p)
 		}
 		switch {
 		case p.GetKubernetes() != nil:
@@ -101,18 +104,18 @@ func validate(cfg *configv1.Config) []error {
 					v.fail(path+"."+role.name, "must be empty when kubernetes discovers the pool's endpoints")
 				}
 			}
-			v.kubernetes(path+".kubernetes", p.GetConnector(), kvAddressConnectors(p), p.GetKubernetes())
-		case p.GetConnector() == "none":
+			v.kubernetes(path+".kubernetes", p.GetConnector(), traits, p.GetKubernetes())
+		case !traits.Prefills:
 			// Aggregated engines: pdx picks a decode endpoint and calls no prefill.
 			if len(p.GetPrefill()) > 0 {
-				v.fail(path+".prefill", "must be empty with connector \"none\", whose engines serve whole requests")
+				v.fail(path+".prefill", "must be empty with connector %q, whose engines serve whole requests", p.GetConnector())
 			}
 			v.endpoints(path+".decode", p.GetDecode())
 		default:
 			v.endpoints(path+".prefill", p.GetPrefill())
 			v.endpoints(path+".decode", p.GetDecode())
 		}
-		v.connectorOptions(path, p)
+		v.connectorFields(path, p, spec, known)
 		v.failureHandling(path, p)
 		v.passThrough(path, p.GetPassThrough())
 
@@ -126,25 +129,18 @@ func validate(cfg *configv1.Config) []error {
 	return v.errs
 }
 
-// ValidateConnectors reports every pool whose connector is not in known, the
-// names supported by the server's connector registry. Load and Parse only
-// check that a connector is named, since this package cannot see the
-// registry; routing.New calls ValidateConnectors when it builds its table.
-func ValidateConnectors(cfg *configv1.Config, known []string) error {
-	list := "none"
-	if len(known) > 0 {
-		list = strings.Join(slices.Sorted(slices.Values(known)), ", ")
+// connector looks up the spec of the pool's connector.
+func (v *validator) connector(path string, p *configv1.Pool) (connectors.Spec, bool) {
+	if p.GetConnector() == "" {
+		v.fail(path+".connector", "required")
+		return connectors.Spec{}, false
 	}
-	var v validator
-	for i, p := range cfg.GetPools() {
-		if !slices.Contains(known, p.GetConnector()) {
-			v.fail(fmt.Sprintf("pools[%d].connector", i), "unknown connector %q (known: %s)", p.GetConnector(), list)
-		}
+	spec, err := connectors.Lookup(p.GetConnector())
+	if err != nil {
+		v.fail(path+".connector", "%v", err)
+		return connectors.Spec{}, false
 	}
-	if len(v.errs) == 0 {
-		return nil
-	}
-	return joinErrors("config", v.errs)
+	return spec, true
 }
 
 // failureHandling checks retries, the failure policy and passive health.
@@ -169,31 +165,27 @@ func (v *validator) failureHandling(path string, p *configv1.Pool) {
 	}
 }
 
-// kvAddressConnectors are the connectors that use an endpoint's
-// kv_address: P2P NCCL's ZMQ address, NIXL's side channel.
-func kvAddressConnectors(p *configv1.Pool) bool {
-	switch p.GetConnector() {
-	case "p2p-nccl", "nixl":
-		return true
-	case "mooncake":
-		return p.GetMooncakeProtocol() == "nixl"
+// connectorFields checks the connector-specific fields: set only on the
+// pools of connectors that read them, well-formed, and then as the
+// connector's own validation says.
+func (v *validator) connectorFields(path string, p *configv1.Pool, spec connectors.Spec, known bool) {
+	claims := func(field string) bool { return !known || slices.Contains(spec.Fields, field) }
+	only := func(fieldPath, field string) {
+		names := quoted(connectors.Claimants(field))
+		noun := "connector"
+		if len(names) > 1 {
+			noun = "connectors"
+		}
+		v.fail(fieldPath, "only valid with %s %s, not %q", noun, strings.Join(names, ", "), p.GetConnector())
 	}
-	return false
-}
-
-// connectorOptions checks the fields that only some connectors use.
-func (v *validator) connectorOptions(path string, p *configv1.Pool) {
-	switch mp := p.GetMooncakeProtocol(); {
-	case p.GetConnector() != "mooncake" && mp != "":
-		v.fail(path+".mooncake_protocol", "only valid with connector \"mooncake\", not %q", p.GetConnector())
-	case p.GetConnector() == "mooncake" && mp != "nixl" && mp != "vllm":
-		v.fail(path+".mooncake_protocol", "%q is not \"nixl\" or \"vllm\"", mp)
+	if p.GetMooncakeProtocol() != "" && !claims(connectors.FieldMooncakeProtocol) {
+		only(path+".mooncake_protocol", connectors.FieldMooncakeProtocol)
 	}
-	switch tp := p.GetTrtllmProtocol(); {
-	case p.GetConnector() != "trtllm" && tp != "":
-		v.fail(path+".trtllm_protocol", "only valid with connector \"trtllm\", not %q", p.GetConnector())
-	case p.GetConnector() == "trtllm" && tp != "current" && tp != "legacy":
-		v.fail(path+".trtllm_protocol", "%q is not \"current\" or \"legacy\"", tp)
+	if p.GetTrtllmProtocol() != "" && !claims(connectors.FieldTRTLLMProtocol) {
+		only(path+".trtllm_protocol", connectors.FieldTRTLLMProtocol)
+	}
+	if p.GetKubernetes().GetKvPort() != 0 && !claims(connectors.FieldKVAddress) {
+		only(path+".kubernetes.kv_port", connectors.FieldKVAddress)
 	}
 	for i, h := range p.GetAllowedKvHosts() {
 		if _, err := endpoint.ParseHostSet([]string{h}); err != nil {
@@ -205,20 +197,30 @@ func (v *validator) connectorOptions(path string, p *configv1.Pool) {
 		eps  []*configv1.Endpoint
 	}{{"prefill", p.GetPrefill()}, {"decode", p.GetDecode()}} {
 		for i, ep := range role.eps {
-			kp := fmt.Sprintf("%s.%s[%d].kv_address", path, role.name, i)
-			switch {
-			case p.GetConnector() == "p2p-nccl" && ep.GetKvAddress() == "":
-				v.fail(kp, "required with connector \"p2p-nccl\" (the engine's ZMQ kv_ip:kv_port)")
-			case !kvAddressConnectors(p) && ep.GetKvAddress() != "":
-				v.fail(kp, "only valid with connectors \"p2p-nccl\", \"nixl\" and \"mooncake\" (protocol \"nixl\")")
-			case ep.GetKvAddress() != "":
-				v.endpointAddress(kp, ep.GetKvAddress())
+			if kv := ep.GetKvAddress(); kv != "" {
+				kp := fmt.Sprintf("%s.%s[%d].kv_address", path, role.name, i)
+				if claims(connectors.FieldKVAddress) {
+					v.endpointAddress(kp, kv)
+				} else {
+					only(kp, connectors.FieldKVAddress)
+				}
 			}
 			if ep.GetBootstrapPort() > 65535 {
 				v.fail(fmt.Sprintf("%s.%s[%d].bootstrap_port", path, role.name, i), "%d is not a port (1-65535)", ep.GetBootstrapPort())
 			}
 		}
 	}
+	if known && spec.Validate != nil {
+		v.errs = append(v.errs, spec.Validate(p, path)...)
+	}
+}
+
+func quoted(names []string) []string {
+	out := make([]string, len(names))
+	for i, n := range names {
+		out[i] = strconv.Quote(n)
+	}
+	return out
 }
 
 // routedPaths are the paths pdx routes itself; a pool cannot pass them
@@ -243,7 +245,7 @@ func (v *validator) passThrough(path string, paths []string) {
 }
 
 // kubernetes checks a pool's discovery section.
-func (v *validator) kubernetes(path, connector string, kvAddress bool, k *configv1.KubernetesDiscovery) {
+func (v *validator) kubernetes(path, connector string, traits connectors.Traits, k *configv1.KubernetesDiscovery) {
 	switch ns := k.GetNamespace(); {
 	case ns == "":
 		v.fail(path+".namespace", "required")
@@ -263,13 +265,13 @@ func (v *validator) kubernetes(path, connector string, kvAddress bool, k *config
 		v.k8sName(kp, val, validation.IsValidLabelValue(val))
 	}
 
-	if connector == "none" {
+	if !traits.Prefills {
 		for _, f := range []struct{ name, value string }{
 			{"role_label", k.GetRoleLabel()}, {"prefill_role", k.GetPrefillRole()},
 			{"decode_role", k.GetDecodeRole()}, {"group_label", k.GetGroupLabel()},
 		} {
 			if f.value != "" {
-				v.fail(path+"."+f.name, "not valid with connector \"none\": every pod is a decode engine")
+				v.fail(path+"."+f.name, "not valid with connector %q: every pod is a decode engine", connector)
 			}
 		}
 	} else {
@@ -301,12 +303,7 @@ func (v *validator) kubernetes(path, connector string, kvAddress bool, k *config
 	if k.GetBootstrapPort() > 65535 {
 		v.fail(path+".bootstrap_port", "%d is not a port (1-65535)", k.GetBootstrapPort())
 	}
-	switch kp := k.GetKvPort(); {
-	case connector == "p2p-nccl" && kp == 0:
-		v.fail(path+".kv_port", "required with connector \"p2p-nccl\" (the engines' ZMQ kv_port)")
-	case !kvAddress && kp != 0:
-		v.fail(path+".kv_port", "only valid with connectors \"p2p-nccl\", \"nixl\" and \"mooncake\" (protocol \"nixl\")")
-	case kp > 65535:
+	if kp := k.GetKvPort(); kp > 65535 {
 		v.fail(path+".kv_port", "%d is not a port (1-65535)", kp)
 	}
 }

@@ -38,9 +38,9 @@ import (
 type Target struct {
 	// Pool names the pool in logs.
 	Pool string
-	// Connector is the pool's connector: with "none" every pod is a decode
-	// engine and roles are not read.
-	Connector string
+	// Prefills is the pool's connector's trait: without a prefill leg every
+	// pod is a decode engine and roles are not read.
+	Prefills bool
 	// Spec says which pods are the pool's engines; config.Parse has
 	// validated it and filled in its defaults.
 	Spec *configv1.KubernetesDiscovery
@@ -304,7 +304,7 @@ func endpoints(w *watch, t Target) (prefill, decode []endpoint.Endpoint) {
 	}
 	for _, e := range engines {
 		isPrefill := false
-		if t.Connector != "none" {
+		if t.Prefills {
 			switch e.pod.Labels[spec.GetRoleLabel()] {
 			case spec.GetPrefillRole():
 				isPrefill = true

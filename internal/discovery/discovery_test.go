@@ -141,7 +141,7 @@ func newPool(t *testing.T, poolYAML string) (*routing.Pool, Target) {
 	require.NoError(t, err)
 	pool, _ := table.Pool("p")
 	pc := cfg.GetPools()[0]
-	return pool, Target{Pool: "p", Connector: pc.GetConnector(), Spec: pc.GetKubernetes(), Set: pool.SetEndpoints}
+	return pool, Target{Pool: "p", Prefills: pool.Traits.Prefills, Spec: pc.GetKubernetes(), Set: pool.SetEndpoints}
 }
 
 // await waits until discovery has handled the event of kind and op on name,

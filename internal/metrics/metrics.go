@@ -18,7 +18,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -169,7 +168,7 @@ func (m *Metrics) addPool(p *routing.Pool) *Pool {
 	pm.routed = m.requests.WithLabelValues(p.Name, p.ConnectorName, OutcomeRouted)
 	pm.fallback = m.requests.WithLabelValues(p.Name, p.ConnectorName, OutcomeFallback)
 	pm.routedDur = m.routeDur.WithLabelValues(p.Name, p.ConnectorName, OutcomeRouted)
-	if connectors.Prefills(p.Connector) {
+	if p.Traits.Prefills {
 		pm.prefillOK = m.prefillDur.WithLabelValues(p.Name, p.ConnectorName, ResultOK)
 		ok := map[string]prometheus.Counter{}
 		for _, ep := range p.Prefill.Endpoints() {

@@ -246,7 +246,7 @@ func (r *Reloader) build(ctx context.Context, cfg *configv1.Config) (table *rout
 		}
 		pool, _ := table.Pool(pc.GetName())
 		targets = append(targets, discovery.Target{
-			Pool: pc.GetName(), Connector: pc.GetConnector(), Spec: pc.GetKubernetes(), Set: pool.SetEndpoints,
+			Pool: pc.GetName(), Prefills: pool.Traits.Prefills, Spec: pc.GetKubernetes(), Set: pool.SetEndpoints,
 		})
 	}
 	if len(targets) > 0 && r.disc == nil {

@@ -27,6 +27,8 @@ type Pool struct {
 	Name          string
 	ConnectorName string
 	Connector     connectors.Connector
+	// Traits are the connector's protocol properties.
+	Traits connectors.Traits
 	// Prefill and Decode hold the pool's endpoints and their passive health.
 	// Requests pick through PickDecode and PickPrefill, which pair them.
 	Prefill *picker.RoundRobin
@@ -189,9 +191,6 @@ func New(cfg *configv1.Config) (*Table, error) {
 // its failures and ejection. A discovered pool starts with its predecessor's
 // endpoints, for the discovery to replace.
 func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
-	if err := config.ValidateConnectors(cfg, connectors.Names()); err != nil {
-		return nil, err
-	}
 	t := &Table{byModel: map[string]*Pool{}, created: time.Now(), limits: Limits{
 		MaxBodyBytes:   int(cfg.GetMaxBodyBytes()),
 		MaxHeaders:     int(cfg.GetMaxRequestHeaders()),
@@ -200,10 +199,7 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	}}
 	t.limits = defaultLimits(t.limits)
 	for i, pc := range cfg.GetPools() {
-		conn, err := connectors.New(pc.GetConnector(), connectors.Options{
-			MooncakeProtocol: pc.GetMooncakeProtocol(),
-			TRTLLMProtocol:   pc.GetTrtllmProtocol(),
-		})
+		conn, traits, err := connectors.New(pc)
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].connector: %w", i, err)
 		}
@@ -211,7 +207,7 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].allowed_kv_hosts: %w", i, err)
 		}
-		t.concurrent = t.concurrent || connectors.Concurrent(conn)
+		t.concurrent = t.concurrent || traits.Concurrent
 		health := picker.Options{
 			FailureThreshold: int(pc.GetEjectAfterFailures()),
 			CoolDown:         pc.GetEjectDuration().AsDuration(),
@@ -228,6 +224,7 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 			Name:           pc.GetName(),
 			ConnectorName:  pc.GetConnector(),
 			Connector:      conn,
+			Traits:         traits,
 			Prefill:        picker.NewRoundRobin(prefill, prefillHealth),
 			Decode:         picker.NewRoundRobin(decode, decodeHealth),
 			PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
@@ -291,7 +288,7 @@ func endpoints(eps []*configv1.Endpoint) []endpoint.Endpoint {
 // Fixed returns a table that sends every model to pool.
 func Fixed(pool *Pool) *Table {
 	return &Table{pools: []*Pool{pool}, byModel: map[string]*Pool{}, fallback: pool,
-		concurrent: connectors.Concurrent(pool.Connector), limits: defaultLimits(Limits{}), created: time.Now()}
+		concurrent: pool.Traits.Concurrent, limits: defaultLimits(Limits{}), created: time.Now()}
 }
 
 // defaultLimits fills in Envoy's defaults for a config not through

@@ -55,16 +55,10 @@ pools:
 }
 
 func TestUnknownConnector(t *testing.T) {
-	cfg, err := config.Parse([]byte(`
-pools:
-- name: p
-  default: true
-  connector: nixel
-  prefill: [{address: 127.0.0.1:1}]
-  decode: [{address: 127.0.0.1:2}]
-`))
-	require.NoError(t, err)
-	_, err = New(cfg)
+	// A config that config.Parse would refuse, built by hand.
+	cfg := &configv1.Config{Pools: []*configv1.Pool{{Name: "p", Default: true, Connector: "nixel",
+		Prefill: []*configv1.Endpoint{{Address: "127.0.0.1:1"}}, Decode: []*configv1.Endpoint{{Address: "127.0.0.1:2"}}}}}
+	_, err := New(cfg)
 	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`)
 }
 

@@ -12,7 +12,7 @@ import (
 func TestMetricsEndpoint(t *testing.T) {
 	var servers []*Server
 	for range 2 {
-		s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0", "nixl"), discard)
+		s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0"), discard)
 		require.NoError(t, err)
 		t.Cleanup(func() { require.NoError(t, shutdown(t, s)) })
 		servers = append(servers, s)

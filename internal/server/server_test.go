@@ -34,7 +34,7 @@ const guard = 10 * time.Second
 var discard = slog.New(slog.DiscardHandler)
 
 // testConfig parses a one-pool config; the engines are never called.
-func testConfig(t *testing.T, grpcAddr, adminAddr, connector string) *configv1.Config {
+func testConfig(t *testing.T, grpcAddr, adminAddr string) *configv1.Config {
 	t.Helper()
 	cfg, err := config.Parse(fmt.Appendf(nil, `
 grpc_address: %q
@@ -42,10 +42,10 @@ admin_address: %q
 pools:
 - name: p
   default: true
-  connector: %s
+  connector: nixl
   prefill: [{address: 127.0.0.1:1}]
   decode: [{address: 127.0.0.1:2}]
-`, grpcAddr, adminAddr, connector))
+`, grpcAddr, adminAddr))
 	require.NoError(t, err)
 	return cfg
 }
@@ -94,7 +94,7 @@ func shutdown(t *testing.T, s *Server) error {
 }
 
 func TestStartAndShutdown(t *testing.T) {
-	s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0", "nixl"), discard)
+	s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0"), discard)
 	require.NoError(t, err)
 	grpcAddr, adminAddr := s.GRPCAddr(), s.AdminAddr()
 
@@ -121,13 +121,6 @@ func TestStartAndShutdown(t *testing.T) {
 	}
 }
 
-func TestStartUnknownConnector(t *testing.T) {
-	// config.Parse only requires a name; the registry check is Start's.
-	s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0", "nixel"), discard)
-	require.Nil(t, s)
-	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel"`)
-}
-
 func TestStartBusyAddress(t *testing.T) {
 	for _, busy := range []string{"grpc_address", "admin_address"} {
 		t.Run(busy, func(t *testing.T) {
@@ -142,7 +135,7 @@ func TestStartBusyAddress(t *testing.T) {
 			} else {
 				addrs["grpc_address"] = other
 			}
-			s, err := Start(testConfig(t, addrs["grpc_address"], addrs["admin_address"], "nixl"), discard)
+			s, err := Start(testConfig(t, addrs["grpc_address"], addrs["admin_address"]), discard)
 			require.Nil(t, s)
 			require.ErrorContains(t, err, busy+":")
 
@@ -153,7 +146,7 @@ func TestStartBusyAddress(t *testing.T) {
 			} else {
 				addrs["admin_address"] = "127.0.0.1:0"
 			}
-			s, err = Start(testConfig(t, addrs["grpc_address"], addrs["admin_address"], "nixl"), discard)
+			s, err = Start(testConfig(t, addrs["grpc_address"], addrs["admin_address"]), discard)
 			require.NoError(t, err)
 			require.NoError(t, shutdown(t, s))
 		})
@@ -175,7 +168,7 @@ func chatHeaders() *extprocv3.ProcessingRequest {
 }
 
 func TestShutdownDrainsThenCutsStreams(t *testing.T) {
-	s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0", "nixl"), discard)
+	s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0"), discard)
 	require.NoError(t, err)
 	conn := dialGRPC(t, s.GRPCAddr())
 
@@ -252,7 +245,7 @@ func TestShutdownDrainsThenCutsStreams(t *testing.T) {
 }
 
 func TestShutdownCutsAdminConnections(t *testing.T) {
-	s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0", "nixl"), discard)
+	s, err := Start(testConfig(t, "127.0.0.1:0", "127.0.0.1:0"), discard)
 	require.NoError(t, err)
 
 	// A probe caught mid-request when the drain ends, e.g. a slow kubelet.
