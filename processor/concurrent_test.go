@@ -13,7 +13,6 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
-	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -55,9 +54,9 @@ func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurr
 	t.Helper()
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1), released: make(chan struct{}, 4)}
 	eps := []endpoint.Endpoint{{Address: "127.0.0.1:8100"}}
-	table := routing.Fixed(&routing.Pool{
-		Name: "p", ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
-		Prefill: picker.NewRoundRobin(eps, picker.Options{}), Decode: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+	table := routing.NewTable(routing.Limits{}, &routing.Pool{
+		Name: "p", Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
+		Prefill: roundRobin(eps...), Decode: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
 	})
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)

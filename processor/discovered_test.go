@@ -72,7 +72,7 @@ pools:
 			require.NoError(t, err)
 			pool, ok := table.Pool("p")
 			require.True(t, ok)
-			require.Empty(t, pool.Decode.Endpoints(), "a discovered pool starts empty")
+			require.Empty(t, pool.Decode.Set.Endpoints(), "a discovered pool starts empty")
 			pool.SetEndpoints(tc.prefill, tc.decode)
 
 			eng := &scriptedEngine{answers: map[string]func(ctx context.Context) ([]byte, error){}}

@@ -16,7 +16,6 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
-	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -296,10 +295,10 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 	start := func(t *testing.T, first ...*extprocv3.ProcessingRequest) (*fakeStream, concurrentConnector) {
 		t.Helper()
 		conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
-		table := routing.Fixed(&routing.Pool{
-			Name: "p", ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-			Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
-			Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+		table := routing.NewTable(routing.Limits{}, &routing.Pool{
+			Name: "p", Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
+			Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}),
+			Decode:  roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
 		})
 		stream := newFakeStream(t.Context())
 		done := make(chan error, 1)

@@ -111,11 +111,11 @@ func TestEnvoyAnswersWhilePdxWaitsForTheBody(t *testing.T) {
 // concurrentTable is a table whose pool has a concurrent connector: pdx asks
 // Envoy for the response headers.
 func concurrentTable() *routing.Table {
-	return routing.Fixed(&routing.Pool{
-		Name: "p", ConnectorName: "sglang", Connector: concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}, Traits: concurrentTraits,
+	return routing.NewTable(routing.Limits{}, &routing.Pool{
+		Name: "p", Default: true, ConnectorName: "sglang", Connector: concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}, Traits: concurrentTraits,
 		PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-		Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
-		Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+		Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}),
+		Decode:  roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
 	})
 }
 
@@ -194,4 +194,13 @@ func TestAnsweredByThePrefill(t *testing.T) {
 	require.Equal(t, "mine", hs["x-request-id"])
 	require.JSONEq(t, `{"id":"c","object":"text_completion","choices":[{"index":0,"text":"done","finish_reason":"stop"}]}`, string(ir.GetBody()))
 	require.Len(t, eng.Calls(), 1)
+}
+
+// roundRobin is a leg picking among eps in turn.
+func roundRobin(eps ...endpoint.Endpoint) routing.Leg {
+	l, err := routing.NewLeg(picker.RoundRobinPolicy, eps, picker.Options{})
+	if err != nil {
+		panic(err)
+	}
+	return l
 }

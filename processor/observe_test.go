@@ -17,7 +17,6 @@ import (
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
-	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -129,10 +128,10 @@ func TestMetricsConcurrentPrefillCancelled(t *testing.T) {
 func concurrentMetricsStream(t *testing.T) (*metrics.Metrics, *fakeStream, concurrentConnector, chan error, context.CancelFunc) {
 	t.Helper()
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
-	table := routing.Fixed(&routing.Pool{
-		Name: "p", ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-		Prefill: picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8100"}}, picker.Options{}),
-		Decode:  picker.NewRoundRobin([]endpoint.Endpoint{{Address: "127.0.0.1:8200"}}, picker.Options{}),
+	table := routing.NewTable(routing.Limits{}, &routing.Pool{
+		Name: "p", Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
+		Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}),
+		Decode:  roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
 	})
 	m := metrics.New()
 	ctx, cancel := context.WithCancel(t.Context())

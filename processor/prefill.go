@@ -113,7 +113,7 @@ func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.En
 		return
 	}
 	pool.Prefill.Report(ep, err == nil)
-	if err != nil && !pool.Prefill.Healthy(ep) {
+	if err != nil && !pool.Prefill.Set.Healthy(ep) {
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill endpoint ejected", slog.String("pool", pool.Name), slog.String("endpoint", ep.Address))
 	}
 }

@@ -170,8 +170,8 @@ func TestPassiveHealth(t *testing.T) {
 	calls := eng.called()
 	require.Equal(t, 2, strings.Count(strings.Join(calls, " "), "127.0.0.1:1"), "ejected after 2 failures: %v", calls)
 	pool, _ := table.Lookup("m")
-	require.False(t, pool.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:1"}))
-	require.True(t, pool.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:2"}))
+	require.False(t, pool.Prefill.Set.Healthy(endpoint.Endpoint{Address: "127.0.0.1:1"}))
+	require.True(t, pool.Prefill.Set.Healthy(endpoint.Endpoint{Address: "127.0.0.1:2"}))
 }
 
 // A request the engine refuses says nothing about the endpoint's health.
@@ -185,8 +185,8 @@ func TestClientErrorsDoNotEject(t *testing.T) {
 		require.Equal(t, 400, status)
 	}
 	pool, _ := table.Lookup("m")
-	for _, ep := range pool.Prefill.Endpoints() {
-		require.True(t, pool.Prefill.Healthy(ep), ep.Address)
+	for _, ep := range pool.Prefill.Set.Endpoints() {
+		require.True(t, pool.Prefill.Set.Healthy(ep), ep.Address)
 	}
 }
 

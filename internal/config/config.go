@@ -22,6 +22,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/picker"
 )
 
 // Defaults filled in for fields the file leaves unset.
@@ -137,9 +138,15 @@ func applyDefaults(cfg *configv1.Config) {
 		if p.EjectDuration == nil {
 			p.EjectDuration = durationpb.New(DefaultEjectDuration)
 		}
+		prefills := err != nil || spec.Traits(p).Prefills
+		// A connector without a prefill leg has no prefill picker.
+		if prefills {
+			p.PrefillPicker = pickerDefaults(p.PrefillPicker)
+		}
+		p.DecodePicker = pickerDefaults(p.DecodePicker)
 		// Roles mean nothing to a connector without a prefill leg, whose
 		// pods are all decode engines; validation rejects them there.
-		if k := p.GetKubernetes(); k != nil && (err != nil || spec.Traits(p).Prefills) {
+		if k := p.GetKubernetes(); k != nil && prefills {
 			if k.RoleLabel == "" {
 				k.RoleLabel = DefaultRoleLabel
 			}
@@ -151,6 +158,17 @@ func applyDefaults(cfg *configv1.Config) {
 			}
 		}
 	}
+}
+
+// pickerDefaults fills in a leg's picking policy.
+func pickerDefaults(p *configv1.Picker) *configv1.Picker {
+	if p == nil {
+		p = &configv1.Picker{}
+	}
+	if p.Policy == "" {
+		p.Policy = picker.DefaultPolicy
+	}
+	return p
 }
 
 // joinErrors prefixes each error with source and joins them, one per line.

@@ -73,6 +73,8 @@ func TestParseAppliesDefaults(t *testing.T) {
 			OnPrefillFailure:      "fail",
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
+			PrefillPicker:         &configv1.Picker{Policy: "round_robin"},
+			DecodePicker:          &configv1.Picker{Policy: "round_robin"},
 		}},
 	}, cfg)
 }
@@ -88,7 +90,8 @@ func TestParseAllFields(t *testing.T) {
 			{"name": "b", "default": true, "connector": "nixl", "prefill_timeout": "250ms",
 			 "prefill": [{"address": "10.0.0.1:1"}], "decode": [{"address": "10.0.0.1:2"}],
 			 "prefill_attempts": 2, "prefill_attempt_timeout": "100ms", "on_prefill_failure": "fallback",
-			 "eject_after_failures": 5, "eject_duration": "1m"}
+			 "eject_after_failures": 5, "eject_duration": "1m",
+			 "prefill_picker": {"policy": "round_robin"}, "decode_picker": {}}
 		]}`))
 	require.NoError(t, err)
 	requireProtoEqual(t, &configv1.Config{
@@ -111,6 +114,8 @@ func TestParseAllFields(t *testing.T) {
 			OnPrefillFailure:      "fail",
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
+			PrefillPicker:         &configv1.Picker{Policy: "round_robin"},
+			DecodePicker:          &configv1.Picker{Policy: "round_robin"},
 		}, {
 			Name:           "b",
 			Default:        true,
@@ -124,6 +129,8 @@ func TestParseAllFields(t *testing.T) {
 			OnPrefillFailure:      "fallback",
 			EjectAfterFailures:    5,
 			EjectDuration:         durationpb.New(time.Minute),
+			PrefillPicker:         &configv1.Picker{Policy: "round_robin"},
+			DecodePicker:          &configv1.Picker{Policy: "round_robin"},
 		}},
 	}, cfg)
 }
@@ -149,7 +156,7 @@ func TestParseErrors(t *testing.T) {
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
 			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
 			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
@@ -350,6 +357,38 @@ pools:
 			}
 			require.NoError(t, err)
 			tc.check(t, cfg.GetPools()[0])
+		})
+	}
+}
+
+func TestPickers(t *testing.T) {
+	const disagg = "connector: nixl\n  prefill: [{address: 127.0.0.1:1}]\n  decode: [{address: 127.0.0.1:2}]"
+	const aggregated = "connector: none\n  decode: [{address: 127.0.0.1:2}]"
+	for _, tc := range []struct {
+		name, pool string
+		wantErr    string
+		want       [2]string // prefill, decode policy; "" for no picker
+	}{
+		{name: "defaults", pool: disagg, want: [2]string{"round_robin", "round_robin"}},
+		{name: "explicit", pool: disagg + "\n  prefill_picker: {policy: round_robin}\n  decode_picker: {policy: round_robin}", want: [2]string{"round_robin", "round_robin"}},
+		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"round_robin", "round_robin"}},
+		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "round_robin"}},
+		{name: "unknown prefill policy", pool: disagg + "\n  prefill_picker: {policy: least_loaded}",
+			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "least_loaded" (known: round_robin)`},
+		{name: "unknown decode policy", pool: disagg + "\n  decode_picker: {policy: random}",
+			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: round_robin)`},
+		{name: "prefill picker without a prefill leg", pool: aggregated + "\n  prefill_picker: {policy: round_robin}",
+			wantErr: `pools[0].prefill_picker: not valid with connector "none", which has no prefill leg`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, err := Parse(fmt.Appendf(nil, "pools:\n- name: p\n  default: true\n  %s\n", tc.pool))
+			if tc.wantErr != "" {
+				require.ErrorContains(t, err, tc.wantErr)
+				return
+			}
+			require.NoError(t, err)
+			p := cfg.GetPools()[0]
+			require.Equal(t, tc.want, [2]string{p.GetPrefillPicker().GetPolicy(), p.GetDecodePicker().GetPolicy()})
 		})
 	}
 }

@@ -15,6 +15,7 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/picker"
 )
 
 var poolNameRE = regexp.MustCompile(`^[a-z0-9-]+$`)
@@ -116,6 +117,7 @@ func validate(cfg *configv1.Config) []error {
 			v.endpoints(path+".decode", p.GetDecode())
 		}
 		v.connectorFields(path, p, spec, known)
+		v.pickers(path, p, traits)
 		v.failureHandling(path, p)
 		v.passThrough(path, p.GetPassThrough())
 
@@ -141,6 +143,21 @@ func (v *validator) connector(path string, p *configv1.Pool) (connectors.Spec, b
 		return connectors.Spec{}, false
 	}
 	return spec, true
+}
+
+// pickers checks the legs' picking policies.
+func (v *validator) pickers(path string, p *configv1.Pool, traits connectors.Traits) {
+	if p.GetPrefillPicker() != nil && !traits.Prefills {
+		v.fail(path+".prefill_picker", "not valid with connector %q, which has no prefill leg", p.GetConnector())
+	}
+	for _, leg := range []struct {
+		field string
+		p     *configv1.Picker
+	}{{"prefill_picker", p.GetPrefillPicker()}, {"decode_picker", p.GetDecodePicker()}} {
+		if pol := leg.p.GetPolicy(); leg.p != nil && !slices.Contains(picker.Policies(), pol) {
+			v.fail(path+"."+leg.field+".policy", "unknown picking policy %q (known: %s)", pol, strings.Join(picker.Policies(), ", "))
+		}
+	}
 }
 
 // failureHandling checks retries, the failure policy and passive health.

@@ -221,8 +221,8 @@ func show(eps []endpoint.Endpoint) []string {
 // prefill comes from the prefill set and its group.
 func (h *harness) requirePicks(prefill, decode []string) {
 	h.t.Helper()
-	require.Equal(h.t, prefill, show(h.pool.Prefill.Endpoints()), "prefill set")
-	require.Equal(h.t, decode, show(h.pool.Decode.Endpoints()), "decode set")
+	require.Equal(h.t, prefill, show(h.pool.Prefill.Set.Endpoints()), "prefill set")
+	require.Equal(h.t, decode, show(h.pool.Decode.Set.Endpoints()), "decode set")
 	if len(decode) == 0 {
 		_, err := h.pool.PickDecode()
 		require.ErrorIs(h.t, err, routing.ErrNoEndpoint)
@@ -472,7 +472,7 @@ func TestPodDiscovery(t *testing.T) {
 			h := newHarness(t, pool)
 			tc.steps(h)
 			h.requirePicks(tc.prefill, tc.decode)
-			for _, ep := range h.pool.Prefill.Endpoints() {
+			for _, ep := range h.pool.Prefill.Set.Endpoints() {
 				require.Equal(t, 9000, ep.BootstrapPort, "prefill endpoints carry the bootstrap port")
 			}
 		})
@@ -534,8 +534,8 @@ func TestP2PKVAddress(t *testing.T) {
 `)
 	h.createPods(podSpec{name: "p", ip: "10.0.0.1", role: "prefill"}, podSpec{name: "d", ip: "10.0.0.2", role: "decode"})
 	h.applySlice(newSlice("engines-a", "engines", discoveryv1.AddressTypeIPv4, sliceEP{pod: "p", ip: "10.0.0.1"}, sliceEP{pod: "d", ip: "10.0.0.2"}))
-	require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.1:8000", KVAddress: "10.0.0.1:21001"}}, h.pool.Prefill.Endpoints())
-	require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.2:8000", KVAddress: "10.0.0.2:21001"}}, h.pool.Decode.Endpoints())
+	require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.1:8000", KVAddress: "10.0.0.1:21001"}}, h.pool.Prefill.Set.Endpoints())
+	require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.2:8000", KVAddress: "10.0.0.2:21001"}}, h.pool.Decode.Set.Endpoints())
 }
 
 // TestSetTargets replaces the pools fed, as a config reload does.
@@ -552,12 +552,12 @@ func TestSetTargets(t *testing.T) {
 	// and the old one no more updates.
 	old := h.pool
 	h.pool, h.target = newPool(t, servicePool)
-	require.Empty(t, h.pool.Decode.Endpoints())
+	require.Empty(t, h.pool.Decode.Set.Endpoints())
 	require.NoError(t, h.d.SetTargets(t.Context(), []Target{h.target}))
 	h.requirePicks([]string{"10.0.0.1:8000"}, []string{"10.0.0.11:8000"})
 	h.deletePod("p1")
 	h.requirePicks(nil, []string{"10.0.0.11:8000"})
-	require.Equal(t, []string{"10.0.0.1:8000"}, show(old.Prefill.Endpoints()), "the replaced pool is left alone")
+	require.Equal(t, []string{"10.0.0.1:8000"}, show(old.Prefill.Set.Endpoints()), "the replaced pool is left alone")
 
 	// No target: the namespace is no longer watched.
 	require.NoError(t, h.d.SetTargets(t.Context(), nil))

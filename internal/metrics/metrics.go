@@ -18,7 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -171,7 +171,7 @@ func (m *Metrics) addPool(p *routing.Pool) *Pool {
 	if p.Traits.Prefills {
 		pm.prefillOK = m.prefillDur.WithLabelValues(p.Name, p.ConnectorName, ResultOK)
 		ok := map[string]prometheus.Counter{}
-		for _, ep := range p.Prefill.Endpoints() {
+		for _, ep := range p.Prefill.Set.Endpoints() {
 			ok[ep.Address] = m.attempts.WithLabelValues(p.Name, ep.Address, ResultOK)
 		}
 		pm.attemptOK.Store(&ok)
@@ -327,20 +327,17 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 	seen := map[key]bool{} // a config may list an endpoint twice
 	for _, p := range t.Pools() {
 		for _, side := range []struct {
-			role   string
-			picker interface {
-				Endpoints() []endpoint.Endpoint
-				Healthy(endpoint.Endpoint) bool
-			}
-		}{{"prefill", p.Prefill}, {"decode", p.Decode}} {
-			for _, ep := range side.picker.Endpoints() {
+			role string
+			set  *picker.Set
+		}{{"prefill", p.Prefill.Set}, {"decode", p.Decode.Set}} {
+			for _, ep := range side.set.Endpoints() {
 				k := key{p.Name, side.role, ep.Address}
 				if seen[k] {
 					continue
 				}
 				seen[k] = true
 				v := 0.0
-				if side.picker.Healthy(ep) {
+				if side.set.Healthy(ep) {
 					v = 1
 				}
 				ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, v, p.Name, side.role, ep.Address)

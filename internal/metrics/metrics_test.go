@@ -118,7 +118,7 @@ func TestEndpointHealthy(t *testing.T) {
 	table := testTable(t)
 	m.CollectEndpoints(func() *routing.Table { return table })
 	a := table.Pools()[0]
-	a.Prefill.Report(a.Prefill.Endpoints()[1], false) // eject_after_failures: 1
+	a.Prefill.Report(a.Prefill.Set.Endpoints()[1], false) // eject_after_failures: 1
 	require.NoError(t, testutil.GatherAndCompare(m.Registry(), strings.NewReader(`
 # HELP pdx_endpoint_healthy 1 if the endpoint is admitted by its pool's picker, 0 while passive health checking has ejected it (decode endpoints are never ejected).
 # TYPE pdx_endpoint_healthy gauge
@@ -134,7 +134,7 @@ pdx_endpoint_healthy{endpoint="10.0.1.3:8000",pool="b",role="decode"} 1
 func TestEndpointListedTwice(t *testing.T) {
 	m := New()
 	eps := []endpoint.Endpoint{{Address: "10.0.0.1:8000"}, {Address: "10.0.0.1:8000"}}
-	table := routing.Fixed(&routing.Pool{Name: "p", Prefill: picker.NewRoundRobin(eps, picker.Options{}), Decode: picker.NewRoundRobin(eps, picker.Options{})})
+	table := routing.NewTable(routing.Limits{}, &routing.Pool{Name: "p", Default: true, Prefill: roundRobin(eps...), Decode: roundRobin(eps...)})
 	m.CollectEndpoints(func() *routing.Table { return table })
 	n, err := testutil.GatherAndCount(m.Registry(), "pdx_endpoint_healthy")
 	require.NoError(t, err)
@@ -237,4 +237,13 @@ func BenchmarkRecordRouted(b *testing.B) {
 			m.StreamEnded()
 		}
 	})
+}
+
+// roundRobin is a leg picking among eps in turn.
+func roundRobin(eps ...endpoint.Endpoint) routing.Leg {
+	l, err := routing.NewLeg(picker.RoundRobinPolicy, eps, picker.Options{})
+	if err != nil {
+		panic(err)
+	}
+	return l
 }

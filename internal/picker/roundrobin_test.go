@@ -2,6 +2,7 @@ package picker
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -40,14 +41,39 @@ func (c *fakeClock) Advance(d time.Duration) {
 	c.mu.Unlock()
 }
 
-func newTestRR(t testing.TB, threshold int, coolDown time.Duration) (*RoundRobin, *fakeClock) {
+// leg is a round robin over its Set, reported to as routing reports: to
+// both.
+type leg struct {
+	*Set
+	policy *RoundRobin
+}
+
+func newLeg(eps []endpoint.Endpoint, opts Options) leg {
+	s := NewSet(eps, opts)
+	return leg{Set: s, policy: NewRoundRobin(s)}
+}
+
+func (l leg) Pick(tried ...endpoint.Endpoint) (endpoint.Endpoint, bool) {
+	return l.policy.Pick(Request{Tried: tried})
+}
+
+func (l leg) PickGroup(group string, tried ...endpoint.Endpoint) (endpoint.Endpoint, bool) {
+	return l.policy.Pick(Request{Group: group, Tried: tried})
+}
+
+func (l leg) Report(ep endpoint.Endpoint, ok bool) {
+	l.Set.Report(ep, ok)
+	l.policy.Report(ep, ok)
+}
+
+func newTestRR(t testing.TB, threshold int, coolDown time.Duration) (leg, *fakeClock) {
 	t.Helper()
 	clk := newFakeClock()
-	return NewRoundRobin(abc, Options{FailureThreshold: threshold, CoolDown: coolDown, Now: clk.Now}), clk
+	return newLeg(abc, Options{FailureThreshold: threshold, CoolDown: coolDown, Now: clk.Now}), clk
 }
 
 // picks calls Pick n times and returns what it got, failing on ok=false.
-func picks(t *testing.T, rr *RoundRobin, n int, exclude ...endpoint.Endpoint) []endpoint.Endpoint {
+func picks(t *testing.T, rr leg, n int, exclude ...endpoint.Endpoint) []endpoint.Endpoint {
 	t.Helper()
 	var got []endpoint.Endpoint
 	for range n {
@@ -58,7 +84,7 @@ func picks(t *testing.T, rr *RoundRobin, n int, exclude ...endpoint.Endpoint) []
 	return got
 }
 
-func eject(rr *RoundRobin, ep endpoint.Endpoint, threshold int) {
+func eject(rr leg, ep endpoint.Endpoint, threshold int) {
 	for range threshold {
 		rr.Report(ep, false)
 	}
@@ -119,7 +145,7 @@ func TestOutlierDetection(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			clk := newFakeClock()
-			rr := NewRoundRobin(abc, Options{FailureThreshold: tc.threshold, CoolDown: 10 * time.Second, Now: clk.Now})
+			rr := newLeg(abc, Options{FailureThreshold: tc.threshold, CoolDown: 10 * time.Second, Now: clk.Now})
 			for i, s := range tc.steps {
 				switch {
 				case s.op == "F":
@@ -217,7 +243,7 @@ func TestAllExcluded(t *testing.T) {
 		{name: "empty picker", endpoints: nil},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rr := NewRoundRobin(tc.endpoints, Options{})
+			rr := newLeg(tc.endpoints, Options{})
 			ep, ok := rr.Pick(tc.exclude...)
 			require.False(t, ok)
 			require.Zero(t, ep)
@@ -227,9 +253,9 @@ func TestAllExcluded(t *testing.T) {
 
 func TestContainsHealthyEndpoints(t *testing.T) {
 	eps := []endpoint.Endpoint{epA, epB, epA}
-	rr := NewRoundRobin(eps, Options{FailureThreshold: 1})
-	require.True(t, rr.Contains(epB))
-	require.False(t, rr.Contains(epC))
+	rr := newLeg(eps, Options{FailureThreshold: 1})
+	require.True(t, slices.Contains(rr.Endpoints(), epB))
+	require.False(t, slices.Contains(rr.Endpoints(), epC))
 	require.False(t, rr.Healthy(epC), "unknown endpoints are not healthy")
 	rr.Report(epC, false) // ignored
 
@@ -252,9 +278,9 @@ func TestLargePool(t *testing.T) {
 		eps = append(eps, endpoint.Endpoint{Address: fmt.Sprintf("10.0.0.%d:8000", i+1)})
 	}
 	eps = append(eps, eps[3]) // a repeat shares its health
-	rr := NewRoundRobin(eps, Options{FailureThreshold: 1})
-	require.True(t, rr.Contains(eps[5]))
-	require.False(t, rr.Contains(epA))
+	rr := newLeg(eps, Options{FailureThreshold: 1})
+	require.True(t, slices.Contains(rr.Endpoints(), eps[5]))
+	require.False(t, slices.Contains(rr.Endpoints(), epA))
 	require.False(t, rr.Healthy(epA))
 	rr.Report(eps[3], false)
 	require.False(t, rr.Healthy(eps[3]))
@@ -270,7 +296,7 @@ func TestLargePool(t *testing.T) {
 
 func TestDefaults(t *testing.T) {
 	clk := newFakeClock()
-	rr := NewRoundRobin(abc, Options{Now: clk.Now})
+	rr := newLeg(abc, Options{Now: clk.Now})
 	eject(rr, epA, DefaultFailureThreshold-1)
 	require.True(t, rr.Healthy(epA))
 	rr.Report(epA, false)
@@ -281,7 +307,7 @@ func TestDefaults(t *testing.T) {
 	require.True(t, rr.Healthy(epA))
 
 	// The real clock works too.
-	rr = NewRoundRobin(abc, Options{FailureThreshold: 1, CoolDown: time.Hour})
+	rr = newLeg(abc, Options{FailureThreshold: 1, CoolDown: time.Hour})
 	rr.Report(epA, false)
 	require.False(t, rr.Healthy(epA))
 }
@@ -297,7 +323,7 @@ func TestPickDoesNotAllocate(t *testing.T) {
 
 func TestRoundRobinConcurrentIsEven(t *testing.T) {
 	eps := []endpoint.Endpoint{epA, epB}
-	rr := NewRoundRobin(eps, Options{})
+	rr := newLeg(eps, Options{})
 	var mu sync.Mutex
 	counts := map[endpoint.Endpoint]int{}
 	var wg sync.WaitGroup
@@ -410,7 +436,7 @@ func BenchmarkPick(b *testing.B) {
 		{name: "all ejected", ejected: abc},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
-			rr := NewRoundRobin(abc, Options{FailureThreshold: 1, CoolDown: time.Hour})
+			rr := newLeg(abc, Options{FailureThreshold: 1, CoolDown: time.Hour})
 			for _, ep := range bc.ejected {
 				rr.Report(ep, false)
 			}
@@ -433,7 +459,7 @@ func BenchmarkPickReport(b *testing.B) {
 		{name: "fail 1 in 100", failEvery: 100},
 	} {
 		b.Run(bc.name, func(b *testing.B) {
-			rr := NewRoundRobin(abc, Options{CoolDown: time.Millisecond})
+			rr := newLeg(abc, Options{CoolDown: time.Millisecond})
 			b.ReportAllocs()
 			b.RunParallel(func(pb *testing.PB) {
 				i := 0
@@ -534,10 +560,10 @@ func TestPickGroup(t *testing.T) {
 		{name: "excluded member", group: "g1", exclude: []endpoint.Endpoint{b1}, want: []endpoint.Endpoint{a1, a1}},
 		{name: "all members excluded", group: "g1", exclude: []endpoint.Endpoint{a1, b1}},
 		{name: "unknown group", group: "g3"},
-		{name: "no group is not a group", group: ""},
+		{name: "no group picks among all", group: "", want: []endpoint.Endpoint{a1, ungrouped, c2, b1, a1}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			rr := NewRoundRobin([]endpoint.Endpoint{a1, ungrouped, c2, b1}, Options{FailureThreshold: 1, CoolDown: time.Hour})
+			rr := newLeg([]endpoint.Endpoint{a1, ungrouped, c2, b1}, Options{FailureThreshold: 1, CoolDown: time.Hour})
 			for _, ep := range tc.ejected {
 				rr.Report(ep, false)
 			}
@@ -558,7 +584,7 @@ func TestPickGroup(t *testing.T) {
 	}
 
 	t.Run("groups follow SetEndpoints", func(t *testing.T) {
-		rr := NewRoundRobin([]endpoint.Endpoint{a1, c2}, Options{})
+		rr := newLeg([]endpoint.Endpoint{a1, c2}, Options{})
 		rr.SetEndpoints([]endpoint.Endpoint{in("g2", epA), c2})
 		_, ok := rr.PickGroup("g1")
 		require.False(t, ok)
@@ -576,14 +602,14 @@ func must(ep endpoint.Endpoint, ok bool) endpoint.Endpoint {
 
 func TestInherit(t *testing.T) {
 	clk := newFakeClock()
-	old := NewRoundRobin(abc, Options{FailureThreshold: 1, CoolDown: 10 * time.Second, Now: clk.Now})
+	old := newLeg(abc, Options{FailureThreshold: 1, CoolDown: 10 * time.Second, Now: clk.Now})
 	old.Report(epB, false)
 	clk.Advance(5 * time.Second)
 
 	// The new picker keeps B's ejection (with its end time), not C's
 	// absence, and both pickers see each other's Reports afterwards.
 	epD := endpoint.Endpoint{Address: "127.0.0.1:4"}
-	rr := NewRoundRobin([]endpoint.Endpoint{epA, epB, epD}, Options{FailureThreshold: 2, CoolDown: time.Minute, Now: clk.Now, Inherit: old})
+	rr := newLeg([]endpoint.Endpoint{epA, epB, epD}, Options{FailureThreshold: 2, CoolDown: time.Minute, Now: clk.Now, Inherit: old.Set})
 	require.False(t, rr.Healthy(epB))
 	require.True(t, rr.Healthy(epD))
 	clk.Advance(5 * time.Second)
@@ -643,7 +669,7 @@ func TestConcurrentSetEndpoints(t *testing.T) {
 func TestPickGroupDoesNotAllocate(t *testing.T) {
 	a := epA
 	a.Group = "g"
-	rr := NewRoundRobin([]endpoint.Endpoint{a, epB}, Options{})
+	rr := newLeg([]endpoint.Endpoint{a, epB}, Options{})
 	require.Zero(t, testing.AllocsPerRun(100, func() { rr.PickGroup("g") }))
 	require.Zero(t, testing.AllocsPerRun(100, func() { rr.PickGroup("g", a) }))
 }

@@ -106,7 +106,7 @@ func TestReload(t *testing.T) {
 	defer r.Close()
 	first := r.Table()
 	p := lookup(t, first, "m")
-	require.Equal(t, []string{"127.0.0.1:1"}, addresses(p.Prefill.Endpoints()))
+	require.Equal(t, []string{"127.0.0.1:1"}, addresses(p.Prefill.Set.Endpoints()))
 	p.Prefill.Report(endpoint.Endpoint{Address: "127.0.0.1:1"}, false) // ejected
 
 	var a applied
@@ -134,9 +134,9 @@ pools:
 `,
 			check: func(t *testing.T, table *routing.Table) {
 				p := lookup(t, table, "m2")
-				require.Equal(t, []string{"127.0.0.1:1", "127.0.0.1:2"}, addresses(p.Prefill.Endpoints()))
-				require.False(t, p.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:1"}), "passive health kept")
-				require.True(t, p.Prefill.Healthy(endpoint.Endpoint{Address: "127.0.0.1:2"}))
+				require.Equal(t, []string{"127.0.0.1:1", "127.0.0.1:2"}, addresses(p.Prefill.Set.Endpoints()))
+				require.False(t, p.Prefill.Set.Healthy(endpoint.Endpoint{Address: "127.0.0.1:1"}), "passive health kept")
+				require.True(t, p.Prefill.Set.Healthy(endpoint.Endpoint{Address: "127.0.0.1:2"}))
 			},
 		},
 		{
@@ -199,7 +199,7 @@ pools:
 		s.check(t, want)
 	}
 	// Streams that took the first table keep it as it was.
-	require.Equal(t, []string{"127.0.0.1:1"}, addresses(lookup(t, first, "m").Prefill.Endpoints()))
+	require.Equal(t, []string{"127.0.0.1:1"}, addresses(lookup(t, first, "m").Prefill.Set.Endpoints()))
 	_, ok := first.Lookup("m2")
 	require.False(t, ok)
 }
@@ -253,8 +253,8 @@ func TestReloadDiscovered(t *testing.T) {
 	require.NoError(t, err)
 	defer r.Close()
 	first := lookup(t, r.Table(), "m")
-	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(first.Prefill.Endpoints()))
-	require.Equal(t, []string{"10.0.0.11:8000"}, addresses(first.Decode.Endpoints()))
+	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(first.Prefill.Set.Endpoints()))
+	require.Equal(t, []string{"10.0.0.11:8000"}, addresses(first.Decode.Set.Endpoints()))
 
 	write(t, path, fmt.Sprintf(discovered, 2))
 	var a applied
@@ -264,7 +264,7 @@ func TestReloadDiscovered(t *testing.T) {
 	second := lookup(t, r.Table(), "m")
 	require.NotSame(t, first, second)
 	require.Equal(t, 2, second.Attempts)
-	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(second.Prefill.Endpoints()), "fed before it is handed over")
+	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(second.Prefill.Set.Endpoints()), "fed before it is handed over")
 	require.Equal(t, 1, clients, "one client for all reloads")
 
 	require.NoError(t, client.CoreV1().Pods("llm").Delete(t.Context(), "p1", metav1.DeleteOptions{}))
@@ -273,8 +273,8 @@ func TestReloadDiscovered(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatal("the pod's deletion was not handled")
 	}
-	require.Empty(t, second.Prefill.Endpoints(), "the new pool follows the cluster")
-	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(first.Prefill.Endpoints()), "the old one is left alone")
+	require.Empty(t, second.Prefill.Set.Endpoints(), "the new pool follows the cluster")
+	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(first.Prefill.Set.Endpoints()), "the old one is left alone")
 
 	// Back to static endpoints: nothing is watched any more (goleak checks
 	// at the end that no informer is left running either way).
@@ -282,7 +282,7 @@ func TestReloadDiscovered(t *testing.T) {
 	changed, err = r.Reload(t.Context(), a.apply)
 	require.NoError(t, err)
 	require.True(t, changed)
-	require.Equal(t, []string{"127.0.0.1:1"}, addresses(lookup(t, r.Table(), "m").Prefill.Endpoints()))
+	require.Equal(t, []string{"127.0.0.1:1"}, addresses(lookup(t, r.Table(), "m").Prefill.Set.Endpoints()))
 }
 
 func TestNewFails(t *testing.T) {
@@ -337,7 +337,7 @@ func TestRun(t *testing.T) {
 	swap("v2", strings.Replace(static, "127.0.0.1:1}", "127.0.0.1:2}", 1))
 	select {
 	case table := <-got:
-		require.Equal(t, []string{"127.0.0.1:2"}, addresses(lookup(t, table, "m").Prefill.Endpoints()))
+		require.Equal(t, []string{"127.0.0.1:2"}, addresses(lookup(t, table, "m").Prefill.Set.Endpoints()))
 		require.Same(t, table, r.Table())
 	case <-time.After(10 * time.Second):
 		t.Fatal("the swapped config was not loaded")
@@ -355,7 +355,7 @@ func TestPollWaitsForSettledContent(t *testing.T) {
 	defer r.Close()
 	var a applied
 	var seen [32]byte
-	decodeOf := func() string { return lookup(t, r.Table(), "m").Decode.Endpoints()[0].Address }
+	decodeOf := func() string { return lookup(t, r.Table(), "m").Decode.Set.Endpoints()[0].Address }
 	for i, step := range []struct {
 		write string // "" writes nothing
 		want  string // decode endpoint after the check

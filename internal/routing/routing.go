@@ -29,10 +29,14 @@ type Pool struct {
 	Connector     connectors.Connector
 	// Traits are the connector's protocol properties.
 	Traits connectors.Traits
-	// Prefill and Decode hold the pool's endpoints and their passive health.
-	// Requests pick through PickDecode and PickPrefill, which pair them.
-	Prefill *picker.RoundRobin
-	Decode  *picker.RoundRobin
+	// Models are the models the pool serves; Default makes it serve the
+	// models no pool lists.
+	Models  []string
+	Default bool
+	// Prefill and Decode are the pool's two legs. Requests pick through
+	// PickDecode and PickPrefill, which pair them.
+	Prefill Leg
+	Decode  Leg
 	// PrefillTimeout bounds all prefill attempts of a request together;
 	// AttemptTimeout bounds each.
 	PrefillTimeout time.Duration
@@ -53,11 +57,36 @@ type Pool struct {
 	update sync.Mutex
 }
 
+// Leg is one side of a pool, prefill or decode: its endpoints with their
+// passive health, and the policy that picks among them.
+type Leg struct {
+	Set    *picker.Set
+	Picker picker.Picker
+}
+
+// NewLeg returns a leg of endpoints picked by policy ("" is
+// picker.DefaultPolicy), whose health opts configure.
+func NewLeg(policy string, endpoints []endpoint.Endpoint, opts picker.Options) (Leg, error) {
+	set := picker.NewSet(endpoints, opts)
+	p, err := picker.New(policy, set)
+	if err != nil {
+		return Leg{}, err
+	}
+	return Leg{Set: set, Picker: p}, nil
+}
+
+// Report tells the outcome of a call to ep to the leg's health and to its
+// policy.
+func (l Leg) Report(ep endpoint.Endpoint, ok bool) {
+	l.Set.Report(ep, ok)
+	l.Picker.Report(ep, ok)
+}
+
 // PickDecode picks the decode endpoint of a request. It fails, wrapping
 // ErrNoEndpoint, when the pool has none at the moment (a discovered pool
 // whose decode pods are all gone or not ready).
 func (p *Pool) PickDecode() (endpoint.Endpoint, error) {
-	ep, ok := p.Decode.Pick()
+	ep, ok := p.Decode.Picker.Pick(picker.Request{})
 	if !ok {
 		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
 	}
@@ -65,23 +94,17 @@ func (p *Pool) PickDecode() (endpoint.Endpoint, error) {
 }
 
 // PickPrefill picks a prefill endpoint for a request whose decode endpoint is
-// decode, other than those in exclude (the ones it has tried). A decode
+// decode, other than those in tried. A decode
 // endpoint with a Group pairs only with the prefill endpoints of that group;
 // when none is left the pick fails rather than use another group's, whose
 // engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint, when no
 // endpoint is left to try.
-func (p *Pool) PickPrefill(decode endpoint.Endpoint, exclude ...endpoint.Endpoint) (endpoint.Endpoint, error) {
-	var ep endpoint.Endpoint
-	var ok bool
-	if decode.Group == "" {
-		ep, ok = p.Prefill.Pick(exclude...)
-	} else {
-		ep, ok = p.Prefill.PickGroup(decode.Group, exclude...)
-	}
+func (p *Pool) PickPrefill(decode endpoint.Endpoint, tried ...endpoint.Endpoint) (endpoint.Endpoint, error) {
+	ep, ok := p.Prefill.Picker.Pick(picker.Request{Group: decode.Group, Tried: tried})
 	switch {
 	case ok:
 		return ep, nil
-	case len(exclude) > 0:
+	case len(tried) > 0:
 		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
 	case decode.Group != "":
 		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
@@ -100,15 +123,15 @@ func (p *Pool) PickPrefill(decode endpoint.Endpoint, exclude ...endpoint.Endpoin
 func (p *Pool) SetEndpoints(prefill, decode []endpoint.Endpoint) {
 	p.update.Lock()
 	defer p.update.Unlock()
-	both := p.Prefill.Endpoints()
+	both := p.Prefill.Set.Endpoints()
 	for _, ep := range prefill {
 		if !slices.Contains(both, ep) {
 			both = append(both, ep)
 		}
 	}
-	p.Prefill.SetEndpoints(both)
-	p.Decode.SetEndpoints(decode)
-	p.Prefill.SetEndpoints(prefill)
+	p.Prefill.Set.SetEndpoints(both)
+	p.Decode.Set.SetEndpoints(decode)
+	p.Prefill.Set.SetEndpoints(prefill)
 }
 
 // Table finds the pool of a model.
@@ -191,62 +214,87 @@ func New(cfg *configv1.Config) (*Table, error) {
 // its failures and ejection. A discovered pool starts with its predecessor's
 // endpoints, for the discovery to replace.
 func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
-	t := &Table{byModel: map[string]*Pool{}, created: time.Now(), limits: Limits{
+	limits := Limits{
 		MaxBodyBytes:   int(cfg.GetMaxBodyBytes()),
 		MaxHeaders:     int(cfg.GetMaxRequestHeaders()),
 		MaxHeaderBytes: int(cfg.GetMaxRequestHeadersKb()) << 10,
 		BodyTimeout:    cfg.GetRequestBodyTimeout().AsDuration(),
-	}}
-	t.limits = defaultLimits(t.limits)
+	}
+	pools := make([]*Pool, len(cfg.GetPools()))
 	for i, pc := range cfg.GetPools() {
-		conn, traits, err := connectors.New(pc)
+		p, err := newPool(pc, prev.pool(pc.GetName()))
 		if err != nil {
-			return nil, fmt.Errorf("pools[%d].connector: %w", i, err)
+			return nil, fmt.Errorf("pools[%d].%w", i, err)
 		}
-		kvHosts, err := endpoint.ParseHostSet(pc.GetAllowedKvHosts())
-		if err != nil {
-			return nil, fmt.Errorf("pools[%d].allowed_kv_hosts: %w", i, err)
+		pools[i] = p
+	}
+	return NewTable(limits, pools...), nil
+}
+
+// newPool builds the pool of pc; old, when not nil, is its predecessor in
+// the table being replaced. Errors name the field at fault.
+func newPool(pc *configv1.Pool, old *Pool) (*Pool, error) {
+	conn, traits, err := connectors.New(pc)
+	if err != nil {
+		return nil, fmt.Errorf("connector: %w", err)
+	}
+	kvHosts, err := endpoint.ParseHostSet(pc.GetAllowedKvHosts())
+	if err != nil {
+		return nil, fmt.Errorf("allowed_kv_hosts: %w", err)
+	}
+	health := picker.Options{
+		FailureThreshold: int(pc.GetEjectAfterFailures()),
+		CoolDown:         pc.GetEjectDuration().AsDuration(),
+	}
+	prefillHealth, decodeHealth := health, health
+	prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())
+	if old != nil {
+		prefillHealth.Inherit, decodeHealth.Inherit = old.Prefill.Set, old.Decode.Set
+		if pc.GetKubernetes() != nil {
+			prefill, decode = old.Prefill.Set.Endpoints(), old.Decode.Set.Endpoints()
 		}
-		t.concurrent = t.concurrent || traits.Concurrent
-		health := picker.Options{
-			FailureThreshold: int(pc.GetEjectAfterFailures()),
-			CoolDown:         pc.GetEjectDuration().AsDuration(),
-		}
-		prefillHealth, decodeHealth := health, health
-		prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())
-		if old := prev.pool(pc.GetName()); old != nil {
-			prefillHealth.Inherit, decodeHealth.Inherit = old.Prefill, old.Decode
-			if pc.GetKubernetes() != nil {
-				prefill, decode = old.Prefill.Endpoints(), old.Decode.Endpoints()
-			}
-		}
-		p := &Pool{
-			Name:           pc.GetName(),
-			ConnectorName:  pc.GetConnector(),
-			Connector:      conn,
-			Traits:         traits,
-			Prefill:        picker.NewRoundRobin(prefill, prefillHealth),
-			Decode:         picker.NewRoundRobin(decode, decodeHealth),
-			PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
-			AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
-			Attempts:       max(1, int(pc.GetPrefillAttempts())),
-			Fallback:       pc.GetOnPrefillFailure() == "fallback",
-			PassThrough:    pc.GetPassThrough(),
-			KVHosts:        kvHosts,
-		}
-		if p.AttemptTimeout <= 0 { // a config not through config.Parse
-			p.AttemptTimeout = p.PrefillTimeout
-		}
-		t.pools = append(t.pools, p)
-		for _, m := range pc.GetModels() {
+	}
+	p := &Pool{
+		Name:           pc.GetName(),
+		Models:         pc.GetModels(),
+		Default:        pc.GetDefault(),
+		ConnectorName:  pc.GetConnector(),
+		Connector:      conn,
+		Traits:         traits,
+		PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
+		AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
+		Attempts:       max(1, int(pc.GetPrefillAttempts())),
+		Fallback:       pc.GetOnPrefillFailure() == "fallback",
+		PassThrough:    pc.GetPassThrough(),
+		KVHosts:        kvHosts,
+	}
+	if p.Prefill, err = NewLeg(pc.GetPrefillPicker().GetPolicy(), prefill, prefillHealth); err != nil {
+		return nil, fmt.Errorf("prefill_picker.policy: %w", err)
+	}
+	if p.Decode, err = NewLeg(pc.GetDecodePicker().GetPolicy(), decode, decodeHealth); err != nil {
+		return nil, fmt.Errorf("decode_picker.policy: %w", err)
+	}
+	if p.AttemptTimeout <= 0 { // a config not through config.Parse
+		p.AttemptTimeout = p.PrefillTimeout
+	}
+	return p, nil
+}
+
+// NewTable returns a table of pools, in config order, holding requests to
+// limits (zero fields: Envoy's defaults).
+func NewTable(limits Limits, pools ...*Pool) *Table {
+	t := &Table{pools: pools, byModel: map[string]*Pool{}, limits: defaultLimits(limits), created: time.Now()}
+	for _, p := range pools {
+		t.concurrent = t.concurrent || p.Traits.Concurrent
+		for _, m := range p.Models {
 			t.byModel[m] = p
 			t.models = append(t.models, m)
 		}
-		if pc.GetDefault() {
+		if p.Default {
 			t.fallback = p
 		}
 	}
-	return t, nil
+	return t
 }
 
 // pool returns the pool named name, or nil (also when t is nil).
@@ -285,14 +333,8 @@ func endpoints(eps []*configv1.Endpoint) []endpoint.Endpoint {
 	return out
 }
 
-// Fixed returns a table that sends every model to pool.
-func Fixed(pool *Pool) *Table {
-	return &Table{pools: []*Pool{pool}, byModel: map[string]*Pool{}, fallback: pool,
-		concurrent: pool.Traits.Concurrent, limits: defaultLimits(Limits{}), created: time.Now()}
-}
-
-// defaultLimits fills in Envoy's defaults for a config not through
-// config.Parse (tests).
+// defaultLimits fills in Envoy's defaults for limits a config through
+// config.Parse always sets.
 func defaultLimits(l Limits) Limits {
 	if l.MaxHeaders == 0 {
 		l.MaxHeaders = config.DefaultMaxRequestHeaders

@@ -33,8 +33,8 @@ pools:
 	p, ok := table.Lookup("big-model")
 	require.True(t, ok)
 	require.Equal(t, "big", p.Name)
-	prefill, _ := p.Prefill.Pick()
-	decode, _ := p.Decode.Pick()
+	prefill, _ := p.Prefill.Picker.Pick(picker.Request{})
+	decode, _ := p.Decode.Picker.Pick(picker.Request{})
 	require.Equal(t, "127.0.0.1:1", prefill.Address)
 	require.Equal(t, "127.0.0.1:2", decode.Address)
 	require.Equal(t, config.DefaultPrefillTimeout, p.PrefillTimeout)
@@ -54,12 +54,28 @@ pools:
 	require.False(t, ok, "no default pool")
 }
 
-func TestUnknownConnector(t *testing.T) {
-	// A config that config.Parse would refuse, built by hand.
-	cfg := &configv1.Config{Pools: []*configv1.Pool{{Name: "p", Default: true, Connector: "nixel",
-		Prefill: []*configv1.Endpoint{{Address: "127.0.0.1:1"}}, Decode: []*configv1.Endpoint{{Address: "127.0.0.1:2"}}}}}
-	_, err := New(cfg)
-	require.ErrorContains(t, err, `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`)
+func TestUnknownNames(t *testing.T) {
+	// Configs that config.Parse would refuse, built by hand.
+	for _, tc := range []struct {
+		name    string
+		pool    func(*configv1.Pool)
+		wantErr string
+	}{
+		{name: "connector", pool: func(p *configv1.Pool) { p.Connector = "nixel" },
+			wantErr: `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`},
+		{name: "prefill policy", pool: func(p *configv1.Pool) { p.PrefillPicker = &configv1.Picker{Policy: "random"} },
+			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "random" (known: round_robin)`},
+		{name: "decode policy", pool: func(p *configv1.Pool) { p.DecodePicker = &configv1.Picker{Policy: "random"} },
+			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: round_robin)`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := &configv1.Pool{Name: "p", Default: true, Connector: "nixl",
+				Prefill: []*configv1.Endpoint{{Address: "127.0.0.1:1"}}, Decode: []*configv1.Endpoint{{Address: "127.0.0.1:2"}}}
+			tc.pool(p)
+			_, err := New(&configv1.Config{Pools: []*configv1.Pool{p}})
+			require.EqualError(t, err, tc.wantErr)
+		})
+	}
 }
 
 func TestPick(t *testing.T) {
@@ -106,7 +122,7 @@ func TestPick(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			p := &Pool{Name: "p", Prefill: picker.NewRoundRobin(nil, picker.Options{}), Decode: picker.NewRoundRobin(nil, picker.Options{})}
+			p := &Pool{Name: "p", Prefill: leg(t, nil, picker.Options{}), Decode: leg(t, nil, picker.Options{})}
 			p.SetEndpoints(tc.prefill, tc.decode)
 			d, err := p.PickDecode()
 			if err == nil {
@@ -132,14 +148,14 @@ func TestPick(t *testing.T) {
 
 func TestSetEndpointsKeepsHealth(t *testing.T) {
 	a, b, c := endpoint.Endpoint{Address: "127.0.0.1:1"}, endpoint.Endpoint{Address: "127.0.0.1:2"}, endpoint.Endpoint{Address: "127.0.0.1:3"}
-	p := &Pool{Name: "p", Prefill: picker.NewRoundRobin([]endpoint.Endpoint{a, b}, picker.Options{FailureThreshold: 1}),
-		Decode: picker.NewRoundRobin([]endpoint.Endpoint{c}, picker.Options{})}
+	p := &Pool{Name: "p", Prefill: leg(t, []endpoint.Endpoint{a, b}, picker.Options{FailureThreshold: 1}),
+		Decode: leg(t, []endpoint.Endpoint{c}, picker.Options{})}
 	p.Prefill.Report(a, false)
 	p.SetEndpoints([]endpoint.Endpoint{c, a}, []endpoint.Endpoint{b})
-	require.Equal(t, []endpoint.Endpoint{c, a}, p.Prefill.Endpoints(), "the new set, not the union used on the way")
-	require.Equal(t, []endpoint.Endpoint{b}, p.Decode.Endpoints())
-	require.False(t, p.Prefill.Healthy(a), "still ejected")
-	require.True(t, p.Prefill.Healthy(c))
+	require.Equal(t, []endpoint.Endpoint{c, a}, p.Prefill.Set.Endpoints(), "the new set, not the union used on the way")
+	require.Equal(t, []endpoint.Endpoint{b}, p.Decode.Set.Endpoints())
+	require.False(t, p.Prefill.Set.Healthy(a), "still ejected")
+	require.True(t, p.Prefill.Set.Healthy(c))
 }
 
 func TestRebuild(t *testing.T) {
@@ -191,14 +207,22 @@ pools:
 `), old)
 	require.NoError(t, err)
 	static, _ = table.Pool("static")
-	require.False(t, static.Prefill.Healthy(ep("127.0.0.1:1")), "an ejected endpoint stays ejected across the reload")
-	require.True(t, static.Prefill.Healthy(ep("127.0.0.1:3")))
+	require.False(t, static.Prefill.Set.Healthy(ep("127.0.0.1:1")), "an ejected endpoint stays ejected across the reload")
+	require.True(t, static.Prefill.Set.Healthy(ep("127.0.0.1:3")))
 	found, _ = table.Pool("found")
-	require.Equal(t, []endpoint.Endpoint{ep("10.0.0.1:8000")}, found.Prefill.Endpoints(), "a discovered pool starts from its predecessor's endpoints")
-	require.Equal(t, []endpoint.Endpoint{ep("10.0.0.9:8000")}, found.Decode.Endpoints())
-	require.False(t, found.Prefill.Healthy(ep("10.0.0.1:8000")))
+	require.Equal(t, []endpoint.Endpoint{ep("10.0.0.1:8000")}, found.Prefill.Set.Endpoints(), "a discovered pool starts from its predecessor's endpoints")
+	require.Equal(t, []endpoint.Endpoint{ep("10.0.0.9:8000")}, found.Decode.Set.Endpoints())
+	require.False(t, found.Prefill.Set.Healthy(ep("10.0.0.1:8000")))
 	renamed, _ := table.Pool("renamed")
-	require.True(t, renamed.Prefill.Healthy(ep("127.0.0.1:1")), "health is carried by pool name")
+	require.True(t, renamed.Prefill.Set.Healthy(ep("127.0.0.1:1")), "health is carried by pool name")
 	_, ok := table.Pool("nope")
 	require.False(t, ok)
+}
+
+// leg is a round-robin leg over eps.
+func leg(t *testing.T, eps []endpoint.Endpoint, opts picker.Options) Leg {
+	t.Helper()
+	l, err := NewLeg("", eps, opts)
+	require.NoError(t, err)
+	return l
 }

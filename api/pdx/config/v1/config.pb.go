@@ -308,8 +308,19 @@ type Pool struct {
 	// ctx_request_id, encoded_opaque_state and draft_tokens, and refuse
 	// anything else). Only valid with connector "trtllm".
 	TrtllmProtocol string `protobuf:"bytes,17,opt,name=trtllm_protocol,json=trtllmProtocol,proto3" json:"trtllm_protocol,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// How the prefill endpoint of a request is picked among the pool's
+	// prefill endpoints. Default: round robin. Whatever the policy, endpoints
+	// that passive health ejected (eject_after_failures) are passed over, a
+	// prefill endpoint is picked only in its decode endpoint's group (see
+	// kubernetes.group_label), and a retry never picks an endpoint the
+	// request has tried. Not valid with connector "none", which has no
+	// prefill leg.
+	PrefillPicker *Picker `protobuf:"bytes,18,opt,name=prefill_picker,json=prefillPicker,proto3" json:"prefill_picker,omitempty"`
+	// How the decode endpoint of a request is picked among the pool's decode
+	// endpoints. Default: round robin.
+	DecodePicker  *Picker `protobuf:"bytes,19,opt,name=decode_picker,json=decodePicker,proto3" json:"decode_picker,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Pool) Reset() {
@@ -461,6 +472,67 @@ func (x *Pool) GetTrtllmProtocol() string {
 	return ""
 }
 
+func (x *Pool) GetPrefillPicker() *Picker {
+	if x != nil {
+		return x.PrefillPicker
+	}
+	return nil
+}
+
+func (x *Pool) GetDecodePicker() *Picker {
+	if x != nil {
+		return x.DecodePicker
+	}
+	return nil
+}
+
+// Picker selects the picking policy of one leg of a pool.
+type Picker struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The policy: "round_robin" (the default) hands out the leg's endpoints
+	// in turn.
+	Policy        string `protobuf:"bytes,1,opt,name=policy,proto3" json:"policy,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Picker) Reset() {
+	*x = Picker{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Picker) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Picker) ProtoMessage() {}
+
+func (x *Picker) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Picker.ProtoReflect.Descriptor instead.
+func (*Picker) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *Picker) GetPolicy() string {
+	if x != nil {
+		return x.Policy
+	}
+	return ""
+}
+
 // KubernetesDiscovery finds a pool's engines among the pods of one namespace.
 // The labels follow Kthena's ModelServing, which labels every pod with its
 // role (modelserving.volcano.sh/role) and its serving group
@@ -516,7 +588,7 @@ type KubernetesDiscovery struct {
 
 func (x *KubernetesDiscovery) Reset() {
 	*x = KubernetesDiscovery{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -528,7 +600,7 @@ func (x *KubernetesDiscovery) String() string {
 func (*KubernetesDiscovery) ProtoMessage() {}
 
 func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -541,7 +613,7 @@ func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
 func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *KubernetesDiscovery) GetNamespace() string {
@@ -647,7 +719,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -659,7 +731,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -672,7 +744,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -713,7 +785,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x03TLS\x12\x1b\n" +
 	"\tcert_file\x18\x01 \x01(\tR\bcertFile\x12\x19\n" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
-	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\x99\x06\n" +
+	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\x93\a\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -734,7 +806,11 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"kubernetes\x12!\n" +
 	"\fpass_through\x18\x0f \x03(\tR\vpassThrough\x12(\n" +
 	"\x10allowed_kv_hosts\x18\x10 \x03(\tR\x0eallowedKvHosts\x12'\n" +
-	"\x0ftrtllm_protocol\x18\x11 \x01(\tR\x0etrtllmProtocol\"\xda\x03\n" +
+	"\x0ftrtllm_protocol\x18\x11 \x01(\tR\x0etrtllmProtocol\x12<\n" +
+	"\x0eprefill_picker\x18\x12 \x01(\v2\x15.pdx.config.v1.PickerR\rprefillPicker\x12:\n" +
+	"\rdecode_picker\x18\x13 \x01(\v2\x15.pdx.config.v1.PickerR\fdecodePicker\" \n" +
+	"\x06Picker\x12\x16\n" +
+	"\x06policy\x18\x01 \x01(\tR\x06policy\"\xda\x03\n" +
 	"\x13KubernetesDiscovery\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
 	"\aservice\x18\x02 \x01(\tR\aservice\x12V\n" +
@@ -772,32 +848,35 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 	return file_pdx_config_v1_config_proto_rawDescData
 }
 
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_pdx_config_v1_config_proto_goTypes = []any{
 	(*Config)(nil),              // 0: pdx.config.v1.Config
 	(*TLS)(nil),                 // 1: pdx.config.v1.TLS
 	(*Pool)(nil),                // 2: pdx.config.v1.Pool
-	(*KubernetesDiscovery)(nil), // 3: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),            // 4: pdx.config.v1.Endpoint
-	nil,                         // 5: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil), // 6: google.protobuf.Duration
+	(*Picker)(nil),              // 3: pdx.config.v1.Picker
+	(*KubernetesDiscovery)(nil), // 4: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),            // 5: pdx.config.v1.Endpoint
+	nil,                         // 6: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil), // 7: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
 	2,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
 	1,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	6,  // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
-	4,  // 3: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	4,  // 4: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	6,  // 5: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	6,  // 6: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	6,  // 7: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	3,  // 8: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	5,  // 9: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	10, // [10:10] is the sub-list for method output_type
-	10, // [10:10] is the sub-list for method input_type
-	10, // [10:10] is the sub-list for extension type_name
-	10, // [10:10] is the sub-list for extension extendee
-	0,  // [0:10] is the sub-list for field type_name
+	7,  // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	5,  // 3: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	5,  // 4: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	7,  // 5: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	7,  // 6: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	7,  // 7: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	4,  // 8: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	3,  // 9: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	3,  // 10: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	6,  // 11: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	12, // [12:12] is the sub-list for method output_type
+	12, // [12:12] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -811,7 +890,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   6,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

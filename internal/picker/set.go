@@ -1,0 +1,390 @@
+package picker
+
+import (
+	"math"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
+
+// Defaults for the zero Options.
+const (
+	DefaultFailureThreshold = 3
+	DefaultCoolDown         = 10 * time.Second
+)
+
+// Options configure a Set's passive outlier detection.
+type Options struct {
+	// FailureThreshold is how many consecutive failures eject an endpoint;
+	// 0 or less means DefaultFailureThreshold.
+	FailureThreshold int
+	// CoolDown is how long an ejected endpoint stays out; 0 or less means
+	// DefaultCoolDown.
+	CoolDown time.Duration
+	// Now tells the time; nil means time.Now. Tests pass a fake clock.
+	Now func() time.Time
+	// Inherit, when set, is a Set whose endpoints' health the new one
+	// shares: an endpoint both have keeps its failures and ejection, and
+	// Reports to either count for both. A rebuilt routing table passes its
+	// predecessor's Set, so that passive health survives a config reload.
+	// Inherit must use the same clock (Now).
+	Inherit *Set
+}
+
+// Set is a leg's endpoints and their passive health: an endpoint whose calls
+// fail FailureThreshold times in a row (as told by Report) is ejected for
+// CoolDown, then admitted again. Policies prefer admitted endpoints.
+//
+// Its endpoints can be replaced while it is in use (SetEndpoints, as
+// Kubernetes discovery does): every Pick, Report or Healthy sees either the
+// old endpoints or the new ones, and endpoints in both keep their health.
+//
+// It is safe for concurrent use and holds no per-request state.
+type Set struct {
+	// view is the current endpoints. It is replaced whole, never changed,
+	// so that a Pick reads one consistent view without locking.
+	view atomic.Pointer[view]
+	// mu serializes SetEndpoints, so that each builds on the view before
+	// it, and guards groupIDs.
+	mu sync.Mutex
+	// groupIDs numbers the groups the Set has seen, for policies to keep
+	// per-group state in slices (see view.groups). Numbers are never
+	// reused.
+	groupIDs map[string]int
+
+	threshold int32
+	coolDown  int64 // nanoseconds
+	now       func() time.Time
+	// base is the clock reading at construction. Times are stored as
+	// nanoseconds since base, so they fit in an atomic int64 and, with
+	// time.Now, are measured on the monotonic clock (immune to wall-clock
+	// steps).
+	base time.Time
+}
+
+// view is one immutable state of a Set's endpoints, as policies read it.
+type view struct {
+	// endpoints is the order of the endpoints as configured or discovered;
+	// it may name an endpoint twice. health[i] is endpoints[i]'s health;
+	// repeats share one, since health is a property of the engine, not of
+	// its place in the list.
+	endpoints []endpoint.Endpoint
+	health    []*health
+	// byEP finds an endpoint's health for Report and Healthy in large
+	// sets; small ones are scanned (see lookup). nil when small.
+	byEP map[endpoint.Endpoint]*health
+	// groups holds, per Endpoint.Group, the positions of the group's
+	// endpoints. nil when no endpoint has a group.
+	groups map[string]group
+}
+
+// group is the endpoints of one Endpoint.Group, in order, and the group's
+// number in its Set.
+type group struct {
+	members []int
+	id      int
+}
+
+// health is one endpoint's outlier-detection state.
+//
+// Picks only read until, atomically and without locking, so picking never
+// waits for a Report. Report changes failures and until together under mu, so
+// that the invariant "ejected implies failures >= threshold" holds and
+// concurrent Reports cannot leave an ejection behind a reset counter.
+type health struct {
+	mu sync.Mutex
+	// failures counts consecutive failures. Written only under mu; read
+	// atomically by Report's lock-free success path.
+	failures atomic.Int32
+	// until is when the current ejection ends, in nanoseconds since
+	// Set.base; 0 means not ejected (admitted).
+	until atomic.Int64
+	// Pad to a cache line: endpoints' health is allocated together, and
+	// Reports on one must not slow Picks reading another.
+	_ [64 - 8 - 4 - 4 - 8]byte
+}
+
+// NewSet returns a set of endpoints, keeping its own copy of them. An empty
+// set's picks fail until SetEndpoints gives it some.
+func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
+	if opts.FailureThreshold <= 0 {
+		opts.FailureThreshold = DefaultFailureThreshold
+	}
+	if opts.CoolDown <= 0 {
+		opts.CoolDown = DefaultCoolDown
+	}
+	if opts.Now == nil {
+		opts.Now = time.Now
+	}
+	s := &Set{
+		threshold: int32(min(opts.FailureThreshold, 1<<30)),
+		coolDown:  int64(opts.CoolDown),
+		now:       opts.Now,
+	}
+	var prev *view
+	if opts.Inherit != nil {
+		// Shared health holds times relative to base, so share that too.
+		s.base = opts.Inherit.base
+		prev = opts.Inherit.view.Load()
+	} else {
+		s.base = s.now()
+	}
+	s.view.Store(s.newView(endpoints, prev))
+	return s
+}
+
+// SetEndpoints replaces the set's endpoints with a copy of endpoints, at once
+// for every caller: a Pick running concurrently returns an endpoint of the
+// old endpoints or of the new ones. Endpoints in both keep their health;
+// endpoints that leave lose it (one that comes back starts afresh).
+func (s *Set) SetEndpoints(endpoints []endpoint.Endpoint) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.view.Store(s.newView(endpoints, s.view.Load()))
+}
+
+// Endpoints returns a copy of the set's endpoints, in order.
+func (s *Set) Endpoints() []endpoint.Endpoint {
+	return slices.Clone(s.view.Load().endpoints)
+}
+
+// newView builds a view of endpoints, taking the health of those that prev
+// (which may be nil) has. The caller holds s.mu, or is NewSet.
+func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
+	v := &view{
+		endpoints: slices.Clone(endpoints),
+		health:    make([]*health, len(endpoints)),
+	}
+	// A fresh set allocates its health in one block.
+	var states []health
+	if prev == nil {
+		states = make([]health, len(endpoints))
+	}
+	byEP := make(map[endpoint.Endpoint]*health, len(endpoints))
+	for i, ep := range v.endpoints {
+		h, ok := byEP[ep]
+		if !ok {
+			switch h = prev.lookup(ep); {
+			case h != nil:
+			case states != nil:
+				h = &states[i]
+			default:
+				h = new(health)
+			}
+			byEP[ep] = h
+		}
+		v.health[i] = h
+		if ep.Group != "" {
+			if v.groups == nil {
+				v.groups = map[string]group{}
+			}
+			g, ok := v.groups[ep.Group]
+			if !ok {
+				g.id = s.groupID(ep.Group)
+			}
+			g.members = append(g.members, i)
+			v.groups[ep.Group] = g
+		}
+	}
+	if len(v.endpoints) > scanMax {
+		v.byEP = byEP
+	}
+	return v
+}
+
+// groupID returns the number of group, numbering it if it is new. The
+// caller holds s.mu, or is NewSet.
+func (s *Set) groupID(name string) int {
+	id, ok := s.groupIDs[name]
+	if !ok {
+		if s.groupIDs == nil {
+			s.groupIDs = map[string]int{}
+		}
+		id = len(s.groupIDs)
+		s.groupIDs[name] = id
+	}
+	return id
+}
+
+// scanMax is the set size up to which lookup scans rather than hashes. The
+// endpoint a caller reports is normally the one Pick returned, sharing its
+// strings, so comparing is a pointer check per field; hashing the strings
+// costs more than scanning a few of those.
+const scanMax = 16
+
+// lookup returns ep's health, or nil if ep is not one of v's endpoints (or
+// v is nil).
+func (v *view) lookup(ep endpoint.Endpoint) *health {
+	if v == nil {
+		return nil
+	}
+	if v.byEP != nil {
+		return v.byEP[ep]
+	}
+	for i, e := range v.endpoints {
+		if e == ep {
+			return v.health[i]
+		}
+	}
+	return nil
+}
+
+// Report records the outcome of a call to ep. Success resets ep's
+// consecutive failures and re-admits it. Failure counts; the
+// FailureThreshold-th consecutive failure ejects ep until now+CoolDown.
+// Once the cool-down is over ep is admitted again but keeps its count
+// (half-open), so one more failure ejects it again at once, while a success
+// clears it.
+//
+// Failures reported while ep is ejected are counted but do not extend the
+// ejection: they are mostly calls picked before it, and would otherwise keep
+// an endpoint out for as long as its in-flight requests keep failing.
+//
+// Reports about endpoints the set does not have are ignored.
+func (s *Set) Report(ep endpoint.Endpoint, ok bool) {
+	h := s.view.Load().lookup(ep)
+	if h == nil {
+		return
+	}
+	if ok {
+		// The common case, a success on a healthy endpoint, writes
+		// nothing: no lock, no cache-line traffic for Pick. failures == 0
+		// implies not ejected (see health).
+		if h.failures.Load() == 0 {
+			return
+		}
+		h.mu.Lock()
+		h.failures.Store(0)
+		h.until.Store(0)
+		h.mu.Unlock()
+		return
+	}
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	f := h.failures.Load()
+	if f < 1<<30 { // saturate rather than wrap on an endless failure streak
+		f++
+		h.failures.Store(f)
+	}
+	if f < s.threshold {
+		return
+	}
+	now := s.elapsed()
+	if u := h.until.Load(); u != 0 && now < u {
+		return // already ejected
+	}
+	until := now + s.coolDown
+	if until < now { // overflow: a cool-down of "forever"
+		until = math.MaxInt64
+	}
+	// At least 1: 0 means admitted, and a fake clock standing at base with a
+	// tiny cool-down must still eject.
+	h.until.Store(max(until, 1))
+}
+
+// Healthy reports whether ep is currently admitted: a known endpoint that is
+// not ejected, or whose cool-down is over.
+func (s *Set) Healthy(ep endpoint.Endpoint) bool {
+	h := s.view.Load().lookup(ep)
+	if h == nil {
+		return false
+	}
+	now := s.clock()
+	return now.admits(h)
+}
+
+// elapsed is the time since s.base in nanoseconds, never negative (a fake
+// clock may go back before base).
+func (s *Set) elapsed() int64 {
+	return max(int64(s.now().Sub(s.base)), 0)
+}
+
+// clock returns a reading of s's clock for one pick.
+func (s *Set) clock() instant { return instant{set: s, ns: -1} }
+
+// instant is one reading of a Set's clock, taken the first time a pick
+// meets an ejected endpoint, so that the common case, all admitted, never
+// reads the clock.
+type instant struct {
+	set *Set
+	ns  int64 // negative: not read yet
+}
+
+// admits reports whether h is not ejected at t.
+func (t *instant) admits(h *health) bool {
+	u := h.until.Load()
+	if u == 0 {
+		return true
+	}
+	if t.ns < 0 {
+		t.ns = t.set.elapsed()
+	}
+	return t.ns >= u
+}
+
+// candidates returns the positions of v's endpoints a request of group may
+// use (members nil: all of them), and the group's number (-1 for all). It
+// reports false when the group has no endpoint.
+func (v *view) candidates(group string) (members []int, id int, ok bool) {
+	if group == "" {
+		return nil, -1, true
+	}
+	g, ok := v.groups[group]
+	return g.members, g.id, ok
+}
+
+// count is how many positions members has in v.
+func (v *view) count(members []int) int {
+	if members == nil {
+		return len(v.endpoints)
+	}
+	return len(members)
+}
+
+// position is the k-th of members, or k when members is nil (all).
+func position(members []int, k int) int {
+	if members == nil {
+		return k
+	}
+	return members[k]
+}
+
+// tried reports whether ep is among the endpoints a request has tried.
+func tried(ep endpoint.Endpoint, tried []endpoint.Endpoint) bool {
+	for _, e := range tried {
+		if e == ep {
+			return true
+		}
+	}
+	return false
+}
+
+// soonest is what a policy returns when every endpoint of members not tried
+// is ejected: the one whose ejection ends first, ties going to the first
+// at or after position start (in members' order). Like Envoy's panic mode,
+// it assumes the detector is wrong sooner than that the whole leg is down.
+// It reports false only when every endpoint has been tried.
+func (v *view) soonest(members []int, start int, req Request, now *instant) (endpoint.Endpoint, bool) {
+	n := v.count(members)
+	best, bestUntil := -1, int64(0)
+	for k := range n {
+		i := position(members, (start+k)%n)
+		if tried(v.endpoints[i], req.Tried) {
+			continue
+		}
+		h := v.health[i]
+		if now.admits(h) {
+			return v.endpoints[i], true
+		}
+		if u := h.until.Load(); best < 0 || u < bestUntil {
+			best, bestUntil = i, u
+		}
+	}
+	if best < 0 {
+		return endpoint.Endpoint{}, false
+	}
+	return v.endpoints[best], true
+}
