@@ -6,8 +6,6 @@ import (
 
 	filterextprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
-
-	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // FULL_DUPLEX_STREAMED request bodies, the mode of the Gateway API Inference
@@ -19,6 +17,19 @@ import (
 // protocol_config of a stream's first message; pdx needs no setting of its
 // own.
 
+// streamedBody is a FULL_DUPLEX_STREAMED request body on its way through
+// pdx.
+type streamedBody struct {
+	// chunks are the chunks received so far, len their length, trailers
+	// whether trailers ended the body.
+	chunks   [][]byte
+	len      int
+	trailers bool
+	// queued are the answers to send after the one handle returned: the
+	// decode body's chunks.
+	queued []*extprocv3.ProcessingResponse
+}
+
 // streamedChunkBytes bounds each StreamedBodyResponse chunk pdx sends.
 // Envoy recommends at most 64 KiB. Through a real Envoy, 1 MB prompts took
 // the same time with 16 KiB, 64 KiB, 256 KiB or single-chunk answers.
@@ -27,7 +38,7 @@ const streamedChunkBytes = 64 << 10
 // duplex reports whether Envoy streams the request body in
 // FULL_DUPLEX_STREAMED mode.
 func (r *request) duplex() bool {
-	return r.protocol.GetRequestBodyMode() == filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED
+	return r.filter.GetRequestBodyMode() == filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED
 }
 
 // checkBodyMode refuses filter configurations pdx cannot route with: only a
@@ -35,10 +46,10 @@ func (r *request) duplex() bool {
 // headers. Without a protocol_config (older Envoys) pdx assumes
 // BUFFERED, and a partial body chunk says otherwise (see requestBody).
 func (r *request) checkBodyMode() error {
-	if r.protocol == nil {
+	if r.filter == nil {
 		return nil
 	}
-	switch m := r.protocol.GetRequestBodyMode(); m {
+	switch m := r.filter.GetRequestBodyMode(); m {
 	case filterextprocv3.ProcessingMode_BUFFERED, filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED:
 		return nil
 	default:
@@ -50,12 +61,12 @@ func (r *request) checkBodyMode() error {
 // is answered until the body has ended; then the request is routed.
 func (r *request) bodyChunk(ctx context.Context, b *extprocv3.HttpBody) (*extprocv3.ProcessingResponse, error) {
 	// The message's own bytes are kept, not copied: nothing else uses them.
-	r.chunks = append(r.chunks, b.GetBody())
-	r.bodyLen += len(b.GetBody())
-	if max := r.table.MaxBodyBytes(); max > 0 && r.bodyLen > max {
+	r.body.chunks = append(r.body.chunks, b.GetBody())
+	r.body.len += len(b.GetBody())
+	if max := r.table.MaxBodyBytes(); max > 0 && r.body.len > max {
 		// Stop at once: the rest of the body need not reach pdx.
 		return nil, &apiError{status: 413, typ: typeInvalidRequest, code: "body_too_large",
-			msg: fmt.Sprintf("the request body is at least %d bytes, over the limit of %d", r.bodyLen, max)}
+			msg: fmt.Sprintf("the request body is at least %d bytes, over the limit of %d", r.body.len, max)}
 	}
 	if !b.GetEndOfStream() {
 		return nil, nil
@@ -68,51 +79,25 @@ func (r *request) bodyChunk(ctx context.Context, b *extprocv3.HttpBody) (*extpro
 // chunk did not end the stream.
 func (r *request) bodyEnded(ctx context.Context, trailers bool) (*extprocv3.ProcessingResponse, error) {
 	var body []byte
-	switch len(r.chunks) {
+	switch len(r.body.chunks) {
 	case 0:
 	case 1:
-		body = r.chunks[0]
+		body = r.body.chunks[0]
 	default:
-		body = make([]byte, 0, r.bodyLen) // the one copy: the parser needs contiguous bytes
-		for _, c := range r.chunks {
+		body = make([]byte, 0, r.body.len) // the one copy: the parser needs contiguous bytes
+		for _, c := range r.body.chunks {
 			body = append(body, c...)
 		}
 	}
-	r.chunks = nil
-	r.trailers = trailers
+	r.body.chunks = nil
+	r.body.trailers = trailers
 	return r.bodyDone(ctx, body)
-}
-
-// routed is pdx's answer to a request it has routed. In FULL_DUPLEX_STREAMED
-// mode that is the answer to the headers, which Envoy is still waiting for,
-// followed by the decode body in chunks and, if the client sent trailers,
-// the answer to them: Envoy requires headers, body, trailers in that order.
-func (r *request) routed(body []byte, unchanged bool, decode endpoint.Endpoint) *extprocv3.ProcessingResponse {
-	if !r.duplex() {
-		return decodeMutation(body, unchanged, decode, r.id, r.clientID)
-	}
-	headers := &extprocv3.ProcessingResponse{
-		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
-			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
-				// Envoy applies the removals first: the destination set
-				// here is pdx's, whatever the client sent.
-				RemoveHeaders: clientRoutingHeaders,
-				SetHeaders:    decodeHeaders(body, decode, r.id),
-			}},
-		}},
-		DynamicMetadata: endpointMetadata(decode, r.clientID),
-	}
-	r.queued = streamedRequestBody(body, !r.trailers)
-	if r.trailers {
-		r.queued = append(r.queued, continueRequestTrailers())
-	}
-	return headers
 }
 
 // takeQueued returns the answers that follow the last one handle returned.
 func (r *request) takeQueued() []*extprocv3.ProcessingResponse {
-	q := r.queued
-	r.queued = nil
+	q := r.body.queued
+	r.body.queued = nil
 	return q
 }
 
@@ -155,7 +140,7 @@ func (r *request) passRequestBody(b *extprocv3.HttpBody) *extprocv3.ProcessingRe
 // passResponseBody is passRequestBody for the response body, for filters
 // that send it to pdx.
 func (r *request) passResponseBody(b *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
-	if r.protocol.GetResponseBodyMode() != filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+	if r.filter.GetResponseBodyMode() != filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED {
 		return continueResponseBody()
 	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{

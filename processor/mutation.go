@@ -74,48 +74,71 @@ var passThroughMode = &filterextprocv3.ProcessingMode{
 	ResponseTrailerMode: filterextprocv3.ProcessingMode_SKIP,
 }
 
-// passThroughHeaders routes a request without a body at its headers.
-func passThroughHeaders(decode endpoint.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{
+// decision is what the phase handlers decided for a request pdx sends on:
+// answer turns it into Envoy's answer.
+type decision struct {
+	decode endpoint.Endpoint
+	// body is the decode request's body; unchanged marks the client's own,
+	// which is not sent back: Envoy keeps the one it holds, and neither
+	// side copies a prompt for nothing.
+	body      []byte
+	unchanged bool
+	// atHeaders: a request without a body, routed at its headers.
+	atHeaders bool
+}
+
+// answer is the one builder of pdx's routing answers. The request goes to
+// the decision's endpoint (as header and as metadata) with the engines'
+// request id, the request's trace context and, with a body, its
+// content-length (Envoy does not recompute it in BUFFERED mode). The answer
+// is to the body in BUFFERED mode; to the headers, which Envoy is still
+// waiting for, in FULL_DUPLEX_STREAMED mode and for a request without a
+// body.
+func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
+	set := make([]*corev3.HeaderValueOption, 0, 3+len(r.trace.headers))
+	set = append(set, setHeader(DestinationHeader, d.decode.Address))
+	if !d.atHeaders {
+		set = append(set, setHeader("content-length", strconv.Itoa(len(d.body))))
+	}
+	set = append(set, setHeader("x-request-id", r.id))
+	for _, h := range r.trace.headers {
+		set = append(set, setHeader(h.name, h.value))
+	}
+	r.obs.routed(d.decode)
+	metadata := endpointMetadata(d.decode, r.clientID)
+	if !d.atHeaders && !r.duplex() {
+		resp := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
+		if !d.unchanged {
+			resp.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: d.body}}
+		}
+		return &extprocv3.ProcessingResponse{
+			Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: resp}},
+			DynamicMetadata: metadata,
+		}
+	}
+	headers := &extprocv3.ProcessingResponse{
 		Response: &extprocv3.ProcessingResponse_RequestHeaders{RequestHeaders: &extprocv3.HeadersResponse{
 			Response: &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+				// Envoy applies the removals first: the destination set
+				// here is pdx's, whatever the client sent.
 				RemoveHeaders: clientRoutingHeaders,
-				SetHeaders: []*corev3.HeaderValueOption{
-					setHeader(DestinationHeader, decode.Address),
-					setHeader("x-request-id", requestID),
-				},
+				SetHeaders:    set,
 			}},
 		}},
-		DynamicMetadata: endpointMetadata(decode, clientID),
-		ModeOverride:    passThroughMode,
+		DynamicMetadata: metadata,
 	}
-}
-
-// decodeMutation turns the request into the decode request: new body and
-// content-length (Envoy does not recompute it in BUFFERED mode), the decode
-// endpoint as header and as metadata, and the request id both legs share.
-// A body unchanged from the client's is not sent back: Envoy keeps the one
-// it holds, and neither side copies a prompt for nothing.
-func decodeMutation(body []byte, unchanged bool, decode endpoint.Endpoint, requestID, clientID string) *extprocv3.ProcessingResponse {
-	resp := &extprocv3.CommonResponse{
-		HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: decodeHeaders(body, decode, requestID)},
+	if d.atHeaders {
+		headers.ModeOverride = passThroughMode
+		return headers
 	}
-	if !unchanged {
-		resp.BodyMutation = &extprocv3.BodyMutation{Mutation: &extprocv3.BodyMutation_Body{Body: body}}
+	// FULL_DUPLEX_STREAMED: the decode body follows in chunks and, if the
+	// client sent trailers, the answer to them: Envoy requires headers,
+	// body, trailers in that order.
+	r.body.queued = streamedRequestBody(d.body, !r.body.trailers)
+	if r.body.trailers {
+		r.body.queued = append(r.body.queued, continueRequestTrailers())
 	}
-	return &extprocv3.ProcessingResponse{
-		Response:        &extprocv3.ProcessingResponse_RequestBody{RequestBody: &extprocv3.BodyResponse{Response: resp}},
-		DynamicMetadata: endpointMetadata(decode, clientID),
-	}
-}
-
-// decodeHeaders are the headers pdx sets on the decode request.
-func decodeHeaders(body []byte, decode endpoint.Endpoint, requestID string) []*corev3.HeaderValueOption {
-	return []*corev3.HeaderValueOption{
-		setHeader(DestinationHeader, decode.Address),
-		setHeader("content-length", strconv.Itoa(len(body))),
-		setHeader("x-request-id", requestID),
-	}
+	return headers
 }
 
 // endpointMetadata names the decode endpoint in Envoy's dynamic metadata,

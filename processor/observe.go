@@ -3,7 +3,6 @@ package processor
 import (
 	"context"
 	"errors"
-	"log/slog"
 	"strings"
 	"time"
 
@@ -19,36 +18,84 @@ import (
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
-// Option configures a Server.
-type Option func(*Server)
-
-// WithMetrics records every request in m.
-func WithMetrics(m *metrics.Metrics) Option {
-	return func(s *Server) { s.metrics = m }
+// recorder is what a request tells its metrics and trace, as it happens.
+// It only records: the answers pdx gives are the request's alone. What it
+// returns is the trace context the request's engine calls carry.
+type recorder interface {
+	// begin starts the record at the request headers and returns the
+	// request's trace context.
+	begin(ctx context.Context, h *extprocv3.HttpHeaders) traceContext
+	// message notes a message from Envoy (the decode's response phases).
+	message(msg *extprocv3.ProcessingRequest)
+	// pool notes the pool the request's model named.
+	pool(p *routing.Pool)
+	// attemptStarted notes a prefill attempt on ep and returns the context
+	// to run it in, carrying the attempt's span.
+	attemptStarted(ctx context.Context, p *routing.Pool, ep endpoint.Endpoint) context.Context
+	// attemptEnded notes the attempt's result: metrics.ResultOK or the
+	// error code the failure maps to.
+	attemptEnded(p *routing.Pool, ep endpoint.Endpoint, result string, err error)
+	// routed notes that pdx sent the request on to decode.
+	routed(decode endpoint.Endpoint)
+	// failed notes the error code pdx answered with.
+	failed(code string)
+	// end reports the request when its stream ends.
+	end(e ending)
 }
 
-// WithTracerProvider traces every request with tp: a span per request, a
-// child span per prefill attempt, and W3C traceparent headers on the
-// prefill and decode requests. A nil tp (the default) traces nothing and
-// leaves the client's traceparent as it is.
-func WithTracerProvider(tp trace.TracerProvider) Option {
-	return func(s *Server) {
-		if tp != nil {
-			s.tracer = tp.Tracer("github.com/pdx-router/pdx/processor")
-		}
+// traceContext is a request's trace: its id for the logs, and the W3C
+// headers that make the request's span the decode request's parent.
+type traceContext struct {
+	id      string
+	headers []traceHeader
+}
+
+type traceHeader struct{ name, value string }
+
+// ending is how a request ended.
+type ending struct {
+	// outcome is the metrics outcome; "" for a request pdx failed, whose
+	// outcome is the error code.
+	outcome string
+	// decoded: the request went to a decode engine, whose answer was timed.
+	decoded, failed    bool
+	clientID, engineID string
+}
+
+// newRecorder returns what records a request started at start: nothing
+// with metrics and tracing off.
+func newRecorder(m *metrics.Metrics, t trace.Tracer, start time.Time) recorder {
+	if m == nil && t == nil {
+		return noRecord{}
 	}
+	m.StreamStarted()
+	return &observation{metrics: m, tracer: t, start: start}
 }
 
-// observation is what pdx records of one request for its metrics and trace
-// while the request runs; it lives in the request, and is reported when the
-// stream ends. With metrics and tracing off it costs nil checks.
+// noRecord records nothing.
+type noRecord struct{}
+
+func (noRecord) begin(context.Context, *extprocv3.HttpHeaders) traceContext { return traceContext{} }
+func (noRecord) message(*extprocv3.ProcessingRequest)                       {}
+func (noRecord) pool(*routing.Pool)                                         {}
+func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.Endpoint) context.Context {
+	return ctx
+}
+func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
+func (noRecord) routed(endpoint.Endpoint)                                     {}
+func (noRecord) failed(string)                                                {}
+func (noRecord) end(ending)                                                   {}
+
+// observation records one request in metrics (when m is set) and a trace
+// (when tracer is): a span for the request, a child span per prefill
+// attempt.
 type observation struct {
 	metrics *metrics.Metrics
 	tracer  trace.Tracer
+	start   time.Time
 
 	// Times are durations since the request's start; zero means not yet.
-	pool     *routing.Pool // once the model named it
-	fallback bool          // decoded without prefill
+	chosen   *routing.Pool // once the model named it
 	code     string        // the error code pdx answered with
 	answered time.Duration // pdx's routing answer or error
 
@@ -56,8 +103,6 @@ type observation struct {
 	prefillStart, prefillEnd time.Duration // first attempt's start, last one's end
 	prefillResult            string        // ok or the last attempt's error code
 	attempting               bool          // an attempt is in flight
-	attemptPool              *routing.Pool
-	attemptOn                string
 
 	headersAt, doneAt time.Duration // decode response headers, end of response
 
@@ -65,53 +110,31 @@ type observation struct {
 	attempt trace.Span // the prefill attempt in flight
 }
 
-func (o *observation) on() bool { return o.metrics != nil || o.tracer != nil }
+var _ recorder = (*observation)(nil)
 
-// startObservation counts the stream in flight.
-func (r *request) startObservation(m *metrics.Metrics, t trace.Tracer) {
-	r.obs.metrics, r.obs.tracer = m, t
-	m.StreamStarted()
-}
-
-// observeMessage notes what a message from Envoy says about the request and
-// returns the state the request was in before it.
-func (r *request) observeMessage(ctx context.Context, msg *extprocv3.ProcessingRequest) state {
-	o := &r.obs
-	if !o.on() {
-		return r.state
+// begin starts the request's span, a child of the client's traceparent if
+// it sent one.
+func (o *observation) begin(ctx context.Context, h *extprocv3.HttpHeaders) traceContext {
+	if o.tracer == nil || o.span != nil {
+		return traceContext{}
 	}
-	switch m := msg.GetRequest().(type) {
-	case *extprocv3.ProcessingRequest_RequestHeaders:
-		if o.tracer != nil && o.span == nil && r.state == stateRequestHeaders {
-			r.startSpan(ctx, m.RequestHeaders)
-		}
-	case *extprocv3.ProcessingRequest_ResponseHeaders:
-		o.headersAt = time.Since(r.start)
-		if m.ResponseHeaders.GetEndOfStream() {
-			o.doneAt = o.headersAt
-		}
-	case *extprocv3.ProcessingRequest_ResponseBody:
-		if m.ResponseBody.GetEndOfStream() {
-			o.doneAt = time.Since(r.start)
-		}
-	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		o.doneAt = time.Since(r.start)
-	}
-	return r.state
-}
-
-// startSpan starts the request's span, a child of the client's traceparent
-// if it sent one.
-func (r *request) startSpan(ctx context.Context, h *extprocv3.HttpHeaders) {
 	parent := propagation.TraceContext{}.Extract(ctx, headerCarrier{h})
-	_, r.obs.span = r.obs.tracer.Start(parent, "pdx.request",
+	_, o.span = o.tracer.Start(parent, "pdx.request",
 		trace.WithSpanKind(trace.SpanKindServer),
-		trace.WithTimestamp(r.start),
+		trace.WithTimestamp(o.start),
 		trace.WithAttributes(
 			attribute.String("http.request.method", header(h, ":method")),
 			attribute.String("url.path", pathOf(h)),
 		))
-	r.log = r.log.With(slog.String("trace_id", r.obs.span.SpanContext().TraceID().String()))
+	carrier := propagation.MapCarrier{}
+	propagation.TraceContext{}.Inject(trace.ContextWithSpan(context.Background(), o.span), carrier)
+	tc := traceContext{id: o.span.SpanContext().TraceID().String()}
+	for _, name := range []string{"traceparent", "tracestate"} {
+		if v := carrier.Get(name); v != "" {
+			tc.headers = append(tc.headers, traceHeader{name, v})
+		}
+	}
+	return tc
 }
 
 // pathOf is the request's path without its query, which may hold secrets.
@@ -120,80 +143,44 @@ func pathOf(h *extprocv3.HttpHeaders) string {
 	return path
 }
 
-// observeAnswer notes pdx's answer to a message that found the request in
-// state was. When it routes the request, the decode request gets the
-// request span as its parent.
-func (r *request) observeAnswer(was state, resp *extprocv3.ProcessingResponse) {
-	o := &r.obs
-	routed := func(s state) bool { return s == stateRouted || s == statePassThrough }
-	if !o.on() || routed(was) || !routed(r.state) {
-		return
-	}
-	o.answered = time.Since(r.start)
-	if o.attempting && r.prefill == nil {
-		// A concurrent connector that finished its prefill in Prepare.
-		r.attemptDone(o.attemptPool, endpoint.Endpoint{Address: o.attemptOn}, nil)
-	}
-	if o.span == nil {
-		return
-	}
-	hm := headerMutation(resp)
-	if hm == nil {
-		return
-	}
-	for _, h := range hm.GetSetHeaders() {
-		if h.GetHeader().GetKey() == DestinationHeader {
-			o.span.SetAttributes(attribute.String("pdx.decode.endpoint", string(h.GetHeader().GetRawValue())))
+func (o *observation) message(msg *extprocv3.ProcessingRequest) {
+	switch m := msg.GetRequest().(type) {
+	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		o.headersAt = time.Since(o.start)
+		if m.ResponseHeaders.GetEndOfStream() {
+			o.doneAt = o.headersAt
 		}
-	}
-	carrier := propagation.MapCarrier{}
-	propagation.TraceContext{}.Inject(trace.ContextWithSpan(context.Background(), o.span), carrier)
-	for k, v := range carrier {
-		hm.SetHeaders = append(hm.SetHeaders, setHeader(k, v))
+	case *extprocv3.ProcessingRequest_ResponseBody:
+		if m.ResponseBody.GetEndOfStream() {
+			o.doneAt = time.Since(o.start)
+		}
+	case *extprocv3.ProcessingRequest_ResponseTrailers:
+		o.doneAt = time.Since(o.start)
 	}
 }
 
-// headerMutation is the header mutation of pdx's routing answer: in the
-// body answer (BUFFERED) or the headers answer (FULL_DUPLEX_STREAMED).
-func headerMutation(resp *extprocv3.ProcessingResponse) *extprocv3.HeaderMutation {
-	var cr *extprocv3.CommonResponse
-	switch {
-	case resp.GetRequestBody() != nil:
-		cr = resp.GetRequestBody().GetResponse()
-	case resp.GetRequestHeaders() != nil:
-		cr = resp.GetRequestHeaders().GetResponse()
+func (o *observation) pool(p *routing.Pool) { o.chosen = p }
+
+func (o *observation) routed(decode endpoint.Endpoint) {
+	o.answered = time.Since(o.start)
+	if o.span != nil {
+		o.span.SetAttributes(attribute.String("pdx.decode.endpoint", decode.Address))
 	}
-	if cr == nil {
-		return nil
-	}
-	if cr.HeaderMutation == nil {
-		cr.HeaderMutation = &extprocv3.HeaderMutation{}
-	}
-	return cr.HeaderMutation
 }
 
-// observeFailure notes the error code pdx answered with.
-func (r *request) observeFailure(code string) {
-	o := &r.obs
+func (o *observation) failed(code string) {
 	o.code = code
 	if o.answered == 0 {
-		o.answered = time.Since(r.start)
+		o.answered = time.Since(o.start)
 	}
 }
 
-// startAttempt notes a prefill attempt on ep and returns the context to run
-// it in: with tracing, one carrying the attempt's span, whose traceparent
-// the engine client sends.
-func (r *request) startAttempt(ctx context.Context, pool *routing.Pool, ep endpoint.Endpoint) context.Context {
-	o := &r.obs
-	if !o.on() {
-		return ctx
-	}
+func (o *observation) attemptStarted(ctx context.Context, p *routing.Pool, ep endpoint.Endpoint) context.Context {
 	now := time.Now()
 	if !o.attempting && !o.prefilled {
-		o.prefillStart = now.Sub(r.start)
+		o.prefillStart = now.Sub(o.start)
 	}
-	o.attempting, o.attemptPool, o.attemptOn = true, pool, ep.Address
+	o.attempting = true
 	if o.span == nil {
 		return ctx
 	}
@@ -201,27 +188,21 @@ func (r *request) startAttempt(ctx context.Context, pool *routing.Pool, ep endpo
 		trace.WithSpanKind(trace.SpanKindClient),
 		trace.WithTimestamp(now),
 		trace.WithAttributes(
-			attribute.String("pdx.pool", pool.Name),
-			attribute.String("pdx.connector", pool.ConnectorName),
+			attribute.String("pdx.pool", p.Name),
+			attribute.String("pdx.connector", p.ConnectorName),
 			attribute.String("pdx.endpoint", ep.Address),
 		))
 	return ctx
 }
 
-// attemptDone notes the outcome of the prefill attempt in flight.
-func (r *request) attemptDone(pool *routing.Pool, ep endpoint.Endpoint, err error) {
-	o := &r.obs
+func (o *observation) attemptEnded(p *routing.Pool, ep endpoint.Endpoint, result string, err error) {
 	if !o.attempting {
 		return
 	}
-	result := metrics.ResultOK
-	if err != nil {
-		result = toAPIError(r.prefillErr(pool, ep, err)).code
-	}
 	now := time.Now()
 	o.attempting, o.prefilled = false, true
-	o.prefillEnd, o.prefillResult = now.Sub(r.start), result
-	o.metrics.Pool(pool).Attempt(ep.Address, result)
+	o.prefillEnd, o.prefillResult = now.Sub(o.start), result
+	o.metrics.Pool(p).Attempt(ep.Address, result)
 	if s := o.attempt; s != nil {
 		o.attempt = nil
 		s.SetAttributes(attribute.String("pdx.status", result))
@@ -235,55 +216,34 @@ func (r *request) attemptDone(pool *routing.Pool, ep endpoint.Endpoint, err erro
 	}
 }
 
-// endObservation reports the request when its stream ends.
-func (r *request) endObservation() {
-	o := &r.obs
-	if !o.on() {
-		return
-	}
+func (o *observation) end(e ending) {
 	o.metrics.StreamEnded()
-	if o.attempting {
-		// A concurrent prefill still running: the request ended without it.
-		r.attemptDone(o.attemptPool, endpoint.Endpoint{Address: o.attemptOn}, context.Canceled)
-	}
-	outcome := metrics.OutcomeIncomplete
-	switch r.state {
-	case stateRouted:
-		outcome = metrics.OutcomeRouted
-		if o.fallback {
-			outcome = metrics.OutcomeFallback
-		}
-	case statePassThrough:
-		outcome = metrics.OutcomePassThrough
-	case stateAnswered:
-		outcome = metrics.OutcomeAnswered
-	case stateEnvoyAnswered:
-		outcome = metrics.OutcomeEnvoyAnswered
-	case stateFailed:
+	outcome := e.outcome
+	if e.failed {
 		outcome = o.code
 	}
 	if o.metrics != nil {
-		pm := o.metrics.Pool(o.pool)
+		pm := o.metrics.Pool(o.chosen)
 		pm.Request(outcome, o.answered)
 		if o.prefilled {
 			pm.Prefill(o.prefillResult, o.prefillEnd-o.prefillStart)
 		}
-		if r.state == stateRouted && o.headersAt > 0 {
+		if e.decoded && o.headersAt > 0 {
 			pm.DecodeHeaders(o.headersAt)
 		}
-		if r.state == stateRouted && o.doneAt > 0 {
+		if e.decoded && o.doneAt > 0 {
 			pm.DecodeDone(o.doneAt)
 		}
 	}
 	if s := o.span; s != nil {
-		s.SetAttributes(attribute.String("pdx.request_id", r.clientID), attribute.String("pdx.outcome", outcome))
-		if r.id != "" {
-			s.SetAttributes(attribute.String("pdx.engine_request_id", r.id))
+		s.SetAttributes(attribute.String("pdx.request_id", e.clientID), attribute.String("pdx.outcome", outcome))
+		if e.engineID != "" {
+			s.SetAttributes(attribute.String("pdx.engine_request_id", e.engineID))
 		}
-		if o.pool != nil {
-			s.SetAttributes(attribute.String("pdx.pool", o.pool.Name), attribute.String("pdx.connector", o.pool.ConnectorName))
+		if o.chosen != nil {
+			s.SetAttributes(attribute.String("pdx.pool", o.chosen.Name), attribute.String("pdx.connector", o.chosen.ConnectorName))
 		}
-		if r.state == stateFailed {
+		if e.failed {
 			s.SetStatus(codes.Error, o.code)
 		}
 		s.End()

@@ -14,6 +14,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"github.com/stretchr/testify/require"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
@@ -248,5 +249,75 @@ func TestRequestLogsCarryRequestID(t *testing.T) {
 		require.NoError(t, json.Unmarshal([]byte(line), &rec))
 		require.Contains(t, []any{"req-1", "req-2"}, rec["request_id"], line)
 		require.Len(t, rec["trace_id"], 32, line)
+	}
+}
+
+// TestRecordingDoesNotChangeAnswers runs the same streams with nothing
+// recorded, with metrics and with tracing: the answers are the same, but
+// for the trace headers the routed request carries with tracing on (and
+// the engines' request id, fresh per request).
+func TestRecordingDoesNotChangeAnswers(t *testing.T) {
+	id := []string{"x-request-id", "client-1"}
+	chat := headers("POST", "/v1/chat/completions", false, id...)
+	for _, tc := range []struct {
+		name         string
+		prefill      string // the prefill engine's answer
+		msgs         []*extprocv3.ProcessingRequest
+		wantTraceHdr int
+	}{
+		{"routed", kvAnswer, msgs(chat, body(chatHi, true), responseHeaders), 1},
+		{"bad prefill answer", "{", msgs(chat, body(chatHi, true)), 0},
+		{"bad body", kvAnswer, msgs(chat, body(`{"model":`, true)), 0},
+		{"bad model", kvAnswer, msgs(chat, body(`{"model":"x"}`, true)), 0},
+		{"models", kvAnswer, msgs(headers("GET", "/v1/models", true, id...)), 0},
+		{"no such path", kvAnswer, msgs(headers("GET", "/metrics", true, id...)), 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			answers := func(opts ...Option) ([]*extprocv3.ProcessingResponse, int) {
+				// A table each: round robin must pick the same endpoints.
+				table := testTable(t, false, time.Minute)
+				out := runOn(t, New(table, &fakeEngine{answer: tc.prefill}, slog.New(slog.DiscardHandler), opts...), tc.msgs...)
+				traced := 0
+				for _, resp := range out {
+					for _, hm := range []*extprocv3.HeaderMutation{
+						resp.GetRequestHeaders().GetResponse().GetHeaderMutation(),
+						resp.GetRequestBody().GetResponse().GetHeaderMutation(),
+					} {
+						if hm == nil {
+							continue
+						}
+						kept := hm.SetHeaders[:0]
+						for _, h := range hm.SetHeaders {
+							switch h.GetHeader().GetKey() {
+							case "traceparent", "tracestate":
+								traced++
+								continue
+							case "x-request-id":
+								h.Header.RawValue = []byte("engine-id")
+							}
+							kept = append(kept, h)
+						}
+						hm.SetHeaders = kept
+					}
+				}
+				return out, traced
+			}
+			plain, traced := answers()
+			require.Zero(t, traced)
+			withMetrics, traced := answers(WithMetrics(metrics.New()))
+			require.Zero(t, traced)
+			requireSameAnswers(t, plain, withMetrics)
+			withTracing, traced := answers(WithTracerProvider(sdktrace.NewTracerProvider()))
+			requireSameAnswers(t, plain, withTracing)
+			require.Equal(t, tc.wantTraceHdr, traced, "only the decode request carries the request span's traceparent")
+		})
+	}
+}
+
+func requireSameAnswers(t *testing.T, want, got []*extprocv3.ProcessingResponse) {
+	t.Helper()
+	require.Len(t, got, len(want))
+	for i := range want {
+		require.True(t, proto.Equal(want[i], got[i]), "answer %d:\nwant %v\ngot  %v", i, want[i], got[i])
 	}
 }

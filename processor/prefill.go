@@ -8,11 +8,46 @@ import (
 	"strings"
 	"time"
 
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 )
+
+// prefillRun is a request's prefill: its attempts' context and, for a
+// concurrent connector, the prefill still running while Envoy sends the
+// decode.
+type prefillRun struct {
+	// ctx bounds all attempts (the pool's prefill_timeout); cancel ends
+	// them. nil until the first attempt.
+	ctx    context.Context
+	cancel context.CancelFunc
+	pool   *routing.Pool
+	// on is the endpoint of the concurrent prefill that pending reports.
+	on endpoint.Endpoint
+	// pending is a concurrent connector's prefill, still running while
+	// Envoy sends the decode; nil once its outcome is in (or for sequential
+	// connectors).
+	pending <-chan error
+	// heldHeaders is set while pdx withholds its answer to the decode's
+	// response headers until the prefill has succeeded.
+	heldHeaders bool
+	// prepared is the decode a connector prepared, kept until pdx knows
+	// whether the engines can let go of what they hold for it (see stop).
+	prepared *prepared
+}
+
+// prepared is a decode that a connector whose engines hold work for it
+// prepared: what Release needs should the decode never come.
+type prepared struct {
+	releaser  connectors.Releaser
+	req       *connectors.Request
+	decode    connectors.Decode
+	delivered bool // Envoy has the decode
+}
 
 // errAttemptTimeout ends one prefill attempt that ran past the pool's
 // prefill_attempt_timeout; the next endpoint may still make it.
@@ -31,8 +66,9 @@ func retryBackoff(n int) time.Duration { return time.Duration(n) * 20 * time.Mil
 func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
 	// The context of all attempts. A concurrent prefill outlives this call,
 	// so the request cancels it (close); a sequential one ends here.
-	r.prefillCtx, r.cancelPrefill = context.WithTimeoutCause(ctx, pool.PrefillTimeout, errPrefillTimeout)
-	r.prefillPool = pool
+	pf := &r.prefill
+	pf.ctx, pf.cancel = context.WithTimeoutCause(ctx, pool.PrefillTimeout, errPrefillTimeout)
+	pf.pool = pool
 	var tried []endpoint.Endpoint
 	var last error       // decides the client's status
 	var earlier []string // for the message
@@ -45,7 +81,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 			break // every endpoint the decode pairs with has been tried
 		}
 		if n > 0 {
-			if sleep(r.prefillCtx, retryBackoff(n)) != nil {
+			if sleep(pf.ctx, retryBackoff(n)) != nil {
 				break
 			}
 		}
@@ -54,9 +90,9 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 		decode, err := r.attempt(ctx, pool, creq)
 		if err == nil {
 			if decode.Prefill == nil {
-				r.cancelPrefill()
+				pf.cancel()
 			} else {
-				r.prefillOn = ep
+				pf.on = ep
 			}
 			return decode, nil
 		}
@@ -64,14 +100,14 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 			earlier = append(earlier, last.Error())
 		}
 		last = r.prefillErr(pool, ep, err)
-		if !retryable(ctx, r.prefillCtx, last) {
+		if !retryable(ctx, pf.ctx, last) {
 			break
 		}
 		r.log.LogAttrs(ctx, slog.LevelInfo, "prefill attempt failed", slog.String("error", last.Error()))
 	}
-	r.cancelPrefill()
+	pf.cancel()
 	switch {
-	case context.Cause(r.prefillCtx) == errPrefillTimeout && !errors.Is(last, errPrefillTimeout):
+	case context.Cause(pf.ctx) == errPrefillTimeout && !errors.Is(last, errPrefillTimeout):
 		// The budget ran out between attempts.
 		if last != nil {
 			earlier = append(earlier, last.Error())
@@ -84,31 +120,36 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 }
 
 // attempt is one prefill on creq.Prefill. Its outcome feeds the endpoint's
-// passive health; a concurrent prefill's is reported when it arrives.
+// passive health; that of a concurrent prefill still running is reported
+// when it arrives (prefillDone).
 func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
 	if pool.Traits.Concurrent {
-		decode, err := pool.Connector.Prepare(r.startAttempt(r.prefillCtx, pool, creq.Prefill), r.env, creq)
-		if err != nil {
+		decode, err := pool.Connector.Prepare(r.obs.attemptStarted(r.prefill.ctx, pool, creq.Prefill), r.env, creq)
+		if err != nil || decode.Prefill == nil {
 			r.report(ctx, pool, creq.Prefill, err)
 		}
 		return decode, err
 	}
-	actx, cancel := context.WithTimeoutCause(r.prefillCtx, pool.AttemptTimeout, errAttemptTimeout)
+	actx, cancel := context.WithTimeoutCause(r.prefill.ctx, pool.AttemptTimeout, errAttemptTimeout)
 	defer cancel()
-	decode, err := pool.Connector.Prepare(r.startAttempt(actx, pool, creq.Prefill), r.env, creq)
-	if err != nil && context.Cause(actx) == errAttemptTimeout && r.prefillCtx.Err() == nil {
+	decode, err := pool.Connector.Prepare(r.obs.attemptStarted(actx, pool, creq.Prefill), r.env, creq)
+	if err != nil && context.Cause(actx) == errAttemptTimeout && r.prefill.ctx.Err() == nil {
 		err = fmt.Errorf("%w after %s", errAttemptTimeout, pool.AttemptTimeout)
 	}
 	r.report(ctx, pool, creq.Prefill, err)
 	return decode, err
 }
 
-// report tells the pool's picker whether ep served the prefill. Only the
-// endpoint's faults count: a request the engine rejected, or a client that
-// went away, says nothing about the endpoint. Metrics and the attempt's
-// span record every outcome.
+// report tells the pool's prefill leg whether ep served the prefill. Only
+// the endpoint's faults count: a request the engine rejected, or a client
+// that went away, says nothing about the endpoint. The record has every
+// outcome.
 func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.Endpoint, err error) {
-	r.attemptDone(pool, ep, err)
+	result := metrics.ResultOK
+	if err != nil {
+		result = toAPIError(r.prefillErr(pool, ep, err)).code
+	}
+	r.obs.attemptEnded(pool, ep, result, err)
 	if err != nil && (ctx.Err() != nil || !endpointFault(err)) {
 		return
 	}
@@ -118,10 +159,71 @@ func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.En
 	}
 }
 
+// prefillDone takes a concurrent prefill's outcome. On failure the client
+// gets pdx's error instead of the decode's answer: Envoy is still waiting for
+// the decode's response headers, either with pdx holding its answer to them
+// or before they arrived, and an ImmediateResponse then resets the decode.
+// Neither a retry nor the fallback is possible any more: the decode is on
+// its way, waiting for this prefill's KV, and its engine is told to let go.
+func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.ProcessingResponse {
+	pf := &r.prefill
+	pf.pending = nil
+	pf.cancel()
+	r.report(ctx, pf.pool, pf.on, err)
+	if err != nil {
+		r.release("the prefill failed after its decode was sent")
+		return r.fail(ctx, r.prefillErr(pf.pool, pf.on, err))
+	}
+	pf.prepared = nil
+	r.log.LogAttrs(ctx, slog.LevelDebug, "prefill done", slog.Duration("elapsed", time.Since(r.start)))
+	if pf.heldHeaders {
+		pf.heldHeaders = false
+		return continueResponseHeaders()
+	}
+	return nil
+}
+
+// stop ends the prefill's attempts. A prepared decode that Envoy never got,
+// and the legs of a concurrent prefill the request did not wait for (the
+// client went away), leave work on the engines: they are told to let go of
+// it.
+func (pf *prefillRun) stop(r *request) {
+	if pf.cancel != nil {
+		pf.cancel()
+	}
+	if p := pf.prepared; p != nil && (!p.delivered || pf.pending != nil) {
+		r.release("the request ended before its decode")
+	}
+}
+
+// releaseTimeout bounds a release, which runs after the request is over.
+const releaseTimeout = 5 * time.Second
+
+// release tells the engines to let go of the prepared decode's work, in the
+// background: the request has no one to wait for it.
+func (r *request) release(why string) {
+	p := r.prefill.prepared
+	r.prefill.prepared = nil
+	if p == nil || p.releaser == nil {
+		return
+	}
+	log, env := r.log, r.env
+	r.bg.Go(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
+		defer cancel()
+		if err := p.releaser.Release(ctx, env, p.req, p.decode); err != nil {
+			log.LogAttrs(ctx, slog.LevelWarn, "releasing the engines' work failed", slog.String("why", why), slog.String("error", err.Error()))
+			return
+		}
+		log.LogAttrs(ctx, slog.LevelInfo, "released the engines' work", slog.String("why", why),
+			slog.String("prefill", p.req.Prefill.Address), slog.String("decode", p.req.Decode.Address))
+	})
+}
+
 // prefillErr says which prefill failed, and names the overall timeout as
 // such rather than as the context error it surfaces as.
 func (r *request) prefillErr(pool *routing.Pool, ep endpoint.Endpoint, err error) error {
-	if context.Cause(r.prefillCtx) == errPrefillTimeout {
+	if context.Cause(r.prefill.ctx) == errPrefillTimeout {
 		err = fmt.Errorf("%w after %s", errPrefillTimeout, pool.PrefillTimeout)
 	}
 	if ee, ok := errors.AsType[*engines.Error](err); ok && ee.Endpoint.Address == ep.Address {

@@ -39,6 +39,26 @@ type Server struct {
 	tracer  trace.Tracer     // nil: no tracing
 }
 
+// Option configures a Server.
+type Option func(*Server)
+
+// WithMetrics records every request in m.
+func WithMetrics(m *metrics.Metrics) Option {
+	return func(s *Server) { s.metrics = m }
+}
+
+// WithTracerProvider traces every request with tp: a span per request, a
+// child span per prefill attempt, and W3C traceparent headers on the
+// prefill and decode requests. A nil tp (the default) traces nothing and
+// leaves the client's traceparent as it is.
+func WithTracerProvider(tp trace.TracerProvider) Option {
+	return func(s *Server) {
+		if tp != nil {
+			s.tracer = tp.Tracer("github.com/pdx-router/pdx/processor")
+		}
+	}
+}
+
 // New returns a server routing by table and calling engines through engine.
 func New(table *routing.Table, engine connectors.Engine, log *slog.Logger, opts ...Option) *Server {
 	s := &Server{env: connectors.Env{Engine: engine, EngineIDs: connectors.NewEngineIDs(0)}, log: log}
@@ -77,10 +97,9 @@ func (s *Server) Wait(ctx context.Context) error {
 // Process implements [extprocv3.ExternalProcessorServer].
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	ctx := stream.Context()
-	req := newRequest(s.table.Load(), s.env, s.log, &s.bg)
+	start := time.Now()
+	req := newRequest(s.table.Load(), s.env, s.log, &s.bg, start, newRecorder(s.metrics, s.tracer, start))
 	defer req.close()
-	req.startObservation(s.metrics, s.tracer)
-	defer req.endObservation()
 	// While a concurrent prefill runs, pdx must hear both Envoy and the
 	// prefill, so Recv moves to a goroutine; other requests never pay for it.
 	var received chan recvResult
@@ -88,7 +107,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	defer func() { deadline.stop() }()
 	for {
 		var resp *extprocv3.ProcessingResponse
-		if received == nil && req.pendingPrefill() == nil {
+		if received == nil && req.prefill.pending == nil {
 			msg, err := stream.Recv()
 			if deadline.interrupted() {
 				return nil // the body timed out, and pdx has answered so
@@ -108,7 +127,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 					return streamErr(ctx, r.err)
 				}
 				resp = req.handle(ctx, r.msg)
-			case err := <-req.pendingPrefill():
+			case err := <-req.prefill.pending:
 				resp = req.prefillDone(ctx, err)
 			case <-ctx.Done():
 				return nil // the stream is over; receive may have left quietly
@@ -161,7 +180,7 @@ func (r *request) awaitBody(ctx context.Context, stream extprocv3.ExternalProces
 		d = &bodyDeadline{at: r.start.Add(timeout), fired: make(chan struct{})}
 		d.timer = time.AfterFunc(time.Until(d.at), func() {
 			err := fmt.Errorf("%w: the request body did not arrive within %s", errBodyTimeout, timeout)
-			_ = stream.Send(r.handleErr(ctx, err)) // Envoy then ends the stream
+			_ = stream.Send(r.fail(ctx, err)) // Envoy then ends the stream
 			close(d.fired)
 		})
 		return d

@@ -14,10 +14,12 @@ import (
 // whole on every use: each request body just over 32 KiB (more than one
 // HTTP/2 frame) cost a 1 MiB clear to receive and another to answer, a
 // fifth of pdx's CPU in a profile. Buffers sized to the message are cleared
-// only as far as the message goes.
+// only as far as the message goes. pdx's gRPC server uses it
+// (grpc.ForceServerCodecV2); the process's other gRPC users, such as the
+// OTLP trace exporter, keep gRPC's own.
 type codec struct{}
 
-func init() { encoding.RegisterCodecV2(codec{}) }
+var _ encoding.CodecV2 = codec{}
 
 func (codec) Name() string { return protoenc.Name }
 

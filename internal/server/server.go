@@ -108,6 +108,7 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 		grpc.InitialWindowSize(16 << 20),
 		grpc.InitialConnWindowSize(64 << 20),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 5 * time.Second, PermitWithoutStream: true}),
+		grpc.ForceServerCodecV2(codec{}),
 	}
 	if tlsCfg != nil {
 		opts = append(opts, grpc.Creds(credentials.NewTLS(tlsCfg)))

@@ -1,0 +1,376 @@
+package processor
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/routing"
+)
+
+// Generation APIs pdx routes with a prefill.
+var inferencePaths = map[string]bool{
+	"/v1/chat/completions": true,
+	"/v1/completions":      true,
+}
+
+// modelsPath is where OpenAI clients list the models; pdx answers it from
+// its pools unless a pool passes it through.
+const modelsPath = "/v1/models"
+
+// requestHeaders decides what the path is for, and asks Envoy for the body
+// of a request pdx routes.
+func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) (*extprocv3.ProcessingResponse, error) {
+	path, _, _ := strings.Cut(header(h, ":path"), "?")
+	r.path = path
+	r.clientID = clientRequestID(header(h, "x-request-id"))
+	r.id = newRequestID()
+	r.log = r.log.With(slog.String("request_id", r.clientID), slog.String("path", path))
+	if r.trace = r.obs.begin(ctx, h); r.trace.id != "" {
+		r.log = r.log.With(slog.String("trace_id", r.trace.id))
+	}
+
+	method := header(h, ":method")
+	switch {
+	case inferencePaths[path]:
+		if method != "POST" {
+			return nil, &apiError{status: 405, typ: typeInvalidRequest, code: "method_not_allowed",
+				msg: fmt.Sprintf("%s %s is not supported; use POST", method, path), allow: "POST"}
+		}
+	case r.table.PassesThrough(path):
+		r.passThrough = true
+	case path == modelsPath:
+		if method != "GET" {
+			return nil, &apiError{status: 405, typ: typeInvalidRequest, code: "method_not_allowed",
+				msg: fmt.Sprintf("%s %s is not supported; use GET", method, path), allow: "GET"}
+		}
+		return r.models(), nil
+	default:
+		return nil, &apiError{status: 404, typ: typeInvalidRequest, code: "not_found",
+			msg: fmt.Sprintf("no API at %s: pdx serves POST /v1/chat/completions, POST /v1/completions and GET /v1/models", path)}
+	}
+	if err := r.checkHeaderRoom(h); err != nil {
+		return nil, err
+	}
+	if r.passThrough && h.GetEndOfStream() {
+		// No body (GET): the decode endpoint is known now.
+		pool, _ := r.table.PassThrough(path, "")
+		return r.passHeaders(pool)
+	}
+	if !r.passThrough {
+		if enc := header(h, "content-encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
+			return nil, &apiError{status: 415, typ: typeInvalidRequest, code: "unsupported_content_encoding",
+				msg: fmt.Sprintf("content-encoding %q is not supported; send the JSON body uncompressed", enc)}
+		}
+		if h.GetEndOfStream() {
+			return nil, badRequest("missing_body", "the request has no body; send a JSON object")
+		}
+	}
+	if err := r.checkBodyMode(); err != nil {
+		return nil, err
+	}
+	r.state = stateRequestBody
+	if r.duplex() {
+		// The answer waits for the body: it carries the decode endpoint.
+		return nil, nil
+	}
+	if r.table.HasConcurrent() && !r.passThrough {
+		return routeHeadersHoldingResponse(), nil
+	}
+	return routeHeaders(), nil
+}
+
+// checkHeaderRoom refuses a request whose headers leave no room for pdx's
+// within Envoy's limits: Envoy would refuse the mutation and answer 503
+// itself, which looks like a router fault and invites retries. What pdx
+// sets is the decode endpoint (replacing any client's), content-length and
+// x-request-id (replacing those there are) and, with tracing on, the W3C
+// trace headers; the count is that of Envoy's header map, pseudo-headers
+// and the headers Envoy added included.
+func (r *request) checkHeaderRoom(h *extprocv3.HttpHeaders) error {
+	lim := r.table.Limits()
+	all := h.GetHeaders().GetHeaders()
+	size := 0
+	for _, hv := range all {
+		size += len(hv.GetKey()) + len(hv.GetRawValue()) + len(hv.GetValue())
+	}
+	count, own := len(all), size
+	add := func(name string, bytes int) {
+		size += len(name) + bytes
+		if !hasHeader(h, name) {
+			count++
+		}
+	}
+	add(DestinationHeader, len("[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535"))
+	add("content-length", 10)
+	add("x-request-id", 36)
+	for _, th := range r.trace.headers {
+		add(th.name, len(th.value))
+	}
+	if count <= lim.MaxHeaders && size <= lim.MaxHeaderBytes {
+		return nil
+	}
+	return &apiError{status: 431, typ: typeInvalidRequest, code: "headers_too_large",
+		msg: fmt.Sprintf("the request has %d headers of %d bytes; with the router's own they would exceed the limit of %d headers or %d bytes: send fewer",
+			len(all), own, lim.MaxHeaders, lim.MaxHeaderBytes)}
+}
+
+func hasHeader(h *extprocv3.HttpHeaders, name string) bool {
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		if hv.GetKey() == name {
+			return true
+		}
+	}
+	return false
+}
+
+// requestBody routes a BUFFERED request once Envoy has its whole body.
+func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extprocv3.ProcessingResponse, error) {
+	if !b.GetEndOfStream() {
+		// Only a buffered body can be rewritten together with the headers.
+		return nil, fmt.Errorf("%w: got a partial request body; configure request_body_mode BUFFERED or FULL_DUPLEX_STREAMED", errConfig)
+	}
+	if n, max := len(b.GetBody()), r.table.MaxBodyBytes(); max > 0 && n > max {
+		return nil, &apiError{status: 413, typ: typeInvalidRequest, code: "body_too_large",
+			msg: fmt.Sprintf("the request body is %d bytes, over the limit of %d", n, max)}
+	}
+	return r.bodyDone(ctx, b.GetBody())
+}
+
+// bodyDone routes a request whose body has arrived (BUFFERED, or the last
+// of a FULL_DUPLEX_STREAMED body) and answers with what it decided.
+func (r *request) bodyDone(ctx context.Context, raw []byte) (*extprocv3.ProcessingResponse, error) {
+	if r.passThrough {
+		d, err := r.passBody(raw)
+		if err != nil {
+			return nil, err
+		}
+		r.state = statePassThrough
+		return r.answer(d), nil
+	}
+	d, answer, err := r.routeBody(ctx, raw)
+	switch {
+	case err != nil:
+		return nil, err
+	case answer != nil:
+		r.state = stateAnswered
+		return immediate(200, answer.ContentType, answer.Body, "pdx_answered_by_prefill", r.clientID), nil
+	}
+	r.state = stateRouted
+	return r.answer(d), nil
+}
+
+// routeBody parses a complete request body, runs the prefill and decides
+// the decode request, or the answer a connector had from the prefill alone.
+func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connectors.Answer, error) {
+	body, err := jsonedit.Parse(raw)
+	if err != nil {
+		return decision{}, nil, bodyError(err)
+	}
+	model, err := modelOf(body)
+	if err != nil {
+		return decision{}, nil, err
+	}
+	if model == "" {
+		return decision{}, nil, badRequest("missing_model", `the request has no "model"`)
+	}
+	pool, ok := r.table.Lookup(model)
+	if !ok {
+		return decision{}, nil, modelNotFound(model)
+	}
+	r.obs.pool(pool)
+	if err := validate(body, r.path, pool); err != nil {
+		return decision{}, nil, err
+	}
+	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body, KVHosts: pool.KVHosts}
+	// A discovered pool may have no decode endpoint at the moment: 503.
+	if creq.Decode, err = pool.PickDecode(); err != nil {
+		return decision{}, nil, err
+	}
+	var decode connectors.Decode
+	if pool.Traits.Prefills {
+		decode, err = r.prefillWithRetries(ctx, pool, creq)
+	} else {
+		decode, err = pool.Connector.Prepare(ctx, r.env, creq)
+	}
+	switch {
+	case err != nil && pool.Fallback && fallbackable(ctx, err):
+		// The decode engine can compute the prompt itself: slower, but the
+		// client gets an answer.
+		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
+			slog.String("pool", pool.Name), slog.String("error", err.Error()))
+		decode = connectors.Decode{Body: connectors.Plain(body)}
+		r.fallback = true
+	case err != nil:
+		return decision{}, nil, err
+	}
+	if rel, ok := pool.Connector.(connectors.Releaser); ok && !r.fallback {
+		r.prefill.prepared = &prepared{releaser: rel, req: creq, decode: decode}
+	}
+	if ctx.Err() != nil {
+		// The client went away while the prefill ran; its KV is released
+		// when Process ends.
+		return decision{}, nil, ctx.Err()
+	}
+	if decode.Answer != nil {
+		r.log.LogAttrs(ctx, slog.LevelDebug, "answered by the prefill", slog.String("pool", pool.Name),
+			slog.String("prefill", creq.Prefill.Address), slog.Duration("elapsed", time.Since(r.start)))
+		return decision{}, decode.Answer, nil
+	}
+	r.prefill.pending = decode.Prefill
+	if decode.RequestID != "" {
+		r.id = decode.RequestID
+	}
+	r.log.LogAttrs(ctx, slog.LevelDebug, "routed",
+		slog.String("model", model), slog.String("pool", pool.Name), slog.String("engine_request_id", r.id),
+		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
+		slog.Duration("elapsed", time.Since(r.start)))
+	return decision{decode: creq.Decode, body: decode.Body, unchanged: bytes.Equal(decode.Body, raw)}, nil, nil
+}
+
+// passHeaders routes a request on a pass-through path that has no body,
+// at its headers.
+func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse, error) {
+	r.obs.pool(pool)
+	decode, err := pool.PickDecode()
+	if err != nil {
+		return nil, err
+	}
+	r.state = statePassThrough
+	return r.answer(decision{decode: decode, atHeaders: true}), nil
+}
+
+// passBody decides where a request on a pass-through path goes once its
+// body is in: to the pool of the model it names, with protocol fields
+// stripped from a JSON body. Bodies that are not JSON (a form, an audio
+// file) carry no protocol fields an engine reads and pass unchanged; one
+// that looks like JSON but does not parse could hide them, and is refused.
+func (r *request) passBody(raw []byte) (decision, error) {
+	body, model := raw, ""
+	if t := bytes.TrimLeft(raw, " \t\r\n"); len(t) > 0 && (t[0] == '{' || t[0] == '[') {
+		obj, err := jsonedit.Parse(raw)
+		if err != nil {
+			return decision{}, bodyError(err)
+		}
+		if model, err = modelOf(obj); err != nil {
+			return decision{}, err
+		}
+		body = connectors.Plain(obj)
+	}
+	pool, ok := r.table.PassThrough(r.path, model)
+	switch {
+	case !ok && model != "" && pool == nil:
+		return decision{}, modelNotFound(model)
+	case !ok:
+		return decision{}, &apiError{status: 404, typ: typeInvalidRequest, code: "not_found",
+			msg: fmt.Sprintf("no API at %s for model %q", r.path, model)}
+	}
+	r.obs.pool(pool)
+	decode, err := pool.PickDecode()
+	if err != nil {
+		return decision{}, err
+	}
+	return decision{decode: decode, body: body, unchanged: bytes.Equal(body, raw)}, nil
+}
+
+// models answers GET /v1/models with the models the pools serve.
+func (r *request) models() *extprocv3.ProcessingResponse {
+	names, created := r.table.Models()
+	type model struct {
+		ID      string `json:"id"`
+		Object  string `json:"object"`
+		Created int64  `json:"created"`
+		OwnedBy string `json:"owned_by"`
+	}
+	list := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: make([]model, len(names))}
+	for i, n := range names {
+		list.Data[i] = model{ID: n, Object: "model", Created: created.Unix(), OwnedBy: "pdx"}
+	}
+	body, _ := json.Marshal(list) // strings and numbers only
+	r.state = stateAnswered
+	return immediate(200, "application/json", body, "pdx_models", r.clientID)
+}
+
+func modelNotFound(model string) *apiError {
+	return &apiError{status: 404, typ: typeInvalidRequest, code: "model_not_found",
+		msg: fmt.Sprintf("the model %q does not exist", model)}
+}
+
+// modelOf returns the body's "model", "" when it is absent or null.
+func modelOf(body jsonedit.Object) (string, error) {
+	raw, ok := body.Raw("model")
+	if !ok || string(raw) == "null" {
+		return "", nil
+	}
+	var model string
+	if raw[0] != '"' || json.Unmarshal(raw, &model) != nil {
+		return "", badRequest("invalid_type", fmt.Sprintf(`"model" must be a string, got %.40s`, raw))
+	}
+	if model == "" {
+		return "", badRequest("missing_model", `"model" is empty`)
+	}
+	return model, nil
+}
+
+// header returns the value of a request header; Envoy sends raw_value.
+func header(h *extprocv3.HttpHeaders, name string) string {
+	for _, hv := range h.GetHeaders().GetHeaders() {
+		if hv.GetKey() == name {
+			if raw := hv.GetRawValue(); raw != nil {
+				return string(raw)
+			}
+			return hv.GetValue()
+		}
+	}
+	return ""
+}
+
+// clientRequestID is the client's X-Request-Id when it is sane, for logs
+// and the response; otherwise a fresh one.
+func clientRequestID(client string) string {
+	if n := len(client); n > 0 && n <= 128 && printable(client) {
+		return client
+	}
+	return newRequestID()
+}
+
+// newRequestID returns a random UUID (version 4), the id engines get.
+func newRequestID() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40 // UUID version 4
+	b[8] = b[8]&0x3f | 0x80
+	var out [36]byte
+	hex.Encode(out[0:8], b[0:4])
+	out[8] = '-'
+	hex.Encode(out[9:13], b[4:6])
+	out[13] = '-'
+	hex.Encode(out[14:18], b[6:8])
+	out[18] = '-'
+	hex.Encode(out[19:23], b[8:10])
+	out[23] = '-'
+	hex.Encode(out[24:], b[10:])
+	return string(out[:])
+}
+
+func printable(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if s[i] <= ' ' || s[i] > '~' {
+			return false
+		}
+	}
+	return true
+}
