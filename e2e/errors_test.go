@@ -234,13 +234,13 @@ func TestErrorTable(t *testing.T) {
 	})
 }
 
-// The README's error table lists exactly the codes TestErrorTable causes,
-// and the ones checked without Envoy (which its rows say).
-func TestErrorTableMatchesREADME(t *testing.T) {
-	readme, err := os.ReadFile("../README.md")
+// The error table of docs/errors.md lists exactly the codes TestErrorTable
+// causes, and the ones checked without Envoy (which its rows say).
+func TestErrorTableMatchesDocs(t *testing.T) {
+	doc, err := os.ReadFile("../docs/errors.md")
 	require.NoError(t, err)
-	_, table, ok := strings.Cut(string(readme), "| status | code | when | answered by |")
-	require.True(t, ok, "the README has the error table")
+	_, table, ok := strings.Cut(string(doc), "| status | code | when | answered by |")
+	require.True(t, ok, "docs/errors.md has the error table")
 	row := regexp.MustCompile("(?m)^\\| ([0-9/]+) \\| ((?:`[a-z_]+`(?:, )?)+) \\|(.*)\\|$")
 	documented := map[string]string{}
 	for _, m := range row.FindAllStringSubmatch(strings.SplitN(table, "\n\n", 2)[0], -1) {
@@ -255,11 +255,11 @@ func TestErrorTableMatchesREADME(t *testing.T) {
 	tested := map[string]bool{}
 	for _, c := range errorCases {
 		status, ok := documented[c.code]
-		require.True(t, ok, "TestErrorTable checks %s, which the README does not list", c.code)
-		require.True(t, slices.Contains(strings.Split(status, "/"), fmt.Sprint(c.status)), "%s: README says %s, the test %d", c.code, status, c.status)
+		require.True(t, ok, "TestErrorTable checks %s, which docs/errors.md does not list", c.code)
+		require.True(t, slices.Contains(strings.Split(status, "/"), fmt.Sprint(c.status)), "%s: docs/errors.md says %s, the test %d", c.code, status, c.status)
 		tested[c.code] = true
 	}
 	for code, status := range documented {
-		require.True(t, tested[code] || status == "without Envoy", "the README lists %s, which TestErrorTable does not check", code)
+		require.True(t, tested[code] || status == "without Envoy", "docs/errors.md lists %s, which TestErrorTable does not check", code)
 	}
 }

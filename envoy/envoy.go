@@ -111,8 +111,8 @@ type LocalReply struct {
 const notPdx = "!response.code_details.startsWith('pdx_')"
 
 // LocalReplies are the mappers of every listener pdx ships, in order (the
-// first that matches a reply shapes it). The README's error table lists
-// them.
+// first that matches a reply shapes it). docs/errors.md's error table
+// lists them.
 var LocalReplies = []LocalReply{
 	// The ext_proc filter's own failures: pdx unreachable, killed,
 	// draining, or silent past message_timeout.

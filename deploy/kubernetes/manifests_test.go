@@ -217,7 +217,7 @@ func get[T runtime.Object](t *testing.T, objs []object, name string) T {
 
 // TestManifestsDecodeStrictly: every document of every manifest decodes
 // into its upstream Go type with no unknown field, lives in the pdx
-// namespace, and the set of kinds is what the README describes.
+// namespace, and the set of kinds is what docs/kubernetes.md describes.
 func TestManifestsDecodeStrictly(t *testing.T) {
 	kinds := map[string]int{}
 	for _, f := range yamlFiles(t, ".") {
