@@ -7,6 +7,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // TestPrepareAllocs bounds the allocations of one request through the NIXL
@@ -18,8 +19,8 @@ func TestPrepareAllocs(t *testing.T) {
 	body := []byte(`{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 4096) +
 		`"}],"max_tokens":64,"stream":true,"stream_options":{"include_usage":true},"temperature":0.7}`)
 	engines := map[string]Engine{
-		"nixl": fixedEngine{post: []byte(`{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_host":"10.0.0.1","remote_port":21001}}`)},
-		"http": fixedEngine{post: []byte(`{"id":"x"}`)},
+		"nixl": fakeengine.Fixed{PostAnswer: []byte(`{"id":"x","kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_host":"10.0.0.1","remote_port":21001}}`)},
+		"http": fakeengine.Fixed{PostAnswer: []byte(`{"id":"x"}`)},
 	}
 	for name, eng := range engines {
 		conn, err := newFor(t, name, "")

@@ -1,36 +1,24 @@
 package connectors
 
 import (
-	"context"
 	"fmt"
-	"net"
 	"strings"
 	"testing"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
-
-// fixedEngine answers every call at once with the same bytes: the benchmarks
-// measure the connectors' own work, not an engine's.
-type fixedEngine struct{ post, get []byte }
-
-func (e fixedEngine) Post(context.Context, endpoint.Endpoint, string, string, net.Buffers) ([]byte, error) {
-	return e.post, nil
-}
-
-func (e fixedEngine) Get(context.Context, string, string) ([]byte, error) { return e.get, nil }
 
 // BenchmarkPrepare is one request through each connector, client body
 // parsed once as the processor does, for prompts of 1 KiB to 2 MiB.
 func BenchmarkPrepare(b *testing.B) {
-	engines := map[string]fixedEngine{
-		"nixl":     {post: []byte(`{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_request_id":"r","remote_host":"10.0.0.1","remote_port":21001}}`)},
-		"http":     {post: []byte(`{"id":"x"}`)},
-		"sglang":   {post: []byte(`{"id":"x"}`)},
-		"p2p-nccl": {post: []byte(`{"id":"x"}`)},
-		"trtllm":   {post: []byte(`{"id":"x","choices":[{"index":0,"text":"a","finish_reason":"length","disaggregated_params":{"request_type":"context_only","ctx_request_id":9007199254740993,"first_gen_tokens":[42],"encoded_opaque_state":"b3BhcXVl"}}]}`)},
-		"mooncake": {post: []byte(`{"id":"x"}`), get: []byte(`{"0":{"engine_id":"e","worker_addr":{}}}`)},
+	engines := map[string]fakeengine.Fixed{
+		"nixl":     {PostAnswer: []byte(`{"id":"x","choices":[{"text":"a"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1,2,3]],"remote_request_id":"r","remote_host":"10.0.0.1","remote_port":21001}}`)},
+		"http":     {PostAnswer: []byte(`{"id":"x"}`)},
+		"sglang":   {PostAnswer: []byte(`{"id":"x"}`)},
+		"p2p-nccl": {PostAnswer: []byte(`{"id":"x"}`)},
+		"trtllm":   {PostAnswer: []byte(`{"id":"x","choices":[{"index":0,"text":"a","finish_reason":"length","disaggregated_params":{"request_type":"context_only","ctx_request_id":9007199254740993,"first_gen_tokens":[42],"encoded_opaque_state":"b3BhcXVl"}}]}`)},
+		"mooncake": {PostAnswer: []byte(`{"id":"x"}`), GetAnswer: []byte(`{"0":{"engine_id":"e","worker_addr":{}}}`)},
 	}
 	connectors := []struct {
 		name string

@@ -1,6 +1,7 @@
 package connectors
 
 import (
+	"context"
 	"fmt"
 	"net/http"
 	"sync"
@@ -10,6 +11,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // newFor builds the connector a pool of connector name (and, for
@@ -116,8 +118,8 @@ func TestSpecsValidate(t *testing.T) {
 
 // answerFor answers a prefill with what every protocol reads back, echoing
 // the request's prompt into the per-request parameters.
-func answerFor(c engineCall) ([]byte, error) {
-	body, err := jsonedit.Parse([]byte(c.body))
+func answerFor(_ context.Context, c fakeengine.Call) ([]byte, error) {
+	body, err := jsonedit.Parse([]byte(c.Body))
 	if err != nil {
 		return nil, err
 	}
@@ -132,11 +134,11 @@ func answerFor(c engineCall) ([]byte, error) {
 
 // echoEngine answers prefill calls on testPrefill with answerFor, and the
 // Mooncake bootstrap query.
-func echoEngine() *fakeEngine {
-	return newFakeEngine().
-		on(http.MethodPost, testPrefill.Address, "/v1/completions", reply{fn: answerFor}).
-		on(http.MethodPost, testPrefill.Address, "/v1/chat/completions", reply{fn: answerFor}).
-		on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: mooncakeQuery})
+func echoEngine() *fakeengine.Engine {
+	return fakeengine.New().
+		On(http.MethodPost, testPrefill.Address, "/v1/completions", fakeengine.Reply{Fn: answerFor}).
+		On(http.MethodPost, testPrefill.Address, "/v1/chat/completions", fakeengine.Reply{Fn: answerFor}).
+		On(http.MethodGet, "10.0.0.1:8998", "/query", fakeengine.Reply{Body: mooncakeQuery})
 }
 
 // TestProtocolFieldsStripped checks, for every connector, that nothing of
@@ -159,9 +161,9 @@ func TestProtocolFieldsStripped(t *testing.T) {
 					require.NoError(t, prefillOutcome(t, got.Prefill))
 				}
 				legs := []string{string(got.Body)}
-				for _, call := range eng.recorded() {
-					if call.method == http.MethodPost {
-						legs = append(legs, call.body)
+				for _, call := range eng.Calls() {
+					if call.Method == http.MethodPost {
+						legs = append(legs, call.Body)
 					}
 				}
 				if _, isNone := c.(None); !isNone {
@@ -215,10 +217,10 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 			}
 			wg.Wait()
 
-			prefills := map[string][]engineCall{}
-			for _, call := range eng.recorded() {
-				if call.method == http.MethodPost {
-					prefills[call.requestID] = append(prefills[call.requestID], call)
+			prefills := map[string][]fakeengine.Call{}
+			for _, call := range eng.Calls() {
+				if call.Method == http.MethodPost {
+					prefills[call.RequestID] = append(prefills[call.RequestID], call)
 				}
 			}
 			for i, d := range decodes {
@@ -238,7 +240,7 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 					continue
 				}
 				require.Len(t, prefills[id], 1, "one prefill per request, under the decode's id")
-				prefill, err := jsonedit.Parse([]byte(prefills[id][0].body))
+				prefill, err := jsonedit.Parse([]byte(prefills[id][0].Body))
 				require.NoError(t, err)
 				requireRaw(t, prefill, "prompt", prompt)
 
@@ -247,7 +249,7 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 					require.NoError(t, err)
 					if params.Has("transfer_id") {
 						raw, _ := params.Raw("transfer_id")
-						require.Contains(t, prefills[id][0].body, string(raw), "prefill and decode share the transfer id")
+						require.Contains(t, prefills[id][0].Body, string(raw), "prefill and decode share the transfer id")
 					} else {
 						requireRaw(t, params, "remote_request_id", prompt)
 					}

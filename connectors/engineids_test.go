@@ -12,6 +12,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 func TestEngineIDs(t *testing.T) {
@@ -122,13 +123,13 @@ func TestEngineIDs(t *testing.T) {
 // and again after a prefill on that engine failed.
 func TestMooncakeEngineIDCached(t *testing.T) {
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	eng := newFakeEngine().
-		on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: `{"0":{"engine_id":"e1"}}`}).
-		on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
+	eng := fakeengine.New().
+		On(http.MethodGet, "10.0.0.1:8998", "/query", fakeengine.Reply{Body: `{"0":{"engine_id":"e1"}}`}).
+		On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 	env := Env{Engine: eng, EngineIDs: NewEngineIDs(time.Minute)}
 	queries := func() (n int) {
-		for _, c := range eng.recorded() {
-			if c.method == http.MethodGet {
+		for _, c := range eng.Calls() {
+			if c.Method == http.MethodGet {
 				n++
 			}
 		}
@@ -141,11 +142,11 @@ func TestMooncakeEngineIDCached(t *testing.T) {
 	}
 	require.Equal(t, 1, queries())
 
-	eng.on(http.MethodPost, testPrefill.Address, req.Path, reply{err: &engines.Error{Status: 0, Message: "connection refused"}})
+	eng.On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Err: &engines.Error{Status: 0, Message: "connection refused"}})
 	d, err := MooncakeVLLMConnector{}.Prepare(t.Context(), env, req)
 	require.NoError(t, err)
 	require.Error(t, <-d.Prefill)
-	eng.on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
+	eng.On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 	d, err = MooncakeVLLMConnector{}.Prepare(t.Context(), env, req)
 	require.NoError(t, err)
 	require.NoError(t, <-d.Prefill)

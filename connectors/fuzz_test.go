@@ -15,6 +15,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // The fuzz targets below drive each connector's Prepare with a fuzzed client
@@ -131,13 +132,13 @@ func FuzzHTTP(f *testing.F) {
 		if req == nil {
 			return
 		}
-		engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
+		engine := fakeengine.New().On(http.MethodPost, testPrefill.Address, fuzzPath, fakeengine.Reply{Body: `{"id":"cmpl-1"}`})
 		d, err := HTTP{}.Prepare(t.Context(), Env{Engine: engine}, req)
 		if err != nil {
 			t.Fatalf("Prepare: %v", err)
 		}
 		p := onePost(t, engine, req.ID)
-		checkLeg(t, "prefill", cm, []byte(p.body), prefillOnlyWant(cm))
+		checkLeg(t, "prefill", cm, []byte(p.Body), prefillOnlyWant(cm))
 		checkLeg(t, "decode", cm, d.Body, protocolAbsent(cm))
 		if d.RequestID != "" || d.Prefill != nil {
 			t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
@@ -156,7 +157,7 @@ func FuzzP2PNCCL(f *testing.F) {
 		if req == nil {
 			return
 		}
-		engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
+		engine := fakeengine.New().On(http.MethodPost, testPrefill.Address, fuzzPath, fakeengine.Reply{Body: `{"id":"cmpl-1"}`})
 		d, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: engine}, req)
 		if err != nil {
 			t.Fatalf("Prepare: %v", err)
@@ -165,7 +166,7 @@ func FuzzP2PNCCL(f *testing.F) {
 			t.Fatalf("decode request id %q", d.RequestID)
 		}
 		p := onePost(t, engine, d.RequestID)
-		checkLeg(t, "prefill", cm, []byte(p.body), prefillOnlyWant(cm))
+		checkLeg(t, "prefill", cm, []byte(p.Body), prefillOnlyWant(cm))
 		checkLeg(t, "decode", cm, d.Body, protocolAbsent(cm))
 	})
 }
@@ -182,7 +183,7 @@ func FuzzSGLang(f *testing.F) {
 		if req == nil {
 			return
 		}
-		engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
+		engine := fakeengine.New().On(http.MethodPost, testPrefill.Address, fuzzPath, fakeengine.Reply{Body: `{"id":"cmpl-1"}`})
 		d, err := SGLang{}.Prepare(t.Context(), Env{Engine: engine}, req)
 		if err != nil {
 			t.Fatalf("Prepare: %v", err)
@@ -191,8 +192,8 @@ func FuzzSGLang(f *testing.F) {
 			t.Fatalf("prefill: %v", err)
 		}
 		p := onePost(t, engine, req.ID)
-		if p.body != string(d.Body) {
-			t.Fatalf("legs differ:\nprefill %q\n decode %q", p.body, d.Body)
+		if p.Body != string(d.Body) {
+			t.Fatalf("legs differ:\nprefill %q\n decode %q", p.Body, d.Body)
 		}
 		room := memberRaw(t, d.Body, "bootstrap_room")
 		if n, err := strconv.ParseInt(string(room), 10, 64); !sglangRoomText.Match(room) || err != nil || n < 0 {
@@ -224,14 +225,14 @@ func FuzzMooncakeVLLM(f *testing.F) {
 		if req == nil {
 			return
 		}
-		engine := fuzzEngine().
-			on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: string(query)}).
-			on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: `{"id":"cmpl-1"}`})
+		engine := fakeengine.New().
+			On(http.MethodGet, "10.0.0.1:8998", "/query", fakeengine.Reply{Body: string(query)}).
+			On(http.MethodPost, testPrefill.Address, fuzzPath, fakeengine.Reply{Body: `{"id":"cmpl-1"}`})
 		d, err := c.Prepare(t.Context(), Env{Engine: engine}, req)
 		engineID := fuzzEngineID(query)
 		if engineID == nil {
 			requireBadAnswer(t, err, d, query)
-			if calls := engine.recorded(); len(calls) != 1 || calls[0].method != http.MethodGet {
+			if calls := engine.Calls(); len(calls) != 1 || calls[0].Method != http.MethodGet {
 				t.Fatalf("calls after a bad /query answer: %+v", calls)
 			}
 			return
@@ -249,7 +250,7 @@ func FuzzMooncakeVLLM(f *testing.F) {
 		transferID := `"xfer-` + d.RequestID + `"`
 		want := prefillOnlyWant(cm)
 		want["kv_transfer_params"] = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":` + transferID + `}`)
-		checkLeg(t, "prefill", cm, []byte(p.body), want)
+		checkLeg(t, "prefill", cm, []byte(p.Body), want)
 		want = protocolAbsent(cm)
 		want["kv_transfer_params"] = []byte(`{"do_remote_decode":false,"do_remote_prefill":true,` +
 			`"remote_bootstrap_addr":"http://10.0.0.1:8998","remote_engine_id":` + string(engineID) +
@@ -274,7 +275,7 @@ func fuzzTRTLLM(t *testing.T, legacy bool, client, answer []byte) {
 	if req == nil {
 		return
 	}
-	engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: string(answer)})
+	engine := fakeengine.New().On(http.MethodPost, testPrefill.Address, fuzzPath, fakeengine.Reply{Body: string(answer)})
 	d, err := TRTLLM{Legacy: legacy}.Prepare(t.Context(), Env{Engine: engine}, req)
 	p := onePost(t, engine, req.ID)
 	want := protocolAbsent(cm)
@@ -283,7 +284,7 @@ func fuzzTRTLLM(t *testing.T, legacy bool, client, answer []byte) {
 	ctxParams := []byte(`{"request_type":"context_only"}`)
 	var disaggID []byte
 	if !legacy {
-		raw := memberRaw(t, []byte(p.body), "disaggregated_params")
+		raw := memberRaw(t, []byte(p.Body), "disaggregated_params")
 		ms, err := fuzzMembers(raw)
 		if err != nil || len(ms) != 2 || ms[0].key != "request_type" || ms[1].key != "disagg_request_id" {
 			t.Fatalf("context disaggregated_params %q", raw)
@@ -294,7 +295,7 @@ func fuzzTRTLLM(t *testing.T, legacy bool, client, answer []byte) {
 		disaggID, ctxParams = ms[1].raw, raw
 	}
 	want["disaggregated_params"] = ctxParams
-	checkLeg(t, "context", cm, []byte(p.body), want)
+	checkLeg(t, "context", cm, []byte(p.Body), want)
 
 	params, extra, finished, ok := fuzzGenerationParams(answer, legacy, disaggID)
 	if !ok {
@@ -333,13 +334,13 @@ func fuzzNIXL(t *testing.T, c Connector, client, answer []byte) {
 	if req == nil {
 		return
 	}
-	engine := fuzzEngine().on(http.MethodPost, testPrefill.Address, fuzzPath, reply{body: string(answer)})
+	engine := fakeengine.New().On(http.MethodPost, testPrefill.Address, fuzzPath, fakeengine.Reply{Body: string(answer)})
 	d, err := c.Prepare(t.Context(), Env{Engine: engine}, req)
 	p := onePost(t, engine, req.ID)
 	want := prefillOnlyWant(cm)
 	want["kv_transfer_params"] = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,` +
 		`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
-	checkLeg(t, "prefill", cm, []byte(p.body), want)
+	checkLeg(t, "prefill", cm, []byte(p.Body), want)
 
 	// The answer's kv_transfer_params: an object goes to the decode as
 	// is, null or absent leaves the key out, anything else is bad.
@@ -381,10 +382,6 @@ func fuzzKVSourceOK(kv []byte) bool {
 
 const fuzzPath = "/v1/chat/completions"
 
-// fuzzEngine returns a fakeEngine without the buffer of blocked calls,
-// which fuzzing needs none of and would allocate on every input.
-func fuzzEngine() *fakeEngine { return &fakeEngine{replies: map[string]reply{}} }
-
 // fuzzRequest returns the request for a client body and the body's members,
 // or nil if jsonedit.Parse rejects the body (the processor answers 400 then).
 func fuzzRequest(client []byte) (*Request, []fuzzMember) {
@@ -401,11 +398,11 @@ func fuzzRequest(client []byte) (*Request, []fuzzMember) {
 
 // onePost returns the one call engine received, which must be a POST of
 // the prefill with requestID.
-func onePost(t *testing.T, engine *fakeEngine, requestID string) engineCall {
+func onePost(t *testing.T, engine *fakeengine.Engine, requestID string) fakeengine.Call {
 	t.Helper()
-	var posts []engineCall
-	for _, c := range engine.recorded() {
-		if c.method == http.MethodPost {
+	var posts []fakeengine.Call
+	for _, c := range engine.Calls() {
+		if c.Method == http.MethodPost {
 			posts = append(posts, c)
 		}
 	}
@@ -413,8 +410,8 @@ func onePost(t *testing.T, engine *fakeEngine, requestID string) engineCall {
 		t.Fatalf("%d prefill POSTs, want 1: %+v", len(posts), posts)
 	}
 	p := posts[0]
-	if p.endpoint != testPrefill || p.path != fuzzPath || p.requestID != requestID {
-		t.Fatalf("prefill POST to %+v %s as %q, want %+v %s as %q", p.endpoint, p.path, p.requestID, testPrefill, fuzzPath, requestID)
+	if p.Endpoint != testPrefill || p.Path != fuzzPath || p.RequestID != requestID {
+		t.Fatalf("prefill POST to %+v %s as %q, want %+v %s as %q", p.Endpoint, p.Path, p.RequestID, testPrefill, fuzzPath, requestID)
 	}
 	return p
 }

@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 func TestHTTPPrepare(t *testing.T) {
@@ -49,10 +50,10 @@ func TestHTTPPrepare(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, tc.client)
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"id":"x","choices":[{"text":"a"}]}`})
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{"id":"x","choices":[{"text":"a"}]}`})
 			got, err := HTTP{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
-			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: testPrefill, path: req.Path, requestID: "req-1", body: tc.prefill}}, eng.recorded())
+			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: testPrefill, Path: req.Path, RequestID: "req-1", Body: tc.prefill}}, eng.Calls())
 			require.Equal(t, tc.decode, string(got.Body))
 			require.Equal(t, Decode{Body: got.Body}, got, "no request id override, no concurrent prefill")
 		})
@@ -65,13 +66,13 @@ func TestHTTPPrepareErrors(t *testing.T) {
 	tests := []struct {
 		name    string
 		ctx     context.Context
-		reply   reply
+		reply   fakeengine.Reply
 		wantErr string
 		is      error
 	}{
-		{name: "engine error passed up", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 500, Message: "boom"}}, wantErr: "answered 500: boom"},
-		{name: "plain error becomes an engines.Error", reply: reply{err: errors.New("refused")}, wantErr: "refused"},
-		{name: "context ends the prefill", ctx: canceled, reply: reply{block: true}, is: context.Canceled},
+		{name: "engine error passed up", reply: fakeengine.Reply{Err: &engines.Error{Endpoint: testPrefill, Status: 500, Message: "boom"}}, wantErr: "answered 500: boom"},
+		{name: "plain error becomes an engines.Error", reply: fakeengine.Reply{Err: errors.New("refused")}, wantErr: "refused"},
+		{name: "context ends the prefill", ctx: canceled, reply: fakeengine.Reply{Block: true}, is: context.Canceled},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -80,7 +81,7 @@ func TestHTTPPrepareErrors(t *testing.T) {
 				ctx = t.Context()
 			}
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
 			got, err := HTTP{}.Prepare(ctx, Env{Engine: eng}, req)
 			require.Equal(t, Decode{}, got)
 			requireEngineError(t, err, testPrefill)

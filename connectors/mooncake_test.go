@@ -13,6 +13,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 func TestNewMooncake(t *testing.T) {
@@ -88,22 +89,22 @@ func TestMooncakeVLLMPrepare(t *testing.T) {
 			req := newRequest(t, tc.client)
 			req.ID = tc.id
 			req.Prefill.BootstrapPort = tc.bootstrapPort
-			eng := newFakeEngine().
-				on(http.MethodGet, tc.bootstrap, "/query", reply{body: tc.query}).
-				on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"id":"x","kv_transfer_params":null}`})
+			eng := fakeengine.New().
+				On(http.MethodGet, tc.bootstrap, "/query", fakeengine.Reply{Body: tc.query}).
+				On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{"id":"x","kv_transfer_params":null}`})
 			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.NoError(t, prefillOutcome(t, got.Prefill))
-			calls := eng.recorded()
+			calls := eng.Calls()
 			require.Len(t, calls, 2)
 			id := transferID(t, string(got.Body))
-			require.Equal(t, id, transferID(t, calls[1].body), "both legs meet on one transfer id")
+			require.Equal(t, id, transferID(t, calls[1].Body), "both legs meet on one transfer id")
 			require.Equal(t, "xfer-"+got.RequestID, id, "the transfer id is xfer-<request id>")
 			require.Equal(t, tc.decode, strings.ReplaceAll(string(got.Body), id, "xfer-ID"))
-			calls[1].body = strings.ReplaceAll(calls[1].body, id, "xfer-ID")
-			require.Equal(t, []engineCall{
-				{method: http.MethodGet, endpoint: endpoint.Endpoint{Address: tc.bootstrap}, path: "/query"},
-				{method: http.MethodPost, endpoint: req.Prefill, path: req.Path, requestID: got.RequestID, body: tc.prefill},
+			calls[1].Body = strings.ReplaceAll(calls[1].Body, id, "xfer-ID")
+			require.Equal(t, []fakeengine.Call{
+				{Method: http.MethodGet, Endpoint: endpoint.Endpoint{Address: tc.bootstrap}, Path: "/query"},
+				{Method: http.MethodPost, Endpoint: req.Prefill, Path: req.Path, RequestID: got.RequestID, Body: tc.prefill},
 			}, calls, "one fresh request id on both legs")
 		})
 	}
@@ -127,9 +128,9 @@ func TestMooncakeVLLMTransferIDIsFresh(t *testing.T) {
 	seen := map[string]bool{}
 	for range 100 {
 		req := newRequest(t, `{"model":"m","prompt":"p"}`)
-		eng := newFakeEngine().
-			on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: `{"0":{"engine_id":"e"}}`}).
-			on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
+		eng := fakeengine.New().
+			On(http.MethodGet, "10.0.0.1:8998", "/query", fakeengine.Reply{Body: `{"0":{"engine_id":"e"}}`}).
+			On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 		got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 		require.NoError(t, err)
 		require.NoError(t, prefillOutcome(t, got.Prefill))
@@ -142,25 +143,25 @@ func TestMooncakeVLLMTransferIDIsFresh(t *testing.T) {
 func TestMooncakeVLLMQueryErrors(t *testing.T) {
 	tests := []struct {
 		name    string
-		reply   reply
+		reply   fakeengine.Reply
 		wantErr string
 		is      error
 	}{
-		{name: "bootstrap server fails", reply: reply{err: &engines.Error{Endpoint: endpoint.Endpoint{Address: "10.0.0.1:8998"}, Status: 500, Message: "boom"}}, wantErr: "querying Mooncake bootstrap server 10.0.0.1:8998: prefill engine 10.0.0.1:8998 answered 500: boom"},
-		{name: "bootstrap server unreachable", reply: reply{err: errors.New("connection refused")}, wantErr: "connection refused"},
-		{name: "not JSON", reply: reply{body: `<html>`}, is: engines.ErrBadAnswer},
-		{name: "nothing registered yet", reply: reply{body: `{}`}, wantErr: "no dp rank 0", is: engines.ErrBadAnswer},
-		{name: "rank 0 null", reply: reply{body: `{"0":null}`}, is: engines.ErrBadAnswer},
-		{name: "engine id not a string", reply: reply{body: `{"0":{"engine_id":5}}`}, wantErr: "no engine_id string", is: engines.ErrBadAnswer},
-		{name: "engine id empty", reply: reply{body: `{"0":{"engine_id":""}}`}, is: engines.ErrBadAnswer},
-		{name: "engine id missing", reply: reply{body: `{"0":{"worker_addr":{}}}`}, is: engines.ErrBadAnswer},
+		{name: "bootstrap server fails", reply: fakeengine.Reply{Err: &engines.Error{Endpoint: endpoint.Endpoint{Address: "10.0.0.1:8998"}, Status: 500, Message: "boom"}}, wantErr: "querying Mooncake bootstrap server 10.0.0.1:8998: prefill engine 10.0.0.1:8998 answered 500: boom"},
+		{name: "bootstrap server unreachable", reply: fakeengine.Reply{Err: errors.New("connection refused")}, wantErr: "connection refused"},
+		{name: "not JSON", reply: fakeengine.Reply{Body: `<html>`}, is: engines.ErrBadAnswer},
+		{name: "nothing registered yet", reply: fakeengine.Reply{Body: `{}`}, wantErr: "no dp rank 0", is: engines.ErrBadAnswer},
+		{name: "rank 0 null", reply: fakeengine.Reply{Body: `{"0":null}`}, is: engines.ErrBadAnswer},
+		{name: "engine id not a string", reply: fakeengine.Reply{Body: `{"0":{"engine_id":5}}`}, wantErr: "no engine_id string", is: engines.ErrBadAnswer},
+		{name: "engine id empty", reply: fakeengine.Reply{Body: `{"0":{"engine_id":""}}`}, is: engines.ErrBadAnswer},
+		{name: "engine id missing", reply: fakeengine.Reply{Body: `{"0":{"worker_addr":{}}}`}, is: engines.ErrBadAnswer},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
-			eng := newFakeEngine().
-				on(http.MethodGet, "10.0.0.1:8998", "/query", tc.reply).
-				on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
+			eng := fakeengine.New().
+				On(http.MethodGet, "10.0.0.1:8998", "/query", tc.reply).
+				On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.Equal(t, Decode{}, got)
 			ee := requireEngineError(t, err, testPrefill)
@@ -171,9 +172,9 @@ func TestMooncakeVLLMQueryErrors(t *testing.T) {
 			if tc.is != nil {
 				require.ErrorIs(t, err, tc.is)
 			}
-			calls := eng.recorded()
+			calls := eng.Calls()
 			require.Len(t, calls, 1, "no prefill without the engine id")
-			require.Equal(t, http.MethodGet, calls[0].method)
+			require.Equal(t, http.MethodGet, calls[0].Method)
 		})
 	}
 }
@@ -181,19 +182,19 @@ func TestMooncakeVLLMQueryErrors(t *testing.T) {
 func TestMooncakeVLLMPrefillOutcome(t *testing.T) {
 	tests := []struct {
 		name    string
-		reply   reply
+		reply   fakeengine.Reply
 		wantErr string
 	}{
-		{name: "success", reply: reply{body: `{"choices":[]}`}},
-		{name: "engine error", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 503, Message: "overloaded"}}, wantErr: "answered 503: overloaded"},
-		{name: "plain error named by the endpoint", reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
+		{name: "success", reply: fakeengine.Reply{Body: `{"choices":[]}`}},
+		{name: "engine error", reply: fakeengine.Reply{Err: &engines.Error{Endpoint: testPrefill, Status: 503, Message: "overloaded"}}, wantErr: "answered 503: overloaded"},
+		{name: "plain error named by the endpoint", reply: fakeengine.Reply{Err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
-			eng := newFakeEngine().
-				on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: mooncakeQuery}).
-				on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
+			eng := fakeengine.New().
+				On(http.MethodGet, "10.0.0.1:8998", "/query", fakeengine.Reply{Body: mooncakeQuery}).
+				On(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
 			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err, "prefill failures arrive on the channel")
 			err = prefillOutcome(t, got.Prefill)
@@ -210,13 +211,13 @@ func TestMooncakeVLLMPrefillOutcome(t *testing.T) {
 func TestMooncakeVLLMCancelledWhilePrefillHangs(t *testing.T) {
 	defer goleak.VerifyNone(t)
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	eng := newFakeEngine().
-		on(http.MethodGet, "10.0.0.1:8998", "/query", reply{body: mooncakeQuery}).
-		on(http.MethodPost, testPrefill.Address, req.Path, reply{block: true})
+	eng := fakeengine.New().
+		On(http.MethodGet, "10.0.0.1:8998", "/query", fakeengine.Reply{Body: mooncakeQuery}).
+		On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Block: true})
 	ctx, cancel := context.WithCancel(t.Context())
 	got, err := MooncakeVLLMConnector{}.Prepare(ctx, Env{Engine: eng}, req)
 	require.NoError(t, err, "Prepare returns while the prefill runs")
-	<-eng.blocked
+	<-eng.Blocked()
 	cancel()
 	err = prefillOutcome(t, got.Prefill)
 	requireEngineError(t, err, testPrefill)
@@ -226,11 +227,11 @@ func TestMooncakeVLLMCancelledWhilePrefillHangs(t *testing.T) {
 func TestMooncakeVLLMCancelledWhileQueryHangs(t *testing.T) {
 	defer goleak.VerifyNone(t)
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	eng := newFakeEngine().on(http.MethodGet, "10.0.0.1:8998", "/query", reply{block: true})
+	eng := fakeengine.New().On(http.MethodGet, "10.0.0.1:8998", "/query", fakeengine.Reply{Block: true})
 	ctx, cancel := context.WithCancel(t.Context())
-	go func() { <-eng.blocked; cancel() }()
+	go func() { <-eng.Blocked(); cancel() }()
 	_, err := MooncakeVLLMConnector{}.Prepare(ctx, Env{Engine: eng}, req)
 	requireEngineError(t, err, testPrefill)
 	require.ErrorIs(t, err, context.Canceled)
-	require.Len(t, eng.recorded(), 1)
+	require.Len(t, eng.Calls(), 1)
 }

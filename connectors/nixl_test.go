@@ -11,6 +11,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 const prefillParams = `{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
@@ -153,12 +154,12 @@ func TestNIXLPrepare(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, tc.client)
 			req.Path = "/v1/completions"
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, "/v1/completions", reply{body: tc.answer, err: tc.engineErr})
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, "/v1/completions", fakeengine.Reply{Body: tc.answer, Err: tc.engineErr})
 			got, err := NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
-			require.Equal(t, []engineCall{{
-				method: http.MethodPost, endpoint: testPrefill, path: "/v1/completions",
-				requestID: "req-1", body: string(bytes.Join(nixlPrefillBody(req.Body), nil)),
-			}}, eng.recorded())
+			require.Equal(t, []fakeengine.Call{{
+				Method: http.MethodPost, Endpoint: testPrefill, Path: "/v1/completions",
+				RequestID: "req-1", Body: string(bytes.Join(nixlPrefillBody(req.Body), nil)),
+			}}, eng.Calls())
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)
 				requireEngineError(t, err, testPrefill)
@@ -221,21 +222,21 @@ func TestNIXLKVSource(t *testing.T) {
 func TestNIXLRelease(t *testing.T) {
 	const kv = `{"do_remote_prefill":true,"remote_engine_id":"e1","remote_block_ids":[[1]],"remote_request_id":"r1","remote_host":"10.0.0.1","remote_port":21001}`
 	req := newRequest(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true,"max_completion_tokens":64}`)
-	eng := newFakeEngine().
-		on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"kv_transfer_params":` + kv + `}`}).
-		on(http.MethodPost, testDecode.Address, req.Path, reply{body: `{}`})
+	eng := fakeengine.New().
+		On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{"kv_transfer_params":` + kv + `}`}).
+		On(http.MethodPost, testDecode.Address, req.Path, fakeengine.Reply{Body: `{}`})
 	got, err := NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	require.NoError(t, err)
 	require.NoError(t, NIXL{}.Release(t.Context(), Env{Engine: eng}, req, got))
-	calls := eng.recorded()
+	calls := eng.Calls()
 	require.Len(t, calls, 2)
-	require.Equal(t, engineCall{method: http.MethodPost, endpoint: testDecode, path: req.Path, requestID: "req-1",
-		body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_completion_tokens":1,"max_tokens":1,"kv_transfer_params":` + kv + `}`}, calls[1])
+	require.Equal(t, fakeengine.Call{Method: http.MethodPost, Endpoint: testDecode, Path: req.Path, RequestID: "req-1",
+		Body: `{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":false,"max_completion_tokens":1,"max_tokens":1,"kv_transfer_params":` + kv + `}`}, calls[1])
 
 	// A prefill that ended on EOS keeps no blocks: nothing to release.
-	eng = newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"kv_transfer_params":null}`})
+	eng = fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{"kv_transfer_params":null}`})
 	got, err = NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	require.NoError(t, err)
 	require.NoError(t, NIXL{}.Release(t.Context(), Env{Engine: eng}, req, got))
-	require.Len(t, eng.recorded(), 1)
+	require.Len(t, eng.Calls(), 1)
 }

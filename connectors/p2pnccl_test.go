@@ -11,6 +11,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // p2pID matches vLLM's xPyD proxy id for the test endpoints: uuid4().hex.
@@ -36,21 +37,21 @@ func TestP2PNCCLPrepare(t *testing.T) {
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, tc.client)
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{"id":"x"}`})
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{"id":"x"}`})
 			got, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.Regexp(t, p2pID, got.RequestID)
 			require.Equal(t, tc.decode, string(got.Body))
 			require.Nil(t, got.Prefill)
-			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: testPrefill, path: req.Path, requestID: got.RequestID, body: tc.prefill}},
-				eng.recorded(), "the prefill is sent with the encoded id")
+			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: testPrefill, Path: req.Path, RequestID: got.RequestID, Body: tc.prefill}},
+				eng.Calls(), "the prefill is sent with the encoded id")
 		})
 	}
 }
 
 func TestP2PNCCLRequestIDFresh(t *testing.T) {
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
+	eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 	seen := map[string]bool{}
 	for range 500 {
 		got, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: eng}, req)
@@ -69,16 +70,16 @@ func TestP2PNCCLErrors(t *testing.T) {
 		ctx      context.Context
 		prefill  endpoint.Endpoint
 		decode   endpoint.Endpoint
-		reply    reply
+		reply    fakeengine.Reply
 		wantErr  string
 		is       error
 		noEngine bool
 	}{
 		{name: "prefill without kv address", prefill: endpoint.Endpoint{Address: "10.0.0.1:8100"}, decode: testDecode, wantErr: "no kv_address", noEngine: true},
 		{name: "decode without kv address", prefill: testPrefill, decode: endpoint.Endpoint{Address: "10.0.0.2:8200"}, wantErr: "no kv_address", noEngine: true},
-		{name: "engine error", prefill: testPrefill, decode: testDecode, reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "bad id"}}, wantErr: "answered 400: bad id"},
-		{name: "plain error named by the endpoint", prefill: testPrefill, decode: testDecode, reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
-		{name: "context ends the prefill", ctx: canceled, prefill: testPrefill, decode: testDecode, reply: reply{block: true}, is: context.Canceled},
+		{name: "engine error", prefill: testPrefill, decode: testDecode, reply: fakeengine.Reply{Err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "bad id"}}, wantErr: "answered 400: bad id"},
+		{name: "plain error named by the endpoint", prefill: testPrefill, decode: testDecode, reply: fakeengine.Reply{Err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
+		{name: "context ends the prefill", ctx: canceled, prefill: testPrefill, decode: testDecode, reply: fakeengine.Reply{Block: true}, is: context.Canceled},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -88,12 +89,12 @@ func TestP2PNCCLErrors(t *testing.T) {
 			}
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
 			req.Prefill, req.Decode = tc.prefill, tc.decode
-			eng := newFakeEngine().on(http.MethodPost, tc.prefill.Address, req.Path, tc.reply)
+			eng := fakeengine.New().On(http.MethodPost, tc.prefill.Address, req.Path, tc.reply)
 			got, err := P2PNCCL{}.Prepare(ctx, Env{Engine: eng}, req)
 			require.Equal(t, Decode{}, got)
 			require.Error(t, err)
 			if tc.noEngine {
-				require.Empty(t, eng.recorded())
+				require.Empty(t, eng.Calls())
 				_, isEngine := errors.AsType[*engines.Error](err)
 				require.False(t, isEngine, "a configuration error, not an engine failure")
 			} else {

@@ -15,6 +15,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 func TestSGLangBody(t *testing.T) {
@@ -131,7 +132,7 @@ func TestSGLangPrepare(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, tc.client)
 			req.Prefill = tc.prefill
-			eng := newFakeEngine().on(http.MethodPost, tc.prefill.Address, req.Path, reply{body: "data: {}\n\ndata: [DONE]\n\n"})
+			eng := fakeengine.New().On(http.MethodPost, tc.prefill.Address, req.Path, fakeengine.Reply{Body: "data: {}\n\ndata: [DONE]\n\n"})
 			got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.NoError(t, prefillOutcome(t, got.Prefill))
@@ -141,8 +142,8 @@ func TestSGLangPrepare(t *testing.T) {
 			require.Regexp(t, `^pdx-[0-9a-f]{32}$`, rid)
 			want := strings.NewReplacer("ROOM", room, "RID", rid).Replace(tc.wantBody)
 			require.Equal(t, want, string(got.Body))
-			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: tc.prefill, path: req.Path, requestID: "req-1", body: string(got.Body)}},
-				eng.recorded(), "both legs get the same body, the room included")
+			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: tc.prefill, Path: req.Path, RequestID: "req-1", Body: string(got.Body)}},
+				eng.Calls(), "both legs get the same body, the room included")
 		})
 	}
 }
@@ -152,7 +153,7 @@ func TestSGLangPrepare(t *testing.T) {
 func TestSGLangRoom(t *testing.T) {
 	const calls = 2000
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`})
+	eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 	seen := make(map[string]bool, calls)
 	var high int // rooms >= 2^62: the top bit of the range is used
 	for range calls {
@@ -172,25 +173,25 @@ func TestSGLangRoom(t *testing.T) {
 		}
 	}
 	require.Greater(t, high, calls/4, "rooms span the whole 63-bit range")
-	for _, c := range eng.recorded() {
-		require.True(t, seen[roomOf(t, []byte(c.body))], "each prefill carries its own request's room")
+	for _, c := range eng.Calls() {
+		require.True(t, seen[roomOf(t, []byte(c.Body))], "each prefill carries its own request's room")
 	}
 }
 
 func TestSGLangPrefillOutcome(t *testing.T) {
 	tests := []struct {
 		name    string
-		reply   reply
+		reply   fakeengine.Reply
 		wantErr string
 	}{
-		{name: "success", reply: reply{body: `{"text":"a"}`}},
-		{name: "engine error", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "bad room"}}, wantErr: "answered 400: bad room"},
-		{name: "plain error named by the endpoint", reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
+		{name: "success", reply: fakeengine.Reply{Body: `{"text":"a"}`}},
+		{name: "engine error", reply: fakeengine.Reply{Err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "bad room"}}, wantErr: "answered 400: bad room"},
+		{name: "plain error named by the endpoint", reply: fakeengine.Reply{Err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
 			got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err, "prefill failures arrive on the channel")
 			require.NotEmpty(t, got.Body)
@@ -208,11 +209,11 @@ func TestSGLangPrefillOutcome(t *testing.T) {
 func TestSGLangCancelledWhilePrefillHangs(t *testing.T) {
 	defer goleak.VerifyNone(t)
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{block: true})
+	eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Block: true})
 	ctx, cancel := context.WithCancel(t.Context())
 	got, err := SGLang{}.Prepare(ctx, Env{Engine: eng}, req)
 	require.NoError(t, err, "Prepare returns while the prefill runs")
-	<-eng.blocked
+	<-eng.Blocked()
 	cancel()
 	err = prefillOutcome(t, got.Prefill)
 	requireEngineError(t, err, testPrefill)
@@ -222,10 +223,10 @@ func TestSGLangCancelledWhilePrefillHangs(t *testing.T) {
 func TestSGLangNotIPPort(t *testing.T) {
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
 	req.Prefill = endpoint.Endpoint{Address: "no-port"}
-	eng := newFakeEngine()
+	eng := fakeengine.New()
 	_, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	requireEngineError(t, err, req.Prefill)
-	require.Empty(t, eng.recorded())
+	require.Empty(t, eng.Calls())
 }
 
 // TestSGLangRelease checks that Release aborts the request on both engines
@@ -233,24 +234,24 @@ func TestSGLangNotIPPort(t *testing.T) {
 // before the request is registered is dropped.
 func TestSGLangRelease(t *testing.T) {
 	req := newRequest(t, `{"model":"m","prompt":"p"}`)
-	eng := newFakeEngine().
-		on(http.MethodPost, testPrefill.Address, req.Path, reply{body: `{}`}).
-		on(http.MethodPost, testPrefill.Address, "/abort_request", reply{body: ``}).
-		on(http.MethodPost, testDecode.Address, "/abort_request", reply{err: &engines.Error{Status: 500, Message: "down"}})
+	eng := fakeengine.New().
+		On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`}).
+		On(http.MethodPost, testPrefill.Address, "/abort_request", fakeengine.Reply{Body: ``}).
+		On(http.MethodPost, testDecode.Address, "/abort_request", fakeengine.Reply{Err: &engines.Error{Status: 500, Message: "down"}})
 	got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	require.NoError(t, err)
 	require.NoError(t, <-got.Prefill)
 	err = SGLang{}.Release(t.Context(), Env{Engine: eng}, req, got)
 	requireEngineError(t, err, testDecode)
 	abort := `{"rid":"` + ridOf(t, got.Body) + `"}`
-	var aborts []engineCall
-	for _, c := range eng.recorded() {
-		if c.path == "/abort_request" {
+	var aborts []fakeengine.Call
+	for _, c := range eng.Calls() {
+		if c.Path == "/abort_request" {
 			aborts = append(aborts, c)
 		}
 	}
-	want := engineCall{method: http.MethodPost, path: "/abort_request", requestID: "req-1", body: abort}
+	want := fakeengine.Call{Method: http.MethodPost, Path: "/abort_request", RequestID: "req-1", Body: abort}
 	wantDecode, wantPrefill := want, want
-	wantDecode.endpoint, wantPrefill.endpoint = testDecode, testPrefill
-	require.Equal(t, []engineCall{wantDecode, wantPrefill, wantDecode, wantPrefill}, aborts)
+	wantDecode.Endpoint, wantPrefill.Endpoint = testDecode, testPrefill
+	require.Equal(t, []fakeengine.Call{wantDecode, wantPrefill, wantDecode, wantPrefill}, aborts)
 }

@@ -13,6 +13,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 func TestTRTLLMContextBody(t *testing.T) {
@@ -136,18 +137,18 @@ func TestTRTLLMPrepare(t *testing.T) {
 			if strings.Contains(tc.client, `"prompt"`) {
 				req.Path = "/v1/completions"
 			}
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: tc.answer})
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: tc.answer})
 			got, err := TRTLLM{Legacy: tc.legacy}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
-			calls := eng.recorded()
+			calls := eng.Calls()
 			require.Len(t, calls, 1)
 			var disaggID uint64
 			if !tc.legacy {
-				disaggID = disaggIDOf(t, calls[0].body)
+				disaggID = disaggIDOf(t, calls[0].Body)
 			}
 			require.Equal(t, strings.ReplaceAll(tc.decode, "DISAGG", strconv.FormatUint(disaggID, 10)), string(got.Body))
 			require.Equal(t, Decode{Body: got.Body}, got, "no request id override, no concurrent prefill, no answer")
-			require.Equal(t, []engineCall{{method: http.MethodPost, endpoint: testPrefill, path: req.Path, requestID: "req-1", body: string(bytes.Join(trtllmContextBody(req.Body, disaggID), nil))}}, calls)
+			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: testPrefill, Path: req.Path, RequestID: "req-1", Body: string(bytes.Join(trtllmContextBody(req.Body, disaggID), nil))}}, calls)
 		})
 	}
 }
@@ -210,7 +211,7 @@ func TestTRTLLMFinishedContext(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			req := newRequest(t, tc.client)
 			req.Path = tc.path
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, reply{body: tc.answer})
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: tc.answer})
 			got, err := TRTLLM{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.Nil(t, got.Body, "no generation leg")
@@ -227,28 +228,28 @@ func TestTRTLLMPrepareErrors(t *testing.T) {
 	tests := []struct {
 		name    string
 		ctx     context.Context
-		reply   reply
+		reply   fakeengine.Reply
 		wantErr string
 		is      error
 	}{
-		{name: "engine error", reply: reply{err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "streaming context"}}, wantErr: "answered 400: streaming context"},
-		{name: "plain error named by the endpoint", reply: reply{err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
-		{name: "context ends the prefill", ctx: canceled, reply: reply{block: true}, is: context.Canceled},
-		{name: "not JSON", reply: reply{body: `<html>`}, is: engines.ErrBadAnswer},
-		{name: "no choices", reply: reply{body: `{"id":"x"}`}, wantErr: "no choices", is: engines.ErrBadAnswer},
-		{name: "no choice", reply: reply{body: `{"choices":[]}`}, is: engines.ErrBadAnswer},
-		{name: "two choices", reply: reply{body: `{"choices":[{"disaggregated_params":` + ctxParams + `},{"disaggregated_params":` + ctxParams + `}]}`}, is: engines.ErrBadAnswer},
-		{name: "choices not an array", reply: reply{body: `{"choices":{}}`}, is: engines.ErrBadAnswer},
-		{name: "choice not an object", reply: reply{body: `{"choices":[1]}`}, is: engines.ErrBadAnswer},
-		{name: "missing disaggregated_params", reply: reply{body: `{"choices":[{"text":"a","finish_reason":"length"}]}`}, wantErr: "no disaggregated_params", is: engines.ErrBadAnswer},
-		{name: "null disaggregated_params", reply: reply{body: `{"choices":[{"disaggregated_params":null}]}`}, is: engines.ErrBadAnswer},
-		{name: "top-level disaggregated_params is not where upstream puts them", reply: reply{body: `{"disaggregated_params":` + ctxParams + `,"choices":[{"text":"a"}]}`}, is: engines.ErrBadAnswer},
-		{name: "disaggregated_params not an object", reply: reply{body: `{"choices":[{"disaggregated_params":[1]}]}`}, is: engines.ErrBadAnswer},
-		{name: "no ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"request_type":"context_only"}}]}`}, wantErr: "no ctx_request_id", is: engines.ErrBadAnswer},
-		{name: "null ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":null}}]}`}, is: engines.ErrBadAnswer},
-		{name: "string ctx_request_id", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":"1"}}]}`}, is: engines.ErrBadAnswer},
-		{name: "ctx_info_endpoint elsewhere", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":"tcp://203.0.113.66:8500"}}]}`}, wantErr: `"203.0.113.66"`, is: engines.ErrBadAnswer},
-		{name: "ctx_info_endpoint not a string", reply: reply{body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":7}}]}`}, is: engines.ErrBadAnswer},
+		{name: "engine error", reply: fakeengine.Reply{Err: &engines.Error{Endpoint: testPrefill, Status: 400, Message: "streaming context"}}, wantErr: "answered 400: streaming context"},
+		{name: "plain error named by the endpoint", reply: fakeengine.Reply{Err: errors.New("reset")}, wantErr: "prefill engine 10.0.0.1:8100: reset"},
+		{name: "context ends the prefill", ctx: canceled, reply: fakeengine.Reply{Block: true}, is: context.Canceled},
+		{name: "not JSON", reply: fakeengine.Reply{Body: `<html>`}, is: engines.ErrBadAnswer},
+		{name: "no choices", reply: fakeengine.Reply{Body: `{"id":"x"}`}, wantErr: "no choices", is: engines.ErrBadAnswer},
+		{name: "no choice", reply: fakeengine.Reply{Body: `{"choices":[]}`}, is: engines.ErrBadAnswer},
+		{name: "two choices", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":` + ctxParams + `},{"disaggregated_params":` + ctxParams + `}]}`}, is: engines.ErrBadAnswer},
+		{name: "choices not an array", reply: fakeengine.Reply{Body: `{"choices":{}}`}, is: engines.ErrBadAnswer},
+		{name: "choice not an object", reply: fakeengine.Reply{Body: `{"choices":[1]}`}, is: engines.ErrBadAnswer},
+		{name: "missing disaggregated_params", reply: fakeengine.Reply{Body: `{"choices":[{"text":"a","finish_reason":"length"}]}`}, wantErr: "no disaggregated_params", is: engines.ErrBadAnswer},
+		{name: "null disaggregated_params", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":null}]}`}, is: engines.ErrBadAnswer},
+		{name: "top-level disaggregated_params is not where upstream puts them", reply: fakeengine.Reply{Body: `{"disaggregated_params":` + ctxParams + `,"choices":[{"text":"a"}]}`}, is: engines.ErrBadAnswer},
+		{name: "disaggregated_params not an object", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":[1]}]}`}, is: engines.ErrBadAnswer},
+		{name: "no ctx_request_id", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":{"request_type":"context_only"}}]}`}, wantErr: "no ctx_request_id", is: engines.ErrBadAnswer},
+		{name: "null ctx_request_id", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":{"ctx_request_id":null}}]}`}, is: engines.ErrBadAnswer},
+		{name: "string ctx_request_id", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":{"ctx_request_id":"1"}}]}`}, is: engines.ErrBadAnswer},
+		{name: "ctx_info_endpoint elsewhere", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":"tcp://203.0.113.66:8500"}}]}`}, wantErr: `"203.0.113.66"`, is: engines.ErrBadAnswer},
+		{name: "ctx_info_endpoint not a string", reply: fakeengine.Reply{Body: `{"choices":[{"disaggregated_params":{"ctx_request_id":1,"ctx_info_endpoint":7}}]}`}, is: engines.ErrBadAnswer},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -257,7 +258,7 @@ func TestTRTLLMPrepareErrors(t *testing.T) {
 				ctx = t.Context()
 			}
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
-			eng := newFakeEngine().on(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
+			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
 			got, err := TRTLLM{}.Prepare(ctx, Env{Engine: eng}, req)
 			require.Equal(t, Decode{}, got)
 			requireEngineError(t, err, testPrefill)

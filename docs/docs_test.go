@@ -202,3 +202,44 @@ func TestConfigFieldsDocumented(t *testing.T) {
 	require.Empty(t, missing, "config fields that %s do not name (in backticks, alone or in a field path):\n%s",
 		strings.Join(configPages, " and "), strings.Join(missing, "\n"))
 }
+
+// TestFolderMapMatchesTree checks that the architecture page's folder map
+// names every directory of Go code in the module (in a row of its own or in
+// its parent's row), and lists no directory that is not there: the map is
+// how a newcomer finds their way.
+func TestFolderMapMatchesTree(t *testing.T) {
+	_, mapped, ok := strings.Cut(prose(t, "architecture.md"), "## Folder map")
+	require.True(t, ok, "architecture.md has a Folder map section")
+	mapped, _, _ = strings.Cut(mapped, "\n## ")
+	row := regexp.MustCompile("(?m)^\\| `([^`]+)` \\|")
+	rows := row.FindAllStringSubmatch(mapped, -1)
+	require.NotEmpty(t, rows)
+	for _, m := range rows {
+		info, err := os.Stat(filepath.Join("..", m[1]))
+		require.NoError(t, err, "the folder map lists %s", m[1])
+		require.True(t, info.IsDir(), "the folder map lists %s, which is not a directory", m[1])
+	}
+
+	var missing []string
+	err := filepath.WalkDir("..", func(path string, d os.DirEntry, err error) error {
+		switch {
+		case err != nil:
+			return err
+		case d.IsDir() && path != ".." && strings.HasPrefix(d.Name(), "."):
+			return filepath.SkipDir // .tools, .git
+		case d.IsDir() || !strings.HasSuffix(path, ".go"):
+			return nil
+		}
+		dir, err := filepath.Rel("..", filepath.Dir(path))
+		if err != nil {
+			return err
+		}
+		dir = filepath.ToSlash(dir)
+		if !strings.Contains(mapped, "`"+dir+"`") && !slices.Contains(missing, dir) {
+			missing = append(missing, dir)
+		}
+		return nil
+	})
+	require.NoError(t, err)
+	require.Empty(t, missing, "directories of Go code that the folder map of architecture.md does not name")
+}

@@ -18,6 +18,7 @@ import (
 
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
@@ -70,16 +71,6 @@ func garbageEngine(t *testing.T) string {
 	return ln.Addr().String()
 }
 
-// closedAddr is an address nothing listens on.
-func closedAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := ln.Addr().String()
-	require.NoError(t, ln.Close())
-	return addr
-}
-
 // faultyEngine starts a NIXL engine of role tuned by cfg.
 func faultyEngine(t *testing.T, role enginesim.Role, cfg enginesim.Config) string {
 	t.Helper()
@@ -100,11 +91,11 @@ func startErrorEnv(t *testing.T) *errorEnv {
 		{"overloaded", "nixl", faultyEngine(t, enginesim.RolePrefill, enginesim.Config{FailStatus: 429}), decode, ""},
 		{"fails", "nixl", faultyEngine(t, enginesim.RolePrefill, enginesim.Config{FailStatus: 500}), decode, ""},
 		{"tampered", "nixl", faultyEngine(t, enginesim.RolePrefill, enginesim.Config{TamperKVParams: []byte(`{"remote_host":"203.0.113.66"}`)}), decode, ""},
-		{"unreachable", "nixl", closedAddr(t), decode, ""},
+		{"unreachable", "nixl", loopback.FreeAddr(t), decode, ""},
 		{"slow", "nixl", faultyEngine(t, enginesim.RolePrefill, enginesim.Config{PrefillLatency: time.Minute}), decode, "prefill_timeout: 300ms"},
 		{"silent-router", "nixl", faultyEngine(t, enginesim.RolePrefill, enginesim.Config{PrefillLatency: time.Minute}), decode, "prefill_timeout: 1m"},
 		{"garbage-decode", "none", "", garbageEngine(t), ""},
-		{"down-decode", "none", "", closedAddr(t), ""},
+		{"down-decode", "none", "", loopback.FreeAddr(t), ""},
 		{"slow-decode", "none", "", slowDecode, ""},
 	}
 	var b strings.Builder
@@ -130,8 +121,8 @@ func startErrorEnv(t *testing.T) *errorEnv {
 	return &errorEnv{st: st, hc: hc}
 }
 
-// errorCases are the rows of the README's error table, each caused through
-// Envoy. router_unavailable is last: it stops pdx.
+// errorCases are the rows of the error table of docs/errors.md, each
+// caused through Envoy. router_unavailable is last: it stops pdx.
 var errorCases = []errorCase{
 	{400, "invalid_json", "", func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/completions", `{"model":`) }},
 	{400, "duplicate_key", `"prompt"`, func(t *testing.T, e *errorEnv) answer {
@@ -214,8 +205,8 @@ var errorCases = []errorCase{
 }
 
 // Every error a client can get through the Envoy config pdx ships is
-// OpenAI-style JSON with the status and code the README's error table
-// gives it, and the client's request id.
+// OpenAI-style JSON with the status and code the error table of
+// docs/errors.md gives it, and the client's request id.
 func TestErrorTable(t *testing.T) {
 	env := startErrorEnv(t)
 	for _, c := range errorCases {

@@ -28,6 +28,7 @@ import (
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/internal/testbed/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
@@ -628,7 +629,7 @@ func startProcStack(t *testing.T, opts procOptions) *procStack {
 	t.Helper()
 	dir := t.TempDir()
 	ps := &procStack{bin: filepath.Join(dir, "pdx"), config: filepath.Join(dir, "pdx.yaml"),
-		grpcAddr: freeAddr(t), adminAddr: freeAddr(t), args: opts.pdxArgs, pdxLog: &logbuf.Buffer{}}
+		grpcAddr: loopback.FreeAddr(t), adminAddr: loopback.FreeAddr(t), args: opts.pdxArgs, pdxLog: &logbuf.Buffer{}}
 	out, err := exec.Command("go", "build", "-o", ps.bin, "../cmd/pdx").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 

@@ -11,6 +11,8 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
@@ -200,7 +202,9 @@ func TestPrefillFailures(t *testing.T) {
 // waits for KV that will never come.
 func TestConcurrentPrefillFailures(t *testing.T) {
 	for _, cc := range connectorCases {
-		if cc.opts.Connector != "sglang" && cc.opts.MooncakeProtocol != "vllm" {
+		spec, err := connectors.Lookup(cc.opts.Connector)
+		require.NoError(t, err)
+		if !spec.Traits(&configv1.Pool{Connector: cc.opts.Connector, MooncakeProtocol: cc.opts.MooncakeProtocol}).Concurrent {
 			continue
 		}
 		t.Run(cc.name+": prefill engine down", func(t *testing.T) {

@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -17,6 +16,7 @@ import (
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/internal/testbed/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 // TestServeBinary runs pdx as users do: the built binary, a YAML config
@@ -34,7 +34,7 @@ func TestServeBinary(t *testing.T) {
 	require.NoError(t, err)
 	t.Cleanup(func() { decode.Close() })
 
-	grpcAddr, adminAddr := freeAddr(t), freeAddr(t)
+	grpcAddr, adminAddr := loopback.FreeAddr(t), loopback.FreeAddr(t)
 	cfg := filepath.Join(dir, "pdx.yaml")
 	require.NoError(t, os.WriteFile(cfg, fmt.Appendf(nil, `
 grpc_address: %s
@@ -96,12 +96,4 @@ pools:
 	case <-time.After(15 * time.Second):
 		t.Fatal("pdx did not exit after SIGTERM")
 	}
-}
-
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	defer ln.Close()
-	return ln.Addr().String()
 }

@@ -1,28 +1,20 @@
 package processor
 
 import (
-	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"strings"
 	"testing"
 	"time"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
-// instantEngine answers every prefill at once, so the benchmark measures
+// instantEngine answers every prefill at once, so the benchmarks measure
 // pdx's own work on a request.
-type instantEngine struct{}
-
-func (instantEngine) Post(context.Context, endpoint.Endpoint, string, string, net.Buffers) ([]byte, error) {
-	return []byte(kvAnswer), nil
-}
-
-func (instantEngine) Get(context.Context, string, string) ([]byte, error) { return nil, nil }
+var instantEngine = fakeengine.Fixed{PostAnswer: []byte(kvAnswer)}
 
 // BenchmarkProcess is one whole ext_proc stream, headers to decode mutation,
 // on a fake stream with the NIXL connector.
@@ -30,7 +22,7 @@ func BenchmarkProcess(b *testing.B) {
 	for _, size := range []int{1 << 10, 32 << 10, 512 << 10} {
 		b.Run(fmt.Sprintf("%dKiB", size>>10), func(b *testing.B) {
 			table := testTable(b, true, time.Minute)
-			srv := New(table, instantEngine{}, slog.New(slog.DiscardHandler))
+			srv := New(table, instantEngine, slog.New(slog.DiscardHandler))
 			hdr := headers("POST", "/v1/chat/completions", false, "x-request-id", "bench")
 			bd := body(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%s"}],"max_tokens":16}`, strings.Repeat("x", size)), true)
 			b.SetBytes(int64(size))

@@ -14,6 +14,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // concurrentConnector plays SGLang: the decode body comes back at once and
@@ -61,7 +62,7 @@ func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurr
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)
 	done := make(chan error, 1)
-	srv := New(table, &fakeEngine{}, slog.New(slog.DiscardHandler))
+	srv := New(table, answering(fakeengine.Reply{}), slog.New(slog.DiscardHandler))
 	go func() { done <- srv.Process(stream) }()
 	t.Cleanup(func() {
 		cancel()

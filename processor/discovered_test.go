@@ -1,7 +1,7 @@
 package processor
 
 import (
-	"context"
+	"maps"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -9,6 +9,7 @@ import (
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // TestDiscoveredPool routes through a pool whose endpoints are set the way
@@ -20,7 +21,7 @@ func TestDiscoveredPool(t *testing.T) {
 	tests := []struct {
 		name              string
 		prefill, decode   []endpoint.Endpoint
-		answers           map[string]func(ctx context.Context) ([]byte, error)
+		answers           map[string]fakeengine.Reply
 		wantCalls         []string
 		wantDecode        string // the routed decode endpoint; "" wants an error
 		wantStatus        int
@@ -42,13 +43,13 @@ func TestDiscoveredPool(t *testing.T) {
 		{
 			name:    "retries stay in the group",
 			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "g1"), ep("127.0.0.1:3", "g2"), ep("127.0.0.1:2", "g1")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "g1")},
-			answers:   map[string]func(ctx context.Context) ([]byte, error){"127.0.0.1:1": answer(503)},
+			answers:   map[string]fakeengine.Reply{"127.0.0.1:1": answer(503)},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2"}, wantDecode: "127.0.0.1:9",
 		},
 		{
 			name:    "no other group's prefill once the group's are tried",
 			prefill: []endpoint.Endpoint{ep("127.0.0.1:1", "g1"), ep("127.0.0.1:3", "g2")}, decode: []endpoint.Endpoint{ep("127.0.0.1:9", "g1")},
-			answers:   map[string]func(ctx context.Context) ([]byte, error){"127.0.0.1:1": answer(503)},
+			answers:   map[string]fakeengine.Reply{"127.0.0.1:1": answer(503)},
 			wantCalls: []string{"127.0.0.1:1"}, wantStatus: 502, wantCode: "prefill_failed",
 		},
 		{
@@ -75,15 +76,14 @@ pools:
 			require.Empty(t, pool.Decode.Set.Endpoints(), "a discovered pool starts empty")
 			pool.SetEndpoints(tc.prefill, tc.decode)
 
-			eng := &scriptedEngine{answers: map[string]func(ctx context.Context) ([]byte, error){}}
+			answers := map[string]fakeengine.Reply{}
 			for _, p := range tc.prefill {
-				eng.answers[p.Address] = answerOK
+				answers[p.Address] = answerOK
 			}
-			for addr, a := range tc.answers {
-				eng.answers[addr] = a
-			}
+			maps.Copy(answers, tc.answers)
+			eng := scripted(answers)
 			out := runChat(t, table, eng)
-			require.Equal(t, tc.wantCalls, eng.called())
+			require.Equal(t, tc.wantCalls, called(eng))
 			if tc.wantDecode != "" {
 				require.Equal(t, tc.wantDecode, setHeaders(out.GetRequestBody().GetResponse().GetHeaderMutation())[DestinationHeader])
 				return

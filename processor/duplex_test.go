@@ -17,6 +17,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // withProtocol adds the protocol_config Envoy sends on a stream's first
@@ -94,7 +95,7 @@ func TestFullDuplexRoutes(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			eng := &fakeEngine{answer: kvAnswer}
+			eng := answering(fakeengine.Reply{Body: kvAnswer})
 			msgs := msgs(duplexHeaders("POST", tc.path, false, "x-request-id", "client-id", DestinationHeader, "10.6.6.6:80"))
 			msgs = append(msgs, chunks(tc.client, tc.chunk, !tc.trailers)...)
 			if tc.trailers {
@@ -104,8 +105,8 @@ func TestFullDuplexRoutes(t *testing.T) {
 
 			calls := eng.Calls()
 			require.Len(t, calls, 1)
-			require.Contains(t, calls[0].body, `"max_tokens":1`, "the prefill got the whole body")
-			require.Regexp(t, `^[0-9a-f-]{36}$`, calls[0].id, "engines get pdx's fresh id")
+			require.Contains(t, calls[0].Body, `"max_tokens":1`, "the prefill got the whole body")
+			require.Regexp(t, `^[0-9a-f-]{36}$`, calls[0].RequestID, "engines get pdx's fresh id")
 
 			// The headers answer comes first, once the body has ended.
 			hr := out[0].GetRequestHeaders().GetResponse()
@@ -134,7 +135,7 @@ func TestFullDuplexRoutes(t *testing.T) {
 			require.Equal(t, map[string]string{
 				DestinationHeader: "127.0.0.1:8200",
 				"content-length":  strconv.Itoa(len(decodeBody)),
-				"x-request-id":    calls[0].id,
+				"x-request-id":    calls[0].RequestID,
 			}, hs)
 		})
 	}
@@ -198,7 +199,7 @@ func TestFullDuplexErrors(t *testing.T) {
 				PrefillTimeout: durationpb.New(time.Second),
 			}}})
 			require.NoError(t, err)
-			eng := &fakeEngine{answer: kvAnswer}
+			eng := answering(fakeengine.Reply{Body: kvAnswer})
 			out := runMany(t, table, eng, tc.msgs...)
 			require.Len(t, out, tc.wantOut, "no answer before the error: %v", out)
 			status, b := immediateOf(t, out[len(out)-1])
@@ -220,7 +221,7 @@ func TestFullDuplexBodyAtLimit(t *testing.T) {
 		PrefillTimeout: durationpb.New(time.Second),
 	}}})
 	require.NoError(t, err)
-	out := runMany(t, table, &fakeEngine{answer: kvAnswer}, append(msgs(duplexHeaders("POST", "/v1/completions", false)), chunks(client, 100, true)...)...)
+	out := runMany(t, table, answering(fakeengine.Reply{Body: kvAnswer}), append(msgs(duplexHeaders("POST", "/v1/completions", false)), chunks(client, 100, true)...)...)
 	require.Len(t, out, 2)
 	require.NotNil(t, out[0].GetRequestHeaders())
 	_, eos := streamed(t, out[1:])
@@ -269,7 +270,7 @@ func TestFullDuplexPassThrough(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			eng := &fakeEngine{}
+			eng := answering(fakeengine.Reply{})
 			out := runMany(t, passThroughTable(t), eng, tc.msgs...)
 			for _, r := range out {
 				require.Nil(t, r.GetImmediateResponse())
@@ -282,7 +283,7 @@ func TestFullDuplexPassThrough(t *testing.T) {
 
 func TestFullDuplexOtherPaths(t *testing.T) {
 	for _, m := range []*extprocv3.ProcessingRequest{duplexHeaders("POST", "/v1/embeddings", false), duplexHeaders("GET", "/v1/models", true)} {
-		out := runMany(t, testTable(t, true, time.Second), &fakeEngine{}, m)
+		out := runMany(t, testTable(t, true, time.Second), answering(fakeengine.Reply{}), m)
 		require.Len(t, out, 1)
 		require.NotNil(t, out[0].GetImmediateResponse(), "answered at the headers")
 	}
@@ -302,7 +303,9 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 		})
 		stream := newFakeStream(t.Context())
 		done := make(chan error, 1)
-		go func() { done <- New(table, &fakeEngine{}, slog.New(slog.DiscardHandler)).Process(stream) }()
+		go func() {
+			done <- New(table, answering(fakeengine.Reply{}), slog.New(slog.DiscardHandler)).Process(stream)
+		}()
 		t.Cleanup(func() {
 			close(stream.in)
 			require.NoError(t, <-done)
@@ -369,7 +372,7 @@ func BenchmarkProcessMegabyte(b *testing.B) {
 		{"full-duplex", append(msgs(duplexHeaders("POST", "/v1/chat/completions", false)), chunks(client, 16<<10, true)...)},
 	} {
 		b.Run(mode.name, func(b *testing.B) {
-			srv := New(testTable(b, true, time.Minute), instantEngine{}, slog.New(slog.DiscardHandler))
+			srv := New(testTable(b, true, time.Minute), instantEngine, slog.New(slog.DiscardHandler))
 			b.SetBytes(int64(len(client)))
 			b.ReportAllocs()
 			for b.Loop() {

@@ -1,10 +1,9 @@
 package processor
 
 import (
-	"bytes"
 	"context"
 	"log/slog"
-	"net"
+	"net/http"
 	"sync"
 	"testing"
 	"time"
@@ -19,6 +18,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 func bodyTimeoutTable(t *testing.T, d time.Duration) *routing.Table {
@@ -49,7 +49,7 @@ func TestBodyTimeout(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			stream := newFakeStream(t.Context())
-			eng := &fakeEngine{answer: kvAnswer}
+			eng := answering(fakeengine.Reply{Body: kvAnswer})
 			srv := New(bodyTimeoutTable(t, timeout), eng, slog.New(slog.DiscardHandler))
 			done := make(chan error, 1)
 			start := time.Now()
@@ -86,7 +86,7 @@ func TestBodyTimeout(t *testing.T) {
 	}
 
 	t.Run("a body in time is routed", func(t *testing.T) {
-		out := run(t, bodyTimeoutTable(t, time.Minute), &fakeEngine{answer: kvAnswer},
+		out := run(t, bodyTimeoutTable(t, time.Minute), answering(fakeengine.Reply{Body: kvAnswer}),
 			headers("POST", "/v1/chat/completions", false), body(chatBody, true))
 		require.Len(t, out, 2)
 		require.NotNil(t, out[1].GetRequestBody().GetResponse().GetBodyMutation())
@@ -101,7 +101,7 @@ func TestEnvoyAnswersWhilePdxWaitsForTheBody(t *testing.T) {
 		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("413")}}},
 	}}}
 	for _, table := range []*routing.Table{testTable(t, true, time.Second), concurrentTable()} {
-		out := run(t, table, &fakeEngine{}, headers("POST", "/v1/chat/completions", false), status, responseBody)
+		out := run(t, table, answering(fakeengine.Reply{}), headers("POST", "/v1/chat/completions", false), status, responseBody)
 		require.Len(t, out, 2, "the stream ends after the local reply's headers")
 		require.NotNil(t, out[1].GetResponseHeaders())
 		require.Nil(t, out[1].GetResponseHeaders().GetResponse().GetHeaderMutation())
@@ -120,26 +120,26 @@ func concurrentTable() *routing.Table {
 }
 
 // releaseEngine answers prefills with kvAnswer after running onPrefill,
-// and records the decode calls: a release.
-type releaseEngine struct {
-	onPrefill func()
-
-	mu      sync.Mutex
-	decodes []engineCall
+// and the decode engine, whose calls are releases, with {}.
+func releaseEngine(onPrefill func()) *fakeengine.Engine {
+	return fakeengine.New().
+		On(http.MethodPost, "", "", fakeengine.Reply{Fn: func(context.Context, fakeengine.Call) ([]byte, error) {
+			onPrefill()
+			return []byte(kvAnswer), nil
+		}}).
+		On(http.MethodPost, "127.0.0.1:8200", "", fakeengine.Reply{Body: `{}`})
 }
 
-func (e *releaseEngine) Post(_ context.Context, ep endpoint.Endpoint, path, id string, body net.Buffers) ([]byte, error) {
-	if ep.Address == "127.0.0.1:8200" {
-		e.mu.Lock()
-		e.decodes = append(e.decodes, engineCall{endpoint: ep.Address, path: path, id: id, body: string(bytes.Join(body, nil))})
-		e.mu.Unlock()
-		return []byte(`{}`), nil
+// releases returns the calls e's decode engine received.
+func releases(e *fakeengine.Engine) []fakeengine.Call {
+	var out []fakeengine.Call
+	for _, c := range e.Calls() {
+		if c.Endpoint.Address == "127.0.0.1:8200" {
+			out = append(out, c)
+		}
 	}
-	e.onPrefill()
-	return []byte(kvAnswer), nil
+	return out
 }
-
-func (e *releaseEngine) Get(context.Context, string, string) ([]byte, error) { return nil, nil }
 
 // A client that goes away after its NIXL prefill finished, before pdx could
 // hand Envoy the decode, leaves KV blocks on the prefill engine: pdx sends
@@ -147,7 +147,7 @@ func (e *releaseEngine) Get(context.Context, string, string) ([]byte, error) { r
 func TestReleaseWhenTheClientLeavesAfterThePrefill(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)
-	eng := &releaseEngine{onPrefill: cancel}
+	eng := releaseEngine(cancel)
 	srv := New(testTable(t, true, time.Minute), eng, slog.New(slog.DiscardHandler))
 	stream.in <- headers("POST", "/v1/completions", false)
 	stream.in <- body(`{"model":"m","prompt":"p","max_tokens":50,"stream":true}`, true)
@@ -155,14 +155,15 @@ func TestReleaseWhenTheClientLeavesAfterThePrefill(t *testing.T) {
 	wait, stop := context.WithTimeout(context.Background(), 10*time.Second)
 	defer stop()
 	require.NoError(t, srv.Wait(wait))
-	require.Len(t, eng.decodes, 1)
-	d := eng.decodes[0]
-	require.Equal(t, "/v1/completions", d.path)
+	decodes := releases(eng)
+	require.Len(t, decodes, 1)
+	d := decodes[0]
+	require.Equal(t, "/v1/completions", d.Path)
 	require.JSONEq(t, `{"model":"m","prompt":"p","max_tokens":1,"stream":false,
-		"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]],"remote_request_id":"r","remote_host":"127.0.0.1","remote_port":8100}}`, d.body)
+		"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]],"remote_request_id":"r","remote_host":"127.0.0.1","remote_port":8100}}`, d.Body)
 
 	// Routed as usual, nothing is released: the decode reads the blocks.
-	eng = &releaseEngine{onPrefill: func() {}}
+	eng = releaseEngine(func() {})
 	srv = New(testTable(t, true, time.Minute), eng, slog.New(slog.DiscardHandler))
 	stream = newFakeStream(t.Context())
 	stream.in <- headers("POST", "/v1/completions", false)
@@ -170,7 +171,7 @@ func TestReleaseWhenTheClientLeavesAfterThePrefill(t *testing.T) {
 	close(stream.in)
 	require.NoError(t, srv.Process(stream))
 	require.NoError(t, srv.Wait(wait))
-	require.Empty(t, eng.decodes)
+	require.Empty(t, releases(eng))
 }
 
 // A TensorRT-LLM context server that finished the request answers the
@@ -183,7 +184,7 @@ func TestAnsweredByThePrefill(t *testing.T) {
 		PrefillTimeout: durationpb.New(time.Second),
 	}}})
 	require.NoError(t, err)
-	eng := &fakeEngine{answer: `{"id":"c","object":"text_completion","choices":[{"index":0,"text":"done","finish_reason":"stop"}]}`}
+	eng := answering(fakeengine.Reply{Body: `{"id":"c","object":"text_completion","choices":[{"index":0,"text":"done","finish_reason":"stop"}]}`})
 	out := run(t, table, eng, headers("POST", "/v1/completions", false, "x-request-id", "mine"), body(`{"model":"m","prompt":"p"}`, true))
 	require.Len(t, out, 2)
 	ir := out[1].GetImmediateResponse()

@@ -19,6 +19,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 // runOn feeds msgs to a Process call of srv and returns its answers.
@@ -41,9 +42,7 @@ func runOn(t *testing.T, srv *Server, msgs ...*extprocv3.ProcessingRequest) []*e
 const chatHi = `{"model":"m","messages":[{"role":"user","content":"hi"}]}`
 
 func TestMetricsRecordOutcomes(t *testing.T) {
-	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
-		"127.0.0.1:1": answer(500), "127.0.0.1:2": answerOK, "127.0.0.1:3": answerRefused,
-	}}
+	eng := retryEngine(answer(500), answerOK, answerRefused)
 	m := metrics.New()
 	srv := New(retryTable(t, "  prefill_attempts: 2\n"), eng, slog.New(slog.DiscardHandler), WithMetrics(m))
 	chat := func(b string) { runOn(t, srv, headers("POST", "/v1/chat/completions", false), body(b, true)) }
@@ -80,9 +79,7 @@ pdx_streams_in_flight 0
 }
 
 func TestMetricsRecordFallback(t *testing.T) {
-	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
-		"127.0.0.1:1": answerRefused, "127.0.0.1:2": answerRefused, "127.0.0.1:3": answerRefused,
-	}}
+	eng := retryEngine(answerRefused, answerRefused, answerRefused)
 	m := metrics.New()
 	srv := New(retryTable(t, "  on_prefill_failure: fallback\n"), eng, slog.New(slog.DiscardHandler), WithMetrics(m))
 	out := runOn(t, srv, headers("POST", "/v1/chat/completions", false), body(chatHi, true))
@@ -140,7 +137,7 @@ func concurrentMetricsStream(t *testing.T) (*metrics.Metrics, *fakeStream, concu
 	stream := newFakeStream(ctx)
 	done := make(chan error, 1)
 	go func() {
-		done <- New(table, &fakeEngine{}, slog.New(slog.DiscardHandler), WithMetrics(m)).Process(stream)
+		done <- New(table, answering(fakeengine.Reply{}), slog.New(slog.DiscardHandler), WithMetrics(m)).Process(stream)
 	}()
 	stream.in <- headers("POST", "/v1/chat/completions", false)
 	next(t, stream)
@@ -208,7 +205,7 @@ func histogramCounts(t *testing.T, m *metrics.Metrics, name string) map[string]u
 // runs (tracing off).
 func BenchmarkProcessObserved(b *testing.B) {
 	table := testTable(b, true, time.Minute)
-	srv := New(table, instantEngine{}, slog.New(slog.DiscardHandler), WithMetrics(metrics.New()))
+	srv := New(table, instantEngine, slog.New(slog.DiscardHandler), WithMetrics(metrics.New()))
 	hdr := headers("POST", "/v1/chat/completions", false, "x-request-id", "bench")
 	bd := body(fmt.Sprintf(`{"model":"m","messages":[{"role":"user","content":"%s"}],"max_tokens":16}`, strings.Repeat("x", 1<<10)), true)
 	b.SetBytes(1 << 10)
@@ -233,9 +230,7 @@ func BenchmarkProcessObserved(b *testing.B) {
 func TestRequestLogsCarryRequestID(t *testing.T) {
 	var buf bytes.Buffer
 	log := slog.New(slog.NewJSONHandler(&buf, &slog.HandlerOptions{Level: slog.LevelDebug}))
-	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
-		"127.0.0.1:1": answer(500), "127.0.0.1:2": answerOK, "127.0.0.1:3": answerOK,
-	}}
+	eng := retryEngine(answer(500), answerOK, answerOK)
 	tp := sdktrace.NewTracerProvider()
 	t.Cleanup(func() { require.NoError(t, tp.Shutdown(context.Background())) })
 	srv := New(retryTable(t, ""), eng, log, WithTracerProvider(tp))
@@ -276,7 +271,7 @@ func TestRecordingDoesNotChangeAnswers(t *testing.T) {
 			answers := func(opts ...Option) ([]*extprocv3.ProcessingResponse, int) {
 				// A table each: round robin must pick the same endpoints.
 				table := testTable(t, false, time.Minute)
-				out := runOn(t, New(table, &fakeEngine{answer: tc.prefill}, slog.New(slog.DiscardHandler), opts...), tc.msgs...)
+				out := runOn(t, New(table, answering(fakeengine.Reply{Body: tc.prefill}), slog.New(slog.DiscardHandler), opts...), tc.msgs...)
 				traced := 0
 				for _, resp := range out {
 					for _, hm := range []*extprocv3.HeaderMutation{

@@ -1,17 +1,15 @@
 package processor
 
 import (
-	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
-	"net"
+	"net/http"
 	"strconv"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -27,6 +25,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -66,46 +65,10 @@ func (s *fakeStream) Send(r *extprocv3.ProcessingResponse) error {
 	return nil
 }
 
-// fakeEngine answers prefill calls with answer (or err) and records them.
-type fakeEngine struct {
-	answer string
-	err    error
-	block  bool // wait for the context to end instead of answering
-
-	mu    sync.Mutex
-	calls []engineCall
-}
-
-type engineCall struct {
-	endpoint  string
-	path, id  string
-	body      string
-	ctxErrEnd error
-}
-
-func (e *fakeEngine) Post(ctx context.Context, ep endpoint.Endpoint, path, id string, body net.Buffers) ([]byte, error) {
-	call := engineCall{endpoint: ep.Address, path: path, id: id, body: string(bytes.Join(body, nil))}
-	if e.block {
-		<-ctx.Done()
-		call.ctxErrEnd = ctx.Err()
-	}
-	e.mu.Lock()
-	e.calls = append(e.calls, call)
-	e.mu.Unlock()
-	if e.block {
-		return nil, &engines.Error{Endpoint: ep, Err: ctx.Err()}
-	}
-	return []byte(e.answer), e.err
-}
-
-func (e *fakeEngine) Get(context.Context, string, string) ([]byte, error) {
-	return nil, errors.New("unexpected GET")
-}
-
-func (e *fakeEngine) Calls() []engineCall {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return append([]engineCall(nil), e.calls...)
+// answering returns an engine that answers every prefill (POST), whatever
+// its endpoint, as r does.
+func answering(r fakeengine.Reply) *fakeengine.Engine {
+	return fakeengine.New().On(http.MethodPost, "", "", r)
 }
 
 const kvAnswer = `{"id":"p","choices":[{"text":"x"}],"kv_transfer_params":{"do_remote_prefill":true,"remote_engine_id":"e","remote_block_ids":[[1]],"remote_request_id":"r","remote_host":"127.0.0.1","remote_port":8100}}`
@@ -196,7 +159,7 @@ func TestRoutesInferenceRequest(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			eng := &fakeEngine{answer: kvAnswer}
+			eng := answering(fakeengine.Reply{Body: kvAnswer})
 			msgs := []*extprocv3.ProcessingRequest{
 				headers("POST", tc.path, false, "x-request-id", tc.clientID, DestinationHeader, "10.6.6.6:80"),
 				body(client, true),
@@ -210,9 +173,9 @@ func TestRoutesInferenceRequest(t *testing.T) {
 
 			calls := eng.Calls()
 			require.Len(t, calls, 1)
-			require.Equal(t, "127.0.0.1:8100", calls[0].endpoint)
+			require.Equal(t, "127.0.0.1:8100", calls[0].Endpoint.Address)
 			require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"prompt":"hi","stream":false,"max_tokens":1,
-				"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`, calls[0].body)
+				"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}}`, calls[0].Body)
 
 			br := out[1].GetRequestBody().GetResponse()
 			decodeBody := br.GetBodyMutation().GetBody()
@@ -221,9 +184,9 @@ func TestRoutesInferenceRequest(t *testing.T) {
 			hs := setHeaders(br.GetHeaderMutation())
 			require.Equal(t, "127.0.0.1:8200", hs[DestinationHeader])
 			require.Equal(t, strconv.Itoa(len(decodeBody)), hs["content-length"])
-			require.Equal(t, calls[0].id, hs["x-request-id"], "one request id on both legs")
+			require.Equal(t, calls[0].RequestID, hs["x-request-id"], "one request id on both legs")
 			uuid := `^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$`
-			require.Regexp(t, uuid, calls[0].id, "engines get pdx's fresh id, never the client's")
+			require.Regexp(t, uuid, calls[0].RequestID, "engines get pdx's fresh id, never the client's")
 			lb := out[1].GetDynamicMetadata().GetFields()[MetadataNamespace].GetStructValue().GetFields()
 			require.Equal(t, "127.0.0.1:8200", lb[DestinationHeader].GetStringValue())
 			clientID := out[1].GetDynamicMetadata().GetFields()[RequestMetadataNamespace].GetStructValue().GetFields()["request_id"].GetStringValue()
@@ -232,7 +195,7 @@ func TestRoutesInferenceRequest(t *testing.T) {
 			} else {
 				require.Regexp(t, uuid, clientID)
 			}
-			require.NotEqual(t, calls[0].id, clientID)
+			require.NotEqual(t, calls[0].RequestID, clientID)
 
 		})
 	}
@@ -245,7 +208,7 @@ func TestConnectorNoneRoutesWithoutPrefill(t *testing.T) {
 		PrefillTimeout: durationpb.New(time.Second),
 	}}})
 	require.NoError(t, err)
-	eng := &fakeEngine{err: errors.New("no engine may be called")}
+	eng := answering(fakeengine.Reply{Err: errors.New("no engine may be called")})
 	out := run(t, table, eng,
 		headers("POST", "/v1/completions", false),
 		body(`{"model":"m","prompt":"hi","kv_transfer_params":{"remote_host":"10.6.6.6"}}`, true))
@@ -270,7 +233,7 @@ func TestConnectorNoneRoutesWithoutPrefill(t *testing.T) {
 // /v1/models is answered from the pools, unless a pool lists them as
 // pass-through.
 func TestOtherPaths(t *testing.T) {
-	eng := &fakeEngine{}
+	eng := answering(fakeengine.Reply{})
 	table := testTable(t, true, time.Second)
 	for _, path := range []string{"/v1/embeddings", "/v1/completions/x", "/V1/CHAT/COMPLETIONS", "/v1/chat/completions/", "/v1/chat/completions;x", "/v1/responses", "/"} {
 		out := run(t, table, eng, headers("POST", path, false), body(`{"model":"m","kv_transfer_params":{}}`, true))
@@ -337,7 +300,7 @@ func TestPassThrough(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			eng := &fakeEngine{}
+			eng := answering(fakeengine.Reply{})
 			out := run(t, passThroughTable(t), eng, tc.msgs...)
 			require.Len(t, out, len(tc.msgs))
 			require.Empty(t, eng.Calls(), "no prefill")
@@ -374,7 +337,7 @@ func TestPassThrough(t *testing.T) {
 		{name: "duplicated protocol key", path: "/v1/embeddings", body: `{"model":"a","kv_transfer_params":{},"kv_transfer_param\u0073":{}}`, status: 400, code: "duplicate_key"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			out := run(t, passThroughTable(t), &fakeEngine{}, headers("POST", tc.path, false), body(tc.body, true))
+			out := run(t, passThroughTable(t), answering(fakeengine.Reply{}), headers("POST", tc.path, false), body(tc.body, true))
 			status, b := immediateOf(t, out[len(out)-1])
 			require.Equal(t, tc.status, status)
 			require.Equal(t, tc.code, b.Error.Code)
@@ -411,7 +374,7 @@ func TestErrors(t *testing.T) {
 	tests := []struct {
 		name       string
 		msgs       []*extprocv3.ProcessingRequest
-		engine     *fakeEngine
+		engine     *fakeengine.Engine
 		noDefault  bool
 		timeout    time.Duration
 		wantStatus int
@@ -447,40 +410,40 @@ func TestErrors(t *testing.T) {
 		{name: "model null", msgs: msgs(post, body(`{"model":null}`, true)), wantStatus: 400, wantCode: "missing_model"},
 		{
 			name: "prefill 500", msgs: msgs(post, body(chatBody, true)),
-			engine:     &fakeEngine{err: &engines.Error{Endpoint: endpoint.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}},
+			engine:     answering(fakeengine.Reply{Err: &engines.Error{Endpoint: endpoint.Endpoint{Address: "127.0.0.1:8100"}, Status: 500, Message: "boom"}}),
 			wantStatus: 502, wantCode: "prefill_failed", wantMsg: "127.0.0.1:8100 answered 500: boom", wantCalls: 1,
 		},
 		{
 			name: "prefill refuses the request", msgs: msgs(post, body(chatBody, true)),
-			engine:     &fakeEngine{err: &engines.Error{Status: 400, Message: "prompt too long"}},
+			engine:     answering(fakeengine.Reply{Err: &engines.Error{Status: 400, Message: "prompt too long"}}),
 			wantStatus: 400, wantCode: "prefill_rejected", wantMsg: "prompt too long", wantCalls: 1,
 		},
 		{
 			name: "prefill unreachable", msgs: msgs(post, body(chatBody, true)),
-			engine:     &fakeEngine{err: &engines.Error{Err: errors.New("connection refused")}},
+			engine:     answering(fakeengine.Reply{Err: &engines.Error{Err: errors.New("connection refused")}}),
 			wantStatus: 503, wantCode: "prefill_unavailable", wantCalls: 1,
 		},
 		{
 			name: "prefill answer not JSON", msgs: msgs(post, body(chatBody, true)),
-			engine: &fakeEngine{answer: `<html>`}, wantStatus: 502, wantCode: "bad_prefill_answer", wantMsg: "invalid prefill answer", wantCalls: 1,
+			engine: answering(fakeengine.Reply{Body: `<html>`}), wantStatus: 502, wantCode: "bad_prefill_answer", wantMsg: "invalid prefill answer", wantCalls: 1,
 		},
 		{
 			name: "prefill answer names another KV source", msgs: msgs(post, body(chatBody, true)),
-			engine:     &fakeEngine{answer: `{"kv_transfer_params":{"remote_host":"203.0.113.66","remote_port":9901}}`},
+			engine:     answering(fakeengine.Reply{Body: `{"kv_transfer_params":{"remote_host":"203.0.113.66","remote_port":9901}}`}),
 			wantStatus: 502, wantCode: "bad_prefill_answer", wantMsg: `KV source host "203.0.113.66"`, wantCalls: 1,
 		},
 		{name: "too many headers", msgs: msgs(headers("POST", "/v1/chat/completions", false, manyHeaders(96)...)), wantStatus: 431, wantCode: "headers_too_large", wantMsg: "98 headers"},
 		{name: "headers too large", msgs: msgs(headers("POST", "/v1/chat/completions", false, "x-big", strings.Repeat("x", 60<<10-100))), wantStatus: 431, wantCode: "headers_too_large"},
 		{
 			name: "prefill timeout", msgs: msgs(post, body(chatBody, true)), timeout: 50 * time.Millisecond,
-			engine: &fakeEngine{block: true}, wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill on 127.0.0.1:8100: prefill timed out after 50ms", wantCalls: 1,
+			engine: answering(fakeengine.Reply{Block: true}), wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill on 127.0.0.1:8100: prefill timed out after 50ms", wantCalls: 1,
 		},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			eng := tc.engine
 			if eng == nil {
-				eng = &fakeEngine{answer: kvAnswer}
+				eng = answering(fakeengine.Reply{Body: kvAnswer})
 			}
 			timeout := tc.timeout
 			if timeout == 0 {
@@ -501,7 +464,7 @@ func TestErrors(t *testing.T) {
 func TestCancellationDuringPrefill(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)
-	eng := &fakeEngine{block: true}
+	eng := answering(fakeengine.Reply{Block: true})
 	stream.in <- headers("POST", "/v1/completions", false)
 	stream.in <- body(`{"model":"m","prompt":"p"}`, true)
 	srv := New(testTable(t, false, time.Minute), eng, slog.New(slog.DiscardHandler))
@@ -513,14 +476,14 @@ func TestCancellationDuringPrefill(t *testing.T) {
 		return len(eng.Calls()) == 1
 	}, 5*time.Second, 5*time.Millisecond)
 	require.NoError(t, <-done)
-	require.ErrorIs(t, eng.Calls()[0].ctxErrEnd, context.Canceled)
+	require.ErrorIs(t, eng.Calls()[0].CtxErr, context.Canceled)
 }
 
 func TestStreamErrorsAreReturned(t *testing.T) {
 	stream := newFakeStream(t.Context())
 	stream.recv = errors.New("transport is broken")
 	close(stream.in)
-	srv := New(testTable(t, false, time.Second), &fakeEngine{}, slog.New(slog.DiscardHandler))
+	srv := New(testTable(t, false, time.Second), answering(fakeengine.Reply{}), slog.New(slog.DiscardHandler))
 	require.ErrorContains(t, srv.Process(stream), "transport is broken")
 }
 
@@ -539,7 +502,7 @@ func manyHeaders(n int) []string {
 // that start later (config reload swaps it).
 func TestSetTableIsPerStream(t *testing.T) {
 	old := testTable(t, false, time.Second) // serves model "m" only
-	srv := New(old, &fakeEngine{answer: kvAnswer}, slog.New(slog.DiscardHandler))
+	srv := New(old, answering(fakeengine.Reply{Body: kvAnswer}), slog.New(slog.DiscardHandler))
 
 	running := newFakeStream(t.Context())
 	done := make(chan error, 1)

@@ -4,9 +4,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
+	"net/http"
 	"strings"
-	"sync"
 	"testing"
 
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -17,49 +16,48 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
-// scriptedEngine answers each prefill endpoint its own way and records the
-// order of the calls.
-type scriptedEngine struct {
-	answers map[string]func(ctx context.Context) ([]byte, error)
-
-	mu    sync.Mutex
-	calls []string
+// scripted returns an engine whose prefill endpoints answer as answers
+// says, by address.
+func scripted(answers map[string]fakeengine.Reply) *fakeengine.Engine {
+	e := fakeengine.New()
+	for address, r := range answers {
+		e.On(http.MethodPost, address, "", r)
+	}
+	return e
 }
 
-func (e *scriptedEngine) Post(ctx context.Context, ep endpoint.Endpoint, _, _ string, _ net.Buffers) ([]byte, error) {
-	e.mu.Lock()
-	e.calls = append(e.calls, ep.Address)
-	e.mu.Unlock()
-	return e.answers[ep.Address](ctx)
+// retryEngine returns an engine whose prefill endpoints .1, .2 and .3 of
+// retryTable answer as a1, a2 and a3.
+func retryEngine(a1, a2, a3 fakeengine.Reply) *fakeengine.Engine {
+	return scripted(map[string]fakeengine.Reply{"127.0.0.1:1": a1, "127.0.0.1:2": a2, "127.0.0.1:3": a3})
 }
 
-func (e *scriptedEngine) Get(context.Context, string, string) ([]byte, error) {
-	return nil, errors.New("unexpected GET")
-}
-
-func (e *scriptedEngine) called() []string {
-	e.mu.Lock()
-	defer e.mu.Unlock()
-	return append([]string(nil), e.calls...)
+// called returns the addresses e was called on, in order.
+func called(e *fakeengine.Engine) []string {
+	var out []string
+	for _, c := range e.Calls() {
+		out = append(out, c.Endpoint.Address)
+	}
+	return out
 }
 
 var (
-	answerOK = func(context.Context) ([]byte, error) { return []byte(kvAnswer), nil }
-	answer   = func(status int) func(context.Context) ([]byte, error) {
-		return func(context.Context) ([]byte, error) {
-			return nil, &engines.Error{Status: status, Message: fmt.Sprintf("status %d", status)}
-		}
+	answerOK = fakeengine.Reply{Body: kvAnswer}
+	answer   = func(status int) fakeengine.Reply {
+		return fakeengine.Reply{Err: &engines.Error{Status: status, Message: fmt.Sprintf("status %d", status)}}
 	}
-	answerRefused = func(context.Context) ([]byte, error) {
-		return nil, &engines.Error{Err: errors.New("connection refused")}
-	}
-	answerHang = func(ctx context.Context) ([]byte, error) {
+	answerRefused = fakeengine.Reply{Err: &engines.Error{Err: errors.New("connection refused")}}
+	// answerHang waits in an Fn rather than as a Block reply, which would
+	// name the endpoint in its error and be recorded only when it ends:
+	// called lists the attempts in the order they started.
+	answerHang = fakeengine.Reply{Fn: func(ctx context.Context, _ fakeengine.Call) ([]byte, error) {
 		<-ctx.Done()
 		return nil, &engines.Error{Err: ctx.Err()}
-	}
-	answerGarbage = func(context.Context) ([]byte, error) { return []byte(`<html>`), nil }
+	}}
+	answerGarbage = fakeengine.Reply{Body: `<html>`}
 )
 
 // retryTable is a nixl pool over prefill endpoints .1, .2 and .3.
@@ -91,7 +89,7 @@ func TestPrefillRetries(t *testing.T) {
 	tests := []struct {
 		name    string
 		extra   string
-		answers [3]func(context.Context) ([]byte, error)
+		answers [3]fakeengine.Reply
 		// what the client gets: decode (routed) or an error status and code
 		wantStatus int
 		wantCode   string
@@ -99,44 +97,42 @@ func TestPrefillRetries(t *testing.T) {
 		wantCalls  []string
 		wantPlain  bool // routed with the plain body (fallback)
 	}{
-		{name: "500 then success", answers: [3]func(context.Context) ([]byte, error){answer(500), answerOK, answerOK},
+		{name: "500 then success", answers: [3]fakeengine.Reply{answer(500), answerOK, answerOK},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2"}},
-		{name: "refused, 503, then success", answers: [3]func(context.Context) ([]byte, error){answerRefused, answer(503), answerOK},
+		{name: "refused, 503, then success", answers: [3]fakeengine.Reply{answerRefused, answer(503), answerOK},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}},
-		{name: "garbage answer then success", answers: [3]func(context.Context) ([]byte, error){answerGarbage, answerOK, answerOK},
+		{name: "garbage answer then success", answers: [3]fakeengine.Reply{answerGarbage, answerOK, answerOK},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2"}},
-		{name: "429 then success", answers: [3]func(context.Context) ([]byte, error){answer(429), answerOK, answerOK},
+		{name: "429 then success", answers: [3]fakeengine.Reply{answer(429), answerOK, answerOK},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2"}},
 		{name: "hanging endpoint: the attempt times out, the next succeeds", extra: "  prefill_timeout: 5s\n  prefill_attempt_timeout: 50ms\n",
-			answers:   [3]func(context.Context) ([]byte, error){answerHang, answerOK, answerOK},
+			answers:   [3]fakeengine.Reply{answerHang, answerOK, answerOK},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2"}},
-		{name: "the engine refuses the request: no retry", answers: [3]func(context.Context) ([]byte, error){answer(400), answerOK, answerOK},
+		{name: "the engine refuses the request: no retry", answers: [3]fakeengine.Reply{answer(400), answerOK, answerOK},
 			wantStatus: 400, wantCode: "prefill_rejected", wantCalls: []string{"127.0.0.1:1"}},
-		{name: "attempts are bounded", extra: "  prefill_attempts: 2\n", answers: [3]func(context.Context) ([]byte, error){answer(500), answer(502), answerOK},
+		{name: "attempts are bounded", extra: "  prefill_attempts: 2\n", answers: [3]fakeengine.Reply{answer(500), answer(502), answerOK},
 			wantStatus: 502, wantCode: "prefill_failed", wantMsg: "pool p: prefill engine 127.0.0.1:2 answered 502: status 502 (earlier attempts: pool p: prefill engine 127.0.0.1:1 answered 500: status 500)",
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2"}},
-		{name: "all fail: the last failure decides the status", answers: [3]func(context.Context) ([]byte, error){answer(500), answer(500), answerRefused},
+		{name: "all fail: the last failure decides the status", answers: [3]fakeengine.Reply{answer(500), answer(500), answerRefused},
 			wantStatus: 503, wantCode: "prefill_unavailable", wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}},
 		// How many attempts fit in the budget depends on the clock; that the
 		// budget, not the attempts, ends the request does not.
 		{name: "all hang: the budget ends it", extra: "  prefill_timeout: 150ms\n  prefill_attempt_timeout: 100ms\n",
-			answers:    [3]func(context.Context) ([]byte, error){answerHang, answerHang, answerHang},
+			answers:    [3]fakeengine.Reply{answerHang, answerHang, answerHang},
 			wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill timed out after 150ms"},
 		{name: "all fail with fallback: decode without prefill", extra: "  on_prefill_failure: fallback\n",
-			answers:   [3]func(context.Context) ([]byte, error){answer(500), answerRefused, answerGarbage},
+			answers:   [3]fakeengine.Reply{answer(500), answerRefused, answerGarbage},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}, wantPlain: true},
 		{name: "fallback is not for requests the engine refuses", extra: "  on_prefill_failure: fallback\n",
-			answers:    [3]func(context.Context) ([]byte, error){answer(422), answerOK, answerOK},
+			answers:    [3]fakeengine.Reply{answer(422), answerOK, answerOK},
 			wantStatus: 422, wantCode: "prefill_rejected", wantCalls: []string{"127.0.0.1:1"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
-				"127.0.0.1:1": tc.answers[0], "127.0.0.1:2": tc.answers[1], "127.0.0.1:3": tc.answers[2],
-			}}
+			eng := retryEngine(tc.answers[0], tc.answers[1], tc.answers[2])
 			resp := runChat(t, retryTable(t, tc.extra), eng)
 			if tc.wantCalls != nil {
-				require.Equal(t, tc.wantCalls, eng.called())
+				require.Equal(t, tc.wantCalls, called(eng))
 			}
 			if tc.wantStatus != 0 {
 				status, b := immediateOf(t, resp)
@@ -159,15 +155,13 @@ func TestPrefillRetries(t *testing.T) {
 // An endpoint that keeps failing is left out of picking, so later requests
 // stop paying for it; it is tried again after the cool-down.
 func TestPassiveHealth(t *testing.T) {
-	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
-		"127.0.0.1:1": answerRefused, "127.0.0.1:2": answerOK, "127.0.0.1:3": answerOK,
-	}}
+	eng := retryEngine(answerRefused, answerOK, answerOK)
 	table := retryTable(t, "  eject_after_failures: 2\n  eject_duration: 1h\n")
 	for range 12 {
 		resp := runChat(t, table, eng)
 		require.Nil(t, resp.GetImmediateResponse(), "every request succeeds, retried where .1 failed")
 	}
-	calls := eng.called()
+	calls := called(eng)
 	require.Equal(t, 2, strings.Count(strings.Join(calls, " "), "127.0.0.1:1"), "ejected after 2 failures: %v", calls)
 	pool, _ := table.Lookup("m")
 	require.False(t, pool.Prefill.Set.Healthy(endpoint.Endpoint{Address: "127.0.0.1:1"}))
@@ -176,9 +170,7 @@ func TestPassiveHealth(t *testing.T) {
 
 // A request the engine refuses says nothing about the endpoint's health.
 func TestClientErrorsDoNotEject(t *testing.T) {
-	eng := &scriptedEngine{answers: map[string]func(context.Context) ([]byte, error){
-		"127.0.0.1:1": answer(400), "127.0.0.1:2": answer(400), "127.0.0.1:3": answer(400),
-	}}
+	eng := retryEngine(answer(400), answer(400), answer(400))
 	table := retryTable(t, "  eject_after_failures: 1\n")
 	for range 6 {
 		status, _ := immediateOf(t, runChat(t, table, eng))
@@ -192,7 +184,7 @@ func TestClientErrorsDoNotEject(t *testing.T) {
 
 func TestBodyLimit(t *testing.T) {
 	big := `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("x", 4096) + `"}]}`
-	out := run(t, retryTable(t, ""), &scriptedEngine{}, headers("POST", "/v1/chat/completions", false), body(big, true))
+	out := run(t, retryTable(t, ""), fakeengine.New(), headers("POST", "/v1/chat/completions", false), body(big, true))
 	status, b := immediateOf(t, out[1])
 	require.Equal(t, 413, status)
 	require.Equal(t, "body_too_large", b.Error.Code)
@@ -201,6 +193,6 @@ func TestBodyLimit(t *testing.T) {
 
 // A 405 says which method works.
 func TestMethodNotAllowedHeader(t *testing.T) {
-	out := run(t, retryTable(t, ""), &scriptedEngine{}, headers("GET", "/v1/completions", true))
+	out := run(t, retryTable(t, ""), fakeengine.New(), headers("GET", "/v1/completions", true))
 	require.Equal(t, "POST", setHeaders(out[0].GetImmediateResponse().GetHeaders())["allow"])
 }

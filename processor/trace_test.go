@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"sync"
@@ -21,6 +20,7 @@ import (
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 const (
@@ -59,10 +59,7 @@ func (p *tracedPrefill) traceparents() []string {
 // connections and whose second is live.
 func tracedTable(t *testing.T, live string) *routing.Table {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	dead := ln.Addr().String()
-	require.NoError(t, ln.Close())
+	dead := loopback.FreeAddr(t)
 	cfg, err := config.Parse(fmt.Appendf(nil, `
 pools:
 - name: p

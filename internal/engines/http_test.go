@@ -17,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 // newEngine returns an engine whose idle connections are closed when the test
@@ -176,11 +177,8 @@ func TestHTTPPostAnswerSize(t *testing.T) {
 }
 
 func TestHTTPPostConnectionRefused(t *testing.T) {
-	// A listener closed right away leaves a loopback port nobody listens on.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	ep := endpoint.Endpoint{Address: ln.Addr().String()}
-	require.NoError(t, ln.Close())
+	// A free loopback port is one nobody listens on.
+	ep := endpoint.Endpoint{Address: loopback.FreeAddr(t)}
 
 	out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
 	require.Nil(t, out)

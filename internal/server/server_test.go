@@ -20,6 +20,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 // TestMain fails the package if a server or client goroutine outlives the
@@ -48,16 +49,6 @@ pools:
 `, grpcAddr, adminAddr))
 	require.NoError(t, err)
 	return cfg
-}
-
-// freeAddr returns a loopback address that was free a moment ago.
-func freeAddr(t *testing.T) string {
-	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	addr := ln.Addr().String()
-	require.NoError(t, ln.Close())
-	return addr
 }
 
 func dialGRPC(t *testing.T, addr string) *grpc.ClientConn {
@@ -127,7 +118,7 @@ func TestStartBusyAddress(t *testing.T) {
 			taken, err := net.Listen("tcp", "127.0.0.1:0")
 			require.NoError(t, err)
 			defer taken.Close()
-			other := freeAddr(t)
+			other := loopback.FreeAddr(t)
 
 			addrs := map[string]string{busy: taken.Addr().String()}
 			if busy == "grpc_address" {

@@ -9,6 +9,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 // prefill runs a correct prefill of b on p and returns the kv_transfer_params
@@ -221,11 +223,7 @@ func withKV(key string, value any) func(*testing.T, *Server, map[string]any) (st
 // closedPort is a loopback port nobody listens on (at least right now).
 func closedPort(t *testing.T) int {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	require.NoError(t, err)
-	port := ln.Addr().(*net.TCPAddr).Port
-	require.NoError(t, ln.Close())
-	return port
+	return loopback.FreePort(t)
 }
 
 func TestNixlPrefillDerivationErrors(t *testing.T) {

@@ -36,6 +36,12 @@ var connectorNames = []string{
 	ConnectorSGLang, ConnectorP2PNCCL, ConnectorTRTLLM,
 }
 
+// UsesStore reports whether engines of connector share a KV store
+// (LMCache's), which StartStore runs and Config.StoreAddr names.
+func UsesStore(connector string) bool {
+	return connector == ConnectorHTTP || connector == ConnectorLMCache
+}
+
 // Names of side channel listeners.
 const (
 	sideBootstrap = "bootstrap"

@@ -197,7 +197,7 @@ func (c Config) withDefaults() (Config, error) {
 	default:
 		return c, fmt.Errorf("enginesim: unknown Mooncake protocol %q (want %s or %s)", c.MooncakeProtocol, MooncakeNIXL, MooncakeVLLM)
 	}
-	if (c.Connector == ConnectorHTTP || c.Connector == ConnectorLMCache) && c.StoreAddr == "" {
+	if UsesStore(c.Connector) && c.StoreAddr == "" {
 		return c, fmt.Errorf("enginesim: connector %q needs StoreAddr, the address of a KV store (see StartStore)", c.Connector)
 	}
 	if c.DisconnectCheckInterval == 0 && c.Connector == ConnectorSGLang {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -17,6 +16,7 @@ import (
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/internal/testbed/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 // Models of the pdx config the rig runs: one pool per way of serving.
@@ -71,7 +71,7 @@ func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
 		}
 		r.decode = append(r.decode, s)
 	}
-	addrs, err := freeAddrs(3)
+	addrs, err := loopback.FreeAddrs(3) // for pdx, a child process, to listen on
 	if err != nil {
 		return nil, err
 	}
@@ -226,19 +226,4 @@ func (p *pdxProcess) stop() error {
 		<-p.done
 	}
 	return nil
-}
-
-// freeAddrs returns n loopback addresses with ports free at the time of the
-// call, for a child process to listen on.
-func freeAddrs(n int) ([]string, error) {
-	var out []string
-	for range n {
-		ln, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("finding a free port: %w", err)
-		}
-		defer ln.Close() // all held until all are found, so they differ
-		out = append(out, ln.Addr().String())
-	}
-	return out, nil
 }

@@ -113,7 +113,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	engine := opts.Engine
 	engine.Connector = opts.Connector
 	engine.MooncakeProtocol = opts.MooncakeProtocol
-	if opts.Connector == "http" || opts.Connector == "lmcache" {
+	if enginesim.UsesStore(opts.Connector) {
 		if s.Store, err = enginesim.StartStore(ctx, "127.0.0.1:0"); err != nil {
 			return nil, err
 		}
