@@ -53,6 +53,9 @@ func run(ctx context.Context, args []string) error {
 	tamper := fs.String("tamper-kv-params", "", "JSON object whose members override the kv_transfer_params a NIXL prefill returns")
 	fs.BoolVar(&cfg.TRTLLMLegacy, "trtllm-legacy", false, "play an older TensorRT-LLM server (DisaggregatedParams without disagg_request_id, ctx_usage, ...)")
 	store := fs.Bool("store", false, "run the shared KV store of --connector http on --addr instead of an engine")
+	capacity := fs.Bool("capacity", false, "model an engine under load: Llama-3-8B on one H100 (batch, queues, prefix cache, KV pulls; see docs/simulator.md)")
+	tokenScale := fs.Float64("token-scale", 1, "with --capacity: prompts and outputs have 1/this of the real tokens")
+	timeScale := fs.Float64("time-scale", 1, "with --capacity: the engine runs this many times the real time")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -60,6 +63,10 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 	cfg.Role = enginesim.Role(*role)
+	if *capacity {
+		c := enginesim.ReferenceCapacity(*tokenScale, *timeScale)
+		cfg.Capacity = &c
+	}
 	if *tamper != "" {
 		cfg.TamperKVParams = json.RawMessage(*tamper)
 	}

@@ -150,7 +150,7 @@ func (s *Server) servePlain(x *exchange) {
 		x.rec.KV = KVRecomputed
 		x.w.Header().Set(HeaderKV, KVRecomputed)
 	}
-	if err := sleep(x.workContext(), s.prefillTime(x.req)); err != nil {
+	if err := s.computePrompt(x.workContext(), x.req); err != nil {
 		s.interrupted(x, x.workContext(), nil)
 		return
 	}
@@ -167,7 +167,7 @@ func (s *Server) servePrefill(x *exchange) {
 		s.reject(x, err)
 		return
 	}
-	if err := sleep(x.r.Context(), s.prefillTime(x.req)); err != nil {
+	if err := s.computePrompt(x.r.Context(), x.req); err != nil {
 		s.abandon(x, err)
 		return
 	}
@@ -252,10 +252,7 @@ func (s *Server) serveDecode(x *exchange) {
 			pulled.RequestID, x.rec.RequestID))
 		return
 	}
-	x.rec.KV = KVPulled
-	x.w.Header().Set(HeaderKV, KVPulled)
-	x.w.Header().Set(HeaderKVSource, src)
-	s.generate(x)
+	s.servePulled(x, src)
 }
 
 // queue is a decode's wait in vLLM's waiting queue until the scheduler takes
@@ -327,6 +324,12 @@ func outputTokens(fingerprint string, n int) []string {
 
 // generate runs the decode phase and answers, as JSON or as SSE.
 func (s *Server) generate(x *exchange) {
+	if s.load.capa != nil {
+		s.generateBatched(x)
+		return
+	}
+	done, _ := s.load.admit(x.r.Context(), x.req) // without Capacity it only counts
+	defer done()
 	toks := outputTokens(x.rec.Fingerprint, x.req.maxTokens)
 	if x.req.stream {
 		s.stream(x, toks, s.tokenDelay, "length")

@@ -38,7 +38,7 @@ func (p *lmcacheProtocol) prefill(x *exchange) {
 		return
 	}
 	ctx := x.r.Context()
-	if err := sleep(ctx, s.prefillTime(x.req)); err != nil {
+	if err := s.computePrompt(ctx, x.req); err != nil {
 		s.abandon(x, err)
 		return
 	}
@@ -74,7 +74,7 @@ func (p *lmcacheProtocol) decode(x *exchange) {
 		// A miss: LMCache recomputes the prompt.
 		x.rec.KV = KVRecomputed
 		x.w.Header().Set(HeaderKV, KVRecomputed)
-		if err := sleep(ctx, s.prefillTime(x.req)); err != nil {
+		if err := s.computePrompt(ctx, x.req); err != nil {
 			s.abandon(x, err)
 			return
 		}

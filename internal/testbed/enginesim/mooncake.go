@@ -122,7 +122,7 @@ func (p *mooncakeProtocol) prefill(x *exchange) {
 		s.reject(x, badRequest("invalid %s prefill request: %s", mooncakeName, strings.Join(problems, "; ")))
 		return
 	}
-	if err := sleep(x.r.Context(), s.prefillTime(x.req)); err != nil {
+	if err := s.computePrompt(x.r.Context(), x.req); err != nil {
 		s.abandon(x, err)
 		return
 	}

@@ -106,7 +106,7 @@ func (p *p2pProtocol) prefill(x *exchange) {
 		return
 	}
 	ctx := x.r.Context()
-	if err := sleep(ctx, s.prefillTime(x.req)); err != nil {
+	if err := s.computePrompt(ctx, x.req); err != nil {
 		s.abandon(x, err)
 		return
 	}

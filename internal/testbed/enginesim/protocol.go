@@ -493,6 +493,10 @@ func (s *Server) finishDecode(x *exchange, what string, got kvAnswer, err error)
 
 // servePulled generates from KV pulled from src, the prefill's HTTP address.
 func (s *Server) servePulled(x *exchange, src string) {
+	if err := s.transferKV(x.workContext(), x.req); err != nil {
+		s.interrupted(x, x.workContext(), nil)
+		return
+	}
 	x.rec.KV, x.rec.KVSource = KVPulled, src
 	x.w.Header().Set(HeaderKV, KVPulled)
 	x.w.Header().Set(HeaderKVSource, src)

@@ -10,6 +10,11 @@
 // the engine itself rather than producing plausible-looking output. Generated
 // text starts with the fingerprint of the prompt, so a response can be matched
 // to the prompt it belongs to.
+//
+// Timing is fixed latencies by default; Config.Capacity makes an engine a
+// queueing model of a real one instead (prefill server, decode batch, prefix
+// cache, KV pulls), and GET /metrics reports its load under the real
+// engines' Prometheus metric names.
 package enginesim
 
 import (
@@ -112,6 +117,11 @@ type Config struct {
 	// nothing per request: a load run's millions of records, bodies
 	// included, would cost more than the engine being measured.
 	TallyOnly bool
+	// Capacity, when set, replaces the fixed latencies above (but
+	// DecodeQueueLatency) with a queueing model of a real engine: a prefill
+	// server, a decode batch, a prefix cache and KV pull times (see
+	// Capacity). GET /metrics reports its queues and cache either way.
+	Capacity *Capacity
 }
 
 // Tally counts what an engine served, by outcome.
@@ -167,6 +177,11 @@ func (c Config) withDefaults() (Config, error) {
 	} {
 		if d < 0 {
 			return c, fmt.Errorf("enginesim: %s must not be negative, got %v", name, d)
+		}
+	}
+	if c.Capacity != nil {
+		if err := c.Capacity.validate(); err != nil {
+			return c, err
 		}
 	}
 	if c.EngineID == "" {
@@ -241,6 +256,8 @@ type Server struct {
 	cancel    context.CancelFunc
 	proto     protocol
 	sides     []*sideServer // bootstrap servers and KV listeners of the protocol
+	load      *engineLoad   // queues and prefix cache (Config.Capacity), or in-flight counts
+	metrics   http.Handler  // GET /metrics
 	// waitsDone is cancelled when Close starts, so that requests waiting for
 	// KV give up at once rather than holding Close for its grace period.
 	waitsDone   context.Context
@@ -292,6 +309,7 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 		log:         cfg.Logger.With("engine_id", cfg.EngineID, "role", string(cfg.Role), "connector", cfg.Connector),
 		client:      cfg.Client,
 		kv:          newKVStore(cfg.KVTTL),
+		load:        newEngineLoad(cfg.Capacity),
 		served:      make(chan struct{}),
 		base:        baseCtx,
 		cancel:      cancel,
@@ -302,6 +320,7 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 		s.client, s.ownClient = newPullClient(), true
 	}
 	s.tamper, _ = parseTamper(cfg.TamperKVParams) // withDefaults checked it
+	s.metrics = s.metricsHandler()
 	errorLog := slog.NewLogLogger(s.log.Handler(), slog.LevelWarn)
 	s.proto, err = newProtocol(ctx, s)
 	if err != nil {
@@ -582,6 +601,7 @@ func (s *Server) routes(mux *http.ServeMux) {
 	})
 	paths := []string{"/v1/chat/completions", "/v1/completions", "/sim/kv/pull", "/sim/kv/release", "/sim/state",
 		"/health", "/v1/models", "/sim/requests"}
+	paths = append(paths, s.metricsRoutes(mux)...)
 	if r, ok := s.proto.(routeAdder); ok {
 		paths = append(paths, r.addRoutes(mux)...)
 	}

@@ -209,7 +209,7 @@ func (p *sglangProtocol) prefill(x *exchange) {
 		return
 	}
 	ctx := x.workContext()
-	if err := sleep(ctx, s.prefillTime(x.req)); err != nil {
+	if err := s.computePrompt(ctx, x.req); err != nil {
 		s.interrupted(x, ctx, nil)
 		return
 	}

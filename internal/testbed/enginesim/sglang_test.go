@@ -275,14 +275,20 @@ func TestSGLangDecodeClientGone(t *testing.T) {
 			require.NoError(t, err)
 			req.Header.Set("X-Request-Id", "gone")
 			start := time.Now()
-			go func() {
+			// The client leaves once the decode waits for its room; a
+			// streaming one after it has the 200 the decode answers at once.
+			leave := func() {
 				waitForWaiters(t, p.proto.(*sglangProtocol).rooms)
 				cancel()
-			}()
+			}
+			if !stream {
+				go leave()
+			}
 			resp, err := testClient(t).Do(req)
 			if stream {
 				require.NoError(t, err, "a streaming decode answers 200 at once")
 				require.Equal(t, http.StatusOK, resp.StatusCode)
+				go leave()
 				_, err = io.ReadAll(resp.Body)
 				resp.Body.Close()
 			}

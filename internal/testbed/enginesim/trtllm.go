@@ -175,7 +175,7 @@ func (p *trtllmProtocol) prefill(x *exchange) {
 		s.reject(x, badRequest("invalid trtllm context request: %s", strings.Join(problems, "; ")))
 		return
 	}
-	if err := sleep(x.r.Context(), s.prefillTime(x.req)); err != nil {
+	if err := s.computePrompt(x.r.Context(), x.req); err != nil {
 		s.abandon(x, err)
 		return
 	}
