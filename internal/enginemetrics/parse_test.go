@@ -1,0 +1,135 @@
+package enginemetrics
+
+import (
+	"os"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func readTestdata(t testing.TB, name string) string {
+	t.Helper()
+	b, err := os.ReadFile("testdata/" + name)
+	require.NoError(t, err)
+	return string(b)
+}
+
+func TestParse(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		text string
+		want Sample
+	}{
+		{
+			name: "vLLM exposition with histograms and process metrics",
+			text: readTestdata(t, "vllm.txt"),
+			want: Sample{Waiting: 7, Running: 12, KVUsage: 0.6312},
+		},
+		{
+			name: "SGLang exposition",
+			text: readTestdata(t, "sglang.txt"),
+			want: Sample{Waiting: 4, Running: 31, KVUsage: 0.87},
+		},
+		{
+			name: "TensorRT-LLM serve exposition",
+			text: readTestdata(t, "trtllm.txt"),
+			want: Sample{Waiting: 9, Running: 64, KVUsage: 0.4421},
+		},
+		{
+			name: "vLLM before v0.10 names KV usage gpu_cache_usage_perc",
+			text: `# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="m"} 0.25
+vllm:num_requests_waiting{model_name="m"} 1
+`,
+			want: Sample{Waiting: 1, Running: 0, KVUsage: 0.25},
+		},
+		{
+			name: "data-parallel engines: counts summed, KV usage the fullest",
+			text: `# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3
+vllm:num_requests_running{engine="1",model_name="m"} 5
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2
+vllm:num_requests_waiting{engine="1",model_name="m"} 0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.3
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.9
+`,
+			want: Sample{Waiting: 2, Running: 8, KVUsage: 0.9},
+		},
+		{
+			name: "no KV family: KVUsage is -1",
+			text: "sglang:num_queue_reqs 2\nsglang:num_running_reqs 6\n",
+			want: Sample{Waiting: 2, Running: 6, KVUsage: -1},
+		},
+		{
+			name: "NaN is ignored, out-of-range KV clamped",
+			text: "vllm:num_requests_waiting NaN\nvllm:num_requests_running 4\nvllm:kv_cache_usage_perc 1.2\n",
+			want: Sample{Waiting: 0, Running: 4, KVUsage: 1},
+		},
+		{
+			name: "UTF-8 metric names elsewhere do not fail the scrape",
+			text: "{\"some.dotted.metric\"} 1\nvllm:num_requests_running 2\n",
+			want: Sample{Running: 2, KVUsage: -1},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			got, err := Parse(strings.NewReader(tt.text))
+			require.NoError(t, err)
+			require.Equal(t, tt.want.Waiting, got.Waiting)
+			require.Equal(t, tt.want.Running, got.Running)
+			require.InDelta(t, tt.want.KVUsage, got.KVUsage, 1e-9)
+		})
+	}
+}
+
+func TestParseFails(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name    string
+		text    string
+		noLoad  bool // ErrNoLoad rather than a parse error
+		errText string
+	}{
+		{name: "empty", text: "", noLoad: true},
+		{
+			name:   "only unrelated families",
+			text:   "# TYPE process_open_fds gauge\nprocess_open_fds 87\n",
+			noLoad: true,
+		},
+		{
+			name:   "known family declared but without series",
+			text:   "# HELP vllm:num_requests_waiting Waiting.\n# TYPE vllm:num_requests_waiting gauge\n",
+			noLoad: true,
+		},
+		{name: "value is not a number", text: "vllm:num_requests_waiting seven\n", errText: "float"},
+		{name: "unterminated label set", text: "vllm:num_requests_waiting{model_name=\"m\" 3\n"},
+		{name: "HTML error page", text: "<html><body>502 Bad Gateway</body></html>\n"},
+		{name: "JSON (trtllm-serve's /metrics)", text: `[{"numActiveRequests": 3, "numQueuedRequests": 1}]`},
+		{
+			name: "malformed line after a good known family",
+			text: readTestdata(t, "vllm.txt") + "vllm:num_requests_running{engine=\"0\"} 1 2 3 4\n",
+		},
+		{name: "conflicting TYPE", text: "# TYPE vllm:num_requests_running gauge\n# TYPE vllm:num_requests_running counter\n"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			_, err := Parse(strings.NewReader(tt.text))
+			require.Error(t, err)
+			if tt.noLoad {
+				require.ErrorIs(t, err, ErrNoLoad)
+			} else {
+				require.NotErrorIs(t, err, ErrNoLoad)
+			}
+			if tt.errText != "" {
+				require.ErrorContains(t, err, tt.errText)
+			}
+		})
+	}
+}
