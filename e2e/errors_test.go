@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"regexp"
 	"slices"
@@ -71,6 +72,22 @@ func garbageEngine(t *testing.T) string {
 	return ln.Addr().String()
 }
 
+// saturatedEngine is an engine whose metrics say its queue is full (vLLM's
+// names); it serves nothing else.
+func saturatedEngine(t *testing.T) string {
+	t.Helper()
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.URL.Path != "/metrics" {
+			http.NotFound(w, r)
+			return
+		}
+		fmt.Fprint(w, "# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{model_name=\"saturated\"} 9\n"+
+			"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name=\"saturated\"} 64\n")
+	}))
+	t.Cleanup(srv.Close)
+	return srv.Listener.Addr().String()
+}
+
 // faultyEngine starts a NIXL engine of role tuned by cfg.
 func faultyEngine(t *testing.T, role enginesim.Role, cfg enginesim.Config) string {
 	t.Helper()
@@ -97,6 +114,7 @@ func startErrorEnv(t *testing.T) *errorEnv {
 		{"garbage-decode", "none", "", garbageEngine(t), ""},
 		{"down-decode", "none", "", loopback.FreeAddr(t), ""},
 		{"slow-decode", "none", "", slowDecode, ""},
+		{"saturated", "none", "", saturatedEngine(t), "saturation: {action: reject}"},
 	}
 	var b strings.Builder
 	for _, p := range pools {
@@ -181,6 +199,15 @@ var errorCases = []errorCase{
 		return e.post(t, "/v1/completions", completion("demo-model"), h...)
 	}},
 	{400, "prefill_rejected", "answered 400", func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/completions", completion("rejects")) }},
+	{429, "overloaded", "every decode engine of pool saturated is saturated", func(t *testing.T, e *errorEnv) answer {
+		// Until pdx has scraped the engine it is not known to be saturated.
+		var a answer
+		require.Eventually(t, func() bool {
+			a = e.post(t, "/v1/completions", completion("saturated"))
+			return a.status == 429
+		}, 5*time.Second, 20*time.Millisecond)
+		return a
+	}},
 	{429, "prefill_overloaded", "answered 429", func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/completions", completion("overloaded")) }},
 	{502, "prefill_failed", "answered 500", func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/completions", completion("fails")) }},
 	{502, "bad_prefill_answer", "203.0.113.66", func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/completions", completion("tampered")) }},

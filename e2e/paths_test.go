@@ -35,6 +35,10 @@ func startRecorder(t *testing.T) *recorder {
 	require.NoError(t, err)
 	r := &recorder{addr: ln.Addr().String()}
 	r.srv = &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, req *http.Request) {
+		if req.Method == http.MethodGet && req.URL.Path == "/metrics" {
+			http.NotFound(w, req) // pdx's metrics scraper, not a client's request
+			return
+		}
 		b, _ := io.ReadAll(req.Body)
 		r.mu.Lock()
 		r.got = append(r.got, recorded{req.Method, req.URL.Path, req.Header.Get("X-Request-Id"), string(b)})

@@ -67,6 +67,7 @@ pools:
   default: true
   connector: nixl
   kubernetes: {namespace: llm, service: engines, port: 8000}
+  prefill_picker: {policy: round_robin} # the tests know which endpoint comes next
 `))
 			require.NoError(t, err)
 			table, err := routing.New(cfg)

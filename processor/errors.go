@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"strconv"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
@@ -37,6 +38,8 @@ type apiError struct {
 	code   string
 	msg    string
 	allow  string // the Allow header of a 405
+	// retryAfter is the Retry-After header of a 429, in seconds (0: none).
+	retryAfter int
 }
 
 func (e *apiError) Error() string { return e.msg }
@@ -115,9 +118,12 @@ func (e *apiError) immediateResponse(requestID string) *extprocv3.ProcessingResp
 		"code":    e.code,
 	}})
 	resp := immediate(e.status, "application/json", body, "pdx_"+e.code, requestID)
+	hm := resp.GetImmediateResponse().GetHeaders()
 	if e.allow != "" {
-		hm := resp.GetImmediateResponse().GetHeaders()
 		hm.SetHeaders = append(hm.SetHeaders, setHeader("allow", e.allow))
+	}
+	if e.retryAfter > 0 {
+		hm.SetHeaders = append(hm.SetHeaders, setHeader("retry-after", strconv.Itoa(e.retryAfter)))
 	}
 	return resp
 }

@@ -199,7 +199,7 @@ func TestAnsweredByThePrefill(t *testing.T) {
 
 // roundRobin is a leg picking among eps in turn.
 func roundRobin(eps ...endpoint.Endpoint) routing.Leg {
-	l, err := routing.NewLeg(picker.RoundRobinPolicy, eps, picker.Options{})
+	l, err := routing.NewLeg(picker.RoundRobinPolicy, picker.Params{}, eps, picker.Options{})
 	if err != nil {
 		panic(err)
 	}

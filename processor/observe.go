@@ -35,6 +35,9 @@ type recorder interface {
 	// attemptEnded notes the attempt's result: metrics.ResultOK or the
 	// error code the failure maps to.
 	attemptEnded(p *routing.Pool, ep endpoint.Endpoint, result string, err error)
+	// decided notes the disaggregation decider's decision (placement.go);
+	// "" for a pool without a prefill leg.
+	decided(p *routing.Pool, reason string)
 	// routed notes that pdx sent the request on to decode.
 	routed(decode endpoint.Endpoint)
 	// failed notes the error code pdx answered with.
@@ -82,6 +85,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 	return ctx
 }
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
+func (noRecord) decided(*routing.Pool, string)                                {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
 func (noRecord) failed(string)                                                {}
 func (noRecord) end(ending)                                                   {}
@@ -160,6 +164,15 @@ func (o *observation) message(msg *extprocv3.ProcessingRequest) {
 }
 
 func (o *observation) pool(p *routing.Pool) { o.chosen = p }
+
+func (o *observation) decided(p *routing.Pool, reason string) {
+	if reason != "" {
+		o.metrics.Pool(p).Decision(reason)
+	}
+	if o.span != nil && reason != "" {
+		o.span.SetAttributes(attribute.String("pdx.disaggregation", reason))
+	}
+}
 
 func (o *observation) routed(decode endpoint.Endpoint) {
 	o.answered = time.Since(o.start)

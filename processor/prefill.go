@@ -38,6 +38,8 @@ type prefillRun struct {
 	// prepared is the decode a connector prepared, kept until pdx knows
 	// whether the engines can let go of what they hold for it (see stop).
 	prepared *prepared
+	// counted is the attempt running on a prefill endpoint.
+	counted inFlight
 }
 
 // prepared is a decode that a connector whose engines hold work for it
@@ -73,7 +75,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	var last error       // decides the client's status
 	var earlier []string // for the message
 	for n := range pool.Attempts {
-		ep, err := pool.PickPrefill(creq.Decode, tried...)
+		ep, err := pool.PickPrefill(creq.Decode, r.pick(), tried...)
 		if err != nil {
 			if last == nil {
 				last = err // no attempt: say why (e.g. the decode's group has no prefill)
@@ -123,13 +125,18 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 // passive health; that of a concurrent prefill still running is reported
 // when it arrives (prefillDone).
 func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
+	// What the engine is to compute: the prompt but what it has cached.
+	uncached := r.tokens - pool.Prefill.Set.Matched(creq.Prefill, r.blocks)*r.blockTokens
+	r.prefill.counted.begin(pool.Prefill.Set, creq.Prefill, r.blocks, max(uncached, 0))
 	if pool.Traits.Concurrent {
 		decode, err := pool.Connector.Prepare(r.obs.attemptStarted(r.prefill.ctx, pool, creq.Prefill), r.env, creq)
 		if err != nil || decode.Prefill == nil {
+			r.prefill.counted.end()
 			r.report(ctx, pool, creq.Prefill, err)
 		}
 		return decode, err
 	}
+	defer r.prefill.counted.end()
 	actx, cancel := context.WithTimeoutCause(r.prefill.ctx, pool.AttemptTimeout, errAttemptTimeout)
 	defer cancel()
 	decode, err := pool.Connector.Prepare(r.obs.attemptStarted(actx, pool, creq.Prefill), r.env, creq)
@@ -169,6 +176,7 @@ func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.Process
 	pf := &r.prefill
 	pf.pending = nil
 	pf.cancel()
+	pf.counted.end()
 	r.report(ctx, pf.pool, pf.on, err)
 	if err != nil {
 		r.release("the prefill failed after its decode was sent")
@@ -191,6 +199,7 @@ func (pf *prefillRun) stop(r *request) {
 	if pf.cancel != nil {
 		pf.cancel()
 	}
+	pf.counted.end()
 	if p := pf.prepared; p != nil && (!p.delivered || pf.pending != nil) {
 		r.release("the request ended before its decode")
 	}

@@ -24,6 +24,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
@@ -83,6 +84,8 @@ func testTable(t testing.TB, withDefault bool, timeout time.Duration) *routing.T
 		Prefill:        []*configv1.Endpoint{{Address: "127.0.0.1:8100"}, {Address: "127.0.0.1:8101"}},
 		Decode:         []*configv1.Endpoint{{Address: "127.0.0.1:8200"}},
 		PrefillTimeout: durationpb.New(timeout),
+		// The tests know which endpoint comes next.
+		PrefillPicker: &configv1.Picker{Policy: picker.RoundRobinPolicy},
 	}}})
 	require.NoError(t, err)
 	return table
@@ -153,9 +156,9 @@ func TestRoutesInferenceRequest(t *testing.T) {
 		{name: "chat, client request id kept for the response", path: "/v1/chat/completions", clientID: "client-id-1", wantKeep: true},
 		{name: "completions with query, id generated", path: "/v1/completions?x=1"},
 		{name: "unprintable client id replaced", path: "/v1/completions", clientID: "bad id"},
-		// pdx has nothing left to do once routed: Process returns, and what
-		// Envoy would still send is not read.
-		{name: "the stream ends once routed", path: "/v1/chat/completions", extraMsgs: []*extprocv3.ProcessingRequest{responseHeaders, noPhase, responseBody}, wantExtra: 0},
+		// Once routed, pdx holds the stream until Envoy ends it (to count
+		// the decode) and passes on whatever Envoy still sends.
+		{name: "the stream is held and passes the response on", path: "/v1/chat/completions", extraMsgs: []*extprocv3.ProcessingRequest{responseHeaders, noPhase, responseBody}, wantExtra: 2},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -98,6 +98,14 @@ type request struct {
 	// trace is the request's trace context, which the decode request
 	// carries; empty when tracing is off.
 	trace traceContext
+	// blocks are the block hashes of the request's prompt, of blockTokens
+	// tokens each, and tokens its length (placement.go).
+	blocks              []uint64
+	blockTokens, tokens int
+	// decode counts the request on its decode endpoint until its stream
+	// ends: Envoy ends it when the response is over.
+	decode inFlight
+	closed bool
 }
 
 func newRequest(table *routing.Table, env connectors.Env, log *slog.Logger, bg *sync.WaitGroup, start time.Time, obs recorder) *request {
@@ -229,8 +237,13 @@ func (r *request) finished() bool {
 	return false
 }
 
-// close ends whatever of the request still runs, and records it.
+// close ends whatever of the request still runs but its decode, and
+// records it; later calls do nothing.
 func (r *request) close() {
+	if r.closed {
+		return
+	}
+	r.closed = true
 	if pf := &r.prefill; pf.pending != nil {
 		// The request ended without the concurrent prefill's outcome.
 		err := context.Canceled

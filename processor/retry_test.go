@@ -71,6 +71,7 @@ pools:
   connector: nixl
   prefill: [{address: 127.0.0.1:1}, {address: 127.0.0.1:2}, {address: 127.0.0.1:3}]
   decode: [{address: 127.0.0.1:9}]
+  prefill_picker: {policy: round_robin} # the tests know which endpoint comes next
 ` + extra))
 	require.NoError(t, err)
 	table, err := routing.New(cfg)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -194,15 +195,21 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 	}
 	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body, KVHosts: pool.KVHosts}
 	// A discovered pool may have no decode endpoint at the moment: 503.
-	if creq.Decode, err = pool.PickDecode(); err != nil {
+	reason, err := r.place(ctx, pool, creq, body)
+	if err != nil {
 		return decision{}, nil, err
 	}
 	var decode connectors.Decode
-	if pool.Traits.Prefills {
+	switch reason {
+	case reasonDisaggregated:
 		decode, err = r.prefillWithRetries(ctx, pool, creq)
-	} else {
+	case "":
 		decode, err = pool.Connector.Prepare(ctx, r.env, creq)
+	default:
+		// The decode engine computes the prompt, as after a failed prefill.
+		decode = connectors.Decode{Body: connectors.Plain(body)}
 	}
+	r.obs.decided(pool, reason)
 	switch {
 	case err != nil && pool.Fallback && fallbackable(ctx, err):
 		// The decode engine can compute the prompt itself: slower, but the
@@ -242,10 +249,11 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 // at its headers.
 func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse, error) {
 	r.obs.pool(pool)
-	decode, err := pool.PickDecode()
+	decode, err := pool.PickDecode(picker.Request{})
 	if err != nil {
 		return nil, err
 	}
+	r.decode.begin(pool.Decode.Set, decode, nil, 0)
 	r.state = statePassThrough
 	return r.answer(decision{decode: decode, atHeaders: true}), nil
 }
@@ -276,10 +284,11 @@ func (r *request) passBody(raw []byte) (decision, error) {
 			msg: fmt.Sprintf("no API at %s for model %q", r.path, model)}
 	}
 	r.obs.pool(pool)
-	decode, err := pool.PickDecode()
+	decode, err := pool.PickDecode(picker.Request{})
 	if err != nil {
 		return decision{}, err
 	}
+	r.decode.begin(pool.Decode.Set, decode, nil, 0)
 	return decision{decode: decode, body: body, unchanged: bytes.Equal(body, raw)}, nil
 }
 

@@ -34,6 +34,10 @@ type Server struct {
 	// bg is the work requests leave behind: telling engines to let go of
 	// what they hold for a decode that will not come.
 	bg sync.WaitGroup
+	// draining is closed by Drain: streams held open until their response
+	// ends (see hold) end at once.
+	draining  chan struct{}
+	drainOnce sync.Once
 
 	metrics *metrics.Metrics // nil: none (see observe.go)
 	tracer  trace.Tracer     // nil: no tracing
@@ -61,7 +65,7 @@ func WithTracerProvider(tp trace.TracerProvider) Option {
 
 // New returns a server routing by table and calling engines through engine.
 func New(table *routing.Table, engine connectors.Engine, log *slog.Logger, opts ...Option) *Server {
-	s := &Server{env: connectors.Env{Engine: engine, EngineIDs: connectors.NewEngineIDs(0)}, log: log}
+	s := &Server{env: connectors.Env{Engine: engine, EngineIDs: connectors.NewEngineIDs(0)}, log: log, draining: make(chan struct{})}
 	for _, opt := range opts {
 		opt(s)
 	}
@@ -77,6 +81,13 @@ func (s *Server) Table() *routing.Table { return s.table.Load() }
 func (s *Server) SetTable(t *routing.Table) {
 	s.metrics.Warm(t)
 	s.table.Store(t)
+}
+
+// Drain ends the streams of requests whose decode is under way, which
+// pdx holds open only to count them, so that a graceful stop waits just for
+// requests pdx is still working on.
+func (s *Server) Drain() {
+	s.drainOnce.Do(func() { close(s.draining) })
 }
 
 // Wait waits until the work requests left behind is done, or ctx ends.
@@ -100,6 +111,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	start := time.Now()
 	req := newRequest(s.table.Load(), s.env, s.log, &s.bg, start, newRecorder(s.metrics, s.tracer, start))
 	defer req.close()
+	defer req.decode.end()
 	// While a concurrent prefill runs, pdx must hear both Envoy and the
 	// prefill, so Recv moves to a goroutine; other requests never pay for it.
 	var received chan recvResult
@@ -146,12 +158,52 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			req.sent()
 		}
 		if req.finished() {
-			// Nothing more is asked of pdx. Ending the stream now frees the
-			// request from pdx: the generation that follows does not break
-			// if pdx restarts, and a drain waits only for prefills.
+			// Nothing more is asked of pdx. The request's state goes now;
+			// its stream stays open until Envoy ends it with the response,
+			// so that the decode endpoint's in-flight count is exact (unless
+			// the table says to end it now). A drain ends it cleanly, and
+			// Envoy goes on with the generation.
+			decode := req.decode
+			req.decode = inFlight{}
+			req.close()
+			if decode.set != nil && !req.table.Limits().EndStreamsAtRouting {
+				s.hold(ctx, stream, received, req)
+			}
+			decode.end()
 			return nil
 		}
 		deadline = req.awaitBody(ctx, stream, deadline)
+	}
+}
+
+// hold waits until Envoy ends the stream (its request is over), the
+// server drains, or the stream breaks, passing on what Envoy still sends
+// (the response phases a FULL_DUPLEX_STREAMED filter sends) unchanged.
+// received, when not nil, already has the stream's messages.
+func (s *Server) hold(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, received chan recvResult, req *request) {
+	req.body = streamedBody{} // only the routed request's phases are left
+	if received == nil {
+		received = make(chan recvResult, 1)
+		go receive(ctx, stream, received)
+	}
+	for {
+		select {
+		case r := <-received:
+			if r.err != nil {
+				return
+			}
+			resp, err := req.dispatch(ctx, r.msg)
+			if err != nil {
+				return // not a message of a routed request: leave it to Envoy
+			}
+			if resp != nil && stream.Send(resp) != nil {
+				return
+			}
+		case <-ctx.Done():
+			return
+		case <-s.draining:
+			return
+		}
 	}
 }
 

@@ -67,6 +67,7 @@ pools:
   connector: nixl
   prefill: [{address: %s}, {address: %s}]
   decode: [{address: 127.0.0.1:9}]
+  prefill_picker: {policy: round_robin} # the dead endpoint first
 `, dead, live))
 	require.NoError(t, err)
 	table, err := routing.New(cfg)

@@ -47,6 +47,18 @@ const (
 	MaxEjectDuration          = time.Hour
 )
 
+// Defaults of placement: engine metrics, saturation and prefix hashing.
+const (
+	DefaultMetricsInterval   = 50 * time.Millisecond
+	MinMetricsInterval       = 10 * time.Millisecond
+	DefaultMetricsPath       = "/metrics"
+	DefaultQueueDepth        = 5
+	DefaultKVUsage           = 0.8
+	DefaultMaxQueueTime      = time.Second
+	MaxMaxQueueTime          = time.Minute
+	DefaultPrefixBlockTokens = 64
+)
+
 // MaxPrefillTimeout is the largest prefill_timeout accepted.
 const MaxPrefillTimeout = 10 * time.Minute
 
@@ -113,7 +125,41 @@ func applyDefaults(cfg *configv1.Config) {
 	if cfg.RequestBodyTimeout == nil {
 		cfg.RequestBodyTimeout = durationpb.New(DefaultRequestBodyTimeout)
 	}
+	if cfg.EngineMetrics == nil {
+		cfg.EngineMetrics = &configv1.EngineMetrics{}
+	}
+	if m := cfg.EngineMetrics; !m.Disabled {
+		if m.Interval == nil {
+			m.Interval = durationpb.New(DefaultMetricsInterval)
+		}
+		if m.StaleAfter == nil {
+			m.StaleAfter = durationpb.New(picker.DefaultStaleAfter)
+		}
+		if m.Path == "" {
+			m.Path = DefaultMetricsPath
+		}
+	}
 	for _, p := range cfg.Pools {
+		if p.Saturation == nil {
+			p.Saturation = &configv1.Saturation{}
+		}
+		if s := p.Saturation; !s.Disabled {
+			if s.QueueDepth == 0 {
+				s.QueueDepth = DefaultQueueDepth
+			}
+			if s.KvUsage == 0 {
+				s.KvUsage = DefaultKVUsage
+			}
+			if s.Action == "" {
+				s.Action = "queue"
+			}
+			if s.MaxQueueTime == nil {
+				s.MaxQueueTime = durationpb.New(DefaultMaxQueueTime)
+			}
+		}
+		if p.PrefixBlockTokens == 0 {
+			p.PrefixBlockTokens = DefaultPrefixBlockTokens
+		}
 		// A message field has presence, so an explicit "0s" stays and is
 		// rejected by validation rather than silently replaced.
 		if p.PrefillTimeout == nil {
@@ -141,9 +187,9 @@ func applyDefaults(cfg *configv1.Config) {
 		prefills := err != nil || spec.Traits(p).Prefills
 		// A connector without a prefill leg has no prefill picker.
 		if prefills {
-			p.PrefillPicker = pickerDefaults(p.PrefillPicker)
+			p.PrefillPicker = pickerDefaults(p.PrefillPicker, picker.RolePrefill)
 		}
-		p.DecodePicker = pickerDefaults(p.DecodePicker)
+		p.DecodePicker = pickerDefaults(p.DecodePicker, picker.RoleDecode)
 		// Roles mean nothing to a connector without a prefill leg, whose
 		// pods are all decode engines; validation rejects them there.
 		if k := p.GetKubernetes(); k != nil && prefills {
@@ -161,12 +207,19 @@ func applyDefaults(cfg *configv1.Config) {
 }
 
 // pickerDefaults fills in a leg's picking policy.
-func pickerDefaults(p *configv1.Picker) *configv1.Picker {
+func pickerDefaults(p *configv1.Picker, role picker.Role) *configv1.Picker {
 	if p == nil {
 		p = &configv1.Picker{}
 	}
 	if p.Policy == "" {
-		p.Policy = picker.DefaultPolicy
+		p.Policy = picker.DefaultPolicy(role)
+	}
+	if p.Policy == picker.LoadAwarePolicy && p.Weights == nil {
+		w := picker.DefaultWeights(role)
+		p.Weights = &configv1.Weights{Prefix: w.Prefix, Queue: w.Queue, KvUsage: w.KVUsage, InFlight: w.InFlight}
+	}
+	if p.Policy == picker.PrefixAffinityPolicy && p.LoadFactor == 0 {
+		p.LoadFactor = picker.DefaultLoadFactor
 	}
 	return p
 }

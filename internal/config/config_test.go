@@ -60,6 +60,7 @@ func TestParseAppliesDefaults(t *testing.T) {
 		MaxRequestHeaders:   100,
 		MaxRequestHeadersKb: 60,
 		RequestBodyTimeout:  durationpb.New(time.Minute),
+		EngineMetrics:       defaultEngineMetrics(),
 		Pools: []*configv1.Pool{{
 			Name:           "p",
 			Models:         []string{"m"},
@@ -73,10 +74,20 @@ func TestParseAppliesDefaults(t *testing.T) {
 			OnPrefillFailure:      "fail",
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
-			PrefillPicker:         &configv1.Picker{Policy: "round_robin"},
-			DecodePicker:          &configv1.Picker{Policy: "round_robin"},
+			PrefillPicker:         &configv1.Picker{Policy: "least_work"},
+			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Prefix: 1, Queue: 1, KvUsage: 2, InFlight: 1}},
+			Saturation:            defaultSaturation(),
+			PrefixBlockTokens:     64,
 		}},
 	}, cfg)
+}
+
+func defaultEngineMetrics() *configv1.EngineMetrics {
+	return &configv1.EngineMetrics{Interval: durationpb.New(50 * time.Millisecond), StaleAfter: durationpb.New(2 * time.Second), Path: "/metrics"}
+}
+
+func defaultSaturation() *configv1.Saturation {
+	return &configv1.Saturation{QueueDepth: 5, KvUsage: 0.8, Action: "queue", MaxQueueTime: durationpb.New(time.Second)}
 }
 
 func TestParseAllFields(t *testing.T) {
@@ -91,8 +102,12 @@ func TestParseAllFields(t *testing.T) {
 			 "prefill": [{"address": "10.0.0.1:1"}], "decode": [{"address": "10.0.0.1:2"}],
 			 "prefill_attempts": 2, "prefill_attempt_timeout": "100ms", "on_prefill_failure": "fallback",
 			 "eject_after_failures": 5, "eject_duration": "1m",
-			 "prefill_picker": {"policy": "round_robin"}, "decode_picker": {}}
-		]}`))
+			 "prefill_picker": {"policy": "round_robin"}, "decode_picker": {"policy": "load_aware", "weights": {"queue": 1}},
+			 "disaggregation": {"min_uncached_tokens": 16, "when_prefill_saturated": true},
+			 "saturation": {"queue_depth": 8, "kv_usage": 0.9, "max_in_flight": 20, "action": "reject", "max_queue_time": "2s"},
+			 "prefix_block_tokens": 16}
+		],
+		"engine_metrics": {"interval": "100ms", "stale_after": "1s", "path": "/prom"}}`))
 	require.NoError(t, err)
 	requireProtoEqual(t, &configv1.Config{
 		GrpcAddress:         ":7000",
@@ -101,6 +116,7 @@ func TestParseAllFields(t *testing.T) {
 		MaxRequestHeaders:   200,
 		MaxRequestHeadersKb: 96,
 		RequestBodyTimeout:  durationpb.New(5 * time.Second),
+		EngineMetrics:       &configv1.EngineMetrics{Interval: durationpb.New(100 * time.Millisecond), StaleAfter: durationpb.New(time.Second), Path: "/prom"},
 		Pools: []*configv1.Pool{{
 			Name:           "a-1",
 			Models:         []string{"x", "y"},
@@ -114,8 +130,10 @@ func TestParseAllFields(t *testing.T) {
 			OnPrefillFailure:      "fail",
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
-			PrefillPicker:         &configv1.Picker{Policy: "round_robin"},
-			DecodePicker:          &configv1.Picker{Policy: "round_robin"},
+			PrefillPicker:         &configv1.Picker{Policy: "least_work"},
+			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Prefix: 1, Queue: 1, KvUsage: 2, InFlight: 1}},
+			Saturation:            defaultSaturation(),
+			PrefixBlockTokens:     64,
 		}, {
 			Name:           "b",
 			Default:        true,
@@ -130,7 +148,10 @@ func TestParseAllFields(t *testing.T) {
 			EjectAfterFailures:    5,
 			EjectDuration:         durationpb.New(time.Minute),
 			PrefillPicker:         &configv1.Picker{Policy: "round_robin"},
-			DecodePicker:          &configv1.Picker{Policy: "round_robin"},
+			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Queue: 1}},
+			Disaggregation:        &configv1.Disaggregation{MinUncachedTokens: 16, WhenPrefillSaturated: true},
+			Saturation:            &configv1.Saturation{QueueDepth: 8, KvUsage: 0.9, MaxInFlight: 20, Action: "reject", MaxQueueTime: durationpb.New(2 * time.Second)},
+			PrefixBlockTokens:     16,
 		}},
 	}, cfg)
 }
@@ -147,6 +168,18 @@ func TestParseErrors(t *testing.T) {
 			`config: request_body_timeout: 2h0m0s exceeds the maximum of 1h0m0s`}},
 		{"max_request_headers too low", minimal + "max_request_headers: 8\n", []string{
 			`config: max_request_headers: 8 is below 16`}},
+		{"engine_metrics", minimal + "engine_metrics: {interval: 1ms, stale_after: 0.5ms, path: metrics}\n", []string{
+			`config: engine_metrics.interval: 1ms is below the minimum of 10ms`,
+			`config: engine_metrics.stale_after: 500µs is below interval (1ms): every sample would be stale`,
+			`config: engine_metrics.path: "metrics" must start with /`}},
+		{"saturation", pools(pool(`saturation: {kv_usage: 1.5, action: shed, max_queue_time: 2m}`)), []string{
+			`config: pools[0].saturation.kv_usage: 1.5 is not in (0, 1]`,
+			`config: pools[0].saturation.action: "shed" is not "queue" or "reject"`,
+			`config: pools[0].saturation.max_queue_time: 2m0s exceeds the maximum of 1m0s`}},
+		{"disaggregation without a prefill leg", pools(pool("connector: none", "prefill: []", "disaggregation: {min_uncached_tokens: 16}")), []string{
+			`config: pools[0].disaggregation: not valid with connector "none", which has no prefill leg`}},
+		{"prefix_block_tokens", pools(pool("prefix_block_tokens: 5000")), []string{
+			`config: pools[0].prefix_block_tokens: 5000 exceeds the maximum of 4096`}},
 		{"pass_through paths", pools(pool(`pass_through: [v1/x, "/v1/y?z=1", /v1/completions, /v1/e, /v1/e]`)), []string{
 			`config: pools[0].pass_through[0]: "v1/x" is not a path`,
 			`config: pools[0].pass_through[1]: "/v1/y?z=1" is not a path`,
@@ -154,9 +187,9 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].pass_through[4]: duplicate path "/v1/e"`}},
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
-			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout)`}},
+			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
 			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
@@ -369,14 +402,23 @@ func TestPickers(t *testing.T) {
 		wantErr    string
 		want       [2]string // prefill, decode policy; "" for no picker
 	}{
-		{name: "defaults", pool: disagg, want: [2]string{"round_robin", "round_robin"}},
+		{name: "defaults", pool: disagg, want: [2]string{"least_work", "load_aware"}},
 		{name: "explicit", pool: disagg + "\n  prefill_picker: {policy: round_robin}\n  decode_picker: {policy: round_robin}", want: [2]string{"round_robin", "round_robin"}},
-		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"round_robin", "round_robin"}},
-		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "round_robin"}},
+		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"least_work", "load_aware"}},
+		{name: "every policy", pool: disagg + "\n  prefill_picker: {policy: least_request}\n  decode_picker: {policy: prefix_affinity, load_factor: 2}", want: [2]string{"least_request", "prefix_affinity"}},
+		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "load_aware"}},
 		{name: "unknown prefill policy", pool: disagg + "\n  prefill_picker: {policy: least_loaded}",
-			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "least_loaded" (known: round_robin)`},
+			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "least_loaded" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
 		{name: "unknown decode policy", pool: disagg + "\n  decode_picker: {policy: random}",
-			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: round_robin)`},
+			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
+		{name: "weights of another policy", pool: disagg + "\n  decode_picker: {policy: round_robin, weights: {queue: 1}}",
+			wantErr: `pools[0].decode_picker.weights: only for policy "load_aware"`},
+		{name: "negative weight", pool: disagg + "\n  decode_picker: {policy: load_aware, weights: {queue: -1}}",
+			wantErr: `pools[0].decode_picker.weights.queue: -1 is not in [0, 100]`},
+		{name: "load factor of another policy", pool: disagg + "\n  decode_picker: {policy: least_request, load_factor: 2}",
+			wantErr: `pools[0].decode_picker.load_factor: only for policy "prefix_affinity"`},
+		{name: "load factor too small", pool: disagg + "\n  prefill_picker: {policy: prefix_affinity, load_factor: 0.5}",
+			wantErr: `pools[0].prefill_picker.load_factor: 0.5 is not in (1, 100]`},
 		{name: "prefill picker without a prefill leg", pool: aggregated + "\n  prefill_picker: {policy: round_robin}",
 			wantErr: `pools[0].prefill_picker: not valid with connector "none", which has no prefill leg`},
 	} {

@@ -45,6 +45,18 @@ func validate(cfg *configv1.Config) []error {
 		// Room for the pseudo-headers and Envoy's own, and pdx's.
 		v.fail("max_request_headers", "%d is below 16", n)
 	}
+	if m := cfg.GetEngineMetrics(); !m.GetDisabled() {
+		interval, stale := m.GetInterval().AsDuration(), m.GetStaleAfter().AsDuration()
+		if interval < MinMetricsInterval {
+			v.fail("engine_metrics.interval", "%v is below the minimum of %v", interval, MinMetricsInterval)
+		}
+		if stale < interval {
+			v.fail("engine_metrics.stale_after", "%v is below interval (%v): every sample would be stale", stale, interval)
+		}
+		if !strings.HasPrefix(m.GetPath(), "/") {
+			v.fail("engine_metrics.path", "%q must start with /", m.GetPath())
+		}
+	}
 	if len(cfg.GetPools()) == 0 {
 		v.fail("pools", "at least one pool is required")
 	}
@@ -118,6 +130,7 @@ func validate(cfg *configv1.Config) []error {
 		}
 		v.connectorFields(path, p, spec, known)
 		v.pickers(path, p, traits)
+		v.placement(path, p, traits)
 		v.failureHandling(path, p)
 		v.passThrough(path, p.GetPassThrough())
 
@@ -154,9 +167,58 @@ func (v *validator) pickers(path string, p *configv1.Pool, traits connectors.Tra
 		field string
 		p     *configv1.Picker
 	}{{"prefill_picker", p.GetPrefillPicker()}, {"decode_picker", p.GetDecodePicker()}} {
-		if pol := leg.p.GetPolicy(); leg.p != nil && !slices.Contains(picker.Policies(), pol) {
+		if leg.p == nil {
+			continue
+		}
+		pol := leg.p.GetPolicy()
+		if !slices.Contains(picker.Policies(), pol) {
 			v.fail(path+"."+leg.field+".policy", "unknown picking policy %q (known: %s)", pol, strings.Join(picker.Policies(), ", "))
 		}
+		if w := leg.p.GetWeights(); w != nil {
+			if pol != picker.LoadAwarePolicy {
+				v.fail(path+"."+leg.field+".weights", "only for policy %q", picker.LoadAwarePolicy)
+			}
+			for _, f := range []struct {
+				name string
+				w    float64
+			}{{"prefix", w.GetPrefix()}, {"queue", w.GetQueue()}, {"kv_usage", w.GetKvUsage()}, {"in_flight", w.GetInFlight()}} {
+				if f.w < 0 || f.w > 100 {
+					v.fail(path+"."+leg.field+".weights."+f.name, "%v is not in [0, 100]", f.w)
+				}
+			}
+		}
+		if lf := leg.p.GetLoadFactor(); lf != 0 && (pol != picker.PrefixAffinityPolicy || lf <= 1 || lf > 100) {
+			if pol != picker.PrefixAffinityPolicy {
+				v.fail(path+"."+leg.field+".load_factor", "only for policy %q", picker.PrefixAffinityPolicy)
+			} else {
+				v.fail(path+"."+leg.field+".load_factor", "%v is not in (1, 100]", lf)
+			}
+		}
+	}
+}
+
+// placement checks the disaggregation decider, saturation and prefix
+// hashing.
+func (v *validator) placement(path string, p *configv1.Pool, traits connectors.Traits) {
+	if p.GetDisaggregation() != nil && !traits.Prefills {
+		v.fail(path+".disaggregation", "not valid with connector %q, which has no prefill leg", p.GetConnector())
+	}
+	if s := p.GetSaturation(); !s.GetDisabled() {
+		if u := s.GetKvUsage(); u <= 0 || u > 1 {
+			v.fail(path+".saturation.kv_usage", "%v is not in (0, 1]", u)
+		}
+		if a := s.GetAction(); a != "queue" && a != "reject" {
+			v.fail(path+".saturation.action", "%q is not \"queue\" or \"reject\"", a)
+		}
+		switch d := s.GetMaxQueueTime().AsDuration(); {
+		case d <= 0:
+			v.fail(path+".saturation.max_queue_time", "%v must be greater than 0", d)
+		case d > MaxMaxQueueTime:
+			v.fail(path+".saturation.max_queue_time", "%v exceeds the maximum of %v", d, MaxMaxQueueTime)
+		}
+	}
+	if n := p.GetPrefixBlockTokens(); n > 4096 {
+		v.fail(path+".prefix_block_tokens", "%d exceeds the maximum of 4096", n)
 	}
 }
 

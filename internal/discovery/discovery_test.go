@@ -20,6 +20,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -224,19 +225,19 @@ func (h *harness) requirePicks(prefill, decode []string) {
 	require.Equal(h.t, prefill, show(h.pool.Prefill.Set.Endpoints()), "prefill set")
 	require.Equal(h.t, decode, show(h.pool.Decode.Set.Endpoints()), "decode set")
 	if len(decode) == 0 {
-		_, err := h.pool.PickDecode()
+		_, err := h.pool.PickDecode(picker.Request{})
 		require.ErrorIs(h.t, err, routing.ErrNoEndpoint)
 		return
 	}
 	var picked []string
 	for range decode {
-		d, err := h.pool.PickDecode()
+		d, err := h.pool.PickDecode(picker.Request{})
 		require.NoError(h.t, err)
 		picked = append(picked, show([]endpoint.Endpoint{d})...)
 		if len(prefill) == 0 {
 			continue // connector none
 		}
-		p, err := h.pool.PickPrefill(d)
+		p, err := h.pool.PickPrefill(d, picker.Request{})
 		require.NoError(h.t, err)
 		require.Contains(h.t, prefill, show([]endpoint.Endpoint{p})[0])
 		require.Equal(h.t, d.Group, p.Group, "paired within the group")
@@ -507,7 +508,7 @@ func TestGroupPairing(t *testing.T) {
 	h.applySlice(newSlice("engines-a", "engines", discoveryv1.AddressTypeIPv4, append(eps, sliceEP{pod: "g2-p", ip: "10.0.2.1"})...))
 	h.requirePicks([]string{"10.0.1.1:8000/g1", "10.0.2.1:8000/g2"}, []string{"10.0.1.11:8000/g1", "10.0.2.11:8000/g2"})
 	for range 4 {
-		p, err := h.pool.PickPrefill(endpoint.Endpoint{Address: "10.0.2.11:8000", Group: "g2"})
+		p, err := h.pool.PickPrefill(endpoint.Endpoint{Address: "10.0.2.11:8000", Group: "g2"}, picker.Request{})
 		require.NoError(t, err)
 		require.Equal(t, "10.0.2.1:8000", p.Address)
 	}

@@ -52,6 +52,8 @@ type Metrics struct {
 	attempts   *prometheus.CounterVec   // pool, endpoint, result
 	ttfb       *prometheus.HistogramVec // pool, connector
 	decodeDur  *prometheus.HistogramVec // pool, connector
+	decisions  *prometheus.CounterVec   // pool, decision
+	scrapes    *prometheus.CounterVec   // endpoint
 	inFlight   prometheus.Gauge
 
 	// pools maps a pool name to its resolved children. It is replaced, never
@@ -95,12 +97,20 @@ func New() *Metrics {
 			Help:    "Time from the request headers to the end of the decode's response; observed only when Envoy sends the response body or trailers to pdx.",
 			Buckets: decodeBuckets,
 		}, []string{"pool", "connector"}),
+		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_disaggregation_decisions_total",
+			Help: "Requests of pools with a prefill leg by the disaggregation decider's decision: disaggregated, or decode-only because short_uncached or prefill_saturated.",
+		}, []string{"pool", "decision"}),
+		scrapes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_engine_metrics_failures_total",
+			Help: "Scrapes of an engine's metrics that failed (unreachable, slow, malformed); its endpoint is picked by pdx's in-flight counts meanwhile.",
+		}, []string{"endpoint"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "pdx_streams_in_flight",
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.decisions, m.scrapes, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -271,6 +281,21 @@ func (p *Pool) addEndpoint(endpoint string) prometheus.Counter {
 	return c
 }
 
+// Decision counts a decision of the disaggregation decider.
+func (p *Pool) Decision(decision string) {
+	if p != nil && p.name != "" {
+		p.m.decisions.WithLabelValues(p.name, decision).Inc()
+	}
+}
+
+// ScrapeFailed counts a failed scrape of the metrics of the engine at
+// endpoint.
+func (m *Metrics) ScrapeFailed(endpoint string) {
+	if m != nil {
+		m.scrapes.WithLabelValues(endpoint).Inc()
+	}
+}
+
 // DecodeHeaders observes the time until the decode's response headers.
 func (p *Pool) DecodeHeaders(d time.Duration) {
 	if p != nil {
@@ -308,15 +333,23 @@ func (m *Metrics) CollectEndpoints(current func() *routing.Table) {
 	m.reg.MustRegister(&endpointCollector{current: current})
 }
 
-var healthyDesc = prometheus.NewDesc("pdx_endpoint_healthy",
-	"1 if the endpoint is admitted by its pool's picker, 0 while passive health checking has ejected it (decode endpoints are never ejected).",
-	[]string{"pool", "role", "endpoint"}, nil)
+var (
+	healthyDesc = prometheus.NewDesc("pdx_endpoint_healthy",
+		"1 if the endpoint is admitted by its pool's picker, 0 while passive health checking has ejected it (decode endpoints are never ejected).",
+		[]string{"pool", "role", "endpoint"}, nil)
+	inFlightDesc = prometheus.NewDesc("pdx_endpoint_in_flight",
+		"Requests this pdx has on the endpoint: prefills running, or decodes whose response Envoy has not finished.",
+		[]string{"pool", "role", "endpoint"}, nil)
+)
 
 type endpointCollector struct {
 	current func() *routing.Table
 }
 
-func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) { ch <- healthyDesc }
+func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- healthyDesc
+	ch <- inFlightDesc
+}
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 	t := c.current()
@@ -341,6 +374,7 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 					v = 1
 				}
 				ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, v, p.Name, side.role, ep.Address)
+				ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(side.set.InFlight(ep)), p.Name, side.role, ep.Address)
 			}
 		}
 	}

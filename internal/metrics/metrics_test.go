@@ -241,7 +241,7 @@ func BenchmarkRecordRouted(b *testing.B) {
 
 // roundRobin is a leg picking among eps in turn.
 func roundRobin(eps ...endpoint.Endpoint) routing.Leg {
-	l, err := routing.NewLeg(picker.RoundRobinPolicy, eps, picker.Options{})
+	l, err := routing.NewLeg(picker.RoundRobinPolicy, picker.Params{}, eps, picker.Options{})
 	if err != nil {
 		panic(err)
 	}

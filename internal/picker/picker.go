@@ -22,6 +22,11 @@ type Request struct {
 	// Tried are the endpoints the request has already tried on this leg;
 	// the pick does not return them.
 	Tried []endpoint.Endpoint
+	// Blocks are the chained hashes of the prompt's leading blocks (see
+	// Blocks) of BlockTokens tokens each; nil when the request has no
+	// prompt. Tokens is the prompt's length in tokens (BytesPerToken).
+	Blocks              []uint64
+	BlockTokens, Tokens int
 }
 
 // Picker is a picking policy for one leg (prefill or decode) of a pool.
@@ -40,27 +45,70 @@ type Picker interface {
 	Report(ep endpoint.Endpoint, ok bool)
 }
 
+// Role is the leg a policy picks for; policies' defaults differ by role.
+type Role int
+
+const (
+	RolePrefill Role = iota
+	RoleDecode
+)
+
+func (r Role) String() string {
+	if r == RoleDecode {
+		return "decode"
+	}
+	return "prefill"
+}
+
+// Params configure a policy. The zero value is each policy's defaults for
+// the prefill leg.
+type Params struct {
+	Role Role
+	// Weights are load_aware's; nil means DefaultWeights(Role).
+	Weights *Weights
+	// LoadFactor is prefix_affinity's bound on an endpoint's load relative
+	// to the mean; 0 or less means DefaultLoadFactor.
+	LoadFactor float64
+}
+
 // policies lists every picking policy by the name pools[].*_picker.policy
 // gives it. Adding one is a file with its type and a line here.
 var policies = []struct {
 	name string
-	new  func(*Set) Picker
+	new  func(*Set, Params) Picker
 }{
-	{RoundRobinPolicy, func(s *Set) Picker { return NewRoundRobin(s) }},
+	{RoundRobinPolicy, func(s *Set, _ Params) Picker { return NewRoundRobin(s) }},
+	{LeastRequestPolicy, func(s *Set, _ Params) Picker { return NewLeastRequest(s) }},
+	{LeastWorkPolicy, func(s *Set, _ Params) Picker { return NewLeastWork(s) }},
+	{PrefixAffinityPolicy, func(s *Set, p Params) Picker { return NewPrefixAffinity(s, p.LoadFactor) }},
+	{LoadAwarePolicy, func(s *Set, p Params) Picker {
+		w := DefaultWeights(p.Role)
+		if p.Weights != nil {
+			w = *p.Weights
+		}
+		return NewLoadAware(s, w)
+	}},
 }
 
-// DefaultPolicy picks a leg whose config names no policy.
-const DefaultPolicy = RoundRobinPolicy
+// DefaultPolicy returns the policy of a leg whose config names none:
+// prefill engines by the work queued on them and what they have cached,
+// decode engines by their load.
+func DefaultPolicy(r Role) string {
+	if r == RoleDecode {
+		return LoadAwarePolicy
+	}
+	return LeastWorkPolicy
+}
 
-// New returns the policy named policy ("" is DefaultPolicy), picking over
-// set.
-func New(policy string, set *Set) (Picker, error) {
+// New returns the policy named policy ("" is DefaultPolicy of params'
+// role), picking over set.
+func New(policy string, set *Set, params Params) (Picker, error) {
 	if policy == "" {
-		policy = DefaultPolicy
+		policy = DefaultPolicy(params.Role)
 	}
 	for _, p := range policies {
 		if p.name == policy {
-			return p.new(set), nil
+			return p.new(set, params), nil
 		}
 	}
 	return nil, fmt.Errorf("unknown picking policy %q (known: %s)", policy, strings.Join(Policies(), ", "))

@@ -14,13 +14,17 @@ func TestNew(t *testing.T) {
 		want    Picker
 		wantErr string
 	}{
-		{policy: "", want: &RoundRobin{}},
+		{policy: "", want: &LeastWork{}},
 		{policy: "round_robin", want: &RoundRobin{}},
-		{policy: "random", wantErr: `unknown picking policy "random" (known: round_robin)`},
+		{policy: "least_request", want: &LeastRequest{}},
+		{policy: "prefix_affinity", want: &PrefixAffinity{}},
+		{policy: "load_aware", want: &LoadAware{}},
+		{policy: "least_work", want: &LeastWork{}},
+		{policy: "random", wantErr: `unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
 	} {
 		t.Run(tc.policy, func(t *testing.T) {
 			set := NewSet([]endpoint.Endpoint{epA}, Options{})
-			p, err := New(tc.policy, set)
+			p, err := New(tc.policy, set, Params{})
 			if tc.wantErr != "" {
 				require.EqualError(t, err, tc.wantErr)
 				return
@@ -32,5 +36,8 @@ func TestNew(t *testing.T) {
 			require.Equal(t, epA, ep, "the policy picks over the Set it was given")
 		})
 	}
-	require.Equal(t, []string{"round_robin"}, Policies())
+	require.Equal(t, []string{"least_request", "least_work", "load_aware", "prefix_affinity", "round_robin"}, Policies())
+	p, err := New("", NewSet(nil, Options{}), Params{Role: RoleDecode})
+	require.NoError(t, err)
+	require.IsType(t, &LoadAware{}, p, "the decode leg's default")
 }

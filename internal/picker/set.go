@@ -7,6 +7,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
+
 	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
@@ -14,6 +16,11 @@ import (
 const (
 	DefaultFailureThreshold = 3
 	DefaultCoolDown         = 10 * time.Second
+	// DefaultStaleAfter is when a scraped load stops counting: the Gateway
+	// API Inference Extension's metrics staleness (2 s).
+	DefaultStaleAfter = 2 * time.Second
+	// DefaultIndexBlocks bounds the prefix index of a Set.
+	DefaultIndexBlocks = 1 << 17
 )
 
 // Options configure a Set's passive outlier detection.
@@ -32,6 +39,40 @@ type Options struct {
 	// predecessor's Set, so that passive health survives a config reload.
 	// Inherit must use the same clock (Now).
 	Inherit *Set
+	// StaleAfter is how long a Load that Observe stored counts; 0 or less
+	// means DefaultStaleAfter. Older loads are as good as none: policies
+	// fall back to pdx's own in-flight counts.
+	StaleAfter time.Duration
+	// Saturation says when an endpoint is too busy to take more work; the
+	// zero value never calls one saturated.
+	Saturation Saturation
+	// IndexBlocks bounds how many prompt blocks the Set remembers having
+	// sent (see Begin); 0 or less means DefaultIndexBlocks.
+	IndexBlocks int
+}
+
+// Saturation thresholds: an endpoint is saturated when its fresh Load has
+// at least QueueDepth requests waiting or KVUsage of its KV cache in use,
+// or when pdx has MaxInFlight requests on it. Zero fields do not count.
+//
+// Unlike the Gateway API Inference Extension's detector, a stale or absent
+// Load does not make an endpoint saturated: a metrics endpoint that fails
+// must degrade picking to in-flight counts, not stop traffic.
+type Saturation struct {
+	QueueDepth  int
+	KVUsage     float64
+	MaxInFlight int
+}
+
+// Load is what an engine says of its load (see Set.Observe).
+type Load struct {
+	// Waiting and Running are the engine's queued and running requests.
+	Waiting, Running int
+	// KVUsage is the share of its KV cache in use, 0–1; negative when the
+	// engine does not say.
+	KVUsage float64
+	// At is when the engine said so.
+	At time.Time
 }
 
 // Set is a leg's endpoints and their passive health: an endpoint whose calls
@@ -55,9 +96,13 @@ type Set struct {
 	// reused.
 	groupIDs map[string]int
 
-	threshold int32
-	coolDown  int64 // nanoseconds
-	now       func() time.Time
+	threshold  int32
+	coolDown   int64 // nanoseconds
+	staleAfter int64 // nanoseconds
+	saturation Saturation
+	// indexBlocks is the capacity of each view's prefix index.
+	indexBlocks int
+	now         func() time.Time
 	// base is the clock reading at construction. Times are stored as
 	// nanoseconds since base, so they fit in an atomic int64 and, with
 	// time.Now, are measured on the monotonic clock (immune to wall-clock
@@ -68,17 +113,20 @@ type Set struct {
 // view is one immutable state of a Set's endpoints, as policies read it.
 type view struct {
 	// endpoints is the order of the endpoints as configured or discovered;
-	// it may name an endpoint twice. health[i] is endpoints[i]'s health;
+	// it may name an endpoint twice. states[i] is endpoints[i]'s health;
 	// repeats share one, since health is a property of the engine, not of
 	// its place in the list.
 	endpoints []endpoint.Endpoint
-	health    []*health
+	states    []*health
 	// byEP finds an endpoint's health for Report and Healthy in large
 	// sets; small ones are scanned (see lookup). nil when small.
 	byEP map[endpoint.Endpoint]*health
 	// groups holds, per Endpoint.Group, the positions of the group's
 	// endpoints. nil when no endpoint has a group.
 	groups map[string]group
+	// index is what the Set has sent where, by position; a view with other
+	// endpoints starts a new one (positions change), see newView.
+	index *index
 }
 
 // group is the endpoints of one Endpoint.Group, in order, and the group's
@@ -88,7 +136,7 @@ type group struct {
 	id      int
 }
 
-// health is one endpoint's outlier-detection state.
+// health is one endpoint's outlier-detection state and load signals.
 //
 // Picks only read until, atomically and without locking, so picking never
 // waits for a Report. Report changes failures and until together under mu, so
@@ -102,9 +150,24 @@ type health struct {
 	// until is when the current ejection ends, in nanoseconds since
 	// Set.base; 0 means not ejected (admitted).
 	until atomic.Int64
+	// inFlight counts the requests pdx has on the endpoint (Begin, End),
+	// inFlightTokens their prompts' tokens.
+	inFlight, inFlightTokens atomic.Int64
+	// load is the engine's latest Load (Observe), nil before the first.
+	load atomic.Pointer[load]
+	// seed is the hash of the endpoint's address: every pdx replica
+	// computes the same, for prefix affinity to agree without talking.
+	seed uint64
 	// Pad to a cache line: endpoints' health is allocated together, and
 	// Reports on one must not slow Picks reading another.
-	_ [64 - 8 - 4 - 4 - 8]byte
+	_ [64 - 8 - 4 - 4 - 8 - 8 - 8 - 8 - 8]byte
+}
+
+// load is a Load as picks read it: times in nanoseconds since Set.base.
+type load struct {
+	waiting, running int
+	kvUsage          float64
+	at               int64
 }
 
 // NewSet returns a set of endpoints, keeping its own copy of them. An empty
@@ -119,10 +182,19 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 	if opts.Now == nil {
 		opts.Now = time.Now
 	}
+	if opts.StaleAfter <= 0 {
+		opts.StaleAfter = DefaultStaleAfter
+	}
+	if opts.IndexBlocks <= 0 {
+		opts.IndexBlocks = DefaultIndexBlocks
+	}
 	s := &Set{
-		threshold: int32(min(opts.FailureThreshold, 1<<30)),
-		coolDown:  int64(opts.CoolDown),
-		now:       opts.Now,
+		threshold:   int32(min(opts.FailureThreshold, 1<<30)),
+		coolDown:    int64(opts.CoolDown),
+		staleAfter:  int64(opts.StaleAfter),
+		saturation:  opts.Saturation,
+		indexBlocks: opts.IndexBlocks,
+		now:         opts.Now,
 	}
 	var prev *view
 	if opts.Inherit != nil {
@@ -156,7 +228,7 @@ func (s *Set) Endpoints() []endpoint.Endpoint {
 func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 	v := &view{
 		endpoints: slices.Clone(endpoints),
-		health:    make([]*health, len(endpoints)),
+		states:    make([]*health, len(endpoints)),
 	}
 	// A fresh set allocates its health in one block.
 	var states []health
@@ -174,9 +246,10 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 			default:
 				h = new(health)
 			}
+			h.seed = xxhash.Sum64String(ep.Address)
 			byEP[ep] = h
 		}
-		v.health[i] = h
+		v.states[i] = h
 		if ep.Group != "" {
 			if v.groups == nil {
 				v.groups = map[string]group{}
@@ -191,6 +264,11 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 	}
 	if len(v.endpoints) > scanMax {
 		v.byEP = byEP
+	}
+	if prev != nil && slices.Equal(prev.endpoints, v.endpoints) {
+		v.index = prev.index
+	} else {
+		v.index = newIndex(len(v.endpoints), s.indexBlocks)
 	}
 	return v
 }
@@ -215,6 +293,16 @@ func (s *Set) groupID(name string) int {
 // costs more than scanning a few of those.
 const scanMax = 16
 
+// position returns the first position of ep in v, -1 if it has none.
+func (v *view) position(ep endpoint.Endpoint) int {
+	for i, e := range v.endpoints {
+		if e == ep {
+			return i
+		}
+	}
+	return -1
+}
+
 // lookup returns ep's health, or nil if ep is not one of v's endpoints (or
 // v is nil).
 func (v *view) lookup(ep endpoint.Endpoint) *health {
@@ -226,7 +314,7 @@ func (v *view) lookup(ep endpoint.Endpoint) *health {
 	}
 	for i, e := range v.endpoints {
 		if e == ep {
-			return v.health[i]
+			return v.states[i]
 		}
 	}
 	return nil
@@ -296,6 +384,103 @@ func (s *Set) Healthy(ep endpoint.Endpoint) bool {
 	return now.admits(h)
 }
 
+// Begin tells the Set that a request goes to ep, whose prompt has the
+// chained block hashes blocks (see Blocks; nil: unknown) and tokens tokens:
+// ep has one more request, and tokens more, in flight until End, and is
+// taken to hold blocks' KV from now on. Endpoints the set does not have
+// are ignored.
+func (s *Set) Begin(ep endpoint.Endpoint, blocks []uint64, tokens int) {
+	v := s.view.Load()
+	h := v.lookup(ep)
+	if h == nil {
+		return
+	}
+	h.inFlight.Add(1)
+	h.inFlightTokens.Add(int64(tokens))
+	if len(blocks) > 0 {
+		v.index.add(v.position(ep), blocks)
+	}
+}
+
+// Matched returns how many leading blocks of blocks the Set has sent to ep
+// (see Begin): an estimate of how much of the prompt ep has cached.
+func (s *Set) Matched(ep endpoint.Endpoint, blocks []uint64) int {
+	v := s.view.Load()
+	return v.index.matched(v.position(ep), blocks)
+}
+
+// End tells the Set that a request Begin counted on ep, with its tokens, is
+// over.
+func (s *Set) End(ep endpoint.Endpoint, tokens int) {
+	if h := s.view.Load().lookup(ep); h != nil {
+		h.inFlight.Add(-1)
+		h.inFlightTokens.Add(-int64(tokens))
+	}
+}
+
+// InFlight returns how many requests Begin counted on ep that have not
+// ended.
+func (s *Set) InFlight(ep endpoint.Endpoint) int {
+	if h := s.view.Load().lookup(ep); h != nil {
+		return int(h.inFlight.Load())
+	}
+	return 0
+}
+
+// Observe stores what the engine at address said of its load, for every
+// endpoint of the set at that address. It is called off the request path
+// (the engine metrics scraper).
+func (s *Set) Observe(address string, l Load) {
+	v := s.view.Load()
+	ld := &load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base))}
+	for i, ep := range v.endpoints {
+		if ep.Address == address {
+			v.states[i].load.Store(ld)
+		}
+	}
+}
+
+// Addresses returns the distinct addresses of the set's endpoints, for the
+// metrics scraper.
+func (s *Set) Addresses() []string {
+	var out []string
+	for _, ep := range s.view.Load().endpoints {
+		if !slices.Contains(out, ep.Address) {
+			out = append(out, ep.Address)
+		}
+	}
+	return out
+}
+
+// Saturated reports whether every endpoint a request of group may use is
+// saturated (see Options.Saturation), ejected endpoints aside. It is false
+// when the group has no endpoint: the pick's error says that better.
+func (s *Set) Saturated(group string) bool {
+	if s.saturation == (Saturation{}) {
+		return false
+	}
+	v := s.view.Load()
+	members, _, ok := v.candidates(group)
+	n := v.count(members)
+	if !ok || n == 0 {
+		return false
+	}
+	now := s.clock()
+	some := false
+	for k := range n {
+		h := v.states[position(members, k)]
+		if !now.admits(h) {
+			continue
+		}
+		var g signal
+		if now.look(h, &g); !g.saturated {
+			return false
+		}
+		some = true
+	}
+	return some
+}
+
 // elapsed is the time since s.base in nanoseconds, never negative (a fake
 // clock may go back before base).
 func (s *Set) elapsed() int64 {
@@ -319,10 +504,65 @@ func (t *instant) admits(h *health) bool {
 	if u == 0 {
 		return true
 	}
+	return t.read() >= u
+}
+
+// read returns the reading, taking it the first time.
+func (t *instant) read() int64 {
 	if t.ns < 0 {
 		t.ns = t.set.elapsed()
 	}
-	return t.ns >= u
+	return t.ns
+}
+
+// signal is what one pick reads of an endpoint: everything at once, so
+// that a policy touches each endpoint's state once.
+type signal struct {
+	inFlight, inFlightTokens int
+	// waiting, running and kvUsage are the engine's load when fresh; else
+	// 0, 0 and -1.
+	waiting, running int
+	kvUsage          float64
+	// usable: admitted and not saturated; fresh: the engine's load above
+	// is not stale.
+	usable, saturated, fresh bool
+}
+
+// queue is the load least-request picking counts: the requests waiting or
+// running on the engine by its own fresh word, or pdx's in-flight count
+// when that is more (the engine's word is up to a scrape old) or the engine
+// has none.
+func (g *signal) queue() int { return max(g.inFlight, g.waiting+g.running) }
+
+// look reads h at t into g. It writes through a pointer: policies call it
+// for every endpoint of every pick, and a returned signal is a copy.
+func (t *instant) look(h *health, g *signal) {
+	*g = signal{inFlight: int(h.inFlight.Load()), inFlightTokens: int(h.inFlightTokens.Load()), kvUsage: -1}
+	admitted := true
+	u, l := h.until.Load(), h.load.Load()
+	if u != 0 || l != nil {
+		now := t.read()
+		admitted = now >= u
+		if l != nil && now-l.at <= t.set.staleAfter {
+			g.fresh, g.waiting, g.running, g.kvUsage = true, l.waiting, l.running, l.kvUsage
+		}
+	}
+	if sat := &t.set.saturation; sat.MaxInFlight > 0 || g.fresh {
+		g.saturated = sat.MaxInFlight > 0 && g.inFlight >= sat.MaxInFlight ||
+			g.fresh && (sat.QueueDepth > 0 && g.waiting >= sat.QueueDepth || sat.KVUsage > 0 && g.kvUsage >= sat.KVUsage)
+	}
+	g.usable = admitted && !g.saturated
+}
+
+// usable reports whether a pick may take h without panic mode: admitted
+// and not saturated.
+func (t *instant) usable(h *health) bool {
+	if t.set.saturation == (Saturation{}) {
+		return t.admits(h)
+	}
+	var g signal
+	t.look(h, &g)
+	return g.usable
 }
 
 // candidates returns the positions of v's endpoints a request of group may
@@ -362,8 +602,35 @@ func tried(ep endpoint.Endpoint, tried []endpoint.Endpoint) bool {
 	return false
 }
 
+// looks reads, into buf when it is long enough, the signals of the
+// candidates (members of v) a request may use; signals of the others are
+// not usable. It returns the signals by position in members, and how many
+// are usable.
+func (t *instant) looks(v *view, members []int, req Request, buf []signal) ([]signal, int) {
+	n := v.count(members)
+	out := buf[:0]
+	if n > len(buf) {
+		out = make([]signal, 0, n)
+	}
+	usable := 0
+	out = out[:n]
+	for k := range out {
+		i := position(members, k)
+		g := &out[k]
+		if len(req.Tried) > 0 && tried(v.endpoints[i], req.Tried) {
+			*g = signal{}
+			continue
+		}
+		if t.look(v.states[i], g); g.usable {
+			usable++
+		}
+	}
+	return out, usable
+}
+
 // soonest is what a policy returns when every endpoint of members not tried
-// is ejected: the one whose ejection ends first, ties going to the first
+// is ejected or saturated: an admitted one (saturated) if there is one,
+// else the one whose ejection ends first, ties going to the first
 // at or after position start (in members' order). Like Envoy's panic mode,
 // it assumes the detector is wrong sooner than that the whole leg is down.
 // It reports false only when every endpoint has been tried.
@@ -375,7 +642,7 @@ func (v *view) soonest(members []int, start int, req Request, now *instant) (end
 		if tried(v.endpoints[i], req.Tried) {
 			continue
 		}
-		h := v.health[i]
+		h := v.states[i]
 		if now.admits(h) {
 			return v.endpoints[i], true
 		}

@@ -52,9 +52,34 @@ type Pool struct {
 	// KVHosts are the hosts besides a prefill endpoint's own that its
 	// answers may name as the KV source.
 	KVHosts endpoint.HostSet
+	// BlockTokens is the size of the blocks a prompt is hashed in for
+	// placement (picker.Blocks).
+	BlockTokens int
+	// Decider says which requests skip the prefill leg.
+	Decider Decider
+	// Saturated is what a request does when every endpoint of a leg is
+	// saturated; nil when saturation is off.
+	Saturated *Shedding
 
 	// update serializes SetEndpoints.
 	update sync.Mutex
+}
+
+// Decider decides per request whether the prefill leg pays (see the
+// config's Disaggregation).
+type Decider struct {
+	// MinUncachedTokens: a prompt whose uncached part on its decode engine
+	// is shorter goes to the decode engine alone. 0: off.
+	MinUncachedTokens int
+	// WhenPrefillSaturated sends a request to its decode engine alone when
+	// every prefill endpoint is saturated.
+	WhenPrefillSaturated bool
+}
+
+// Shedding is what a request does when every endpoint of a leg is
+// saturated: wait up to MaxWait for room (0: not at all), then be refused.
+type Shedding struct {
+	MaxWait time.Duration
 }
 
 // Leg is one side of a pool, prefill or decode: its endpoints with their
@@ -64,11 +89,11 @@ type Leg struct {
 	Picker picker.Picker
 }
 
-// NewLeg returns a leg of endpoints picked by policy ("" is
-// picker.DefaultPolicy), whose health opts configure.
-func NewLeg(policy string, endpoints []endpoint.Endpoint, opts picker.Options) (Leg, error) {
+// NewLeg returns a leg of endpoints picked by policy ("" is the default of
+// params' role), whose health opts configure.
+func NewLeg(policy string, params picker.Params, endpoints []endpoint.Endpoint, opts picker.Options) (Leg, error) {
 	set := picker.NewSet(endpoints, opts)
-	p, err := picker.New(policy, set)
+	p, err := picker.New(policy, set, params)
 	if err != nil {
 		return Leg{}, err
 	}
@@ -82,25 +107,28 @@ func (l Leg) Report(ep endpoint.Endpoint, ok bool) {
 	l.Picker.Report(ep, ok)
 }
 
-// PickDecode picks the decode endpoint of a request. It fails, wrapping
-// ErrNoEndpoint, when the pool has none at the moment (a discovered pool
-// whose decode pods are all gone or not ready).
-func (p *Pool) PickDecode() (endpoint.Endpoint, error) {
-	ep, ok := p.Decode.Picker.Pick(picker.Request{})
+// PickDecode picks the decode endpoint of a request (req.Group and Tried
+// are not used: a decode is picked first, once). It fails, wrapping ErrNoEndpoint,
+// when the pool has none at the moment (a discovered pool whose decode pods
+// are all gone or not ready).
+func (p *Pool) PickDecode(req picker.Request) (endpoint.Endpoint, error) {
+	req.Group, req.Tried = "", nil
+	ep, ok := p.Decode.Picker.Pick(req)
 	if !ok {
 		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
 	}
 	return ep, nil
 }
 
-// PickPrefill picks a prefill endpoint for a request whose decode endpoint is
-// decode, other than those in tried. A decode
+// PickPrefill picks a prefill endpoint for a request (req: its prompt)
+// whose decode endpoint is decode, other than those in tried. A decode
 // endpoint with a Group pairs only with the prefill endpoints of that group;
 // when none is left the pick fails rather than use another group's, whose
 // engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint, when no
 // endpoint is left to try.
-func (p *Pool) PickPrefill(decode endpoint.Endpoint, tried ...endpoint.Endpoint) (endpoint.Endpoint, error) {
-	ep, ok := p.Prefill.Picker.Pick(picker.Request{Group: decode.Group, Tried: tried})
+func (p *Pool) PickPrefill(decode endpoint.Endpoint, req picker.Request, tried ...endpoint.Endpoint) (endpoint.Endpoint, error) {
+	req.Group, req.Tried = decode.Group, tried
+	ep, ok := p.Prefill.Picker.Pick(req)
 	switch {
 	case ok:
 		return ep, nil
@@ -154,6 +182,9 @@ type Limits struct {
 	MaxHeaders, MaxHeaderBytes int
 	// BodyTimeout bounds the time a request's body takes to arrive.
 	BodyTimeout time.Duration
+	// EndStreamsAtRouting ends a routed request's stream at once rather
+	// than when Envoy ends it, uncounting its decode.
+	EndStreamsAtRouting bool
 }
 
 // MaxBodyBytes is the largest request body pdx routes.
@@ -219,10 +250,12 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 		MaxHeaders:     int(cfg.GetMaxRequestHeaders()),
 		MaxHeaderBytes: int(cfg.GetMaxRequestHeadersKb()) << 10,
 		BodyTimeout:    cfg.GetRequestBodyTimeout().AsDuration(),
+
+		EndStreamsAtRouting: cfg.GetEndStreamsAtRouting(),
 	}
 	pools := make([]*Pool, len(cfg.GetPools()))
 	for i, pc := range cfg.GetPools() {
-		p, err := newPool(pc, prev.pool(pc.GetName()))
+		p, err := newPool(pc, prev.pool(pc.GetName()), cfg.GetEngineMetrics().GetStaleAfter().AsDuration())
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].%w", i, err)
 		}
@@ -231,9 +264,19 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	return NewTable(limits, pools...), nil
 }
 
+// pickerParams are the policy parameters a leg's config gives.
+func pickerParams(pc *configv1.Picker, role picker.Role) picker.Params {
+	params := picker.Params{Role: role, LoadFactor: pc.GetLoadFactor()}
+	if w := pc.GetWeights(); w != nil {
+		params.Weights = &picker.Weights{Prefix: w.GetPrefix(), Queue: w.GetQueue(), KVUsage: w.GetKvUsage(), InFlight: w.GetInFlight()}
+	}
+	return params
+}
+
 // newPool builds the pool of pc; old, when not nil, is its predecessor in
-// the table being replaced. Errors name the field at fault.
-func newPool(pc *configv1.Pool, old *Pool) (*Pool, error) {
+// the table being replaced; samples older than staleAfter do not count.
+// Errors name the field at fault.
+func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, error) {
 	conn, traits, err := connectors.New(pc)
 	if err != nil {
 		return nil, fmt.Errorf("connector: %w", err)
@@ -245,6 +288,17 @@ func newPool(pc *configv1.Pool, old *Pool) (*Pool, error) {
 	health := picker.Options{
 		FailureThreshold: int(pc.GetEjectAfterFailures()),
 		CoolDown:         pc.GetEjectDuration().AsDuration(),
+		StaleAfter:       staleAfter,
+	}
+	var shedding *Shedding
+	if s := pc.GetSaturation(); s != nil && !s.GetDisabled() {
+		health.Saturation = picker.Saturation{
+			QueueDepth: int(s.GetQueueDepth()), KVUsage: s.GetKvUsage(), MaxInFlight: int(s.GetMaxInFlight()),
+		}
+		shedding = &Shedding{}
+		if s.GetAction() != "reject" {
+			shedding.MaxWait = s.GetMaxQueueTime().AsDuration()
+		}
 	}
 	prefillHealth, decodeHealth := health, health
 	prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())
@@ -267,11 +321,20 @@ func newPool(pc *configv1.Pool, old *Pool) (*Pool, error) {
 		Fallback:       pc.GetOnPrefillFailure() == "fallback",
 		PassThrough:    pc.GetPassThrough(),
 		KVHosts:        kvHosts,
+		BlockTokens:    int(pc.GetPrefixBlockTokens()),
+		Decider: Decider{
+			MinUncachedTokens:    int(pc.GetDisaggregation().GetMinUncachedTokens()),
+			WhenPrefillSaturated: pc.GetDisaggregation().GetWhenPrefillSaturated(),
+		},
+		Saturated: shedding,
 	}
-	if p.Prefill, err = NewLeg(pc.GetPrefillPicker().GetPolicy(), prefill, prefillHealth); err != nil {
+	if p.BlockTokens <= 0 { // a config not through config.Parse
+		p.BlockTokens = config.DefaultPrefixBlockTokens
+	}
+	if p.Prefill, err = NewLeg(pc.GetPrefillPicker().GetPolicy(), pickerParams(pc.GetPrefillPicker(), picker.RolePrefill), prefill, prefillHealth); err != nil {
 		return nil, fmt.Errorf("prefill_picker.policy: %w", err)
 	}
-	if p.Decode, err = NewLeg(pc.GetDecodePicker().GetPolicy(), decode, decodeHealth); err != nil {
+	if p.Decode, err = NewLeg(pc.GetDecodePicker().GetPolicy(), pickerParams(pc.GetDecodePicker(), picker.RoleDecode), decode, decodeHealth); err != nil {
 		return nil, fmt.Errorf("decode_picker.policy: %w", err)
 	}
 	if p.AttemptTimeout <= 0 { // a config not through config.Parse
@@ -295,6 +358,31 @@ func NewTable(limits Limits, pools ...*Pool) *Table {
 		}
 	}
 	return t
+}
+
+// Addresses returns the distinct addresses of every endpoint of the table's
+// pools: the engines whose metrics pdx scrapes.
+func (t *Table) Addresses() []string {
+	var out []string
+	for _, p := range t.pools {
+		for _, set := range []*picker.Set{p.Prefill.Set, p.Decode.Set} {
+			for _, a := range set.Addresses() {
+				if !slices.Contains(out, a) {
+					out = append(out, a)
+				}
+			}
+		}
+	}
+	return out
+}
+
+// Observe stores what the engine at address said of its load in every leg
+// that has it.
+func (t *Table) Observe(address string, l picker.Load) {
+	for _, p := range t.pools {
+		p.Prefill.Set.Observe(address, l)
+		p.Decode.Set.Observe(address, l)
+	}
 }
 
 // pool returns the pool named name, or nil (also when t is nil).

@@ -64,9 +64,9 @@ func TestUnknownNames(t *testing.T) {
 		{name: "connector", pool: func(p *configv1.Pool) { p.Connector = "nixel" },
 			wantErr: `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`},
 		{name: "prefill policy", pool: func(p *configv1.Pool) { p.PrefillPicker = &configv1.Picker{Policy: "random"} },
-			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "random" (known: round_robin)`},
+			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
 		{name: "decode policy", pool: func(p *configv1.Pool) { p.DecodePicker = &configv1.Picker{Policy: "random"} },
-			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: round_robin)`},
+			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := &configv1.Pool{Name: "p", Default: true, Connector: "nixl",
@@ -124,12 +124,12 @@ func TestPick(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			p := &Pool{Name: "p", Prefill: leg(t, nil, picker.Options{}), Decode: leg(t, nil, picker.Options{})}
 			p.SetEndpoints(tc.prefill, tc.decode)
-			d, err := p.PickDecode()
+			d, err := p.PickDecode(picker.Request{})
 			if err == nil {
 				var got []endpoint.Endpoint
 				for range max(1, len(tc.wantPrefill)) {
 					var pf endpoint.Endpoint
-					if pf, err = p.PickPrefill(d, tc.exclude...); err != nil {
+					if pf, err = p.PickPrefill(d, picker.Request{}, tc.exclude...); err != nil {
 						break
 					}
 					got = append(got, pf)
@@ -222,7 +222,7 @@ pools:
 // leg is a round-robin leg over eps.
 func leg(t *testing.T, eps []endpoint.Endpoint, opts picker.Options) Leg {
 	t.Helper()
-	l, err := NewLeg("", eps, opts)
+	l, err := NewLeg(picker.RoundRobinPolicy, picker.Params{}, eps, opts)
 	require.NoError(t, err)
 	return l
 }

@@ -22,8 +22,10 @@ import (
 	"google.golang.org/grpc/keepalive"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/enginemetrics"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/processor"
 )
@@ -49,6 +51,10 @@ type Server struct {
 	served  chan error
 	metrics *metrics.Metrics
 	proc    *processor.Server
+	// stopScraping ends the engine metrics scraper; scraped is closed once
+	// it has. nil when scraping is off.
+	stopScraping context.CancelFunc
+	scraped      chan struct{}
 
 	shutdownOnce sync.Once
 	shutdownErr  error
@@ -131,6 +137,7 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 	for _, name := range healthServices {
 		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
 	}
+	s.scrape(cfg.GetEngineMetrics())
 	s.admin = &http.Server{Handler: s.adminHandler(), ReadHeaderTimeout: 5 * time.Second}
 	s.ready.Store(true)
 	go func() { s.served <- s.grpc.Serve(grpcLn) }()
@@ -139,6 +146,31 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 		slog.Int("pools", len(cfg.GetPools())), slog.Bool("tls", tlsCfg != nil),
 		slog.Bool("mtls", tlsCfg != nil && tlsCfg.ClientCAs != nil))
 	return s, nil
+}
+
+// scrape starts reading the engines' metrics into the routing table's legs,
+// off every request's path. The engines are those of the table current when
+// each scrape round starts, so reloads and discovery are followed; the
+// interval and path are the config's at start.
+func (s *Server) scrape(m *configv1.EngineMetrics) {
+	if m == nil || m.GetDisabled() {
+		return
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	s.stopScraping, s.scraped = cancel, make(chan struct{})
+	go func() {
+		defer close(s.scraped)
+		enginemetrics.Run(ctx, enginemetrics.Options{
+			Interval: m.GetInterval().AsDuration(),
+			Path:     m.GetPath(),
+			Targets:  func() []string { return s.proc.Table().Addresses() },
+			Store: func(address string, smp enginemetrics.Sample, at time.Time) {
+				s.proc.Table().Observe(address, picker.Load{Waiting: smp.Waiting, Running: smp.Running, KVUsage: smp.KVUsage, At: at})
+			},
+			Failed: func(address string, _ error) { s.metrics.ScrapeFailed(address) },
+			Log:    s.log.With(slog.String("component", "engine_metrics")),
+		})
+	}()
 }
 
 // GRPCAddr is the ext_proc listener's address.
@@ -162,6 +194,7 @@ func (s *Server) shutdown(ctx context.Context) error {
 	s.ready.Store(false)
 	s.health.Shutdown() // NOT_SERVING everywhere: Envoy stops sending new streams
 	stopped := make(chan struct{})
+	s.proc.Drain() // streams held only to count decodes end now
 	go func() {
 		s.grpc.GracefulStop()
 		close(stopped)
@@ -181,6 +214,10 @@ func (s *Server) shutdown(ctx context.Context) error {
 	// bounded by seconds); a forced drain does not wait for them.
 	if s.proc.Wait(ctx) != nil {
 		s.log.Warn("stopped before the engines were told to release every request's work")
+	}
+	if s.stopScraping != nil {
+		s.stopScraping()
+		<-s.scraped
 	}
 	s.engine.CloseIdleConnections()
 	for range 2 {

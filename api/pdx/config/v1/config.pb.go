@@ -60,8 +60,19 @@ type Config struct {
 	// as a Go duration string; a slower upload gets 408. Default: 60s; at
 	// most 1h.
 	RequestBodyTimeout *durationpb.Duration `protobuf:"bytes,8,opt,name=request_body_timeout,json=requestBodyTimeout,proto3" json:"request_body_timeout,omitempty"`
-	unknownFields      protoimpl.UnknownFields
-	sizeCache          protoimpl.SizeCache
+	// Scraping of the engines' Prometheus metrics, which load-aware picking,
+	// the disaggregation decider and saturation read. Default: every engine
+	// of every pool, every 50ms.
+	EngineMetrics *EngineMetrics `protobuf:"bytes,9,opt,name=engine_metrics,json=engineMetrics,proto3" json:"engine_metrics,omitempty"`
+	// End a request's ext_proc stream as soon as pdx has routed it, instead
+	// of when Envoy ends it with the response. pdx then no longer counts a
+	// decode while it runs (decode placement reads the engines' metrics
+	// alone), and a generation under way survives pdx dying: Envoy cuts the
+	// response of a stream that breaks. A drain (SIGTERM) ends held streams
+	// cleanly either way. Default: false.
+	EndStreamsAtRouting bool `protobuf:"varint,10,opt,name=end_streams_at_routing,json=endStreamsAtRouting,proto3" json:"end_streams_at_routing,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *Config) Reset() {
@@ -150,6 +161,98 @@ func (x *Config) GetRequestBodyTimeout() *durationpb.Duration {
 	return nil
 }
 
+func (x *Config) GetEngineMetrics() *EngineMetrics {
+	if x != nil {
+		return x.EngineMetrics
+	}
+	return nil
+}
+
+func (x *Config) GetEndStreamsAtRouting() bool {
+	if x != nil {
+		return x.EndStreamsAtRouting
+	}
+	return false
+}
+
+// EngineMetrics is how pdx reads the engines' load. A scrape never sits on
+// a request's path: picks read the latest sample, and an engine whose
+// metrics fail or go stale is picked by pdx's own in-flight counts.
+type EngineMetrics struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Turns scraping off: picking uses pdx's in-flight counts only.
+	Disabled bool `protobuf:"varint,1,opt,name=disabled,proto3" json:"disabled,omitempty"`
+	// Time between two scrapes of one engine. Default: 50ms (the Gateway API
+	// Inference Extension's and AIBrix's refresh); at least 10ms.
+	Interval *durationpb.Duration `protobuf:"bytes,2,opt,name=interval,proto3" json:"interval,omitempty"`
+	// Age after which a sample no longer counts. Default: 2s (the Gateway
+	// API Inference Extension's staleness); at least interval.
+	StaleAfter *durationpb.Duration `protobuf:"bytes,3,opt,name=stale_after,json=staleAfter,proto3" json:"stale_after,omitempty"`
+	// HTTP path of the metrics on each engine's address. Default: "/metrics"
+	// (vLLM, SGLang).
+	Path          string `protobuf:"bytes,4,opt,name=path,proto3" json:"path,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *EngineMetrics) Reset() {
+	*x = EngineMetrics{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *EngineMetrics) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*EngineMetrics) ProtoMessage() {}
+
+func (x *EngineMetrics) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use EngineMetrics.ProtoReflect.Descriptor instead.
+func (*EngineMetrics) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *EngineMetrics) GetDisabled() bool {
+	if x != nil {
+		return x.Disabled
+	}
+	return false
+}
+
+func (x *EngineMetrics) GetInterval() *durationpb.Duration {
+	if x != nil {
+		return x.Interval
+	}
+	return nil
+}
+
+func (x *EngineMetrics) GetStaleAfter() *durationpb.Duration {
+	if x != nil {
+		return x.StaleAfter
+	}
+	return nil
+}
+
+func (x *EngineMetrics) GetPath() string {
+	if x != nil {
+		return x.Path
+	}
+	return ""
+}
+
 // TLS is the gRPC listener's certificate and, for mutual TLS, the CA that
 // client (Envoy) certificates must chain to. Files are PEM; they are read at
 // start.
@@ -168,7 +271,7 @@ type TLS struct {
 
 func (x *TLS) Reset() {
 	*x = TLS{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -180,7 +283,7 @@ func (x *TLS) String() string {
 func (*TLS) ProtoMessage() {}
 
 func (x *TLS) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -193,7 +296,7 @@ func (x *TLS) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TLS.ProtoReflect.Descriptor instead.
 func (*TLS) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *TLS) GetCertFile() string {
@@ -309,7 +412,7 @@ type Pool struct {
 	// anything else). Only valid with connector "trtllm".
 	TrtllmProtocol string `protobuf:"bytes,17,opt,name=trtllm_protocol,json=trtllmProtocol,proto3" json:"trtllm_protocol,omitempty"`
 	// How the prefill endpoint of a request is picked among the pool's
-	// prefill endpoints. Default: round robin. Whatever the policy, endpoints
+	// prefill endpoints. Default: "least_work". Whatever the policy, endpoints
 	// that passive health ejected (eject_after_failures) are passed over, a
 	// prefill endpoint is picked only in its decode endpoint's group (see
 	// kubernetes.group_label), and a retry never picks an endpoint the
@@ -317,15 +420,28 @@ type Pool struct {
 	// prefill leg.
 	PrefillPicker *Picker `protobuf:"bytes,18,opt,name=prefill_picker,json=prefillPicker,proto3" json:"prefill_picker,omitempty"`
 	// How the decode endpoint of a request is picked among the pool's decode
-	// endpoints. Default: round robin.
-	DecodePicker  *Picker `protobuf:"bytes,19,opt,name=decode_picker,json=decodePicker,proto3" json:"decode_picker,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	// endpoints. Default: "load_aware".
+	DecodePicker *Picker `protobuf:"bytes,19,opt,name=decode_picker,json=decodePicker,proto3" json:"decode_picker,omitempty"`
+	// When a request skips the prefill leg and goes to a decode engine that
+	// computes the prompt itself. Unset: every request is disaggregated.
+	// Not valid with connector "none". The decode engines must be able to
+	// serve a plain request (vLLM's do; SGLang's decode servers in
+	// disaggregation mode do not).
+	Disaggregation *Disaggregation `protobuf:"bytes,20,opt,name=disaggregation,proto3" json:"disaggregation,omitempty"`
+	// When an endpoint is too busy to take more, and what a request does
+	// when every endpoint of a leg is. Default: queue depth 5, KV usage 0.8,
+	// queue up to 1s, then 429.
+	Saturation *Saturation `protobuf:"bytes,21,opt,name=saturation,proto3" json:"saturation,omitempty"`
+	// Size, in tokens, of the blocks a prompt is hashed in for prefix
+	// placement (pdx counts 4 bytes of prompt a token). Default: 64.
+	PrefixBlockTokens uint32 `protobuf:"varint,22,opt,name=prefix_block_tokens,json=prefixBlockTokens,proto3" json:"prefix_block_tokens,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -337,7 +453,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -350,7 +466,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Pool) GetName() string {
@@ -486,19 +602,60 @@ func (x *Pool) GetDecodePicker() *Picker {
 	return nil
 }
 
+func (x *Pool) GetDisaggregation() *Disaggregation {
+	if x != nil {
+		return x.Disaggregation
+	}
+	return nil
+}
+
+func (x *Pool) GetSaturation() *Saturation {
+	if x != nil {
+		return x.Saturation
+	}
+	return nil
+}
+
+func (x *Pool) GetPrefixBlockTokens() uint32 {
+	if x != nil {
+		return x.PrefixBlockTokens
+	}
+	return 0
+}
+
 // Picker selects the picking policy of one leg of a pool.
 type Picker struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The policy: "round_robin" (the default) hands out the leg's endpoints
-	// in turn.
-	Policy        string `protobuf:"bytes,1,opt,name=policy,proto3" json:"policy,omitempty"`
+	// The policy:
+	//   - "round_robin" hands out the leg's endpoints in turn;
+	//   - "least_request" picks the endpoint with the fewest requests (pdx's
+	//     in-flight count, or the engine's waiting and running requests when
+	//     its metrics say more);
+	//   - "least_work" picks the endpoint that would finish the prompt first:
+	//     the fewest prompt tokens queued before it plus the prompt's tokens
+	//     it does not have cached (NVIDIA Dynamo's KV router cost, in tokens);
+	//   - "prefix_affinity" sends prompts with a common prefix to one endpoint:
+	//     rendezvous hashing of the prompt's first prefix that is not common
+	//     to most traffic, bounded by load (load_factor), the same on every pdx
+	//     replica without shared state;
+	//   - "load_aware" scores each endpoint on prefix match (what this pdx sent
+	//     it), queue, KV usage and in-flight requests (weights).
+	//
+	// Default: "least_work" for prefill, "load_aware" for decode.
+	Policy string `protobuf:"bytes,1,opt,name=policy,proto3" json:"policy,omitempty"`
+	// load_aware's weights. Unset: prefill prefix 3, queue 2, in_flight 1;
+	// decode prefix 1, queue 1, kv_usage 2, in_flight 1.
+	Weights *Weights `protobuf:"bytes,2,opt,name=weights,proto3" json:"weights,omitempty"`
+	// prefix_affinity's bound: no endpoint takes more than this times the
+	// mean load. Default: 1.25; more than 1.
+	LoadFactor    float64 `protobuf:"fixed64,3,opt,name=load_factor,json=loadFactor,proto3" json:"load_factor,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Picker) Reset() {
 	*x = Picker{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -510,7 +667,7 @@ func (x *Picker) String() string {
 func (*Picker) ProtoMessage() {}
 
 func (x *Picker) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -523,7 +680,7 @@ func (x *Picker) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Picker.ProtoReflect.Descriptor instead.
 func (*Picker) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Picker) GetPolicy() string {
@@ -531,6 +688,251 @@ func (x *Picker) GetPolicy() string {
 		return x.Policy
 	}
 	return ""
+}
+
+func (x *Picker) GetWeights() *Weights {
+	if x != nil {
+		return x.Weights
+	}
+	return nil
+}
+
+func (x *Picker) GetLoadFactor() float64 {
+	if x != nil {
+		return x.LoadFactor
+	}
+	return 0
+}
+
+// Weights weigh load_aware's scores, each in [0, 1]. Unset fields are 0.
+type Weights struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Share of the prompt's leading blocks this pdx has sent the endpoint.
+	Prefix float64 `protobuf:"fixed64,1,opt,name=prefix,proto3" json:"prefix,omitempty"`
+	// Fewest waiting requests (engine metrics, else in-flight), scaled
+	// between the least and most loaded candidates.
+	Queue float64 `protobuf:"fixed64,2,opt,name=queue,proto3" json:"queue,omitempty"`
+	// Free KV cache (1 - usage).
+	KvUsage float64 `protobuf:"fixed64,3,opt,name=kv_usage,json=kvUsage,proto3" json:"kv_usage,omitempty"`
+	// Fewest requests pdx has on the endpoint, scaled like queue.
+	InFlight      float64 `protobuf:"fixed64,4,opt,name=in_flight,json=inFlight,proto3" json:"in_flight,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Weights) Reset() {
+	*x = Weights{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Weights) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Weights) ProtoMessage() {}
+
+func (x *Weights) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Weights.ProtoReflect.Descriptor instead.
+func (*Weights) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *Weights) GetPrefix() float64 {
+	if x != nil {
+		return x.Prefix
+	}
+	return 0
+}
+
+func (x *Weights) GetQueue() float64 {
+	if x != nil {
+		return x.Queue
+	}
+	return 0
+}
+
+func (x *Weights) GetKvUsage() float64 {
+	if x != nil {
+		return x.KvUsage
+	}
+	return 0
+}
+
+func (x *Weights) GetInFlight() float64 {
+	if x != nil {
+		return x.InFlight
+	}
+	return 0
+}
+
+// Disaggregation decides, per request, whether the prefill leg pays.
+type Disaggregation struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A request whose prompt the picked decode engine is estimated to have
+	// cached but for fewer than this many tokens goes to it alone (llm-d's
+	// prefix-based decider's nonCachedTokens; NVIDIA Dynamo's
+	// max_local_prefill_length bounds the whole prompt instead). 0: off.
+	MinUncachedTokens uint32 `protobuf:"varint,1,opt,name=min_uncached_tokens,json=minUncachedTokens,proto3" json:"min_uncached_tokens,omitempty"`
+	// When every prefill endpoint is saturated (see saturation) and the
+	// decode engine is not, the request goes to it alone instead of waiting
+	// for a prefill engine.
+	WhenPrefillSaturated bool `protobuf:"varint,2,opt,name=when_prefill_saturated,json=whenPrefillSaturated,proto3" json:"when_prefill_saturated,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
+}
+
+func (x *Disaggregation) Reset() {
+	*x = Disaggregation{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Disaggregation) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Disaggregation) ProtoMessage() {}
+
+func (x *Disaggregation) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Disaggregation.ProtoReflect.Descriptor instead.
+func (*Disaggregation) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *Disaggregation) GetMinUncachedTokens() uint32 {
+	if x != nil {
+		return x.MinUncachedTokens
+	}
+	return 0
+}
+
+func (x *Disaggregation) GetWhenPrefillSaturated() bool {
+	if x != nil {
+		return x.WhenPrefillSaturated
+	}
+	return false
+}
+
+// Saturation: an endpoint is saturated when its fresh metrics show
+// queue_depth requests waiting or kv_usage of its KV cache in use, or pdx
+// has max_in_flight requests on it. Saturated endpoints are passed over;
+// when every endpoint of a leg is, the request waits or is refused. An
+// engine without fresh metrics is saturated only by max_in_flight.
+type Saturation struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Turns saturation off.
+	Disabled bool `protobuf:"varint,1,opt,name=disabled,proto3" json:"disabled,omitempty"`
+	// Default: 5 (the Gateway API Inference Extension's).
+	QueueDepth uint32 `protobuf:"varint,2,opt,name=queue_depth,json=queueDepth,proto3" json:"queue_depth,omitempty"`
+	// Default: 0.8 (the Gateway API Inference Extension's); at most 1.
+	KvUsage float64 `protobuf:"fixed64,3,opt,name=kv_usage,json=kvUsage,proto3" json:"kv_usage,omitempty"`
+	// 0 (the default): no bound.
+	MaxInFlight uint32 `protobuf:"varint,4,opt,name=max_in_flight,json=maxInFlight,proto3" json:"max_in_flight,omitempty"`
+	// "queue" (the default) waits up to max_queue_time for an endpoint to
+	// have room, then answers 429; "reject" answers 429 at once. The 429
+	// carries retry-after.
+	Action string `protobuf:"bytes,5,opt,name=action,proto3" json:"action,omitempty"`
+	// Default: 1s; at most 1m.
+	MaxQueueTime  *durationpb.Duration `protobuf:"bytes,6,opt,name=max_queue_time,json=maxQueueTime,proto3" json:"max_queue_time,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Saturation) Reset() {
+	*x = Saturation{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Saturation) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Saturation) ProtoMessage() {}
+
+func (x *Saturation) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Saturation.ProtoReflect.Descriptor instead.
+func (*Saturation) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *Saturation) GetDisabled() bool {
+	if x != nil {
+		return x.Disabled
+	}
+	return false
+}
+
+func (x *Saturation) GetQueueDepth() uint32 {
+	if x != nil {
+		return x.QueueDepth
+	}
+	return 0
+}
+
+func (x *Saturation) GetKvUsage() float64 {
+	if x != nil {
+		return x.KvUsage
+	}
+	return 0
+}
+
+func (x *Saturation) GetMaxInFlight() uint32 {
+	if x != nil {
+		return x.MaxInFlight
+	}
+	return 0
+}
+
+func (x *Saturation) GetAction() string {
+	if x != nil {
+		return x.Action
+	}
+	return ""
+}
+
+func (x *Saturation) GetMaxQueueTime() *durationpb.Duration {
+	if x != nil {
+		return x.MaxQueueTime
+	}
+	return nil
 }
 
 // KubernetesDiscovery finds a pool's engines among the pods of one namespace.
@@ -588,7 +990,7 @@ type KubernetesDiscovery struct {
 
 func (x *KubernetesDiscovery) Reset() {
 	*x = KubernetesDiscovery{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -600,7 +1002,7 @@ func (x *KubernetesDiscovery) String() string {
 func (*KubernetesDiscovery) ProtoMessage() {}
 
 func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -613,7 +1015,7 @@ func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
 func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *KubernetesDiscovery) GetNamespace() string {
@@ -719,7 +1121,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -731,7 +1133,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -744,7 +1146,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -772,7 +1174,7 @@ var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xf9\x02\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xf3\x03\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
@@ -781,11 +1183,20 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x03tls\x18\x05 \x01(\v2\x12.pdx.config.v1.TLSR\x03tls\x12.\n" +
 	"\x13max_request_headers\x18\x06 \x01(\rR\x11maxRequestHeaders\x123\n" +
 	"\x16max_request_headers_kb\x18\a \x01(\rR\x13maxRequestHeadersKb\x12K\n" +
-	"\x14request_body_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\x12requestBodyTimeout\"c\n" +
+	"\x14request_body_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\x12requestBodyTimeout\x12C\n" +
+	"\x0eengine_metrics\x18\t \x01(\v2\x1c.pdx.config.v1.EngineMetricsR\rengineMetrics\x123\n" +
+	"\x16end_streams_at_routing\x18\n" +
+	" \x01(\bR\x13endStreamsAtRouting\"\xb2\x01\n" +
+	"\rEngineMetrics\x12\x1a\n" +
+	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x125\n" +
+	"\binterval\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\binterval\x12:\n" +
+	"\vstale_after\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\n" +
+	"staleAfter\x12\x12\n" +
+	"\x04path\x18\x04 \x01(\tR\x04path\"c\n" +
 	"\x03TLS\x12\x1b\n" +
 	"\tcert_file\x18\x01 \x01(\tR\bcertFile\x12\x19\n" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
-	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\x93\a\n" +
+	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\xc5\b\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -808,9 +1219,34 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x10allowed_kv_hosts\x18\x10 \x03(\tR\x0eallowedKvHosts\x12'\n" +
 	"\x0ftrtllm_protocol\x18\x11 \x01(\tR\x0etrtllmProtocol\x12<\n" +
 	"\x0eprefill_picker\x18\x12 \x01(\v2\x15.pdx.config.v1.PickerR\rprefillPicker\x12:\n" +
-	"\rdecode_picker\x18\x13 \x01(\v2\x15.pdx.config.v1.PickerR\fdecodePicker\" \n" +
+	"\rdecode_picker\x18\x13 \x01(\v2\x15.pdx.config.v1.PickerR\fdecodePicker\x12E\n" +
+	"\x0edisaggregation\x18\x14 \x01(\v2\x1d.pdx.config.v1.DisaggregationR\x0edisaggregation\x129\n" +
+	"\n" +
+	"saturation\x18\x15 \x01(\v2\x19.pdx.config.v1.SaturationR\n" +
+	"saturation\x12.\n" +
+	"\x13prefix_block_tokens\x18\x16 \x01(\rR\x11prefixBlockTokens\"s\n" +
 	"\x06Picker\x12\x16\n" +
-	"\x06policy\x18\x01 \x01(\tR\x06policy\"\xda\x03\n" +
+	"\x06policy\x18\x01 \x01(\tR\x06policy\x120\n" +
+	"\aweights\x18\x02 \x01(\v2\x16.pdx.config.v1.WeightsR\aweights\x12\x1f\n" +
+	"\vload_factor\x18\x03 \x01(\x01R\n" +
+	"loadFactor\"o\n" +
+	"\aWeights\x12\x16\n" +
+	"\x06prefix\x18\x01 \x01(\x01R\x06prefix\x12\x14\n" +
+	"\x05queue\x18\x02 \x01(\x01R\x05queue\x12\x19\n" +
+	"\bkv_usage\x18\x03 \x01(\x01R\akvUsage\x12\x1b\n" +
+	"\tin_flight\x18\x04 \x01(\x01R\binFlight\"v\n" +
+	"\x0eDisaggregation\x12.\n" +
+	"\x13min_uncached_tokens\x18\x01 \x01(\rR\x11minUncachedTokens\x124\n" +
+	"\x16when_prefill_saturated\x18\x02 \x01(\bR\x14whenPrefillSaturated\"\xe1\x01\n" +
+	"\n" +
+	"Saturation\x12\x1a\n" +
+	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12\x1f\n" +
+	"\vqueue_depth\x18\x02 \x01(\rR\n" +
+	"queueDepth\x12\x19\n" +
+	"\bkv_usage\x18\x03 \x01(\x01R\akvUsage\x12\"\n" +
+	"\rmax_in_flight\x18\x04 \x01(\rR\vmaxInFlight\x12\x16\n" +
+	"\x06action\x18\x05 \x01(\tR\x06action\x12?\n" +
+	"\x0emax_queue_time\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\fmaxQueueTime\"\xda\x03\n" +
 	"\x13KubernetesDiscovery\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
 	"\aservice\x18\x02 \x01(\tR\aservice\x12V\n" +
@@ -848,35 +1284,46 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 	return file_pdx_config_v1_config_proto_rawDescData
 }
 
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_pdx_config_v1_config_proto_goTypes = []any{
 	(*Config)(nil),              // 0: pdx.config.v1.Config
-	(*TLS)(nil),                 // 1: pdx.config.v1.TLS
-	(*Pool)(nil),                // 2: pdx.config.v1.Pool
-	(*Picker)(nil),              // 3: pdx.config.v1.Picker
-	(*KubernetesDiscovery)(nil), // 4: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),            // 5: pdx.config.v1.Endpoint
-	nil,                         // 6: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil), // 7: google.protobuf.Duration
+	(*EngineMetrics)(nil),       // 1: pdx.config.v1.EngineMetrics
+	(*TLS)(nil),                 // 2: pdx.config.v1.TLS
+	(*Pool)(nil),                // 3: pdx.config.v1.Pool
+	(*Picker)(nil),              // 4: pdx.config.v1.Picker
+	(*Weights)(nil),             // 5: pdx.config.v1.Weights
+	(*Disaggregation)(nil),      // 6: pdx.config.v1.Disaggregation
+	(*Saturation)(nil),          // 7: pdx.config.v1.Saturation
+	(*KubernetesDiscovery)(nil), // 8: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),            // 9: pdx.config.v1.Endpoint
+	nil,                         // 10: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil), // 11: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
-	2,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
-	1,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	7,  // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
-	5,  // 3: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	5,  // 4: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	7,  // 5: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	7,  // 6: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	7,  // 7: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	4,  // 8: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	3,  // 9: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	3,  // 10: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	6,  // 11: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	12, // [12:12] is the sub-list for method output_type
-	12, // [12:12] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	3,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
+	2,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
+	11, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	1,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
+	11, // 4: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	11, // 5: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	9,  // 6: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	9,  // 7: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	11, // 8: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	11, // 9: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	11, // 10: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	8,  // 11: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	4,  // 12: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	4,  // 13: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	6,  // 14: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	7,  // 15: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	5,  // 16: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	11, // 17: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	10, // 18: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	19, // [19:19] is the sub-list for method output_type
+	19, // [19:19] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -890,7 +1337,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   7,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

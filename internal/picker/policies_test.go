@@ -1,0 +1,381 @@
+package picker
+
+import (
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
+
+// endpoints returns n endpoints 127.0.0.1:1..n.
+func endpoints(n int) []endpoint.Endpoint {
+	eps := make([]endpoint.Endpoint, n)
+	for i := range eps {
+		eps[i] = endpoint.Endpoint{Address: fmt.Sprintf("127.0.0.1:%d", i+1)}
+	}
+	return eps
+}
+
+// prompt returns a prompt of blocks 64-token blocks (256 bytes each), the
+// k-th block's text being ids[k]'s.
+func prompt(ids ...int) []byte {
+	var b []byte
+	for _, id := range ids {
+		b = append(b, fmt.Appendf(nil, "%-256d", id)...)
+	}
+	return b
+}
+
+func blocksOf(ids ...int) []uint64 { return Blocks(nil, prompt(ids...), 64) }
+
+func TestBlocks(t *testing.T) {
+	a, b := blocksOf(1, 2, 3), blocksOf(1, 2, 4)
+	require.Len(t, a, 3)
+	require.Equal(t, a[:2], b[:2], "equal prefixes hash alike")
+	require.NotEqual(t, a[2], b[2])
+	require.NotEqual(t, blocksOf(2, 2)[1], blocksOf(1, 2)[1], "a block's hash covers the blocks before it")
+	require.Len(t, Blocks(nil, prompt(1)[:255], 64), 0, "only full blocks count")
+	require.Len(t, Blocks(nil, make([]byte, 256*(MaxBlocks+5)), 64), MaxBlocks)
+}
+
+func TestIndexForgetsOldestFirst(t *testing.T) {
+	x := newIndex(2, 4) // two generations of two blocks
+	depth := make([]int32, 2)
+	x.add(0, []uint64{1, 2})
+	require.Equal(t, int32(2), x.matches([]uint64{1, 2, 3}, depth))
+	require.Equal(t, []int32{2, 0}, depth)
+	x.add(1, []uint64{7}) // the generation is full: 1, 2 become the old one
+	require.Equal(t, 2, x.matched(0, []uint64{1, 2}), "the older generation still counts")
+	x.add(0, []uint64{1}) // sent again: 1 is new again
+	x.add(1, []uint64{8}) // and 2 goes with the old generation
+	require.Equal(t, 1, x.matched(0, []uint64{1, 2}))
+	require.Equal(t, 2, x.matched(1, []uint64{7, 8}), "7 in the old generation, 8 in the new")
+	require.Equal(t, int32(1), x.matches([]uint64{8}, depth))
+	require.Equal(t, []int32{0, 1}, depth)
+}
+
+func TestLeastRequest(t *testing.T) {
+	eps := endpoints(3)
+	for _, tc := range []struct {
+		name     string
+		inFlight [3]int
+		loads    map[int]Load // by endpoint index; At is set relative to now
+		age      time.Duration
+		tried    []int
+		want     int
+	}{
+		{name: "fewest in flight", inFlight: [3]int{2, 0, 1}, want: 1},
+		{name: "tried is passed over", inFlight: [3]int{2, 0, 1}, tried: []int{1}, want: 2},
+		{name: "engine's word when it says more", inFlight: [3]int{2, 0, 1},
+			loads: map[int]Load{1: {Waiting: 4, Running: 2}}, want: 2},
+		{name: "a stale word does not count", inFlight: [3]int{2, 0, 1},
+			loads: map[int]Load{1: {Waiting: 4, Running: 2}}, age: 3 * time.Second, want: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := newFakeClock()
+			set := NewSet(eps, Options{Now: clk.Now})
+			for i, n := range tc.inFlight {
+				for range n {
+					set.Begin(eps[i], nil, 0)
+				}
+			}
+			for i, l := range tc.loads {
+				l.At = clk.Now()
+				set.Observe(eps[i].Address, l)
+			}
+			clk.Advance(tc.age)
+			var tried []endpoint.Endpoint
+			for _, i := range tc.tried {
+				tried = append(tried, eps[i])
+			}
+			got, ok := NewLeastRequest(set).Pick(Request{Tried: tried})
+			require.True(t, ok)
+			require.Equal(t, eps[tc.want], got)
+		})
+	}
+}
+
+func TestLeastRequestTiesGoRound(t *testing.T) {
+	eps := endpoints(3)
+	p := NewLeastRequest(NewSet(eps, Options{}))
+	seen := map[endpoint.Endpoint]int{}
+	for range 30 {
+		seen[must(p.Pick(Request{}))]++
+	}
+	require.Equal(t, map[endpoint.Endpoint]int{eps[0]: 10, eps[1]: 10, eps[2]: 10}, seen)
+}
+
+func TestInFlightCounts(t *testing.T) {
+	set := NewSet(abc, Options{})
+	set.Begin(epA, nil, 0)
+	set.Begin(epA, nil, 0)
+	set.End(epA, 0)
+	require.Equal(t, 1, set.InFlight(epA))
+	require.Equal(t, 0, set.InFlight(epB))
+	set.Begin(endpoint.Endpoint{Address: "10.0.0.1:1"}, nil, 0) // not the set's: ignored
+	next := NewSet(abc, Options{Inherit: set})
+	require.Equal(t, 1, next.InFlight(epA), "a rebuilt set shares the counts, so that an End after a reload finds its Begin")
+	next.End(epA, 0)
+	require.Equal(t, 0, set.InFlight(epA))
+}
+
+func TestSaturation(t *testing.T) {
+	sat := Saturation{QueueDepth: 5, KVUsage: 0.8, MaxInFlight: 3}
+	for _, tc := range []struct {
+		name      string
+		loads     [3]*Load
+		inFlight  int // on epA
+		age       time.Duration
+		saturated bool
+		pick      endpoint.Endpoint // round robin's first pick
+	}{
+		{name: "no signals", pick: epA},
+		{name: "one queue full", loads: [3]*Load{{Waiting: 5}}, pick: epB},
+		{name: "all full", loads: [3]*Load{{Waiting: 5}, {KVUsage: 0.8}, {Waiting: 9, KVUsage: 0.9}}, saturated: true, pick: epA},
+		{name: "all full but stale", loads: [3]*Load{{Waiting: 5}, {KVUsage: 0.8}, {Waiting: 9}}, age: 3 * time.Second, pick: epA},
+		{name: "pdx's own bound", loads: [3]*Load{nil, {KVUsage: 0.9}, {Waiting: 5}}, inFlight: 3, saturated: true, pick: epA},
+		{name: "below every bound", loads: [3]*Load{{Waiting: 4, KVUsage: 0.79}}, inFlight: 2, pick: epA},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := newFakeClock()
+			set := NewSet(abc, Options{Now: clk.Now, Saturation: sat})
+			for i, l := range tc.loads {
+				if l != nil {
+					l.At = clk.Now()
+					set.Observe(abc[i].Address, *l)
+				}
+			}
+			for range tc.inFlight {
+				set.Begin(epA, nil, 0)
+			}
+			clk.Advance(tc.age)
+			require.Equal(t, tc.saturated, set.Saturated(""))
+			require.Equal(t, tc.pick, must(NewRoundRobin(set).Pick(Request{})), "picks pass over saturated endpoints while some are not")
+		})
+	}
+	require.False(t, NewSet(abc, Options{}).Saturated(""), "no thresholds, never saturated")
+}
+
+func TestPrefixAffinity(t *testing.T) {
+	eps := endpoints(8)
+	conversation := func(c, turn int) []uint64 {
+		ids := []int{0} // every prompt starts with the same system prompt
+		for k := range 2 + turn {
+			ids = append(ids, 1000*c+k)
+		}
+		return blocksOf(ids...)
+	}
+	// Two replicas: sets and policies of their own, the same endpoints.
+	one, two := NewPrefixAffinity(NewSet(eps, Options{}), 0), NewPrefixAffinity(NewSet(eps, Options{}), 0)
+	spread := map[endpoint.Endpoint]int{}
+	for c := range 200 {
+		first := must(one.Pick(Request{Blocks: conversation(c, 0)}))
+		require.Equal(t, first, must(two.Pick(Request{Blocks: conversation(c, 0)})), "replicas agree without sharing state")
+		for turn := 1; turn < 4; turn++ {
+			require.Equal(t, first, must(one.Pick(Request{Blocks: conversation(c, turn)})), "a conversation's turns stay together")
+		}
+		spread[first]++
+	}
+	require.Len(t, spread, 8, "the shared system prompt does not pull every conversation to one endpoint")
+	for ep, n := range spread {
+		require.Greater(t, n, 8, "%s gets a fair share", ep.Address)
+	}
+}
+
+func TestPrefixAffinityBoundsLoad(t *testing.T) {
+	eps := endpoints(4)
+	set := NewSet(eps, Options{})
+	p := NewPrefixAffinity(set, 1.25)
+	b := blocksOf(1, 2, 3)
+	home := must(p.Pick(Request{Blocks: b}))
+	// The same prompt again and again, each still running: the home
+	// endpoint takes at most 1.25 times the mean, then others help.
+	for range 40 {
+		ep := must(p.Pick(Request{Blocks: b}))
+		set.Begin(ep, nil, 0)
+	}
+	total := 0
+	for _, ep := range eps {
+		total += set.InFlight(ep)
+	}
+	require.LessOrEqual(t, set.InFlight(home), 13, "1.25 × the mean of 10, rounded up")
+	require.Greater(t, set.InFlight(home), 10, "the home endpoint fills to its bound first")
+	require.Equal(t, 40, total)
+}
+
+func TestPrefixAffinityMovesFewKeysOnResize(t *testing.T) {
+	before, after := NewPrefixAffinity(NewSet(endpoints(8), Options{}), 0), NewPrefixAffinity(NewSet(endpoints(9), Options{}), 0)
+	moved := 0
+	const n = 900
+	for c := range n {
+		b := blocksOf(c)
+		if must(before.Pick(Request{Blocks: b})) != must(after.Pick(Request{Blocks: b})) {
+			moved++
+		}
+	}
+	// Rendezvous hashing moves the keys the new endpoint wins, 1/9 of them.
+	require.InDelta(t, n/9, moved, n/20)
+}
+
+func TestPrefixAffinityWithoutPromptIsLeastRequest(t *testing.T) {
+	set := NewSet(abc, Options{})
+	set.Begin(epA, nil, 0)
+	set.Begin(epC, nil, 0)
+	require.Equal(t, epB, must(NewPrefixAffinity(set, 0).Pick(Request{})))
+}
+
+func TestLoadAware(t *testing.T) {
+	eps := endpoints(3)
+	for _, tc := range []struct {
+		name     string
+		w        Weights
+		sent     map[int][]uint64 // what pdx sent each endpoint
+		inFlight [3]int
+		loads    [3]*Load
+		blocks   []uint64
+		want     int
+	}{
+		{name: "prefix match wins", w: Weights{Prefix: 2, Queue: 1}, sent: map[int][]uint64{2: blocksOf(1, 2, 3)},
+			blocks: blocksOf(1, 2, 3, 4), want: 2},
+		{name: "longest match wins", w: Weights{Prefix: 2}, sent: map[int][]uint64{0: blocksOf(1), 1: blocksOf(1, 2, 3)},
+			blocks: blocksOf(1, 2, 3, 4), want: 1},
+		{name: "a long queue outweighs a short match", w: Weights{Prefix: 2, Queue: 1},
+			sent:   map[int][]uint64{2: blocksOf(1)},
+			loads:  [3]*Load{{Waiting: 0}, {Waiting: 10}, {Waiting: 10}},
+			blocks: blocksOf(1, 2, 3, 4), want: 0},
+		{name: "queue without metrics is in flight", w: Weights{Queue: 1}, inFlight: [3]int{3, 1, 2}, want: 1},
+		{name: "KV headroom", w: Weights{KVUsage: 1, InFlight: 0.1}, loads: [3]*Load{{KVUsage: 0.9}, {KVUsage: 0.2}, {KVUsage: 0.5}}, want: 1},
+		{name: "unknown KV usage is middling", w: Weights{KVUsage: 1}, loads: [3]*Load{{KVUsage: 0.9}, {KVUsage: -1}, {KVUsage: 0.7}}, want: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clk := newFakeClock()
+			set := NewSet(eps, Options{Now: clk.Now})
+			for i, b := range tc.sent {
+				set.Begin(eps[i], b, 0)
+				set.End(eps[i], 0)
+			}
+			for i, n := range tc.inFlight {
+				for range n {
+					set.Begin(eps[i], nil, 0)
+				}
+			}
+			for i, l := range tc.loads {
+				if l != nil {
+					l.At = clk.Now()
+					set.Observe(eps[i].Address, *l)
+				}
+			}
+			require.Equal(t, eps[tc.want], must(NewLoadAware(set, tc.w).Pick(Request{Blocks: tc.blocks})))
+		})
+	}
+}
+
+func TestMatched(t *testing.T) {
+	set := NewSet(abc, Options{})
+	set.Begin(epB, blocksOf(1, 2, 3), 0)
+	require.Equal(t, 2, set.Matched(epB, blocksOf(1, 2, 9)))
+	require.Equal(t, 0, set.Matched(epA, blocksOf(1, 2, 9)))
+	set.SetEndpoints([]endpoint.Endpoint{epB, epA})
+	require.Equal(t, 0, set.Matched(epB, blocksOf(1, 2, 9)), "other endpoints, positions and index start afresh")
+}
+
+func TestPoliciesDoNotAllocate(t *testing.T) {
+	eps := endpoints(64)
+	b := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
+	for _, policy := range []string{RoundRobinPolicy, LeastRequestPolicy, LeastWorkPolicy, LoadAwarePolicy} {
+		t.Run(policy, func(t *testing.T) {
+			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
+			for i, ep := range eps {
+				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: time.Now()})
+			}
+			set.Begin(eps[3], b, 0)
+			p, err := New(policy, set, Params{})
+			require.NoError(t, err)
+			allocs := testing.AllocsPerRun(200, func() { p.Pick(Request{Blocks: b}) })
+			require.Zero(t, allocs)
+		})
+	}
+}
+
+// BenchmarkPolicies is a pick at 64 endpoints with fresh engine metrics
+// and a prompt of 32 blocks, for every policy.
+func BenchmarkPolicies(b *testing.B) {
+	eps := endpoints(64)
+	var prompts [][]uint64
+	for c := range 256 {
+		ids := []int{0}
+		for k := range 31 {
+			ids = append(ids, c*100+k)
+		}
+		prompts = append(prompts, blocksOf(ids...))
+	}
+	for _, policy := range Policies() {
+		b.Run(policy, func(b *testing.B) {
+			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
+			for i, ep := range eps {
+				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: time.Now()})
+				set.Begin(ep, prompts[i], 0)
+			}
+			p, err := New(policy, set, Params{})
+			require.NoError(b, err)
+			b.ReportAllocs()
+			b.ResetTimer()
+			i := 0
+			for b.Loop() {
+				p.Pick(Request{Blocks: prompts[i%len(prompts)]})
+				i++
+			}
+		})
+	}
+}
+
+func BenchmarkBlocks(b *testing.B) {
+	p := make([]byte, 48<<10) // a 12k-token prompt
+	dst := make([]uint64, 0, MaxBlocks)
+	b.SetBytes(int64(len(p)))
+	for b.Loop() {
+		dst = Blocks(dst[:0], p, 64)
+	}
+}
+
+func TestLeastWork(t *testing.T) {
+	eps := endpoints(3)
+	for _, tc := range []struct {
+		name   string
+		tokens [3]int        // in-flight prompt tokens, one request each
+		sent   map[int][]int // block ids pdx sent each endpoint
+		loads  [3]*Load
+		prompt []int // the request's block ids (64 tokens each)
+		want   int
+	}{
+		{name: "least queued work, not fewest requests", tokens: [3]int{5000, 300, 900}, prompt: []int{1, 2}, want: 1},
+		{name: "a cached prompt outweighs a short queue", tokens: [3]int{500, 300, 900},
+			sent: map[int][]int{0: {1, 2, 3, 4, 5, 6, 7, 8}}, prompt: []int{1, 2, 3, 4, 5, 6, 7, 8, 9}, want: 0},
+		{name: "a cached prompt does not outweigh a long queue", tokens: [3]int{5000, 300, 900},
+			sent: map[int][]int{0: {1, 2, 3, 4, 5, 6, 7, 8}}, prompt: []int{1, 2, 3, 4, 5, 6, 7, 8, 9}, want: 1},
+		{name: "requests the engine has that pdx did not send count", tokens: [3]int{1000, 300, 900},
+			loads: [3]*Load{nil, {Waiting: 8, Running: 1}}, prompt: []int{1}, want: 2},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			set := NewSet(eps, Options{})
+			for i, ids := range tc.sent {
+				set.Begin(eps[i], blocksOf(ids...), 0)
+				set.End(eps[i], 0)
+			}
+			for i, n := range tc.tokens {
+				set.Begin(eps[i], nil, n)
+			}
+			for i, l := range tc.loads {
+				if l != nil {
+					l.At = time.Now()
+					set.Observe(eps[i].Address, *l)
+				}
+			}
+			req := Request{Blocks: blocksOf(tc.prompt...), BlockTokens: 64, Tokens: 64 * len(tc.prompt)}
+			require.Equal(t, eps[tc.want], must(NewLeastWork(set).Pick(req)))
+		})
+	}
+}
