@@ -58,7 +58,15 @@ bench-compile:
 bench: envoy
 	$(GO) build -o $(TOOLS)/bin/pdx ./cmd/pdx
 	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)
-	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker | tee bench/go-bench.txt
+	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics | tee bench/go-bench.txt
+
+## replay: the Mooncake FAST'25 traces through Envoy + pdx and simulated
+## engines, once per placement policy at three loads (a few minutes);
+## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
+## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
+.PHONY: replay
+replay: envoy
+	$(GO) run ./cmd/pdx-replay --out bench/replay $(REPLAY_ARGS)
 
 ## k8s-translate: Envoy Gateway's own translator (egctl, the go.mod's version
 ## of github.com/envoyproxy/gateway, built into .tools/egctl) turns

@@ -29,6 +29,10 @@ type Config struct {
 	AdminPort int
 	// PdxAddress is pdx's gRPC address, "host:port" (a DNS name works).
 	PdxAddress string
+	// PdxAddresses are more pdx replicas, after PdxAddress (which may then
+	// be empty): Envoy spreads the ext_proc streams, one per request, over
+	// all of them round robin, each health-checked on its own.
+	PdxAddresses []string
 	// MessageTimeout bounds each ext_proc exchange, the prefill included.
 	MessageTimeout time.Duration
 	// BufferLimitBytes is the largest request body Envoy buffers, over
@@ -149,9 +153,9 @@ var LocalReplies = []LocalReply{
 
 // Render writes the bootstrap for c.
 func Render(w io.Writer, c Config) error {
-	pdx, err := splitHostPort(c.PdxAddress)
+	pdx, err := pdxEndpoints(c)
 	if err != nil {
-		return fmt.Errorf("pdx address: %w", err)
+		return err
 	}
 	if t := c.PdxTLS; t != nil {
 		if t.CAFile == "" || t.SNI == "" {
@@ -190,8 +194,7 @@ func Render(w io.Writer, c Config) error {
 		"ListenAddress":       c.ListenAddress,
 		"ListenPort":          c.ListenPort,
 		"AdminPort":           c.AdminPort,
-		"PdxHost":             pdx.Host,
-		"PdxPort":             pdx.Port,
+		"Pdx":                 pdx,
 		"LocalReplies":        LocalReplies,
 		"MessageTimeout":      seconds(c.MessageTimeout),
 		"StreamIdleTimeout":   seconds(c.StreamIdleTimeout),
@@ -207,6 +210,29 @@ func Render(w io.Writer, c Config) error {
 // seconds writes d as a protobuf JSON duration.
 func seconds(d time.Duration) string {
 	return strconv.FormatFloat(d.Seconds(), 'f', -1, 64) + "s"
+}
+
+// pdxEndpoints are the pdx cluster's endpoints: PdxAddress, then
+// PdxAddresses; at least one, each once.
+func pdxEndpoints(c Config) ([]hostPort, error) {
+	addrs := c.PdxAddresses
+	if c.PdxAddress != "" || len(addrs) == 0 {
+		addrs = append([]string{c.PdxAddress}, addrs...)
+	}
+	seen := map[string]bool{}
+	out := make([]hostPort, 0, len(addrs))
+	for _, a := range addrs {
+		hp, err := splitHostPort(a)
+		if err != nil {
+			return nil, fmt.Errorf("pdx address: %w", err)
+		}
+		if seen[a] {
+			return nil, fmt.Errorf("pdx address %s is listed twice", a)
+		}
+		seen[a] = true
+		out = append(out, hp)
+	}
+	return out, nil
 }
 
 func splitHostPort(addr string) (hostPort, error) {

@@ -3,6 +3,7 @@ package envoy
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"maps"
 	"strings"
 	"testing"
@@ -150,4 +151,45 @@ func typedConfig(t *testing.T, v any, typeName string, msg interface {
 	require.NoError(t, err)
 	require.NoError(t, protojson.Unmarshal(js, msg))
 	require.NoError(t, msg.ValidateAll())
+}
+
+// TestRenderPdxReplicas lists every pdx replica as an endpoint of the pdx
+// cluster, PdxAddress first.
+func TestRenderPdxReplicas(t *testing.T) {
+	tests := []struct {
+		name string
+		cfg  Config
+		want []string
+		err  string
+	}{
+		{name: "one", cfg: Config{PdxAddress: "127.0.0.1:9002"}, want: []string{"127.0.0.1:9002"}},
+		{name: "address and replicas", cfg: Config{PdxAddress: "127.0.0.1:9002", PdxAddresses: []string{"127.0.0.1:9003", "pdx-2:9002"}},
+			want: []string{"127.0.0.1:9002", "127.0.0.1:9003", "pdx-2:9002"}},
+		{name: "replicas only", cfg: Config{PdxAddresses: []string{"127.0.0.1:9003", "127.0.0.1:9004"}},
+			want: []string{"127.0.0.1:9003", "127.0.0.1:9004"}},
+		{name: "none", cfg: Config{}, err: "pdx address"},
+		{name: "bad replica", cfg: Config{PdxAddress: "127.0.0.1:9002", PdxAddresses: []string{"nope"}}, err: "pdx address"},
+		{name: "twice", cfg: Config{PdxAddress: "127.0.0.1:9002", PdxAddresses: []string{"127.0.0.1:9002"}}, err: "listed twice"},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			var buf bytes.Buffer
+			err := Render(&buf, tc.cfg)
+			if tc.err != "" {
+				require.ErrorContains(t, err, tc.err)
+				return
+			}
+			require.NoError(t, err)
+			var bs map[string]any
+			require.NoError(t, yaml.Unmarshal(buf.Bytes(), &bs))
+			cluster := dig(t, bs, "static_resources", "clusters", 0).(map[string]any)
+			require.Equal(t, "pdx", cluster["name"])
+			var got []string
+			for i := range dig(t, cluster, "load_assignment", "endpoints", 0, "lb_endpoints").([]any) {
+				sa := dig(t, cluster, "load_assignment", "endpoints", 0, "lb_endpoints", i, "endpoint", "address", "socket_address").(map[string]any)
+				got = append(got, fmt.Sprintf("%s:%v", sa["address"], sa["port_value"]))
+			}
+			require.Equal(t, tc.want, got)
+		})
+	}
 }

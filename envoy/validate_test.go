@@ -23,6 +23,7 @@ func TestRenderValidates(t *testing.T) {
 			ListenAddress: "0.0.0.0", ListenPort: 10000, AdminPort: 9901, PdxAddress: "pdx:9002",
 			MessageTimeout: 90 * time.Second, BufferLimitBytes: 64 << 20, MaxRequestHeaders: 200, MaxRequestHeadersKB: 96,
 		}},
+		{name: "pdx replicas", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", PdxAddresses: []string{"127.0.0.1:9003", "127.0.0.1:9004"}}},
 		{name: "full-duplex streamed body", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: envoy.BodyFullDuplexStreamed}},
 	}
 	for _, tc := range tests {

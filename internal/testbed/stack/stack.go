@@ -7,7 +7,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"log/slog"
+	"net/http"
+	"strconv"
 	"strings"
 	"time"
 
@@ -70,14 +73,20 @@ type Options struct {
 	// Tune, when set, adjusts engine i of a role before it starts (a sick
 	// or slow engine among healthy ones).
 	Tune func(role enginesim.Role, i int, c *enginesim.Config)
+	// PdxReplicas is how many pdx servers run (default 1), each with the
+	// same config and its own state; Envoy's ext_proc cluster lists them
+	// all and spreads requests over them round robin.
+	PdxReplicas int
 }
 
 // Stack is a running deployment.
 type Stack struct {
-	Envoy   *envoyproc.Process
-	Pdx     *server.Server
-	Prefill []*enginesim.Server
-	Decode  []*enginesim.Server
+	Envoy *envoyproc.Process
+	// Pdx is the first pdx replica; Replicas all of them.
+	Pdx      *server.Server
+	Replicas []*server.Server
+	Prefill  []*enginesim.Server
+	Decode   []*enginesim.Server
 	// Store is the shared KV store of the "http"/"lmcache" connector.
 	Store *enginesim.Store
 
@@ -97,6 +106,9 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	}
 	if opts.PrefillTimeout == 0 {
 		opts.PrefillTimeout = 30 * time.Second
+	}
+	if opts.PdxReplicas == 0 {
+		opts.PdxReplicas = 1
 	}
 	bin := opts.EnvoyBin
 	if bin == "" {
@@ -134,17 +146,28 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		s.Decode = append(s.Decode, sim)
 	}
 
-	cfg, err := config.Parse([]byte(s.pdxConfig(opts)))
+	cfg, err := config.Parse([]byte(pdxConfig(opts, endpointsOf(s.Prefill), endpointsOf(s.Decode))))
 	if err != nil {
 		return nil, fmt.Errorf("stack config: %w", err)
 	}
 	log := slog.New(slog.NewJSONHandler(s.pdxLog, &slog.HandlerOptions{Level: opts.LogLevel}))
-	if s.Pdx, err = server.Start(cfg, log); err != nil {
-		return nil, err
+	var addrs []string
+	for i := range opts.PdxReplicas {
+		l := log
+		if opts.PdxReplicas > 1 {
+			l = log.With("replica", i)
+		}
+		p, err := server.Start(cfg, l)
+		if err != nil {
+			return nil, err
+		}
+		s.Replicas = append(s.Replicas, p)
+		addrs = append(addrs, p.GRPCAddr())
 	}
+	s.Pdx = s.Replicas[0]
 	ecfg := envoy.Config{
 		ListenPort:       opts.ListenPort,
-		PdxAddress:       s.Pdx.GRPCAddr(),
+		PdxAddresses:     addrs,
 		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
 		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + envoy.BufferHeadroom/2,
 		RequestBodyMode:  opts.RequestBodyMode,
@@ -162,7 +185,85 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if err != nil {
 		return nil, err
 	}
+	if len(s.Replicas) > 1 {
+		if err := s.waitReplicasReached(ctx); err != nil {
+			return nil, err
+		}
+	}
 	return s, nil
+}
+
+// waitReplicasReached sends GET /v1/models (which pdx answers itself)
+// through Envoy until every pdx replica has served one. Envoy is ready once
+// it reaches one replica, but for its first second or so it may send the
+// others nothing, which would skew the first requests of a replay.
+func (s *Stack) waitReplicasReached(ctx context.Context) error {
+	ctx, cancel := context.WithTimeout(ctx, 15*time.Second)
+	defer cancel()
+	client := &http.Client{Timeout: 2 * time.Second}
+	defer client.CloseIdleConnections()
+	for {
+		if err := get(ctx, client, s.URL()+"/v1/models", nil); err != nil && ctx.Err() == nil {
+			return fmt.Errorf("waiting for the pdx replicas: %w", err)
+		}
+		var missing []string
+		for _, p := range s.Replicas {
+			var n float64
+			if err := get(ctx, client, "http://"+p.AdminAddr()+"/metrics", func(body string) { n = requestsTotalOf(body) }); err != nil || n == 0 {
+				missing = append(missing, p.GRPCAddr())
+			}
+		}
+		switch {
+		case len(missing) == 0:
+			return nil
+		case ctx.Err() != nil:
+			return fmt.Errorf("envoy sent pdx replicas %s nothing: %w", strings.Join(missing, ", "), ctx.Err())
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// get fetches url and hands its body to read, when set.
+func get(ctx context.Context, client *http.Client, url string, read func(string)) error {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return err
+	}
+	resp, err := client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return err
+	}
+	if resp.StatusCode != http.StatusOK {
+		return fmt.Errorf("GET %s: status %d", url, resp.StatusCode)
+	}
+	if read != nil {
+		read(string(b))
+	}
+	return nil
+}
+
+// requestsTotalOf sums pdx_requests_total over its labels in a Prometheus
+// text exposition.
+func requestsTotalOf(metrics string) float64 {
+	var sum float64
+	for line := range strings.Lines(metrics) {
+		if !strings.HasPrefix(line, "pdx_requests_total{") {
+			continue
+		}
+		fields := strings.Fields(line)
+		if v, err := strconv.ParseFloat(fields[len(fields)-1], 64); err == nil {
+			sum += v
+		}
+	}
+	return sum
 }
 
 func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role, i int, tune func(enginesim.Role, int, *enginesim.Config)) (*enginesim.Server, error) {
@@ -175,8 +276,45 @@ func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role, i
 	return enginesim.Start(ctx, "127.0.0.1:0", cfg)
 }
 
+// endpoint is what pdx's config says of an engine.
+type endpoint struct {
+	addr, kvAddr  string
+	bootstrapPort int
+}
+
+func endpointsOf(sims []*enginesim.Server) []endpoint {
+	out := make([]endpoint, len(sims))
+	for i, sim := range sims {
+		out[i] = endpoint{addr: sim.Addr(), kvAddr: sim.KVAddr(), bootstrapPort: sim.BootstrapPort()}
+	}
+	return out
+}
+
+// CheckConfig parses the pdx config a stack of opts would run, with
+// placeholder engine addresses, so that a bad PoolYAML or ConfigYAML fails
+// before any engine or Envoy starts.
+func CheckConfig(opts Options) error {
+	if opts.Connector == "" {
+		opts.Connector = "nixl"
+	}
+	if opts.PrefillTimeout == 0 {
+		opts.PrefillTimeout = 30 * time.Second
+	}
+	placeholders := func(n, port int) []endpoint {
+		out := make([]endpoint, max(n, 1))
+		for i := range out {
+			out[i] = endpoint{addr: fmt.Sprintf("127.0.0.1:%d", port+i)}
+		}
+		return out
+	}
+	if _, err := config.Parse([]byte(pdxConfig(opts, placeholders(opts.Prefill, 20000), placeholders(opts.Decode, 30000)))); err != nil {
+		return fmt.Errorf("stack config: %w", err)
+	}
+	return nil
+}
+
 // pdxConfig is the YAML a user would write for this stack.
-func (s *Stack) pdxConfig(opts Options) string {
+func pdxConfig(opts Options, prefill, decode []endpoint) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\n")
 	if opts.MaxBodyBytes > 0 {
@@ -198,20 +336,20 @@ func (s *Stack) pdxConfig(opts Options) string {
 		fmt.Fprintf(&b, "  %s\n", strings.TrimSpace(line))
 	}
 	fmt.Fprintf(&b, "  prefill:\n")
-	for _, p := range s.Prefill {
-		fmt.Fprintf(&b, "  - address: %s\n", p.Addr())
-		if port := p.BootstrapPort(); port != 0 {
-			fmt.Fprintf(&b, "    bootstrap_port: %d\n", port)
+	for _, p := range prefill {
+		fmt.Fprintf(&b, "  - address: %s\n", p.addr)
+		if p.bootstrapPort != 0 {
+			fmt.Fprintf(&b, "    bootstrap_port: %d\n", p.bootstrapPort)
 		}
-		if kv := p.KVAddr(); kv != "" {
-			fmt.Fprintf(&b, "    kv_address: %s\n", kv)
+		if p.kvAddr != "" {
+			fmt.Fprintf(&b, "    kv_address: %s\n", p.kvAddr)
 		}
 	}
 	fmt.Fprintf(&b, "  decode:\n")
-	for _, d := range s.Decode {
-		fmt.Fprintf(&b, "  - address: %s\n", d.Addr())
-		if kv := d.KVAddr(); kv != "" {
-			fmt.Fprintf(&b, "    kv_address: %s\n", kv)
+	for _, d := range decode {
+		fmt.Fprintf(&b, "  - address: %s\n", d.addr)
+		if d.kvAddr != "" {
+			fmt.Fprintf(&b, "    kv_address: %s\n", d.kvAddr)
 		}
 	}
 	b.WriteString(opts.PoolsYAML)
@@ -245,9 +383,9 @@ func (s *Stack) Close() error {
 	if s.Envoy != nil {
 		errs = append(errs, s.Envoy.Stop())
 	}
-	if s.Pdx != nil {
+	for _, p := range s.Replicas {
 		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
-		errs = append(errs, s.Pdx.Shutdown(ctx))
+		errs = append(errs, p.Shutdown(ctx))
 		cancel()
 	}
 	for _, e := range s.Engines() {

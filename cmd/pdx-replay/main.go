@@ -1,0 +1,152 @@
+// Command pdx-replay replays the Mooncake FAST'25 traces through a real
+// Envoy and pdx against simulated engines, once per placement policy at
+// each load point, and writes results.json, summary.md and charts. See
+// `make replay`.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/replay"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	if err := run(ctx, os.Args[1:]); err != nil {
+		fmt.Fprintln(os.Stderr, "pdx-replay:", err)
+		os.Exit(1)
+	}
+}
+
+// traceDir is where the traces live, relative to the repository.
+const traceDir = "../shared/traces"
+
+func run(ctx context.Context, args []string) error {
+	fs := flag.NewFlagSet("pdx-replay", flag.ContinueOnError)
+	var (
+		plan     replay.Plan
+		out      = fs.String("out", "bench/replay", "directory for results.json, summary.md and the charts")
+		traces   = fs.String("traces", "conversation="+traceDir+"/mooncake-conversation.jsonl,synthetic="+traceDir+"/mooncake-synthetic.jsonl", "name=path of each trace")
+		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default", "placement policies (round-robin always runs: it defines the load)")
+		loads    = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
+		replicas = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
+		quick    = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
+	)
+	fs.IntVar(&plan.Requests, "requests", 500, "trace window: the first N requests of each trace")
+	fs.IntVar(&plan.Rig.Prefill, "prefill", 4, "prefill engines")
+	fs.IntVar(&plan.Rig.Decode, "decode", 4, "decode engines")
+	fs.IntVar(&plan.Rig.Scale.TokenScale, "token-scale", 16, "real tokens per simulated token")
+	fs.Float64Var(&plan.Rig.TimeScale, "time-scale", 0.0625, "simulated time per real time: ReferenceCapacity multiplies the reference engine's times by it (below 1: faster)")
+	fs.Float64Var(&plan.TTFTFactor, "ttft-slo", 5, "TTFT SLO, as a multiple of the idle uncached TTFT of the median prompt")
+	fs.Float64Var(&plan.TPOTFactor, "tpot-slo", 2, "TPOT SLO, as a multiple of the idle TPOT")
+	fs.Float64Var(&plan.Tolerance, "tolerance", 0.05, "correct a point's rate once when round robin misses its target busy share by more")
+	fs.StringVar(&plan.ExtraPoolYAML, "pool-yaml", "", `YAML lines added to every policy's pool, e.g. "saturation: {disabled: true}"`)
+	fs.IntVar(&plan.Repeats, "repeats", 1, "fresh replays pooled per run (the grid's time grows with it)")
+	fs.StringVar(&plan.Rig.EnvoyBin, "envoy-bin", "", "Envoy binary (default: $ENVOY_BIN or the one `make envoy` installs)")
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	var err error
+	if plan.Traces, err = traceFiles(*traces); err != nil {
+		return err
+	}
+	if plan.Loads, err = floats("loads", *loads); err != nil {
+		return err
+	}
+	if plan.ReplicaCounts, err = ints("replicas", *replicas); err != nil {
+		return err
+	}
+	if plan.Profiles, err = replay.SelectProfiles(replay.Profiles(plan.Rig.Scale), split(*policies)); err != nil {
+		return fmt.Errorf("--policies: %w", err)
+	}
+	if *quick {
+		plan.Requests = 150
+		plan.Loads = plan.Loads[len(plan.Loads)/2:][:1]
+		plan.ReplicaCounts = nil
+	}
+	if plan.Rig.EnvoyBin == "" {
+		if plan.Rig.EnvoyBin, err = envoyproc.Binary(); err != nil {
+			return err
+		}
+	}
+	plan.Progress = os.Stdout
+
+	rep, err := replay.Run(ctx, plan)
+	if rep != nil {
+		rep.Machine = fmt.Sprintf("%s/%s, %d CPUs, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.Version())
+		if werr := rep.Write(*out); werr != nil {
+			return errors.Join(err, werr)
+		}
+		fmt.Printf("wrote %s in %s\n", filepath.Join(*out, "{results.json,summary.md,*.png}"), time.Duration(rep.WallSec*float64(time.Second)).Round(time.Second))
+		if err == nil {
+			err = rep.Violations()
+		}
+	}
+	return err
+}
+
+// traceFiles parses name=path pairs.
+func traceFiles(list string) ([]replay.TraceFile, error) {
+	var out []replay.TraceFile
+	for _, s := range split(list) {
+		name, path, ok := strings.Cut(s, "=")
+		if !ok || name == "" || path == "" {
+			return nil, fmt.Errorf("--traces: %q is not name=path", s)
+		}
+		out = append(out, replay.TraceFile{Name: name, Path: path})
+	}
+	if len(out) == 0 {
+		return nil, errors.New("--traces: no trace")
+	}
+	return out, nil
+}
+
+func split(list string) []string {
+	var out []string
+	for s := range strings.SplitSeq(list, ",") {
+		if s = strings.TrimSpace(s); s != "" {
+			out = append(out, s)
+		}
+	}
+	return out
+}
+
+func floats(flagName, list string) ([]float64, error) {
+	var out []float64
+	for _, s := range split(list) {
+		f, err := strconv.ParseFloat(s, 64)
+		if err != nil || f <= 0 || f >= 1 {
+			return nil, fmt.Errorf("--%s: %q is not a share in (0, 1)", flagName, s)
+		}
+		out = append(out, f)
+	}
+	if len(out) == 0 {
+		return nil, fmt.Errorf("--%s: no value", flagName)
+	}
+	return out, nil
+}
+
+func ints(flagName, list string) ([]int, error) {
+	var out []int
+	for _, s := range split(list) {
+		n, err := strconv.Atoi(s)
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("--%s: %q is not a positive number", flagName, s)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}

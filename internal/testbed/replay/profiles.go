@@ -1,0 +1,80 @@
+package replay
+
+import (
+	"fmt"
+	"strings"
+)
+
+// Profile is a placement policy as pdx's config states it: lines added to
+// the stack's pool and to the top level of the config.
+type Profile struct {
+	Name string
+	// PoolYAML goes into the pool (stack.Options.PoolYAML), ConfigYAML at
+	// the top level (stack.Options.ConfigYAML).
+	PoolYAML, ConfigYAML string
+}
+
+// PdxDefaultDecider is the disaggregation line of the "pdx-default"
+// profile (pool YAML, e.g. "disaggregation: {min_uncached_tokens: 4}");
+// empty leaves pdx's own default.
+const PdxDefaultDecider = ""
+
+// llmdDeciderTokens is llm-d's sample prefix-based P/D decider threshold,
+// in real tokens (nonCachedTokens of deploy/config/pd-epp-config.yaml).
+const llmdDeciderTokens = 16
+
+// Profiles is the table of placement policies at a token scale: edit it
+// here. The decider thresholds are real token counts scaled like prompts.
+func Profiles(s Scale) []Profile {
+	return []Profile{
+		{Name: "round-robin", PoolYAML: lines(
+			"prefill_picker: {policy: round_robin}",
+			"decode_picker: {policy: round_robin}")},
+		{Name: "least-request", PoolYAML: lines(
+			"prefill_picker: {policy: least_request}",
+			"decode_picker: {policy: least_request}")},
+		// llm-d's documented P/D profile: prefix-cache scorer weight 2,
+		// queue scorer 1, prefill skipped below 16 uncached tokens.
+		{Name: "llm-d-default", PoolYAML: lines(
+			"prefill_picker: {policy: load_aware, weights: {prefix: 2, queue: 1}}",
+			"decode_picker: {policy: load_aware, weights: {prefix: 2, queue: 1}}",
+			fmt.Sprintf("disaggregation: {min_uncached_tokens: %d}", s.Tokens(llmdDeciderTokens)))},
+		{Name: "pdx-default", PoolYAML: lines(PdxDefaultDecider)},
+		// pdx's stateless prefix placement: every replica picks alike.
+		{Name: "prefix-affinity", PoolYAML: lines("prefill_picker: {policy: prefix_affinity}")},
+	}
+}
+
+// SelectProfiles picks profiles by name, in the order given.
+func SelectProfiles(all []Profile, names []string) ([]Profile, error) {
+	var out []Profile
+	for _, n := range names {
+		i := -1
+		for j, p := range all {
+			if p.Name == n {
+				i = j
+			}
+		}
+		if i < 0 {
+			var known []string
+			for _, p := range all {
+				known = append(known, p.Name)
+			}
+			return nil, fmt.Errorf("unknown policy %q (known: %s)", n, strings.Join(known, ", "))
+		}
+		out = append(out, all[i])
+	}
+	return out, nil
+}
+
+// lines joins YAML lines, the empty ones left out, each ending in a
+// newline.
+func lines(l ...string) string {
+	var b strings.Builder
+	for _, s := range l {
+		if s = strings.TrimSpace(s); s != "" {
+			b.WriteString(s + "\n")
+		}
+	}
+	return b.String()
+}

@@ -1,0 +1,125 @@
+package replay
+
+import (
+	"encoding/json"
+	"fmt"
+	"maps"
+	"os"
+	"path/filepath"
+	"slices"
+	"strings"
+)
+
+// Write saves results.json, summary.md and the charts in dir.
+func (rep *Report) Write(dir string) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return err
+	}
+	js, err := json.MarshalIndent(rep, "", "  ")
+	if err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "results.json"), append(js, '\n'), 0o644); err != nil {
+		return err
+	}
+	if err := os.WriteFile(filepath.Join(dir, "summary.md"), []byte(rep.Summary()), 0o644); err != nil {
+		return err
+	}
+	return rep.Charts(dir)
+}
+
+// Summary is the Markdown report: parameters, then one table per trace.
+func (rep *Report) Summary() string {
+	var b strings.Builder
+	fmt.Fprintf(&b, "# Mooncake trace replay\n\n")
+	fmt.Fprintf(&b, "Real Envoy + pdx, %d prefill + %d decode simulated NIXL engines, fresh per run. "+
+		"Token scale %d (a 512-token block is %d bytes), time scale %g, %d replay(s) pooled per run. Wall time %.0f s",
+		rep.Prefill, rep.Decode, rep.TokenScale, rep.BlockBytes, rep.TimeScale, rep.Repeats, rep.WallSec)
+	if rep.Machine != "" {
+		fmt.Fprintf(&b, " on %s", rep.Machine)
+	}
+	fmt.Fprintf(&b, ".\n\nEngine capacity: `%s`\n\n", compactJSON(rep.Capacity))
+	if rep.ExtraPoolYAML != "" {
+		fmt.Fprintf(&b, "Added to every policy's pool: `%s`\n\n", strings.TrimSpace(strings.ReplaceAll(rep.ExtraPoolYAML, "\n", "; ")))
+	}
+	fmt.Fprintf(&b, "Engine times are the reference engine's (enginesim.ReferenceCapacity: Llama-3-8B on one H100) "+
+		"multiplied by the time scale, with token counts divided by the token scale: a simulated millisecond of TTFT "+
+		"is %g real ms, and a simulated TPOT (per simulated token) is %g real ms per real token.\n\n",
+		1/rep.TimeScale, 1/(rep.TimeScale*float64(rep.TokenScale)))
+	fmt.Fprintf(&b, "Load = the prefill engines' busy share under round robin: their busy time over "+
+		"(engines × the run's prefill window, from the first send to the last first token). "+
+		"Goodput = share of requests with TTFT and TPOT both within the SLO: TTFT ≤ %g × and TPOT ≤ %g × "+
+		"those of the trace's median request (median prompt, median output) sent alone to an idle rig, uncached. "+
+		"Cores: Envoy's, and this process's (pdx, the simulators and the load client run in it).\n\n",
+		rep.TTFTFactor, rep.TPOTFactor)
+	for _, tr := range rep.Traces {
+		rep.traceSummary(&b, tr)
+	}
+	if len(rep.ReplicaRuns) > 0 {
+		fmt.Fprintf(&b, "## Prefix affinity vs pdx replicas (%s, load %.0f%%)\n\n", rep.ReplicaRuns[0].Trace, 100*rep.ReplicaRuns[0].TargetLoad)
+		fmt.Fprintf(&b, "| policy | replicas | prefix hit (prefill) | prefix hit (all) | TTFT p90 ms | goodput |\n|---|---:|---:|---:|---:|---:|\n")
+		for _, r := range rep.ReplicaRuns {
+			fmt.Fprintf(&b, "| %s | %d | %.1f%% | %.1f%% | %.0f | %.1f%% |\n", r.Policy, r.Replicas,
+				100*r.PrefixHitRate, 100*r.PrefixHitRateAll, r.TTFT.P90, 100*r.Goodput)
+		}
+		b.WriteString("\n")
+	}
+	fmt.Fprintf(&b, "## Policies\n\n")
+	for _, name := range slices.Sorted(maps.Keys(rep.Policies)) {
+		yaml := strings.TrimSpace(strings.ReplaceAll(rep.Policies[name], "\n", "; "))
+		if yaml == "" {
+			fmt.Fprintf(&b, "- **%s**: pdx's defaults (no picker lines)\n", name)
+			continue
+		}
+		fmt.Fprintf(&b, "- **%s**: `%s`\n", name, yaml)
+	}
+	return b.String()
+}
+
+func (rep *Report) traceSummary(b *strings.Builder, tr TraceReport) {
+	fmt.Fprintf(b, "## %s (`%s`)\n\n", tr.Name, tr.Path)
+	fmt.Fprintf(b, "First %d requests (native %.2f req/s); median prompt %d tokens, mean %d, median output %d. "+
+		"Idle uncached median request: TTFT %.0f ms, TPOT %.1f ms. **SLO: TTFT ≤ %.0f ms, TPOT ≤ %.1f ms** "+
+		"(real: %.1f s, %.0f ms per token). "+
+		"Calibration: round robin at %.2f req/s was %.0f%% busy.\n\n",
+		tr.Requests, tr.NativeRate, tr.MedianInput, tr.MeanInput, tr.MedianOutput,
+		ms(tr.Probe.TTFT), ms(tr.Probe.TPOT), ms(tr.SLO.TTFT), ms(tr.SLO.TPOT),
+		tr.SLO.TTFT.Seconds()/rep.TimeScale, ms(tr.SLO.TPOT)/(rep.TimeScale*float64(rep.TokenScale)), tr.GuessRate, 100*tr.GuessBusy)
+	fmt.Fprintf(b, "| load: target → RR busy | rate req/s | policy | TTFT p50/p90/p99 ms | E2E p50/p90/p99 ms | TPOT p50/p90/p99 ms | goodput | prefix hit (prefill / all) | req/prefill (CV) | req/decode (CV) | errors: 429 / broken | mix-ups | KV rejected | envoy / harness cores |\n")
+	fmt.Fprintf(b, "|---|---:|---|---|---|---|---:|---|---|---|---|---:|---:|---|\n")
+	for _, r := range rep.Runs {
+		if r.Trace != tr.Name {
+			continue
+		}
+		fmt.Fprintf(b, "| %.0f%% → %.0f%% | %.2f | %s | %s | %s | %s | %.1f%% | %.1f%% / %.1f%% | %s (%.2f) | %s (%.2f) | %d / %d | %d | %d | %.2f / %.2f |\n",
+			100*r.TargetLoad, 100*r.RRBusyShare, r.Rate, r.Policy, pct(r.TTFT, 0), pct(r.E2E, 0), pct(r.TPOT, 1), 100*r.Goodput,
+			100*r.PrefixHitRate, 100*r.PrefixHitRateAll, intList(r.Engines.PrefillRequests), r.PrefillCV,
+			intList(r.Engines.DecodeRequests), r.DecodeCV, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected, r.CPU.Envoy, r.CPU.Harness)
+	}
+	b.WriteString("\n")
+	for _, r := range rep.Runs {
+		if r.Trace == tr.Name && len(r.ErrorSamples) > 0 {
+			fmt.Fprintf(b, "- %s at %.0f%%: %s\n", r.Policy, 100*r.TargetLoad, strings.Join(r.ErrorSamples, "; "))
+		}
+	}
+}
+
+func pct(p Percentiles, prec int) string {
+	return fmt.Sprintf("%.*f / %.*f / %.*f", prec, p.P50, prec, p.P90, prec, p.P99)
+}
+
+func intList(xs []int) string {
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = fmt.Sprint(x)
+	}
+	return strings.Join(s, ",")
+}
+
+func compactJSON(v any) string {
+	b, err := json.Marshal(v)
+	if err != nil {
+		return fmt.Sprint(v)
+	}
+	return string(b)
+}

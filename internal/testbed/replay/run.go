@@ -1,0 +1,257 @@
+package replay
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net/http"
+	"sync"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
+)
+
+// Rig is the deployment every run starts afresh (fresh engines, fresh
+// caches): N prefill and M decode NIXL simulators behind pdx and Envoy.
+type Rig struct {
+	Prefill, Decode int
+	Scale           Scale
+	TimeScale       float64
+	EnvoyBin        string
+}
+
+// run is one replay: a policy, a schedule, a replica count.
+type run struct {
+	trace    string
+	profile  Profile
+	replicas int
+	rate     float64
+	reqs     []Request
+	at       []time.Duration
+}
+
+// RunResult is one run's measurements.
+type RunResult struct {
+	Trace    string  `json:"trace"`
+	Policy   string  `json:"policy"`
+	Replicas int     `json:"pdx_replicas"`
+	Rate     float64 `json:"rate_rps"`
+	// Repeats is how many fresh replays were pooled into the result.
+	Repeats int `json:"repeats"`
+	// TargetLoad is the load point's intended round-robin busy share;
+	// RRBusyShare what round robin measured at it (the point's load).
+	TargetLoad  float64 `json:"target_load"`
+	RRBusyShare float64 `json:"rr_busy_share"`
+	// BusyShare is this run's own prefill busy share.
+	BusyShare float64 `json:"busy_share"`
+	Requests  int     `json:"requests"`
+	// Errors counts failed requests: Shed of them were refused with 429
+	// (pdx's saturation), Broken got a 5xx, no answer or a stream cut
+	// short.
+	Errors int `json:"errors"`
+	Shed   int `json:"shed_429"`
+	Broken int `json:"broken"`
+	MixUps int `json:"mix_ups"`
+	// ErrorSamples are the first few errors, for a failing run.
+	ErrorSamples []string    `json:"error_samples,omitempty"`
+	TTFT         Percentiles `json:"ttft"`
+	E2E          Percentiles `json:"e2e"`
+	TPOT         Percentiles `json:"tpot"`
+	Goodput      float64     `json:"goodput"`
+	// PrefixHitRate is hit over query tokens of the prefill engines;
+	// PrefixHitRateAll of every engine.
+	PrefixHitRate    float64     `json:"prefix_hit_rate"`
+	PrefixHitRateAll float64     `json:"prefix_hit_rate_all"`
+	Engines          EngineStats `json:"engines"`
+	PrefillCV        float64     `json:"prefill_cv"`
+	DecodeCV         float64     `json:"decode_cv"`
+	// DurationSec is the runs' time from first send to last answer.
+	DurationSec float64 `json:"duration_s"`
+	// PrefillWindowSec is the part of the run in which prefills could be
+	// running: from the first send to the last first token.
+	PrefillWindowSec float64 `json:"prefill_window_s"`
+	CPU              CPUUse  `json:"cpu"`
+}
+
+// perRequestTimeout bounds one request, far above any SLO.
+const perRequestTimeout = 2 * time.Minute
+
+// sample is what one replay of a run measured.
+type sample struct {
+	outs    []Outcome
+	engines EngineStats
+	elapsed time.Duration
+	cpu     CPUUse
+}
+
+// replay starts a fresh stack for r, sends every request at its scheduled
+// offset (open loop: late answers never delay later sends), waits for all
+// and reads the engines' counters.
+func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
+	st, err := rig.start(ctx, r.profile, r.replicas)
+	if err != nil {
+		return sample{}, fmt.Errorf("policy %s: %w", r.profile.Name, err)
+	}
+	defer st.Close()
+	client := newClient()
+	defer client.CloseIdleConnections()
+
+	cpu := startCPU(st.Envoy.Pid())
+	outs, elapsed := sendAll(ctx, client, st.URL(), r.reqs, r.at)
+	use := cpu.stop()
+	if err := ctx.Err(); err != nil {
+		return sample{}, err
+	}
+	return sample{outs: outs, engines: engineStats(st), elapsed: elapsed, cpu: use}, nil
+}
+
+// start brings up the rig with a profile's config.
+func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*stack.Stack, error) {
+	opts, _ := rig.options(p, replicas)
+	return stack.Start(ctx, opts)
+}
+
+// options are the stack options of a profile; the engine capacity too.
+func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capacity) {
+	engine, capacity := engineConfig(rig.Scale, rig.TimeScale)
+	return stack.Options{
+		Prefill:     rig.Prefill,
+		Decode:      rig.Decode,
+		Engine:      engine,
+		EnvoyBin:    rig.EnvoyBin,
+		LogLevel:    slog.LevelWarn,
+		PoolYAML:    p.PoolYAML,
+		ConfigYAML:  p.ConfigYAML,
+		PdxReplicas: replicas,
+		// Queued prefills of a saturated point wait long; the prefill
+		// must not time out before the client's own bound.
+		PrefillTimeout: perRequestTimeout,
+	}, capacity
+}
+
+// CheckProfiles parses every profile's pdx config before anything starts,
+// so that a typo fails the run at once, naming the policy.
+func (rig Rig) CheckProfiles(ps []Profile) error {
+	for _, p := range ps {
+		opts, _ := rig.options(p, 1)
+		if err := stack.CheckConfig(opts); err != nil {
+			return fmt.Errorf("policy %s (pool YAML %q, top-level YAML %q): %w", p.Name, p.PoolYAML, p.ConfigYAML, err)
+		}
+	}
+	return nil
+}
+
+// sendAll sends reqs[i] at start+at[i], each on its own goroutine, and
+// returns the outcomes and the time from the first send to the last
+// answer.
+func sendAll(ctx context.Context, client *http.Client, url string, reqs []Request, at []time.Duration) ([]Outcome, time.Duration) {
+	outs := make([]Outcome, len(reqs))
+	var wg sync.WaitGroup
+	start := time.Now()
+	for i, r := range reqs {
+		if d := time.Until(start.Add(at[i])); d > 0 {
+			select {
+			case <-ctx.Done():
+			case <-time.After(d):
+			}
+		}
+		if ctx.Err() != nil {
+			break
+		}
+		wg.Go(func() {
+			rctx, cancel := context.WithTimeout(ctx, perRequestTimeout)
+			defer cancel()
+			sent := time.Since(start)
+			outs[i] = send(rctx, client, url, r)
+			outs[i].Sent = sent
+		})
+	}
+	wg.Wait()
+	return outs, time.Since(start)
+}
+
+// maxErrorSamples is how many errors a result keeps verbatim.
+const maxErrorSamples = 5
+
+// summarizeRun turns the samples of a run (its repeats) into a result:
+// outcomes pooled, engine counters summed, busy share over the summed
+// prefill windows, cores averaged over time.
+func summarizeRun(r run, samples []sample, slo SLO) RunResult {
+	var (
+		outs            []Outcome
+		es              EngineStats
+		elapsed, window time.Duration
+		cpu             CPUUse
+	)
+	for _, s := range samples {
+		outs = append(outs, s.outs...)
+		es.merge(s.engines)
+		elapsed += s.elapsed
+		window += prefillWindow(s.outs, s.elapsed)
+		w := s.elapsed.Seconds()
+		cpu.Envoy, cpu.Harness, cpu.Machine, cpu.Cores = cpu.Envoy+w*s.cpu.Envoy, cpu.Harness+w*s.cpu.Harness, cpu.Machine+w*s.cpu.Machine, s.cpu.Cores
+	}
+	if t := elapsed.Seconds(); t > 0 {
+		cpu.Envoy, cpu.Harness, cpu.Machine = cpu.Envoy/t, cpu.Harness/t, cpu.Machine/t
+	}
+	res := RunResult{
+		Trace: r.trace, Policy: r.profile.Name, Replicas: r.replicas, Rate: r.rate, Repeats: len(samples),
+		Requests: len(outs), Engines: es, DurationSec: elapsed.Seconds(), CPU: cpu,
+		Goodput:          goodput(outs, slo),
+		PrefixHitRate:    ratio(float64(es.PrefillHitTokens), float64(es.PrefillQueryTokens)),
+		PrefixHitRateAll: ratio(float64(es.AllHitTokens), float64(es.AllQueryTokens)),
+		PrefillCV:        cv(es.PrefillRequests),
+		DecodeCV:         cv(es.DecodeRequests),
+	}
+	res.PrefillWindowSec = window.Seconds()
+	res.BusyShare = busyShare(es.PrefillBusy, window, len(es.PrefillRequests))
+	var ttft, e2e, tpot []time.Duration
+	for _, o := range outs {
+		if o.MixedUp {
+			res.MixUps++
+		}
+		if o.Err != "" {
+			res.Errors++
+			if o.Status == http.StatusTooManyRequests {
+				res.Shed++
+			} else {
+				res.Broken++
+			}
+			if len(res.ErrorSamples) < maxErrorSamples {
+				res.ErrorSamples = append(res.ErrorSamples, fmt.Sprintf("request %d: %s", o.Index, o.Err))
+			}
+		}
+		if !o.OK() {
+			continue
+		}
+		ttft, e2e = append(ttft, o.TTFT), append(e2e, o.E2E)
+		if o.Tokens > 1 {
+			tpot = append(tpot, o.TPOT())
+		}
+	}
+	res.TTFT, res.E2E, res.TPOT = percentiles(ttft), percentiles(e2e), percentiles(tpot)
+	return res
+}
+
+// prefillWindow is the time from the first send to the last first token
+// (the last prefill done): the decode tail after it has no prefill work,
+// and counting it would cap every busy share below 1.
+func prefillWindow(outs []Outcome, elapsed time.Duration) time.Duration {
+	var last time.Duration
+	for _, o := range outs {
+		if o.Tokens > 0 {
+			last = max(last, o.Sent+o.TTFT)
+		}
+	}
+	if last == 0 {
+		return elapsed
+	}
+	return last
+}
+
+// busyShare is the prefill engines' busy time over their capacity during
+// the run: the load measure of a point.
+func busyShare(busy, elapsed time.Duration, engines int) float64 {
+	return ratio(busy.Seconds(), elapsed.Seconds()*float64(engines))
+}

@@ -1,0 +1,44 @@
+package stack
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+// TestPdxReplicas runs three pdx replicas behind one Envoy: every replica
+// serves some of the requests.
+func TestPdxReplicas(t *testing.T) {
+	st, err := Start(t.Context(), Options{PdxReplicas: 3})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = st.Close() })
+	require.Len(t, st.Replicas, 3)
+	require.Same(t, st.Replicas[0], st.Pdx)
+
+	for i := range 12 {
+		body := fmt.Sprintf(`{"model": %q, "messages": [{"role": "user", "content": "replica prompt %d"}], "max_tokens": 2}`, Model, i)
+		resp, err := http.Post(st.URL()+"/v1/chat/completions", "application/json", strings.NewReader(body))
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, st.Logs())
+	}
+	for i, p := range st.Replicas {
+		require.Positive(t, requestsTotal(t, "http://"+p.AdminAddr()+"/metrics"), "replica %d served none", i)
+	}
+}
+
+// requestsTotal is the requests a replica's metrics count.
+func requestsTotal(t *testing.T, url string) float64 {
+	var n float64
+	require.NoError(t, get(t.Context(), http.DefaultClient, url, func(body string) { n = requestsTotalOf(body) }))
+	return n
+}
+
+// TestCheckConfig refuses a bad pool config without starting anything.
+func TestCheckConfig(t *testing.T) {
+	require.NoError(t, CheckConfig(Options{PoolYAML: "prefill_picker: {policy: round_robin}"}))
+	require.ErrorContains(t, CheckConfig(Options{PoolYAML: "prefill_picker: {policy: nope}"}), "stack config")
+}
