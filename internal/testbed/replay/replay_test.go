@@ -17,7 +17,7 @@ func TestProfiles(t *testing.T) {
 		return out
 	}
 	all := Profiles(Scale{TokenScale: 16})
-	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default"}, names(all))
+	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "prefix-affinity"}, names(all))
 	require.Contains(t, all[2].PoolYAML, "disaggregation: {min_uncached_tokens: 1}", "llm-d's 16 tokens at scale 16")
 	require.Contains(t, Profiles(Scale{TokenScale: 4})[2].PoolYAML, "min_uncached_tokens: 4")
 
