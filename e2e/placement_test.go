@@ -19,7 +19,7 @@ import (
 func shedStack(t *testing.T, saturation string) *stack.Stack {
 	return startStack(t, stack.Options{
 		Prefill: 1, Decode: 1,
-		Engine:   enginesim.Config{DecodeLatency: 600 * time.Millisecond},
+		Engine:   enginesim.Config{DecodeLatency: 1500 * time.Millisecond},
 		PoolYAML: "saturation: {max_in_flight: 1, " + saturation + "}",
 	})
 }
@@ -53,7 +53,7 @@ func postAll(t *testing.T, st *stack.Stack, n int) []reply {
 			_ = json.Unmarshal(b, &e)
 			out[i] = reply{resp.StatusCode, resp.Header.Get("retry-after"), e.Error.Code, time.Since(start)}
 		})
-		time.Sleep(50 * time.Millisecond) // the first is routed before the next arrives
+		time.Sleep(400 * time.Millisecond) // the first is routed, and decoding, before the next arrives
 	}
 	wg.Wait()
 	return out
@@ -86,7 +86,7 @@ func TestSheddingThroughEnvoy(t *testing.T) {
 		got := postAll(t, st, 2)
 		require.Equal(t, 200, got[0].status)
 		require.Equal(t, 200, got[1].status, "the second waited for the first to finish")
-		require.Greater(t, got[1].took, 900*time.Millisecond, "two decodes of 600ms one after the other, the second sent 50ms later")
+		require.Greater(t, got[1].took, 2*time.Second, "two decodes of 1.5s one after the other, the second sent 0.4s later")
 		for _, e := range st.Decode {
 			require.Zero(t, e.Tally().Rejected)
 		}
