@@ -92,3 +92,19 @@ func TestSheddingThroughEnvoy(t *testing.T) {
 		}
 	})
 }
+
+// The disaggregation decider sends a prompt with too little to prefill to
+// the decode engine alone, through the real Envoy: the decode engine
+// computes it (a plain request), and no prefill engine is called.
+func TestDeciderDecodesShortPromptsAlone(t *testing.T) {
+	st := startStack(t, stack.Options{Prefill: 1, Decode: 1, PoolYAML: "disaggregation: {min_uncached_tokens: 1000}"})
+	_, hc := newClient(t, st)
+	a := post(t, hc, st.URL()+"/v1/chat/completions",
+		`{"model":"`+stack.Model+`","messages":[{"role":"user","content":"hello"}],"max_tokens":3}`)
+	require.Equal(t, 200, a.status, a.body)
+	require.Empty(t, st.Prefill[0].Records(), "no prefill")
+	recs := st.Decode[0].Records()
+	require.Len(t, recs, 1)
+	require.Equal(t, enginesim.KindPlain, recs[0].Kind)
+	require.Equal(t, enginesim.KVRecomputed, recs[0].KV, "the decode engine computed the prompt itself")
+}
