@@ -98,8 +98,9 @@ func faultyEngine(t *testing.T, role enginesim.Role, cfg enginesim.Config) strin
 	return e.Addr()
 }
 
-// startErrorEnv starts the deployment for the error cases.
-func startErrorEnv(t *testing.T) *errorEnv {
+// startErrorEnv starts the deployment for the error cases, with Envoy in
+// profile (envoy.Config.Profile).
+func startErrorEnv(t *testing.T, profile string) *errorEnv {
 	t.Helper()
 	decode := faultyEngine(t, enginesim.RoleDecode, enginesim.Config{})
 	slowDecode := faultyEngine(t, enginesim.RoleDecode, enginesim.Config{DecodeLatency: time.Minute})
@@ -128,7 +129,7 @@ func startErrorEnv(t *testing.T) *errorEnv {
 		fmt.Fprintf(&b, "  decode: [{address: %s}]\n", p.decode)
 	}
 	st := startStack(t, stack.Options{
-		Prefill: 1, Decode: 1, NotDefault: true, MaxBodyBytes: 64 << 10,
+		Prefill: 1, Decode: 1, NotDefault: true, MaxBodyBytes: 64 << 10, Profile: profile,
 		ConfigYAML: "request_body_timeout: 1s", PoolsYAML: b.String(),
 		Envoy: func(c *envoy.Config) {
 			c.MessageTimeout = time.Second        // the silent router
@@ -233,23 +234,53 @@ var errorCases = []errorCase{
 
 // Every error a client can get through the Envoy config pdx ships is
 // OpenAI-style JSON with the status and code the error table of
-// docs/errors.md gives it, and the client's request id.
+// docs/errors.md gives it, and the client's request id. Behind an Envoy
+// shaped as AI Gateway's InferencePool translation the same holds, but for
+// what that translation configures differently (aiGatewayStatus).
 func TestErrorTable(t *testing.T) {
-	env := startErrorEnv(t)
-	for _, c := range errorCases {
-		t.Run(fmt.Sprintf("%d %s", c.status, c.code), func(t *testing.T) {
-			a := c.send(t, env)
-			requireAPIError(t, a, c.status, c.code, c.msg)
+	for _, profile := range []string{envoy.ProfilePdx, envoy.ProfileAIGateway} {
+		t.Run(profile, func(t *testing.T) {
+			env := startErrorEnv(t, profile)
+			for _, c := range errorCases {
+				status := c.status
+				if profile == envoy.ProfileAIGateway {
+					s, ok := aiGatewayStatus[c.code]
+					if ok && s == 0 {
+						continue
+					}
+					if ok {
+						status = s
+					}
+				}
+				t.Run(fmt.Sprintf("%d %s", status, c.code), func(t *testing.T) {
+					a := c.send(t, env)
+					requireAPIError(t, a, status, c.code, c.msg)
+				})
+			}
+			t.Run("the client's request id comes back", func(t *testing.T) {
+				env := startErrorEnv(t, profile)
+				a := env.post(t, "/v1/completions", completion("fails"), "X-Request-Id", "mine-502")
+				require.Equal(t, "mine-502", a.header.Get("X-Request-Id"))
+				a = env.post(t, "/v1/completions", completion("down-decode"), "X-Request-Id", "mine-503")
+				requireAPIError(t, a, 503, "engine_unavailable", "")
+				require.Equal(t, "mine-503", a.header.Get("X-Request-Id"), "also on Envoy's own answers once pdx routed")
+			})
 		})
 	}
-	t.Run("the client's request id comes back", func(t *testing.T) {
-		env := startErrorEnv(t)
-		a := env.post(t, "/v1/completions", completion("fails"), "X-Request-Id", "mine-502")
-		require.Equal(t, "mine-502", a.header.Get("X-Request-Id"))
-		a = env.post(t, "/v1/completions", completion("down-decode"), "X-Request-Id", "mine-503")
-		requireAPIError(t, a, 503, "engine_unavailable", "")
-		require.Equal(t, "mine-503", a.header.Get("X-Request-Id"), "also on Envoy's own answers once pdx routed")
-	})
+}
+
+// aiGatewayStatus is how the AI Gateway profile answers what its filter
+// configures differently from pdx's own, by code; 0: the case cannot
+// happen there.
+var aiGatewayStatus = map[string]int{
+	// No status_on_error: Envoy's default for a failed ext_proc, 500.
+	"router_unavailable": 500,
+	// FULL_DUPLEX_STREAMED applies no message_timeout: pdx's
+	// prefill_timeout bounds the wait (prefill_timeout's row).
+	"router_timeout": 0,
+	// Envoy refuses HTTP/1.0 in its codec; with this filter the client
+	// sees the connection close without the 426 (Envoy 1.40).
+	"upgrade_required": 0,
 }
 
 // The error table of docs/errors.md lists exactly the codes TestErrorTable

@@ -38,6 +38,26 @@ func TestIsolation(t *testing.T) {
 	}
 }
 
+// The same race behind an Envoy shaped as AI Gateway's InferencePool
+// translation: both bodies stream through pdx in FULL_DUPLEX_STREAMED
+// mode, over TLS, for the sequential and the concurrent protocol.
+func TestIsolationEndpointPicker(t *testing.T) {
+	for _, cc := range connectorCases {
+		if cc.name != "nixl" && cc.name != "sglang" {
+			continue
+		}
+		t.Run(cc.name, func(t *testing.T) {
+			opts := aiGateway(cc.opts)
+			opts.Prefill, opts.Decode = 3, 3
+			opts.Engine = enginesim.Config{PrefillLatency: 200 * time.Millisecond, DecodeLatency: 50 * time.Millisecond, DecodePerToken: time.Millisecond}
+			st := startStack(t, opts)
+			isolation(t, st, "picker-"+cc.name, isolationRequests, func(i int) string {
+				return fmt.Sprintf("%s picker isolation prompt %d: %s", cc.name, i, strings.Repeat(string(rune('a'+i%26)), i%50))
+			})
+		})
+	}
+}
+
 // isolation sends n requests at once, request i with the prompt text(i), and
 // checks that each client got its own prompt's answer and each decode
 // engine its own prefill's KV.

@@ -56,6 +56,16 @@ type Config struct {
 	// the mode of the Gateway API Inference Extension's InferencePool
 	// integrations. pdx learns the mode from Envoy on each stream.
 	RequestBodyMode string
+	// Profile is the shape of the Envoy around pdx: ProfilePdx (the default
+	// when empty), pdx's own, or ProfileAIGateway, what Envoy AI Gateway's
+	// InferencePool translation generates for an endpoint picker.
+	Profile string
+	// SubsetHintHeader, when set, names a request header that a Lua filter
+	// turns into the gateway's subset hint (filter metadata
+	// envoy.lb.subset_hint, a list of ip:port) before pdx sees the
+	// request, standing in for a gateway that restricts the endpoints.
+	// Tests only: a client must never choose where its request goes.
+	SubsetHintHeader string
 	// WithoutExtProc leaves pdx out: the client's own
 	// x-gateway-destination-endpoint picks the engine. Only the load
 	// harness's floor, Envoy alone, uses it; it is never a deployment.
@@ -77,6 +87,25 @@ type TLS struct {
 const (
 	BodyBuffered           = "BUFFERED"
 	BodyFullDuplexStreamed = "FULL_DUPLEX_STREAMED"
+)
+
+// Profiles of Config.Profile.
+const (
+	ProfilePdx = "pdx"
+	// ProfileAIGateway is the ext_proc filter and clusters that Envoy AI
+	// Gateway's extension server (internal/extensionserver,
+	// inferencepool.go and post_cluster_modify.go) writes for an
+	// InferencePool: every request and response phase sent to the picker,
+	// both bodies FULL_DUPLEX_STREAMED, trailers sent, a 5s
+	// message_timeout, fail closed, no metadata namespaces received; the
+	// picker's cluster STRICT_DNS with least request, HTTP/2 over TLS
+	// without certificate validation, no health check and Envoy's default
+	// circuit breakers; the decode cluster ORIGINAL_DST on
+	// x-gateway-destination-endpoint with a 10s connect timeout. The
+	// listener stays pdx's (its JSON local replies are a listener setting,
+	// not the translation's). Config.PdxTLS must be unset and
+	// RequestBodyMode is not used; pdx must serve TLS (tls.self_signed).
+	ProfileAIGateway = "aigateway"
 )
 
 // BufferHeadroom is how far Envoy's buffer limit may exceed pdx's
@@ -165,6 +194,18 @@ func Render(w io.Writer, c Config) error {
 			return errors.New("pdx TLS: a client certificate needs both its cert and key file")
 		}
 	}
+	switch c.Profile {
+	case "":
+		c.Profile = ProfilePdx
+	case ProfilePdx:
+	case ProfileAIGateway:
+		if c.PdxTLS != nil {
+			return fmt.Errorf("profile %s reaches pdx over TLS without verifying it: PdxTLS does not apply", ProfileAIGateway)
+		}
+		c.RequestBodyMode = BodyFullDuplexStreamed
+	default:
+		return fmt.Errorf("profile %q: want %s or %s", c.Profile, ProfilePdx, ProfileAIGateway)
+	}
 	switch c.RequestBodyMode {
 	case "":
 		c.RequestBodyMode = BodyBuffered
@@ -204,6 +245,8 @@ func Render(w io.Writer, c Config) error {
 		"PdxTLS":              c.PdxTLS,
 		"WithoutExtProc":      c.WithoutExtProc,
 		"FullDuplex":          c.RequestBodyMode == BodyFullDuplexStreamed,
+		"AIGateway":           c.Profile == ProfileAIGateway,
+		"SubsetHintHeader":    c.SubsetHintHeader,
 	})
 }
 

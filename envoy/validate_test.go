@@ -25,6 +25,9 @@ func TestRenderValidates(t *testing.T) {
 		}},
 		{name: "pdx replicas", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", PdxAddresses: []string{"127.0.0.1:9003", "127.0.0.1:9004"}}},
 		{name: "full-duplex streamed body", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: envoy.BodyFullDuplexStreamed}},
+		{name: "AI Gateway's InferencePool translation", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", Profile: envoy.ProfileAIGateway}},
+		{name: "AI Gateway with a subset hint", cfg: envoy.Config{PdxAddress: "pdx:9002", Profile: envoy.ProfileAIGateway, SubsetHintHeader: "x-test-subset"}},
+		{name: "pdx's own with a subset hint", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", SubsetHintHeader: "x-test-subset"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

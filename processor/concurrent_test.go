@@ -110,6 +110,20 @@ func TestConcurrentPrefill(t *testing.T) {
 		require.NotNil(t, next(t, stream).GetResponseHeaders(), "headers released once the prefill succeeded")
 	})
 
+	t.Run("response phases that stream ahead follow the held headers", func(t *testing.T) {
+		// A FULL_DUPLEX_STREAMED response body comes without waiting for
+		// the answer to the headers; Envoy takes answers in order.
+		stream, conn, _, _ := concurrentStream(t, time.Minute)
+		stream.in <- responseHeaders
+		stream.in <- responseBody
+		stream.in <- &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{ResponseTrailers: &extprocv3.HttpTrailers{}}}
+		requireNoAnswer(t, stream)
+		conn.outcome <- nil
+		require.NotNil(t, next(t, stream).GetResponseHeaders(), "the headers first")
+		require.NotNil(t, next(t, stream).GetResponseBody(), "then the body")
+		require.NotNil(t, next(t, stream).GetResponseTrailers(), "then the trailers")
+	})
+
 	t.Run("prefill done before the response headers", func(t *testing.T) {
 		stream, conn, cancel, done := concurrentStream(t, time.Minute)
 		conn.outcome <- nil

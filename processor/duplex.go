@@ -140,10 +140,24 @@ func (r *request) passRequestBody(b *extprocv3.HttpBody) *extprocv3.ProcessingRe
 // passResponseBody is passRequestBody for the response body, for filters
 // that send it to pdx.
 func (r *request) passResponseBody(b *extprocv3.HttpBody) *extprocv3.ProcessingResponse {
-	if r.filter.GetResponseBodyMode() != filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED {
+	if !r.duplexResponse() {
 		return continueResponseBody()
 	}
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseBody{ResponseBody: &extprocv3.BodyResponse{
 		Response: &extprocv3.CommonResponse{BodyMutation: streamedMutation(b.GetBody(), b.GetEndOfStream())},
 	}}}
+}
+
+// observesResponse reports whether Envoy sends pdx the response body (the
+// InferencePool integrations' FULL_DUPLEX_STREAMED response), so that the
+// request's record can wait for the response's end.
+func (r *request) observesResponse() bool {
+	m := r.filter.GetResponseBodyMode()
+	return m != filterextprocv3.ProcessingMode_NONE
+}
+
+// duplexResponse reports whether Envoy streams the response body to pdx in
+// FULL_DUPLEX_STREAMED mode, forwarding only what pdx sends back.
+func (r *request) duplexResponse() bool {
+	return r.filter.GetResponseBodyMode() == filterextprocv3.ProcessingMode_FULL_DUPLEX_STREAMED
 }

@@ -104,7 +104,9 @@ func TestEnvoyAnswersWhilePdxWaitsForTheBody(t *testing.T) {
 		out := run(t, table, answering(fakeengine.Reply{}), headers("POST", "/v1/chat/completions", false), status, responseBody)
 		require.Len(t, out, 2, "the stream ends after the local reply's headers")
 		require.NotNil(t, out[1].GetResponseHeaders())
-		require.Nil(t, out[1].GetResponseHeaders().GetResponse().GetHeaderMutation())
+		set := setHeaders(out[1].GetResponseHeaders().GetResponse().GetHeaderMutation())
+		require.Len(t, set, 1, "Envoy's answer goes on, with nothing but the client's request id: %v", set)
+		require.Regexp(t, "^[0-9a-f-]{36}$", set["x-request-id"])
 	}
 }
 

@@ -162,8 +162,18 @@ func continueRequestTrailers() *extprocv3.ProcessingResponse {
 	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_RequestTrailers{RequestTrailers: &extprocv3.TrailersResponse{}}}
 }
 
-func continueResponseHeaders() *extprocv3.ProcessingResponse {
-	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: &extprocv3.HeadersResponse{}}}
+// responseHeaders passes the response's headers on with the client's
+// request id: the request carried the engines' by then, and engines echo
+// it. (pdx's own Envoy config also sets it from pdx's metadata; an
+// InferencePool gateway receives no metadata from its picker.)
+func (r *request) responseHeaders() *extprocv3.ProcessingResponse {
+	resp := &extprocv3.HeadersResponse{}
+	if r.clientID != "" {
+		resp.Response = &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{
+			SetHeaders: []*corev3.HeaderValueOption{setHeader("x-request-id", r.clientID)},
+		}}
+	}
+	return &extprocv3.ProcessingResponse{Response: &extprocv3.ProcessingResponse_ResponseHeaders{ResponseHeaders: resp}}
 }
 
 func continueResponseBody() *extprocv3.ProcessingResponse {

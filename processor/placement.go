@@ -95,7 +95,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 
 // pick is what the request's picks know of it.
 func (r *request) pick() picker.Request {
-	return picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens}
+	return picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset}
 }
 
 // roomPoll is how often a request waiting for a saturated leg looks again:

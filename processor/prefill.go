@@ -35,6 +35,11 @@ type prefillRun struct {
 	// heldHeaders is set while pdx withholds its answer to the decode's
 	// response headers until the prefill has succeeded.
 	heldHeaders bool
+	// heldAfter are the answers to the response phases that came after
+	// the held headers (a FULL_DUPLEX_STREAMED response body streams
+	// without waiting for them): Envoy takes answers in order, so they
+	// follow the headers' answer.
+	heldAfter []*extprocv3.ProcessingResponse
 	// prepared is the decode a connector prepared, kept until pdx knows
 	// whether the engines can let go of what they hold for it (see stop).
 	prepared *prepared
@@ -186,7 +191,9 @@ func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.Process
 	r.log.LogAttrs(ctx, slog.LevelDebug, "prefill done", slog.Duration("elapsed", time.Since(r.start)))
 	if pf.heldHeaders {
 		pf.heldHeaders = false
-		return continueResponseHeaders()
+		r.body.queued = append(r.body.queued, pf.heldAfter...)
+		pf.heldAfter = nil
+		return r.responseHeaders()
 	}
 	return nil
 }

@@ -85,6 +85,9 @@ type request struct {
 	path     string // without the query string
 	// passThrough: the path is one that a pool serves as it is.
 	passThrough bool
+	// subset is the gateway's subset hint: the decode endpoints the request
+	// may go to; nil: any (subset.go).
+	subset []string
 
 	// fallback: the prefill failed, and the decode computes the prompt.
 	fallback bool
@@ -140,8 +143,19 @@ func (r *request) fail(ctx context.Context, err error) *extprocv3.ProcessingResp
 // reply while pdx waits for the body) is passed on; only ones that cannot
 // happen in Envoy's protocol are errors.
 func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest) (*extprocv3.ProcessingResponse, error) {
+	if r.state == stateEnvoyAnswered {
+		// Envoy's own answer goes on: a FULL_DUPLEX_STREAMED response
+		// body reaches the client only as pdx sends it back.
+		switch m := msg.GetRequest().(type) {
+		case *extprocv3.ProcessingRequest_ResponseBody:
+			return r.passResponseBody(m.ResponseBody), nil
+		case *extprocv3.ProcessingRequest_ResponseTrailers:
+			return continueResponseTrailers(), nil
+		}
+		return nil, nil
+	}
 	if r.state.over() {
-		// The client has its answer; whatever Envoy still sends is moot.
+		// The client has pdx's answer; whatever Envoy still sends is moot.
 		return nil, nil
 	}
 	if pc := msg.GetProtocolConfig(); pc != nil {
@@ -152,6 +166,11 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 		if r.state != stateRequestHeaders {
 			return nil, protocolError("request headers", r.state)
 		}
+		subset, err := subsetHint(msg.GetMetadataContext())
+		if err != nil {
+			return nil, err
+		}
+		r.subset = subset
 		return r.requestHeaders(ctx, m.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:
 		switch r.state {
@@ -174,9 +193,11 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 		return continueRequestTrailers(), nil
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
 		switch r.state {
-		case stateRequestHeaders:
-			return nil, protocolError("response headers", r.state)
-		case stateRequestBody:
+		case stateRequestHeaders, stateRequestBody:
+			// Envoy's own answer: before pdx has the request's headers
+			// (a path Envoy refuses to normalise, an HTTP/1.0 client)
+			// when the filter sends response headers, or while pdx waits
+			// for the body (a body over Envoy's buffer limit).
 			return r.envoyAnswered(ctx, m.ResponseHeaders), nil
 		}
 		if r.prefill.pending != nil {
@@ -186,20 +207,30 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 			r.prefill.heldHeaders = true
 			return nil, nil
 		}
-		return continueResponseHeaders(), nil
+		return r.responseHeaders(), nil
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		if r.state == stateRequestHeaders {
 			return nil, protocolError("response body", r.state)
 		}
-		return r.passResponseBody(m.ResponseBody), nil
+		return r.afterResponseHeaders(r.passResponseBody(m.ResponseBody)), nil
 	case *extprocv3.ProcessingRequest_ResponseTrailers:
 		if r.state == stateRequestHeaders {
 			return nil, protocolError("response trailers", r.state)
 		}
-		return continueResponseTrailers(), nil
+		return r.afterResponseHeaders(continueResponseTrailers()), nil
 	}
 	// Flow-control messages and kinds newer than pdx carry no request phase.
 	return nil, nil
+}
+
+// afterResponseHeaders answers a response phase that follows the headers:
+// at once, or after them while pdx holds its answer to them.
+func (r *request) afterResponseHeaders(resp *extprocv3.ProcessingResponse) *extprocv3.ProcessingResponse {
+	if r.prefill.heldHeaders {
+		r.prefill.heldAfter = append(r.prefill.heldAfter, resp)
+		return nil
+	}
+	return resp
 }
 
 // envoyAnswered passes on the response headers of an answer Envoy gave
@@ -209,7 +240,7 @@ func (r *request) envoyAnswered(ctx context.Context, h *extprocv3.HttpHeaders) *
 	r.state = stateEnvoyAnswered
 	r.log.LogAttrs(ctx, slog.LevelInfo, "Envoy answered the request itself",
 		slog.String("status", header(h, ":status")), slog.Duration("elapsed", time.Since(r.start)))
-	return continueResponseHeaders()
+	return r.responseHeaders()
 }
 
 // sent notes that the answer handle returned has reached Envoy: a decode
@@ -229,7 +260,10 @@ func (r *request) sent() {
 // response headers only in tables with concurrent connectors).
 func (r *request) finished() bool {
 	switch r.state {
-	case stateAnswered, stateEnvoyAnswered, statePassThrough:
+	case stateEnvoyAnswered:
+		// Unless Envoy's answer's body passes through pdx.
+		return !r.duplexResponse()
+	case stateAnswered, statePassThrough:
 		return true
 	case stateRouted:
 		return r.prefill.pending == nil && !r.prefill.heldHeaders && !r.table.HasConcurrent()

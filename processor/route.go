@@ -249,7 +249,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 // at its headers.
 func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse, error) {
 	r.obs.pool(pool)
-	decode, err := pool.PickDecode(picker.Request{})
+	decode, err := pool.PickDecode(picker.Request{Subset: r.subset})
 	if err != nil {
 		return nil, err
 	}
@@ -284,7 +284,7 @@ func (r *request) passBody(raw []byte) (decision, error) {
 			msg: fmt.Sprintf("no API at %s for model %q", r.path, model)}
 	}
 	r.obs.pool(pool)
-	decode, err := pool.PickDecode(picker.Request{})
+	decode, err := pool.PickDecode(picker.Request{Subset: r.subset})
 	if err != nil {
 		return decision{}, err
 	}

@@ -165,11 +165,15 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			// Envoy goes on with the generation.
 			decode := req.decode
 			req.decode = inFlight{}
-			req.close()
-			if decode.set != nil && !req.table.Limits().EndStreamsAtRouting {
+			hold := decode.set != nil && !req.table.Limits().EndStreamsAtRouting
+			if !hold || !req.observesResponse() {
+				req.close()
+			}
+			if hold {
 				s.hold(ctx, stream, received, req)
 			}
 			decode.end()
+			req.close() // once the response is over, when pdx saw it
 			return nil
 		}
 		deadline = req.awaitBody(ctx, stream, deadline)
@@ -192,6 +196,7 @@ func (s *Server) hold(ctx context.Context, stream extprocv3.ExternalProcessor_Pr
 			if r.err != nil {
 				return
 			}
+			req.obs.message(r.msg)
 			resp, err := req.dispatch(ctx, r.msg)
 			if err != nil {
 				return // not a message of a routed request: leave it to Envoy

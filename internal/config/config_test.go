@@ -480,6 +480,12 @@ pools:
 	cfg, err := Parse([]byte("tls: {cert_file: c.pem, key_file: k.pem, client_ca_file: ca.pem}" + pools))
 	require.NoError(t, err)
 	require.Equal(t, "ca.pem", cfg.GetTls().GetClientCaFile())
+
+	cfg, err = Parse([]byte("tls: {self_signed: true}" + pools))
+	require.NoError(t, err)
+	require.True(t, cfg.GetTls().GetSelfSigned())
+	_, err = Parse([]byte("tls: {self_signed: true, cert_file: c.pem, key_file: k.pem}" + pools))
+	require.ErrorContains(t, err, "tls.self_signed: exclusive with cert_file and key_file")
 }
 
 func TestConnectorNoneHasNoPrefill(t *testing.T) {

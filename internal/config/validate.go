@@ -28,11 +28,17 @@ func validate(cfg *configv1.Config) []error {
 	v.listenAddress("admin_address", cfg.GetAdminAddress())
 
 	if t := cfg.GetTls(); t != nil {
-		if t.GetCertFile() == "" {
-			v.fail("tls.cert_file", "required when tls is set")
-		}
-		if t.GetKeyFile() == "" {
-			v.fail("tls.key_file", "required when tls is set")
+		switch {
+		case t.GetSelfSigned() && (t.GetCertFile() != "" || t.GetKeyFile() != ""):
+			v.fail("tls.self_signed", "exclusive with cert_file and key_file")
+		case t.GetSelfSigned():
+		default:
+			if t.GetCertFile() == "" {
+				v.fail("tls.cert_file", "required when tls is set, unless self_signed")
+			}
+			if t.GetKeyFile() == "" {
+				v.fail("tls.key_file", "required when tls is set, unless self_signed")
+			}
 		}
 	}
 	switch d := cfg.GetRequestBodyTimeout().AsDuration(); {

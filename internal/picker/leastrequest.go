@@ -42,7 +42,7 @@ func (p *LeastRequest) Pick(req Request) (endpoint.Endpoint, bool) {
 	var g signal
 	for k := range n {
 		i := position(members, (start+k)%n)
-		if len(req.Tried) > 0 && tried(v.endpoints[i], req.Tried) {
+		if req.narrowed() && req.skips(v.endpoints[i]) {
 			continue
 		}
 		if now.look(v.states[i], &g); !g.usable {

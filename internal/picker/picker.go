@@ -22,6 +22,10 @@ type Request struct {
 	// Tried are the endpoints the request has already tried on this leg;
 	// the pick does not return them.
 	Tried []endpoint.Endpoint
+	// Subset, when not nil, restricts the pick to the endpoints whose
+	// Address it lists: the gateway's subset hint (the endpoint-picker
+	// protocol). Empty and not nil, nothing may be picked.
+	Subset []string
 	// Blocks are the chained hashes of the prompt's leading blocks (see
 	// Blocks) of BlockTokens tokens each; nil when the request has no
 	// prompt. Tokens is the prompt's length in tokens (BytesPerToken).
@@ -123,3 +127,16 @@ func Policies() []string {
 	slices.Sort(names)
 	return names
 }
+
+// skips reports whether the request may not use ep: it has tried it, or
+// ep is outside its subset.
+func (req *Request) skips(ep endpoint.Endpoint) bool {
+	if req.Subset != nil && !slices.Contains(req.Subset, ep.Address) {
+		return true
+	}
+	return tried(ep, req.Tried)
+}
+
+// narrowed reports whether the request excludes any endpoint at all, so
+// that loops over candidates can skip the check when it does not.
+func (req *Request) narrowed() bool { return len(req.Tried) > 0 || req.Subset != nil }

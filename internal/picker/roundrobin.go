@@ -70,7 +70,7 @@ func (r *RoundRobin) Pick(req Request) (endpoint.Endpoint, bool) {
 	for range n {
 		turn = counter.Add(1) - 1
 		i := position(members, int(turn%uint64(n)))
-		if !tried(v.endpoints[i], req.Tried) && now.usable(v.states[i]) {
+		if !req.skips(v.endpoints[i]) && now.usable(v.states[i]) {
 			return v.endpoints[i], true
 		}
 	}

@@ -617,7 +617,7 @@ func (t *instant) looks(v *view, members []int, req Request, buf []signal) ([]si
 	for k := range out {
 		i := position(members, k)
 		g := &out[k]
-		if len(req.Tried) > 0 && tried(v.endpoints[i], req.Tried) {
+		if req.narrowed() && req.skips(v.endpoints[i]) {
 			*g = signal{}
 			continue
 		}
@@ -639,7 +639,7 @@ func (v *view) soonest(members []int, start int, req Request, now *instant) (end
 	best, bestUntil := -1, int64(0)
 	for k := range n {
 		i := position(members, (start+k)%n)
-		if tried(v.endpoints[i], req.Tried) {
+		if req.skips(v.endpoints[i]) {
 			continue
 		}
 		h := v.states[i]

@@ -108,16 +108,21 @@ func (l Leg) Report(ep endpoint.Endpoint, ok bool) {
 }
 
 // PickDecode picks the decode endpoint of a request (req.Group and Tried
-// are not used: a decode is picked first, once). It fails, wrapping ErrNoEndpoint,
-// when the pool has none at the moment (a discovered pool whose decode pods
-// are all gone or not ready).
+// are not used: a decode is picked first, once), within req.Subset when
+// the gateway gave one. It fails, wrapping ErrNoEndpoint, when the pool has
+// none at the moment (a discovered pool whose decode pods are all gone or
+// not ready, or none in the subset).
 func (p *Pool) PickDecode(req picker.Request) (endpoint.Endpoint, error) {
 	req.Group, req.Tried = "", nil
 	ep, ok := p.Decode.Picker.Pick(req)
-	if !ok {
-		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
+	switch {
+	case ok:
+		return ep, nil
+	case req.Subset != nil:
+		return endpoint.Endpoint{}, fmt.Errorf("%w: none of the %d endpoints of the gateway's subset hint is a decode endpoint of pool %s",
+			ErrNoEndpoint, len(req.Subset), p.Name)
 	}
-	return ep, nil
+	return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
 }
 
 // PickPrefill picks a prefill endpoint for a request (req: its prompt)
@@ -127,7 +132,9 @@ func (p *Pool) PickDecode(req picker.Request) (endpoint.Endpoint, error) {
 // engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint, when no
 // endpoint is left to try.
 func (p *Pool) PickPrefill(decode endpoint.Endpoint, req picker.Request, tried ...endpoint.Endpoint) (endpoint.Endpoint, error) {
-	req.Group, req.Tried = decode.Group, tried
+	// The subset hint names where the gateway may send the request: the
+	// decode. pdx calls the prefill itself.
+	req.Group, req.Tried, req.Subset = decode.Group, tried, nil
 	ep, ok := p.Prefill.Picker.Pick(req)
 	switch {
 	case ok:

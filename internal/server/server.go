@@ -93,13 +93,14 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 			return nil, err
 		}
 	}
-	tlsCfg, err := tlsConfig(cfg.GetTls())
-	if err != nil {
-		return nil, err
-	}
 	grpcLn, err := net.Listen("tcp", cfg.GetGrpcAddress())
 	if err != nil {
 		return nil, fmt.Errorf("grpc_address: %w", err)
+	}
+	tlsCfg, err := tlsConfig(cfg.GetTls(), grpcLn.Addr())
+	if err != nil {
+		grpcLn.Close()
+		return nil, err
 	}
 	adminLn, err := net.Listen("tcp", cfg.GetAdminAddress())
 	if err != nil {
@@ -143,7 +144,7 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 	go func() { s.served <- s.grpc.Serve(grpcLn) }()
 	go func() { s.served <- s.admin.Serve(adminLn) }()
 	log.Info("pdx serving", slog.String("grpc", s.GRPCAddr()), slog.String("admin", s.AdminAddr()),
-		slog.Int("pools", len(cfg.GetPools())), slog.Bool("tls", tlsCfg != nil),
+		slog.Int("pools", len(cfg.GetPools())), slog.Bool("tls", tlsCfg != nil), slog.Bool("self_signed", cfg.GetTls().GetSelfSigned()),
 		slog.Bool("mtls", tlsCfg != nil && tlsCfg.ClientCAs != nil))
 	return s, nil
 }

@@ -2,6 +2,8 @@ package server
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"fmt"
 	"io"
 	"log/slog"
@@ -15,6 +17,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -258,4 +261,40 @@ func TestShutdownCutsAdminConnections(t *testing.T) {
 	require.NoError(t, probe.SetReadDeadline(time.Now().Add(guard)))
 	_, err = probe.Read(make([]byte, 1))
 	require.ErrorIs(t, err, io.EOF, "the admin connection must be closed by Shutdown")
+}
+
+// tls.self_signed: pdx serves a certificate of its own; a client that does
+// not verify (the InferencePool gateways) reaches every health service
+// over TLS, and a plaintext client is refused.
+func TestSelfSignedTLS(t *testing.T) {
+	cfg := testConfig(t, "127.0.0.1:0", "127.0.0.1:0")
+	cfg.Tls = &configv1.TLS{SelfSigned: true}
+	s, err := Start(cfg, discard)
+	require.NoError(t, err)
+	defer func() { require.NoError(t, shutdown(t, s)) }()
+
+	var peerCert *x509.Certificate
+	creds := credentials.NewTLS(&tls.Config{
+		InsecureSkipVerify: true, // as the gateways do: pdx's certificate is its own
+		VerifyConnection: func(cs tls.ConnectionState) error {
+			peerCert = cs.PeerCertificates[0]
+			return nil
+		},
+	})
+	conn, err := grpc.NewClient(s.GRPCAddr(), grpc.WithTransportCredentials(creds))
+	require.NoError(t, err)
+	defer conn.Close()
+	health := healthpb.NewHealthClient(conn)
+	for _, svc := range []string{"liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"} {
+		resp, err := health.Check(t.Context(), &healthpb.HealthCheckRequest{Service: svc})
+		require.NoError(t, err, "service %q", svc)
+		require.Equal(t, healthpb.HealthCheckResponse_SERVING, resp.GetStatus(), "service %q", svc)
+	}
+	require.NotNil(t, peerCert)
+	require.Contains(t, peerCert.DNSNames, "localhost")
+	require.NoError(t, peerCert.VerifyHostname("127.0.0.1"))
+	require.True(t, peerCert.NotAfter.After(time.Now().AddDate(0, 11, 0)), "valid for a year")
+
+	_, err = healthpb.NewHealthClient(dialGRPC(t, s.GRPCAddr())).Check(t.Context(), &healthpb.HealthCheckRequest{Service: "readiness"})
+	require.Error(t, err, "a plaintext client must not be served")
 }

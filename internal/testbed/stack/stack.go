@@ -73,6 +73,13 @@ type Options struct {
 	// Tune, when set, adjusts engine i of a role before it starts (a sick
 	// or slow engine among healthy ones).
 	Tune func(role enginesim.Role, i int, c *enginesim.Config)
+	// Profile is Envoy's shape (envoy.Config.Profile). With
+	// envoy.ProfileAIGateway pdx serves TLS with a self-signed certificate,
+	// as an InferencePool's endpoint picker does.
+	Profile string
+	// SubsetHintHeader is envoy.Config.SubsetHintHeader: a request header
+	// that Envoy turns into the gateway's subset hint.
+	SubsetHintHeader string
 	// PdxReplicas is how many pdx servers run (default 1), each with the
 	// same config and its own state; Envoy's ext_proc cluster lists them
 	// all and spreads requests over them round robin.
@@ -146,6 +153,9 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		s.Decode = append(s.Decode, sim)
 	}
 
+	if opts.Profile == envoy.ProfileAIGateway {
+		opts.ConfigYAML = "tls: {self_signed: true}\n" + opts.ConfigYAML
+	}
 	cfg, err := config.Parse([]byte(pdxConfig(opts, endpointsOf(s.Prefill), endpointsOf(s.Decode))))
 	if err != nil {
 		return nil, fmt.Errorf("stack config: %w", err)
@@ -171,6 +181,8 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
 		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + envoy.BufferHeadroom/2,
 		RequestBodyMode:  opts.RequestBodyMode,
+		Profile:          opts.Profile,
+		SubsetHintHeader: opts.SubsetHintHeader,
 	}
 	if opts.Envoy != nil {
 		opts.Envoy(&ecfg)

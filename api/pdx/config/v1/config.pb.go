@@ -44,7 +44,9 @@ type Config struct {
 	// serving its model, falling back to the default pool.
 	Pools []*Pool `protobuf:"bytes,4,rep,name=pools,proto3" json:"pools,omitempty"`
 	// TLS for the ext_proc gRPC listener. Unset: plaintext, for a pdx that
-	// only Envoy on the same host or pod network reaches.
+	// only Envoy on the same host or pod network reaches. As the endpoint
+	// picker of an InferencePool, set tls.self_signed: the gateway (Envoy AI
+	// Gateway's translation) connects over TLS without verifying pdx.
 	Tls *TLS `protobuf:"bytes,5,opt,name=tls,proto3" json:"tls,omitempty"`
 	// Envoy's limit on the number of a request's headers: the listener's
 	// common_http_protocol_options.max_headers_count (Envoy's default, 100),
@@ -258,13 +260,19 @@ func (x *EngineMetrics) GetPath() string {
 // start.
 type TLS struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Server certificate chain file. Required.
+	// Server certificate chain file. Required unless self_signed.
 	CertFile string `protobuf:"bytes,1,opt,name=cert_file,json=certFile,proto3" json:"cert_file,omitempty"`
-	// Private key file of the certificate. Required.
+	// Private key file of the certificate. Required unless self_signed.
 	KeyFile string `protobuf:"bytes,2,opt,name=key_file,json=keyFile,proto3" json:"key_file,omitempty"`
 	// CA bundle file. When set, clients must present a certificate signed by
 	// it (mutual TLS); when unset, any client may connect over TLS.
-	ClientCaFile  string `protobuf:"bytes,3,opt,name=client_ca_file,json=clientCaFile,proto3" json:"client_ca_file,omitempty"`
+	ClientCaFile string `protobuf:"bytes,3,opt,name=client_ca_file,json=clientCaFile,proto3" json:"client_ca_file,omitempty"`
+	// Serve a certificate pdx generates at start (ECDSA P-256, valid for a
+	// year, for localhost, the host name and the listener's address), as
+	// the Gateway API Inference Extension's endpoint picker does when it is
+	// given no certificate: traffic is encrypted, and the gateway does not
+	// verify the picker. Exclusive with cert_file and key_file.
+	SelfSigned    bool `protobuf:"varint,4,opt,name=self_signed,json=selfSigned,proto3" json:"self_signed,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -318,6 +326,13 @@ func (x *TLS) GetClientCaFile() string {
 		return x.ClientCaFile
 	}
 	return ""
+}
+
+func (x *TLS) GetSelfSigned() bool {
+	if x != nil {
+		return x.SelfSigned
+	}
+	return false
 }
 
 // Pool is a set of prefill and decode endpoints that serve the same models and
@@ -1192,11 +1207,13 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\binterval\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\binterval\x12:\n" +
 	"\vstale_after\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\n" +
 	"staleAfter\x12\x12\n" +
-	"\x04path\x18\x04 \x01(\tR\x04path\"c\n" +
+	"\x04path\x18\x04 \x01(\tR\x04path\"\x84\x01\n" +
 	"\x03TLS\x12\x1b\n" +
 	"\tcert_file\x18\x01 \x01(\tR\bcertFile\x12\x19\n" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
-	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\"\xc5\b\n" +
+	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\x12\x1f\n" +
+	"\vself_signed\x18\x04 \x01(\bR\n" +
+	"selfSigned\"\xc5\b\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
