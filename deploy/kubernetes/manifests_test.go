@@ -24,6 +24,7 @@ import (
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/proto"
 	appsv1 "k8s.io/api/apps/v1"
 	corev1 "k8s.io/api/core/v1"
 	policyv1 "k8s.io/api/policy/v1"
@@ -196,15 +197,17 @@ func all[T runtime.Object](objs []object) []T {
 	return out
 }
 
-// find returns the object of type T named name.
+// find returns the object of type T named name; the last one, when a
+// later directory replaces it (kubectl apply: the last applied wins).
 func find[T runtime.Object](objs []object, name string) (T, bool) {
+	var found T
+	ok := false
 	for _, v := range all[T](objs) {
 		if nameOf(v) == name {
-			return v, true
+			found, ok = v, true
 		}
 	}
-	var zero T
-	return zero, false
+	return found, ok
 }
 
 // get is find that fails the test when there is no such object.
@@ -694,7 +697,7 @@ func TestPdxPortsProbesAndDrain(t *testing.T) {
 			require.Failf(t, "probe", "%s probe: gRPC health or the admin's HTTP endpoints", name)
 		}
 	}
-	require.Equal(t, "readiness", probeTarget(c.ReadinessProbe), "readiness must follow pdx's drain")
+	require.Contains(t, []string{"readiness", "/readyz"}, probeTarget(c.ReadinessProbe), "readiness must follow pdx's drain")
 
 	// Drain: preStop sleep, then SIGTERM and --drain-timeout, all within the
 	// grace period; the drain lets the slowest prefill finish.
@@ -1026,6 +1029,15 @@ func TestEnvoyGatewayManifests(t *testing.T) {
 func TestInferencePoolManifests(t *testing.T) {
 	objs := load(t, baseDir, poolDir)
 	p := loadPdx(t, objs)
+
+	// pdx's config is base's, with TLS: the gateway reaches its endpoint
+	// picker over TLS and verifies nothing.
+	require.True(t, p.cfg.GetTls().GetSelfSigned(), "the InferencePool variant's pdx serves TLS")
+	base := loadPdx(t, load(t, baseDir))
+	require.Nil(t, base.cfg.GetTls(), "base's pdx is reached by Envoy Gateway in plaintext")
+	withoutTLS := proto.Clone(p.cfg).(*configv1.Config)
+	withoutTLS.Tls = nil
+	require.True(t, proto.Equal(base.cfg, withoutTLS), "the two configs differ only in tls")
 
 	route := get[*gwv1.HTTPRoute](t, objs, "openai-inference")
 	require.NotEmpty(t, route.Spec.ParentRefs)
