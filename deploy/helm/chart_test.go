@@ -255,8 +255,9 @@ type pdx struct {
 
 // loadPdx follows the Deployment's --config flag to its volume mount, the
 // ConfigMap and the key behind it, and parses the config with pdx's own
-// loader. A config holding tls.self_signed (inferencePool mode; the field
-// is not in every pdx version yet) is parsed without its tls section.
+// loader. A config holding tls.self_signed (inferencePool mode) is parsed
+// without its tls section by a pdx that does not know the field yet (see
+// selfSignedField).
 func loadPdx(t *testing.T, objs []object) pdx {
 	t.Helper()
 	deps := all[*appsv1.Deployment](objs)
@@ -297,7 +298,7 @@ func loadPdx(t *testing.T, objs []object) pdx {
 	require.True(t, ok, "ConfigMap %s has no key %s", cm.Name, key)
 
 	toParse := []byte(data)
-	if selfSigned(t, data) {
+	if selfSigned(t, data) && selfSignedField == nil {
 		var m map[string]any
 		require.NoError(t, yaml.Unmarshal(toParse, &m))
 		delete(m, "tls")
@@ -307,8 +308,16 @@ func loadPdx(t *testing.T, objs []object) pdx {
 	}
 	cfg, err := config.Parse(toParse)
 	require.NoError(t, err, "ConfigMap %s, key %s:\n%s", cm.Name, key, data)
+	if selfSignedField != nil {
+		require.Equal(t, selfSigned(t, data), cfg.GetTls().ProtoReflect().Get(selfSignedField).Bool(), "pdx's loader reads tls.self_signed")
+	}
 	return pdx{dep: dep, container: c, rawConfig: data, cfg: cfg}
 }
+
+// selfSignedField is pdx's tls.self_signed config field, nil in a pdx that
+// does not have it yet: then loadPdx parses an inferencePool config
+// without its tls section, and checks tls.self_signed as plain YAML only.
+var selfSignedField = (&configv1.TLS{}).ProtoReflect().Descriptor().Fields().ByName("self_signed")
 
 // selfSigned reports whether a config's YAML sets tls.self_signed: true.
 func selfSigned(t *testing.T, data string) bool {
