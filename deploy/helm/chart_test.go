@@ -147,7 +147,9 @@ func render(t *testing.T, values map[string]any) (rendered, error) {
 	vals, err := chartutil.ToRenderValues(chrt, values,
 		chartutil.ReleaseOptions{Name: release, Namespace: namespace, Revision: 1, IsInstall: true},
 		chartutil.DefaultCapabilities)
-	require.NoError(t, err)
+	if err != nil {
+		return rendered{}, err // values.schema.json refused the values
+	}
 	out, err := engine.Engine{Strict: true}.Render(chrt, vals)
 	if err != nil {
 		return rendered{}, err
@@ -961,8 +963,9 @@ func semanticEqual(t *testing.T, want, got any) {
 	}
 }
 
-// TestChartRefuses: values the chart cannot render fail with a message
-// that says what to change.
+// TestChartRefuses: values the chart cannot render, and values
+// values.schema.json does not know or allow, fail with a message that says
+// what to change.
 func TestChartRefuses(t *testing.T) {
 	tests := []struct {
 		name    string
@@ -983,6 +986,31 @@ func TestChartRefuses(t *testing.T) {
 			name:    "tls in the config",
 			values:  map[string]any{"config": map[string]any{"tls": map[string]any{"self_signed": true}}},
 			wantErr: "config.tls is set by the chart",
+		},
+		{
+			name:    "misspelt value",
+			values:  map[string]any{"replicaCont": 3},
+			wantErr: "replicaCont",
+		},
+		{
+			name:    "misspelt nested value",
+			values:  map[string]any{"envoyGateway": map[string]any{"enabeld": true}},
+			wantErr: "enabeld",
+		},
+		{
+			name:    "value of the wrong type",
+			values:  map[string]any{"replicaCount": "two"},
+			wantErr: "/replicaCount",
+		},
+		{
+			name:    "image tag latest",
+			values:  map[string]any{"image": map[string]any{"tag": "latest"}},
+			wantErr: "/image/tag",
+		},
+		{
+			name:    "unknown retry trigger",
+			values:  map[string]any{"envoyGateway": map[string]any{"decode": map[string]any{"retry": map[string]any{"triggers": []any{"5xxx"}}}}},
+			wantErr: "/envoyGateway/decode/retry/triggers/0",
 		},
 		{
 			name:    "no ServiceAccount name",
