@@ -474,6 +474,7 @@ func TestChartRenders(t *testing.T) {
 			check: func(t *testing.T, r rendered, p pdx) {
 				require.Equal(t, "registry.example.com/pdx:0.1.0", p.container.Image, "the chart's appVersion")
 				require.EqualValues(t, 2, *p.dep.Spec.Replicas)
+				require.NotEmpty(t, p.dep.Spec.Template.Annotations["checksum/config"], "a changed config restarts pdx")
 				require.Contains(t, r.notes, "point your Envoy's ext_proc filter at pdx.pdx.svc:9002")
 			},
 		},
@@ -510,6 +511,7 @@ func TestChartRenders(t *testing.T) {
 			kinds: []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"},
 			check: func(t *testing.T, r rendered, p pdx) {
 				require.EqualValues(t, 3, *p.dep.Spec.Replicas)
+				require.Equal(t, map[string]string{"example.com/team": "inference"}, p.dep.Spec.Template.Annotations, "restartOnConfigChange: false")
 				require.Equal(t, "registry.example.com:5000/team/pdx@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", p.container.Image)
 				require.Equal(t, "0.0.0.0:9102", p.cfg.GetGrpcAddress())
 				require.Equal(t, "0.0.0.0:9103", p.cfg.GetAdminAddress())
@@ -671,7 +673,6 @@ func checkWorkload(t *testing.T, objs []object, p pdx) {
 	require.True(t, slices.ContainsFunc(c.Env, func(e corev1.EnvVar) bool {
 		return e.Name == "GOMEMLIMIT" && e.ValueFrom != nil && e.ValueFrom.ResourceFieldRef != nil && e.ValueFrom.ResourceFieldRef.Resource == "limits.memory"
 	}))
-	require.NotEmpty(t, dep.Spec.Template.Annotations["checksum/config"], "a changed config restarts pdx")
 }
 
 // checkRBAC runs pdx's Kubernetes discovery for the config's pools against
