@@ -70,7 +70,8 @@ replay: envoy
 
 ## k8s-translate: Envoy Gateway's own translator (egctl, the go.mod's version
 ## of github.com/envoyproxy/gateway, built into .tools/egctl) turns
-## deploy/kubernetes into Envoy config, which the pinned Envoy validates.
+## deploy/kubernetes into Envoy config, which the pinned Envoy validates,
+## and checks the Helm chart's envoyGateway mode the same way (no Envoy run).
 ## The first build takes minutes; later ones reuse Go's build cache.
 EGCTL_DIR := $(TOOLS)/egctl
 k8s-translate: envoy
@@ -80,6 +81,7 @@ k8s-translate: envoy
 	  GOBIN="$(EGCTL_DIR)" $(GO) install github.com/envoyproxy/gateway/cmd/egctl@$$v && echo "$$v" > $(EGCTL_DIR)/version; \
 	fi
 	EGCTL=$(EGCTL_DIR)/egctl $(GO) test -tags egctl -count=1 -run '^TestEnvoyGatewayTranslation$$' ./deploy/kubernetes/
+	EGCTL=$(EGCTL_DIR)/egctl $(GO) test -tags egctl -count=1 -run '^TestChartEnvoyGatewayTranslation$$' ./deploy/helm/
 
 # Each fuzz target briefly (seed corpora also run in `unit`); FUZZTIME=1m
 # for a longer hunt. go test -fuzz takes one target of one package per run.
