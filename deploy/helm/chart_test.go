@@ -627,18 +627,12 @@ func checkWorkload(t *testing.T, objs []object, p pdx) {
 	}
 	for name, probe := range map[string]*corev1.Probe{"liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
 		require.NotNil(t, probe, "%s probe", name)
-		if tls {
-			// The kubelet's gRPC probes do not speak TLS.
-			require.Nil(t, probe.GRPC, "%s probe", name)
-			require.NotNil(t, probe.HTTPGet, "%s probe", name)
-			require.Equal(t, adminPort, resolvePort(t, probe.HTTPGet.Port, c), "%s probe", name)
-			require.Equal(t, map[string]string{"liveness": "/healthz", "readiness": "/readyz"}[name], probe.HTTPGet.Path)
-			continue
-		}
-		require.NotNil(t, probe.GRPC, "%s probe", name)
-		require.Equal(t, grpcPort, probe.GRPC.Port, "%s probe", name)
-		require.NotNil(t, probe.GRPC.Service)
-		require.Equal(t, name, *probe.GRPC.Service, "pdx's %s health service", name)
+		// The admin port's HTTP, with or without TLS on the gRPC port
+		// (the kubelet's gRPC probes do not speak TLS).
+		require.Nil(t, probe.GRPC, "%s probe", name)
+		require.NotNil(t, probe.HTTPGet, "%s probe", name)
+		require.Equal(t, adminPort, resolvePort(t, probe.HTTPGet.Port, c), "%s probe", name)
+		require.Equal(t, map[string]string{"liveness": "/healthz", "readiness": "/readyz"}[name], probe.HTTPGet.Path)
 	}
 
 	// Drain: preStop sleep, then --drain-timeout, within the grace period;
