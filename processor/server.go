@@ -162,14 +162,13 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			// its stream stays open until Envoy ends it with the response,
 			// so that the decode endpoint's in-flight count is exact (unless
 			// the table says to end it now). A drain ends it cleanly, and
-			// Envoy goes on with the generation.
-			decode := req.decode
-			req.decode = inFlight{}
+			// Envoy goes on with the generation. The count may move to the
+			// decode endpoint that served (served.go); the deferred end
+			// ends it.
 			req.close()
-			if decode.set != nil && !req.table.Limits().EndStreamsAtRouting {
+			if req.decode.set != nil && !req.table.Limits().EndStreamsAtRouting {
 				s.hold(ctx, stream, received, req)
 			}
-			decode.end()
 			return nil
 		}
 		deadline = req.awaitBody(ctx, stream, deadline)
