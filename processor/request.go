@@ -112,7 +112,7 @@ type request struct {
 	// response headers (served.go).
 	decodes    []endpoint.Endpoint
 	decodePool *routing.Pool
-	closed bool
+	closed     bool
 }
 
 func newRequest(table *routing.Table, env connectors.Env, log *slog.Logger, bg *sync.WaitGroup, start time.Time, obs recorder) *request {

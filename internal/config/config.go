@@ -40,8 +40,8 @@ const (
 	DefaultXDSCluster = "pdx_decode"
 	// MaxDecodeFallbacks bounds a pool's decode_fallbacks: each one is an
 	// Envoy retry and an address in a header.
-	MaxDecodeFallbacks = 8
-	MaxRequestBodyTimeout      = time.Hour
+	MaxDecodeFallbacks    = 8
+	MaxRequestBodyTimeout = time.Hour
 )
 
 // Defaults of a pool's failure handling.
