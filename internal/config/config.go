@@ -37,11 +37,11 @@ const (
 	DefaultRequestBodyTimeout  = time.Minute
 	// DefaultXDSCluster is the EDS cluster pdx serves (xds.cluster_name):
 	// the decode cluster of pdx's Envoy bootstrap.
-	DefaultXDSCluster = "pdx_decode"
+	DefaultXDSCluster     = "pdx_decode"
+	MaxRequestBodyTimeout = time.Hour
 	// MaxDecodeFallbacks bounds a pool's decode_fallbacks: each one is an
 	// Envoy retry and an address in a header.
-	MaxDecodeFallbacks    = 8
-	MaxRequestBodyTimeout = time.Hour
+	MaxDecodeFallbacks = 8
 )
 
 // Defaults of a pool's failure handling.
