@@ -56,6 +56,19 @@ type Config struct {
 	// the mode of the Gateway API Inference Extension's InferencePool
 	// integrations. pdx learns the mode from Envoy on each stream.
 	RequestBodyMode string
+	// DecodeCluster is the kind of the decode cluster: DecodeOriginalDst
+	// (the default when empty), which connects to the one host pdx names,
+	// or DecodeEDS, the decode-fallback profile: an EDS cluster that pdx
+	// serves (its xds config) with the override_host load balancing
+	// policy, retrying the decode on the next host pdx named.
+	DecodeCluster string
+	// DecodeFallbacks is how many times Envoy retries a decode in the
+	// DecodeEDS profile: the most decode_fallbacks of pdx's pools (0
+	// means 1).
+	DecodeFallbacks int
+	// XDSCluster is the ClusterLoadAssignment the DecodeEDS cluster asks
+	// pdx for: pdx's xds.cluster_name ("" means pdx_decode).
+	XDSCluster string
 	// WithoutExtProc leaves pdx out: the client's own
 	// x-gateway-destination-endpoint picks the engine. Only the load
 	// harness's floor, Envoy alone, uses it; it is never a deployment.
@@ -77,6 +90,12 @@ type TLS struct {
 const (
 	BodyBuffered           = "BUFFERED"
 	BodyFullDuplexStreamed = "FULL_DUPLEX_STREAMED"
+)
+
+// Decode cluster kinds of Config.DecodeCluster.
+const (
+	DecodeOriginalDst = "original_dst"
+	DecodeEDS         = "eds"
 )
 
 // BufferHeadroom is how far Envoy's buffer limit may exceed pdx's
@@ -172,6 +191,19 @@ func Render(w io.Writer, c Config) error {
 	default:
 		return fmt.Errorf("request body mode %q: want %s or %s", c.RequestBodyMode, BodyBuffered, BodyFullDuplexStreamed)
 	}
+	switch c.DecodeCluster {
+	case "":
+		c.DecodeCluster = DecodeOriginalDst
+	case DecodeOriginalDst, DecodeEDS:
+	default:
+		return fmt.Errorf("decode cluster %q: want %s or %s", c.DecodeCluster, DecodeOriginalDst, DecodeEDS)
+	}
+	if c.DecodeFallbacks <= 0 {
+		c.DecodeFallbacks = 1
+	}
+	if c.XDSCluster == "" {
+		c.XDSCluster = "pdx_decode"
+	}
 	if c.ListenAddress == "" {
 		c.ListenAddress = "127.0.0.1"
 	}
@@ -204,6 +236,9 @@ func Render(w io.Writer, c Config) error {
 		"PdxTLS":              c.PdxTLS,
 		"WithoutExtProc":      c.WithoutExtProc,
 		"FullDuplex":          c.RequestBodyMode == BodyFullDuplexStreamed,
+		"EDS":                 c.DecodeCluster == DecodeEDS,
+		"DecodeRetries":       c.DecodeFallbacks,
+		"XDSCluster":          c.XDSCluster,
 	})
 }
 

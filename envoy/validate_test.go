@@ -25,6 +25,11 @@ func TestRenderValidates(t *testing.T) {
 		}},
 		{name: "pdx replicas", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", PdxAddresses: []string{"127.0.0.1:9003", "127.0.0.1:9004"}}},
 		{name: "full-duplex streamed body", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: envoy.BodyFullDuplexStreamed}},
+		{name: "decode fallback over EDS", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", DecodeCluster: envoy.DecodeEDS, DecodeFallbacks: 2}},
+		{name: "decode fallback over EDS, full-duplex, replicas", cfg: envoy.Config{
+			PdxAddress: "pdx:9002", PdxAddresses: []string{"pdx-2:9002"}, DecodeCluster: envoy.DecodeEDS, XDSCluster: "decode",
+			RequestBodyMode: envoy.BodyFullDuplexStreamed,
+		}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
