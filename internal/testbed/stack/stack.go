@@ -73,6 +73,12 @@ type Options struct {
 	// Tune, when set, adjusts engine i of a role before it starts (a sick
 	// or slow engine among healthy ones).
 	Tune func(role enginesim.Role, i int, c *enginesim.Config)
+	// EDS runs the decode-fallback profile: pdx serves the decode
+	// endpoints over xDS and Envoy's decode cluster is the EDS cluster
+	// with override_host (envoy.DecodeEDS). DecodeFallbacks, when set,
+	// is the pool's decode_fallbacks and implies EDS.
+	EDS             bool
+	DecodeFallbacks int
 	// PdxReplicas is how many pdx servers run (default 1), each with the
 	// same config and its own state; Envoy's ext_proc cluster lists them
 	// all and spreads requests over them round robin.
@@ -171,6 +177,9 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
 		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + envoy.BufferHeadroom/2,
 		RequestBodyMode:  opts.RequestBodyMode,
+	}
+	if opts.EDS || opts.DecodeFallbacks > 0 {
+		ecfg.DecodeCluster, ecfg.DecodeFallbacks = envoy.DecodeEDS, opts.DecodeFallbacks
 	}
 	if opts.Envoy != nil {
 		opts.Envoy(&ecfg)
@@ -323,6 +332,9 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 	if p := opts.PKI; p != nil {
 		fmt.Fprintf(&b, "tls: {cert_file: %q, key_file: %q, client_ca_file: %q}\n", p.ServerCertFile, p.ServerKey, p.CAFile)
 	}
+	if opts.EDS || opts.DecodeFallbacks > 0 {
+		fmt.Fprintf(&b, "xds: {enabled: true}\n")
+	}
 	for line := range strings.Lines(opts.ConfigYAML) {
 		fmt.Fprintf(&b, "%s\n", strings.TrimSpace(line))
 	}
@@ -331,6 +343,9 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 		Model, !opts.NotDefault, opts.Connector, opts.PrefillTimeout)
 	if opts.MooncakeProtocol != "" {
 		fmt.Fprintf(&b, "  mooncake_protocol: %s\n", opts.MooncakeProtocol)
+	}
+	if opts.DecodeFallbacks > 0 {
+		fmt.Fprintf(&b, "  decode_fallbacks: %d\n", opts.DecodeFallbacks)
 	}
 	for line := range strings.Lines(opts.PoolYAML) {
 		fmt.Fprintf(&b, "  %s\n", strings.TrimSpace(line))
