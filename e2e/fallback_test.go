@@ -14,6 +14,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
@@ -108,10 +109,16 @@ func TestDecodeFallbackEngineKilledUnderLoad(t *testing.T) {
 
 // A decode engine answering 5xx before any byte of its answer has its
 // requests answered by the next endpoint pdx named, with the KV of their
-// prefill.
+// prefill, whichever way Envoy sends pdx the body.
 func TestDecodeFallback5xx(t *testing.T) {
+	for _, mode := range []string{envoy.BodyBuffered, envoy.BodyFullDuplexStreamed} {
+		t.Run(mode, func(t *testing.T) { decodeFallback5xx(t, mode) })
+	}
+}
+
+func decodeFallback5xx(t *testing.T, mode string) {
 	st := startStack(t, stack.Options{
-		Prefill: 1, Decode: 2, DecodeFallbacks: 1,
+		Prefill: 1, Decode: 2, DecodeFallbacks: 1, RequestBodyMode: mode,
 		PoolYAML: "decode_picker: {policy: round_robin}\neject_after_failures: 1000000",
 		Tune: func(role enginesim.Role, i int, c *enginesim.Config) {
 			if role == enginesim.RoleDecode && i == 0 {
@@ -121,7 +128,7 @@ func TestDecodeFallback5xx(t *testing.T) {
 	})
 	_, hc := newClient(t, st)
 	for i := range 4 {
-		text := fmt.Sprintf("5xx fallback %d", i)
+		text := fmt.Sprintf("5xx fallback %s %d", mode, i)
 		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"`+text+`","max_tokens":2}`)
 		require.Equal(t, http.StatusOK, a.status, a.body)
 		require.Contains(t, a.body, wantPrefix(text))
