@@ -128,13 +128,14 @@ func (p *Pool) PickDecode(req picker.Request) (endpoint.Endpoint, error) {
 // PickFallbacks appends to out up to DecodeFallbacks decode endpoints other
 // than first, a request's decode pick, in the decode picker's order of
 // preference (each a pick with the ones before it tried): where Envoy
-// retries the request's decode when first fails. Fewer when the pool has
-// fewer endpoints.
+// retries the request's decode when first fails. They are of first's
+// Group: the request's prefill hands its KV over within it. Fewer when
+// the pool (or group) has fewer endpoints.
 func (p *Pool) PickFallbacks(out []endpoint.Endpoint, req picker.Request, first endpoint.Endpoint) []endpoint.Endpoint {
 	if p.DecodeFallbacks == 0 {
 		return out
 	}
-	req.Group = ""
+	req.Group = first.Group
 	req.Tried = append(make([]endpoint.Endpoint, 0, 1+p.DecodeFallbacks), first)
 	pick := p.Decode.Picker.Pick
 	if s, ok := p.Decode.Picker.(picker.Successor); ok {

@@ -294,6 +294,21 @@ pools:
 	}
 }
 
+// Fallbacks stay in the first pick's group: its prefill hands the KV over
+// within it.
+func TestPickFallbacksInGroup(t *testing.T) {
+	cfg, err := config.Parse([]byte("pools:\n- name: p\n  default: true\n  connector: nixl\n  decode_fallbacks: 3\n  decode_picker: {policy: round_robin}\n  prefill: [{address: 127.0.0.1:1}]\n  decode: [{address: 127.0.0.1:2}]\n"))
+	require.NoError(t, err)
+	table, err := New(cfg)
+	require.NoError(t, err)
+	p := table.Pools()[0]
+	a1, a2 := endpoint.Endpoint{Address: "127.0.0.1:11", Group: "a"}, endpoint.Endpoint{Address: "127.0.0.1:12", Group: "a"}
+	b1 := endpoint.Endpoint{Address: "127.0.0.1:21", Group: "b"}
+	p.SetEndpoints([]endpoint.Endpoint{{Address: "127.0.0.1:1", Group: "a"}, {Address: "127.0.0.1:2", Group: "b"}}, []endpoint.Endpoint{a1, b1, a2})
+	require.Equal(t, []endpoint.Endpoint{a2}, p.PickFallbacks(nil, picker.Request{}, a1))
+	require.Empty(t, p.PickFallbacks(nil, picker.Request{}, b1), "group b has no other decode endpoint")
+}
+
 // Changing a pool's endpoints tells the table's Changes, once for changes
 // not yet received.
 func TestChanges(t *testing.T) {
