@@ -71,10 +71,12 @@ func TestNames(t *testing.T) {
 
 func TestTraits(t *testing.T) {
 	want := map[string]Traits{
-		"nixl": {Prefills: true}, "http": {Prefills: true, MultipleChoices: true}, "lmcache": {Prefills: true, MultipleChoices: true},
-		"mooncake": {Prefills: true}, "mooncake/nixl": {Prefills: true}, "mooncake/vllm": {Prefills: true, Concurrent: true},
-		"sglang": {Prefills: true, Concurrent: true}, "p2p-nccl": {Prefills: true},
-		"trtllm": {Prefills: true}, "trtllm/legacy": {Prefills: true}, "none": {MultipleChoices: true},
+		"nixl": {Prefills: true, DecodeFallback: true}, "http": {Prefills: true, MultipleChoices: true, DecodeFallback: true},
+		"lmcache":  {Prefills: true, MultipleChoices: true, DecodeFallback: true},
+		"mooncake": {Prefills: true, DecodeFallback: true}, "mooncake/nixl": {Prefills: true, DecodeFallback: true},
+		"mooncake/vllm": {Prefills: true, Concurrent: true},
+		"sglang":        {Prefills: true, Concurrent: true}, "p2p-nccl": {Prefills: true},
+		"trtllm": {Prefills: true}, "trtllm/legacy": {Prefills: true}, "none": {MultipleChoices: true, DecodeFallback: true},
 	}
 	for name, p := range variants() {
 		_, traits, err := New(p)

@@ -18,8 +18,9 @@ var _ Connector = HTTP{}
 
 func httpSpec() Spec {
 	// n > 1 works: the decode engine finds the prompt's KV in the store and
-	// samples as many sequences as asked.
-	traits, build := fixed(HTTP{}, Traits{Prefills: true, MultipleChoices: true})
+	// samples as many sequences as asked. Any decode engine finds it there,
+	// so a decode may fall back to another.
+	traits, build := fixed(HTTP{}, Traits{Prefills: true, MultipleChoices: true, DecodeFallback: true})
 	return Spec{Names: []string{"http", "lmcache"}, Traits: traits, New: build}
 }
 

@@ -34,7 +34,12 @@ func mooncakeSpec() Spec {
 		},
 		Validate: mooncakeValidate,
 		Traits: func(p *configv1.Pool) Traits {
-			return Traits{Prefills: true, Concurrent: p.GetMooncakeProtocol() == MooncakeVLLM}
+			vllm := p.GetMooncakeProtocol() == MooncakeVLLM
+			// The nixl protocol is NIXL's: any decode reads the prefill's
+			// KV. vLLM's concurrent protocol has the prefill send its KV
+			// to the decode that asked, under a transfer id: a second
+			// decode cannot have it.
+			return Traits{Prefills: true, Concurrent: vllm, DecodeFallback: !vllm}
 		},
 		New: func(p *configv1.Pool) (Connector, error) {
 			switch p.GetMooncakeProtocol() {

@@ -21,7 +21,13 @@ var _ interface {
 } = NIXL{}
 
 func nixlSpec() Spec {
-	traits, build := fixed(NIXL{}, Traits{Prefills: true})
+	traits, build := fixed(NIXL{}, Traits{Prefills: true,
+		// Any decode engine can read the prefill's blocks: the decode body's
+		// kv_transfer_params name the prefill engine and its blocks, not a
+		// decode. A decode that read them and then failed leaves the next
+		// one nothing to read (the prefill frees blocks once read): vLLM's
+		// kv_load_failure_policy says whether that one recomputes or fails.
+		DecodeFallback: true})
 	return Spec{Names: []string{"nixl"}, Fields: []string{FieldKVAddress}, Traits: traits, New: build}
 }
 

@@ -16,7 +16,8 @@ func (None) Prepare(_ context.Context, _ Env, req *Request) (Decode, error) {
 var _ Connector = None{}
 
 func noneSpec() Spec {
-	// No prefill leg: n > 1 is the engine's own business.
-	traits, build := fixed(None{}, Traits{MultipleChoices: true})
+	// No prefill leg: n > 1 is the engine's own business, and any engine
+	// can serve the request (decode fallback).
+	traits, build := fixed(None{}, Traits{MultipleChoices: true, DecodeFallback: true})
 	return Spec{Names: []string{"none"}, Traits: traits, New: build}
 }

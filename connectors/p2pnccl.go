@@ -18,6 +18,8 @@ type P2PNCCL struct{}
 var _ Connector = P2PNCCL{}
 
 func p2pNCCLSpec() Spec {
+	// No decode fallback: the request id names the decode's address, to
+	// which the prefill sends its KV.
 	traits, build := fixed(P2PNCCL{}, Traits{Prefills: true})
 	return Spec{Names: []string{"p2p-nccl"}, Fields: []string{FieldKVAddress}, Traits: traits, New: build, Validate: p2pNCCLValidate}
 }

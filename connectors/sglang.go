@@ -26,6 +26,8 @@ var _ interface {
 } = SGLang{}
 
 func sglangSpec() Spec {
+	// No decode fallback: the prefill sends its KV to the decode that
+	// registered the bootstrap room, and a room serves one attempt.
 	traits, build := fixed(SGLang{}, Traits{Prefills: true, Concurrent: true})
 	return Spec{Names: []string{"sglang"}, Traits: traits, New: build}
 }

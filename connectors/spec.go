@@ -47,6 +47,10 @@ type Traits struct {
 	// recomputes or shares the prefix rather than taking the KV of one
 	// sequence.
 	MultipleChoices bool
+	// DecodeFallback reports that a decode engine other than the one
+	// picked can still take the request with the same decode body, so
+	// Envoy may retry the decode on another (the pool's decode_fallbacks).
+	DecodeFallback bool
 }
 
 // The connector-specific pool fields, as Spec.Fields names them.

@@ -44,6 +44,9 @@ func trtllmSpec() Spec {
 			}
 			return nil
 		},
+		// No decode fallback: whether a generation server other than the
+		// first can still fetch the context server's KV once the first has
+		// (or has failed to) is not established; pdx does not bet on it.
 		Traits: func(*configv1.Pool) Traits { return Traits{Prefills: true} },
 		New: func(p *configv1.Pool) (Connector, error) {
 			switch p.GetTrtllmProtocol() {

@@ -66,6 +66,19 @@ type Config struct {
 	// request, standing in for a gateway that restricts the endpoints.
 	// Tests only: a client must never choose where its request goes.
 	SubsetHintHeader string
+	// DecodeCluster is the kind of the decode cluster: DecodeOriginalDst
+	// (the default when empty), which connects to the one host pdx names,
+	// or DecodeEDS, the decode-fallback profile: an EDS cluster that pdx
+	// serves (its xds config) with the override_host load balancing
+	// policy, retrying the decode on the next host pdx named.
+	DecodeCluster string
+	// DecodeFallbacks is how many times Envoy retries a decode in the
+	// DecodeEDS profile: the most decode_fallbacks of pdx's pools (0
+	// means 1).
+	DecodeFallbacks int
+	// XDSCluster is the ClusterLoadAssignment the DecodeEDS cluster asks
+	// pdx for: pdx's xds.cluster_name ("" means pdx_decode).
+	XDSCluster string
 	// WithoutExtProc leaves pdx out: the client's own
 	// x-gateway-destination-endpoint picks the engine. Only the load
 	// harness's floor, Envoy alone, uses it; it is never a deployment.
@@ -106,6 +119,12 @@ const (
 	// not the translation's). Config.PdxTLS must be unset and
 	// RequestBodyMode is not used; pdx must serve TLS (tls.self_signed).
 	ProfileAIGateway = "aigateway"
+)
+
+// Decode cluster kinds of Config.DecodeCluster.
+const (
+	DecodeOriginalDst = "original_dst"
+	DecodeEDS         = "eds"
 )
 
 // BufferHeadroom is how far Envoy's buffer limit may exceed pdx's
@@ -213,6 +232,19 @@ func Render(w io.Writer, c Config) error {
 	default:
 		return fmt.Errorf("request body mode %q: want %s or %s", c.RequestBodyMode, BodyBuffered, BodyFullDuplexStreamed)
 	}
+	switch c.DecodeCluster {
+	case "":
+		c.DecodeCluster = DecodeOriginalDst
+	case DecodeOriginalDst, DecodeEDS:
+	default:
+		return fmt.Errorf("decode cluster %q: want %s or %s", c.DecodeCluster, DecodeOriginalDst, DecodeEDS)
+	}
+	if c.DecodeFallbacks <= 0 {
+		c.DecodeFallbacks = 1
+	}
+	if c.XDSCluster == "" {
+		c.XDSCluster = "pdx_decode"
+	}
 	if c.ListenAddress == "" {
 		c.ListenAddress = "127.0.0.1"
 	}
@@ -247,6 +279,9 @@ func Render(w io.Writer, c Config) error {
 		"FullDuplex":          c.RequestBodyMode == BodyFullDuplexStreamed,
 		"AIGateway":           c.Profile == ProfileAIGateway,
 		"SubsetHintHeader":    c.SubsetHintHeader,
+		"EDS":                 c.DecodeCluster == DecodeEDS,
+		"DecodeRetries":       c.DecodeFallbacks,
+		"XDSCluster":          c.XDSCluster,
 	})
 }
 

@@ -28,6 +28,11 @@ func TestRenderValidates(t *testing.T) {
 		{name: "AI Gateway's InferencePool translation", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", Profile: envoy.ProfileAIGateway}},
 		{name: "AI Gateway with a subset hint", cfg: envoy.Config{PdxAddress: "pdx:9002", Profile: envoy.ProfileAIGateway, SubsetHintHeader: "x-test-subset"}},
 		{name: "pdx's own with a subset hint", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", SubsetHintHeader: "x-test-subset"}},
+		{name: "decode fallback over EDS", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", DecodeCluster: envoy.DecodeEDS, DecodeFallbacks: 2}},
+		{name: "decode fallback over EDS, full-duplex, replicas", cfg: envoy.Config{
+			PdxAddress: "pdx:9002", PdxAddresses: []string{"pdx-2:9002"}, DecodeCluster: envoy.DecodeEDS, XDSCluster: "decode",
+			RequestBodyMode: envoy.BodyFullDuplexStreamed,
+		}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

@@ -2,6 +2,7 @@ package processor
 
 import (
 	"strconv"
+	"strings"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	filterextprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -96,7 +97,8 @@ type decision struct {
 // body.
 func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
 	set := make([]*corev3.HeaderValueOption, 0, 3+len(r.trace.headers))
-	set = append(set, setHeader(DestinationHeader, d.decode.Address))
+	destination := r.destination(d.decode)
+	set = append(set, setHeader(DestinationHeader, destination))
 	if !d.atHeaders {
 		set = append(set, setHeader("content-length", strconv.Itoa(len(d.body))))
 	}
@@ -105,7 +107,7 @@ func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
 		set = append(set, setHeader(h.name, h.value))
 	}
 	r.obs.routed(d.decode)
-	metadata := endpointMetadata(d.decode, r.clientID)
+	metadata := endpointMetadata(destination, r.clientID)
 	if !d.atHeaders && !r.duplex() {
 		resp := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
 		if !d.unchanged {
@@ -141,12 +143,35 @@ func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
 	return headers
 }
 
-// endpointMetadata names the decode endpoint in Envoy's dynamic metadata,
-// and the client's request id.
-func endpointMetadata(decode endpoint.Endpoint, clientID string) *structpb.Struct {
+// destination is the value of DestinationHeader for a request whose decode
+// endpoint is decode: its address, then those of the request's fallbacks,
+// comma-separated (the override_host load balancing policy's list: each
+// attempt of Envoy's takes the next).
+func (r *request) destination(decode endpoint.Endpoint) string {
+	if len(r.decodes) < 2 || r.decodes[0] != decode {
+		return decode.Address
+	}
+	n := len(r.decodes) - 1
+	for _, ep := range r.decodes {
+		n += len(ep.Address)
+	}
+	var b strings.Builder
+	b.Grow(n)
+	for i, ep := range r.decodes {
+		if i > 0 {
+			b.WriteByte(',')
+		}
+		b.WriteString(ep.Address)
+	}
+	return b.String()
+}
+
+// endpointMetadata names the decode endpoints (destination) in Envoy's
+// dynamic metadata, and the client's request id.
+func endpointMetadata(destination, clientID string) *structpb.Struct {
 	return &structpb.Struct{Fields: map[string]*structpb.Value{
 		MetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
-			DestinationHeader: structpb.NewStringValue(decode.Address),
+			DestinationHeader: structpb.NewStringValue(destination),
 		}}),
 		RequestMetadataNamespace: structpb.NewStructValue(&structpb.Struct{Fields: map[string]*structpb.Value{
 			"request_id": structpb.NewStringValue(clientID),

@@ -40,6 +40,9 @@ type recorder interface {
 	decided(p *routing.Pool, reason string)
 	// routed notes that pdx sent the request on to decode.
 	routed(decode endpoint.Endpoint)
+	// served notes the decode endpoint that answered, as Envoy told it;
+	// fallback: not the one pdx picked first.
+	served(p *routing.Pool, endpoint string, fallback bool)
 	// failed notes the error code pdx answered with.
 	failed(code string)
 	// end reports the request when its stream ends.
@@ -87,6 +90,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
+func (noRecord) served(*routing.Pool, string, bool)                           {}
 func (noRecord) failed(string)                                                {}
 func (noRecord) end(ending)                                                   {}
 
@@ -178,6 +182,13 @@ func (o *observation) routed(decode endpoint.Endpoint) {
 	o.answered = time.Since(o.start)
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.decode.endpoint", decode.Address))
+	}
+}
+
+func (o *observation) served(p *routing.Pool, endpoint string, fallback bool) {
+	o.metrics.Pool(p).DecodeServed(endpoint, fallback)
+	if o.span != nil {
+		o.span.SetAttributes(attribute.String("pdx.decode.served", endpoint), attribute.Bool("pdx.decode.fallback", fallback))
 	}
 }
 

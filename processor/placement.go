@@ -42,6 +42,13 @@ func (f *inFlight) end() {
 	}
 }
 
+// named notes the decode endpoints a request names: first, pdx's pick,
+// then the pool's fallbacks for it.
+func (r *request) named(pool *routing.Pool, first endpoint.Endpoint) {
+	r.decodePool = pool
+	r.decodes = pool.PickFallbacks(append(r.decodes[:0], first), r.pick(), first)
+}
+
 // prompt returns the part of body that placement hashes: the raw JSON of
 // "messages" (chat) or "prompt" (completions), nil when there is neither.
 // Raw bytes keep their order, so a conversation's next turn starts with its
@@ -76,6 +83,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 		cached = pool.Decode.Set.Matched(ep, r.blocks) * pool.BlockTokens
 	}
 	r.decode.begin(pool.Decode.Set, ep, r.blocks, r.tokens)
+	r.named(pool, ep)
 	if !pool.Traits.Prefills {
 		return "", nil
 	}

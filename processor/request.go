@@ -10,6 +10,7 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -108,7 +109,13 @@ type request struct {
 	// decode counts the request on its decode endpoint until its stream
 	// ends: Envoy ends it when the response is over.
 	decode inFlight
-	closed bool
+	// decodes are the decode endpoints pdx named, its pick first and then
+	// the ones Envoy may retry on (the pool's decode_fallbacks); decodePool
+	// is their pool. The decode that served is told by Envoy with the
+	// response headers (served.go).
+	decodes    []endpoint.Endpoint
+	decodePool *routing.Pool
+	closed     bool
 }
 
 func newRequest(table *routing.Table, env connectors.Env, log *slog.Logger, bg *sync.WaitGroup, start time.Time, obs recorder) *request {
@@ -207,6 +214,7 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 			r.prefill.heldHeaders = true
 			return nil, nil
 		}
+		r.served(ctx, msg)
 		return r.responseHeaders(), nil
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		if r.state == stateRequestHeaders {

@@ -85,7 +85,9 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 		// The answer waits for the body: it carries the decode endpoint.
 		return nil, nil
 	}
-	if r.table.HasConcurrent() && !r.passThrough {
+	if (r.table.HasConcurrent() || r.table.MaxDecodeFallbacks() > 0) && !r.passThrough {
+		// Also with decode fallbacks: the response headers tell which
+		// decode served (served.go).
 		return routeHeadersHoldingResponse(), nil
 	}
 	return routeHeaders(), nil
@@ -112,7 +114,8 @@ func (r *request) checkHeaderRoom(h *extprocv3.HttpHeaders) error {
 			count++
 		}
 	}
-	add(DestinationHeader, len("[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535"))
+	// The decode endpoint, and the fallbacks after it.
+	add(DestinationHeader, (1+r.table.MaxDecodeFallbacks())*len("[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535,"))
 	add("content-length", 10)
 	add("x-request-id", 36)
 	for _, th := range r.trace.headers {
@@ -254,6 +257,7 @@ func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse
 		return nil, err
 	}
 	r.decode.begin(pool.Decode.Set, decode, nil, 0)
+	r.named(pool, decode)
 	r.state = statePassThrough
 	return r.answer(decision{decode: decode, atHeaders: true}), nil
 }
@@ -289,6 +293,7 @@ func (r *request) passBody(raw []byte) (decision, error) {
 		return decision{}, err
 	}
 	r.decode.begin(pool.Decode.Set, decode, nil, 0)
+	r.named(pool, decode)
 	return decision{decode: decode, body: body, unchanged: bytes.Equal(body, raw)}, nil
 }
 

@@ -162,17 +162,17 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			// its stream stays open until Envoy ends it with the response,
 			// so that the decode endpoint's in-flight count is exact (unless
 			// the table says to end it now). A drain ends it cleanly, and
-			// Envoy goes on with the generation.
-			decode := req.decode
-			req.decode = inFlight{}
-			hold := decode.set != nil && !req.table.Limits().EndStreamsAtRouting
+			// Envoy goes on with the generation. The count may move to the
+			// decode endpoint that served (served.go); the deferred end
+			// ends it. The request's record waits for the response's end
+			// when Envoy sends pdx the response.
+			hold := req.decode.set != nil && !req.table.Limits().EndStreamsAtRouting
 			if !hold || !req.observesResponse() {
 				req.close()
 			}
 			if hold {
 				s.hold(ctx, stream, received, req)
 			}
-			decode.end()
 			req.close() // once the response is over, when pdx saw it
 			return nil
 		}

@@ -828,7 +828,8 @@ func checkEnvoyGateway(t *testing.T, r rendered, p pdx) {
 	require.Equal(t, gwv1.Kind("Service"), *eb.Kind)
 	requirePdxService(t, objs, p, string(eb.Name), int32(*eb.Port))
 	require.Equal(t, egv1a1.BufferedExtProcBodyProcessingMode, *ep.ProcessingMode.Request.Body)
-	require.Nil(t, ep.ProcessingMode.Response)
+	require.NotNil(t, ep.ProcessingMode.Response, "pdx sees the response headers")
+	require.Equal(t, []string{"upstream.address"}, ep.ProcessingMode.Response.Attributes, "the decode that served")
 	require.True(t, ep.ProcessingMode.AllowModeOverride)
 	require.False(t, *ep.FailOpen, "fail closed")
 	require.EqualValues(t, 503, *ep.StatusOnError)
@@ -864,9 +865,9 @@ func checkEnvoyGateway(t *testing.T, r rendered, p pdx) {
 	require.Equal(t, processor.DestinationHeader, *lb.EndpointOverride.ExtractFrom[0].Header)
 	retry := btp.Spec.Retry
 	require.NotNil(t, retry)
-	require.EqualValues(t, 2, *retry.NumRetries)
-	require.ElementsMatch(t, []egv1a1.TriggerEnum{egv1a1.ConnectFailure, egv1a1.RefusedStream, egv1a1.Reset, egv1a1.RetriableStatusCodes}, retry.RetryOn.Triggers)
-	require.Equal(t, []egv1a1.HTTPStatus{500, 502, 503, 504}, retry.RetryOn.HTTPStatusCodes)
+	require.EqualValues(t, 1, *retry.NumRetries)
+	require.ElementsMatch(t, []egv1a1.TriggerEnum{egv1a1.ConnectFailure, egv1a1.RefusedStream, egv1a1.ResetBeforeRequest, egv1a1.Error5XX}, retry.RetryOn.Triggers)
+	require.Empty(t, retry.RetryOn.HTTPStatusCodes)
 	require.GreaterOrEqual(t, bufferLimit(t, "BackendTrafficPolicy", btp.Spec.Connection.BufferLimit), client)
 
 	require.Contains(t, r.notes, "Envoy Gateway mode")

@@ -19,7 +19,6 @@ import (
 	"time"
 
 	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
-	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
@@ -53,7 +52,10 @@ import (
 const (
 	baseDir = "base"
 	egDir   = "envoy-gateway"
-	poolDir = "inferencepool"
+	// jsonErrorsDir is the optional patch of Envoy Gateway's listener for
+	// pdx's JSON local replies.
+	jsonErrorsDir = "envoy-gateway-json-errors"
+	poolDir       = "inferencepool"
 )
 
 const (
@@ -307,7 +309,8 @@ func TestStrictDecodeRejectsUnknownFields(t *testing.T) {
 		wantErr string              // "" means decoding succeeds
 	}{
 		{name: "EnvoyExtensionPolicy as written", file: egDir + "/20-envoyextensionpolicy.yaml"},
-		{name: "EnvoyPatchPolicy pdx-responses as written", file: egDir + "/30-envoypatchpolicy.yaml", doc: 1},
+		{name: "EnvoyPatchPolicy pdx-responses as written", file: jsonErrorsDir + "/30-envoypatchpolicy.yaml"},
+		{name: "BackendTrafficPolicy as written", file: egDir + "/50-backendtrafficpolicy.yaml"},
 		{name: "ClientTrafficPolicy as written", file: egDir + "/40-clienttrafficpolicy.yaml"},
 		{name: "Deployment as written", file: baseDir + "/30-pdx-deployment.yaml"},
 		{name: "InferencePool as written", file: poolDir + "/10-inferencepool.yaml"},
@@ -329,12 +332,17 @@ func TestStrictDecodeRejectsUnknownFields(t *testing.T) {
 			wantErr: `"failOpen" already set`,
 		},
 		{
-			name: "EnvoyPatchPolicy: misspelt value", file: egDir + "/30-envoypatchpolicy.yaml",
-			mutate:  addField("spec.jsonPatches.0.operation", "vaule", "ORIGINAL_DST"),
+			name: "EnvoyPatchPolicy: misspelt value", file: jsonErrorsDir + "/30-envoypatchpolicy.yaml",
+			mutate:  addField("spec.jsonPatches.0.operation", "vaule", "x"),
 			wantErr: `unknown field "spec.jsonPatches[0].operation.vaule"`,
 		},
 		{
-			name: "EnvoyPatchPolicy pdx-responses: misspelt name", file: egDir + "/30-envoypatchpolicy.yaml", doc: 1,
+			name: "BackendTrafficPolicy: misspelt endpointOverride", file: egDir + "/50-backendtrafficpolicy.yaml",
+			mutate:  renameField("spec.loadBalancer", "endpointOverride", "endpointOveride"),
+			wantErr: `unknown field "spec.loadBalancer.endpointOveride"`,
+		},
+		{
+			name: "EnvoyPatchPolicy pdx-responses: misspelt name", file: jsonErrorsDir + "/30-envoypatchpolicy.yaml",
 			mutate:  renameField("spec.jsonPatches.0", "name", "nmae"),
 			wantErr: `unknown field "spec.jsonPatches[0].nmae"`,
 		},
@@ -394,7 +402,7 @@ func TestStrictDecodeRejectsUnknownFields(t *testing.T) {
 			wantErr: `unknown field "spec.endpointPickerRef.failureMod"`,
 		},
 		{
-			name: "unknown kind", file: egDir + "/30-envoypatchpolicy.yaml",
+			name: "unknown kind", file: jsonErrorsDir + "/30-envoypatchpolicy.yaml",
 			text: func(s string) string {
 				return strings.Replace(s, "kind: EnvoyPatchPolicy", "kind: EnvoyPatchPolicie", 1)
 			},
@@ -890,7 +898,6 @@ func TestEnvoyGatewayManifests(t *testing.T) {
 	require.NotNil(t, ep.ProcessingMode.Request, "without processingMode.request Envoy Gateway skips the request headers")
 	require.NotNil(t, ep.ProcessingMode.Request.Body)
 	require.Equal(t, egv1a1.BufferedExtProcBodyProcessingMode, *ep.ProcessingMode.Request.Body)
-	require.Nil(t, ep.ProcessingMode.Response, "response phases skipped (pdx asks for them per request)")
 	require.True(t, ep.ProcessingMode.AllowModeOverride, "pdx switches phases per request")
 	require.NotNil(t, ep.FailOpen, "state failOpen: false explicitly")
 	require.False(t, *ep.FailOpen, "fail closed: a request pdx did not see must not reach an engine")
@@ -947,22 +954,58 @@ func TestEnvoyGatewayManifests(t *testing.T) {
 	require.Equal(t, own.hcm.GetRequestHeadersTimeout().AsDuration(), duration("requestHeadersReceivedTimeout", h.RequestHeadersReceivedTimeout))
 	require.Nil(t, h.RequestReceivedTimeout, "pdx's request_body_timeout bounds the body, nothing the whole request")
 
-	// The upstream side: the decode engines.
+	// The upstream side: the decode engines, the one pdx picked (and its
+	// fallbacks on retries), no EnvoyPatchPolicy.
 	btp := get[*egv1a1.BackendTrafficPolicy](t, objs, "pdx-decode")
 	requireTargets(t, objs, btp.Spec.TargetRefs, "HTTPRoute")
 	require.NotNil(t, btp.Spec.Connection)
 	require.GreaterOrEqual(t, bufferLimit(t, "BackendTrafficPolicy", btp.Spec.Connection.BufferLimit), client)
+	require.NotNil(t, btp.Spec.LoadBalancer)
+	require.NotNil(t, btp.Spec.LoadBalancer.EndpointOverride, "the decode engine pdx names, by endpointOverride")
+	require.Len(t, btp.Spec.LoadBalancer.EndpointOverride.ExtractFrom, 1)
+	require.NotNil(t, btp.Spec.LoadBalancer.EndpointOverride.ExtractFrom[0].Header)
+	require.Equal(t, processor.DestinationHeader, *btp.Spec.LoadBalancer.EndpointOverride.ExtractFrom[0].Header)
+	require.NotNil(t, btp.Spec.Retry, "decode fallback: Envoy retries on the next host pdx named")
+	require.NotNil(t, btp.Spec.Retry.NumRetries)
+	require.GreaterOrEqual(t, int(*btp.Spec.Retry.NumRetries), maxDecodeFallbacks(p))
+	require.NotNil(t, btp.Spec.Retry.RetryOn)
+	require.Subset(t, btp.Spec.Retry.RetryOn.Triggers, []egv1a1.TriggerEnum{egv1a1.ConnectFailure, egv1a1.RefusedStream, egv1a1.Error5XX})
+	require.Empty(t, all[*egv1a1.EnvoyPatchPolicy](objs), "the default set needs no EnvoyPatchPolicy")
+	require.NotNil(t, ep.ProcessingMode.Response, "the response headers: pdx sets x-request-id and learns the decode that served")
+	require.Nil(t, ep.ProcessingMode.Response.Body, "no response body to pdx")
+	require.Equal(t, []string{processor.UpstreamAddressAttribute}, ep.ProcessingMode.Response.Attributes)
+}
 
-	// The patches, each applied to the resource Envoy Gateway generates.
+// maxDecodeFallbacks is the most decode_fallbacks of the pools of p.
+func maxDecodeFallbacks(p pdxConfig) int {
+	n := 0
+	for _, pool := range p.cfg.GetPools() {
+		n = max(n, int(pool.GetDecodeFallbacks()))
+	}
+	return n
+}
+
+// TestEnvoyGatewayJSONErrors: the optional patch gives Envoy Gateway's
+// listener pdx's JSON local replies and its route configuration pdx's
+// x-request-id response headers, each applied to the resource Envoy
+// Gateway generates.
+func TestEnvoyGatewayJSONErrors(t *testing.T) {
+	objs := load(t, baseDir, egDir, jsonErrorsDir)
+	p := loadPdx(t, objs)
+	own := renderPdxEnvoy(t)
+	route := get[*gwv1.HTTPRoute](t, objs, "openai")
+	parent := route.Spec.ParentRefs[0]
+	gw := get[*gwv1.Gateway](t, objs, string(parent.Name))
+	ctp := get[*egv1a1.ClientTrafficPolicy](t, objs, "pdx")
+	client := bufferLimit(t, "ClientTrafficPolicy", ctp.Spec.Connection.BufferLimit)
+	ep := get[*egv1a1.EnvoyExtensionPolicy](t, objs, "pdx").Spec.ExtProc[0]
+
 	epps := all[*egv1a1.EnvoyPatchPolicy](objs)
-	require.Len(t, epps, 2)
+	require.Len(t, epps, 1)
 	listenerName := egListenerName(gw, *parent.SectionName)
 	resources := []egResource{
 		{typ: string(egv1a1.ListenerEnvoyResourceType), name: listenerName, file: egListenerFile},
 		{typ: string(egv1a1.RouteConfigurationEnvoyResourceType), name: listenerName, file: egRouteConfigFile},
-	}
-	for i := range route.Spec.Rules {
-		resources = append(resources, egResource{typ: string(egv1a1.ClusterEnvoyResourceType), name: egRuleCluster(route, i), file: egClusterFile})
 	}
 	for _, epp := range epps {
 		require.Equal(t, egv1a1.JSONPatchEnvoyPatchType, epp.Spec.Type)
@@ -977,19 +1020,6 @@ func TestEnvoyGatewayManifests(t *testing.T) {
 	}
 	for _, r := range resources {
 		require.NotEmpty(t, patchesFor(epps, r.typ, r.name), "nothing patches %s %s", r.typ, r.name)
-	}
-
-	// ORIGINAL_DST for every rule: every request goes to the decode
-	// endpoint pdx picked.
-	for i := range route.Spec.Rules {
-		c := patched[*clusterv3.Cluster](t, epps, egResource{typ: string(egv1a1.ClusterEnvoyResourceType), name: egRuleCluster(route, i), file: egClusterFile})
-		require.Equal(t, clusterv3.Cluster_ORIGINAL_DST, c.GetType())
-		require.Equal(t, clusterv3.Cluster_CLUSTER_PROVIDED, c.GetLbPolicy())
-		require.Nil(t, c.GetEdsClusterConfig())
-		require.Nil(t, c.GetLoadBalancingPolicy())
-		require.True(t, c.GetOriginalDstLbConfig().GetUseHttpHeader())
-		require.Equal(t, processor.DestinationHeader, c.GetOriginalDstLbConfig().GetHttpHeaderName())
-		require.EqualValues(t, bufferLimit(t, "BackendTrafficPolicy", btp.Spec.Connection.BufferLimit), c.GetPerConnectionBufferLimitBytes().GetValue())
 	}
 
 	// The listener: pdx's local replies; header limits Envoy's defaults,

@@ -20,6 +20,7 @@ import (
 	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/router/v3" // in both listeners
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
 	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/least_request/v3" // in Envoy Gateway's cluster
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/retry/host/previous_hosts/v3"             // in Envoy Gateway's retry policy
 	jsonpatch "github.com/evanphx/json-patch/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protojson"
@@ -31,15 +32,12 @@ import (
 	"github.com/pdx-router/pdx/envoy"
 )
 
-// The resources Envoy Gateway v1.9.1 generates for the manifests, as its
-// EnvoyPatchPolicy sees them before patching (protojson with proto field
-// names), taken from `egctl x translate` on base/ and envoy-gateway/ without
-// the EnvoyPatchPolicies. The egctl test checks them against the real
+// The resources Envoy Gateway v1.9.1 generates for the manifests, as the
+// EnvoyPatchPolicy of envoy-gateway-json-errors/ sees them before patching
+// (protojson with proto field names), taken from `egctl x translate` on
+// base/ and envoy-gateway/. The egctl test checks them against the real
 // translation (and rewrites them with -update).
 const (
-	// egClusterFile is the cluster of the openai HTTPRoute's rule, with a
-	// Service backend under the BackendTrafficPolicy.
-	egClusterFile = "testdata/eg-rule-cluster.json"
 	// egListenerFile is the Gateway's listener (its HTTP connection
 	// manager, under the ClientTrafficPolicy and with the ext_proc filter).
 	egListenerFile = "testdata/eg-listener.json"
@@ -268,10 +266,9 @@ func responseHeaders(opts []*corev3.HeaderValueOption) proto.Message {
 // as it is for Envoy Gateway (which then leaves the policy unprogrammed).
 // The patches as written apply.
 func TestPatchValuesDecodeStrictly(t *testing.T) {
-	objs := load(t, egDir)
+	objs := load(t, jsonErrorsDir)
 	listener := egResource{typ: string(egv1a1.ListenerEnvoyResourceType), name: "pdx/pdx/http", file: egListenerFile}
 	routeConfig := egResource{typ: string(egv1a1.RouteConfigurationEnvoyResourceType), name: "pdx/pdx/http", file: egRouteConfigFile}
-	cluster := egResource{typ: string(egv1a1.ClusterEnvoyResourceType), name: "httproute/pdx/openai/rule/0", file: egClusterFile}
 	tests := []struct {
 		name     string
 		resource egResource
@@ -281,7 +278,6 @@ func TestPatchValuesDecodeStrictly(t *testing.T) {
 	}{
 		{name: "listener as written", resource: listener},
 		{name: "route configuration as written", resource: routeConfig},
-		{name: "cluster as written", resource: cluster},
 		{
 			name: "listener: misspelt mapper field", resource: listener,
 			change: func(op map[string]any) {
@@ -313,8 +309,8 @@ func TestPatchValuesDecodeStrictly(t *testing.T) {
 			wantErr: `invalid value for enum field appendAction: "OVERWRITE"`,
 		},
 		{
-			name: "cluster: remove a field Envoy Gateway does not set", resource: cluster,
-			change:  func(op map[string]any) { op["op"], op["path"] = "remove", "/dns_resolution_config" },
+			name: "listener: remove a field Envoy Gateway does not set", resource: listener,
+			change:  func(op map[string]any) { op["op"], op["path"] = "remove", "/tcp_backlog_size" },
 			wantErr: "does not apply to Envoy Gateway's resource",
 		},
 	}

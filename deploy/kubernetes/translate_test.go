@@ -20,9 +20,12 @@ import (
 	"testing"
 
 	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
+	clusterv3 "github.com/envoyproxy/go-control-plane/envoy/config/cluster/v3"
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
+	overridehostv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/override_host/v3"
+	_ "github.com/envoyproxy/go-control-plane/envoy/extensions/load_balancing_policies/round_robin/v3" // the override_host fallback
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
@@ -51,7 +54,7 @@ type translation struct {
 }
 
 // update rewrites the testdata files of Envoy Gateway's unpatched
-// resources (see egClusterFile) from the translation:
+// resources (see egListenerFile) from the translation:
 //
 //	EGCTL=$PWD/.tools/egctl/egctl go test -tags egctl -run TestEnvoyGatewayTranslation ./deploy/kubernetes/ -update
 var update = flag.Bool("update", false, "rewrite testdata/eg-*.json from egctl's translation")
@@ -101,13 +104,17 @@ func dumpOf(t *testing.T, tr translation) xdsDump {
 }
 
 // TestEnvoyGatewayTranslation runs Envoy Gateway's own translator on base/
-// and envoy-gateway/, requires every route and policy to be accepted,
-// checks that the generated Envoy config is pdx's own bootstrap where pdx
-// depends on it (ext_proc filter, buffer and header limits, one route to
-// the ORIGINAL_DST cluster, local replies, x-request-id response headers),
-// checks the testdata the manifest tests patch against the unpatched
-// translation, and has the pinned Envoy validate the result (as a static
-// bootstrap: EDS endpoints and RDS routes inlined).
+// and envoy-gateway/, requires every route and policy to be accepted and
+// no EnvoyPatchPolicy, checks that the generated Envoy config is pdx's own
+// bootstrap where pdx depends on it (ext_proc filter, buffer and header
+// limits, one route to the decode cluster, whose load balancing policy is
+// override_host on pdx's header, with retries for the decode fallback),
+// checks the testdata the manifest tests patch against the translation,
+// and has the pinned Envoy validate the result (as a static bootstrap: EDS
+// endpoints and RDS routes inlined). With the optional
+// envoy-gateway-json-errors/ patch on top, the listener has pdx's local
+// replies and the route configuration pdx's x-request-id headers, and the
+// pinned Envoy validates that too.
 func TestEnvoyGatewayTranslation(t *testing.T) {
 	egctl := os.Getenv("EGCTL")
 	require.NotEmpty(t, egctl, "set EGCTL to Envoy Gateway's egctl (make k8s-translate installs it)")
@@ -153,7 +160,8 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	for _, p := range tr.BackendTrafficPolicies {
 		policies["BackendTrafficPolicy "+p.Name] = p.Status.Ancestors
 	}
-	require.Len(t, policies, 5)
+	require.Empty(t, tr.EnvoyPatchPolicies, "the default set needs no EnvoyPatchPolicy")
+	require.Len(t, policies, 3)
 	for name, ancestors := range policies {
 		require.NotEmpty(t, ancestors, name)
 		for _, a := range ancestors {
@@ -173,20 +181,15 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	name := egListenerName(gw, *route.Spec.ParentRefs[0].SectionName)
 	bufferLimit := ctp.Spec.Connection.BufferLimit.Value()
 
-	// Every rule's cluster is ORIGINAL_DST.
+	// Every rule's cluster takes the host pdx names (override_host on its
+	// header) among the decode Service's endpoints.
 	for i := range route.Spec.Rules {
 		c := egRuleCluster(route, i)
-		decode := dump.clusters[c]
-		require.NotNil(t, decode, "no cluster %s: Envoy Gateway names clusters differently", c)
-		require.Equal(t, "ORIGINAL_DST", decode["type"], c)
-		require.Equal(t, "CLUSTER_PROVIDED", decode["lbPolicy"], c)
-		require.NotContains(t, decode, "edsClusterConfig", c)
-		require.NotContains(t, decode, "loadBalancingPolicy", c)
-		require.Equal(t, map[string]any{"useHttpHeader": true, "httpHeaderName": processor.DestinationHeader}, decode["originalDstLbConfig"], c)
+		requireOverrideHost(t, dump, c)
 	}
 
-	// The route configuration: one route, every path, no timeout, to an
-	// ORIGINAL_DST cluster; the client's x-request-id back.
+	// The route configuration: one route, every path, no timeout, to the
+	// decode cluster, retried on the next host pdx named.
 	require.Len(t, dump.routes, 1)
 	rc := xdsResource[*routev3.RouteConfiguration](t, dump.routes[name], "route configuration "+name)
 	require.Len(t, rc.GetVirtualHosts(), 1)
@@ -196,7 +199,13 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 			routes++
 			c := r.GetRoute().GetCluster()
 			require.NotNil(t, dump.clusters[c], "route %s: no cluster %s", r.GetName(), c)
-			require.Equal(t, "ORIGINAL_DST", dump.clusters[c]["type"], "route %s: every request goes to the decode endpoint pdx picked", r.GetName())
+			requireOverrideHost(t, dump, c)
+			rp := r.GetRoute().GetRetryPolicy()
+			require.NotNil(t, rp, "route %s: decode fallback needs retries", r.GetName())
+			require.GreaterOrEqual(t, int(rp.GetNumRetries().GetValue()), maxDecodeFallbacks(p), r.GetName())
+			for _, on := range []string{"connect-failure", "refused-stream", "5xx"} {
+				require.Contains(t, strings.Split(rp.GetRetryOn(), ","), on, "route %s", r.GetName())
+			}
 			require.Equal(t, "/", r.GetMatch().GetPrefix(), r.GetName())
 			require.Empty(t, r.GetMatch().GetHeaders(), r.GetName())
 			require.Equal(t, own.route.GetRoute().GetTimeout().AsDuration(), r.GetRoute().GetTimeout().AsDuration(), "route %s: no timeout", r.GetName())
@@ -206,7 +215,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 		require.Empty(t, vh.GetResponseHeadersToAdd(), vh.GetName())
 	}
 	require.Equal(t, 1, routes)
-	requireProtoEqual(t, responseHeaders(own.route.GetResponseHeadersToAdd()), responseHeaders(rc.GetResponseHeadersToAdd()), "the route configuration's response_headers_to_add")
+	require.Empty(t, rc.GetResponseHeadersToAdd(), "pdx itself sets x-request-id on the response (without envoy-gateway-json-errors/)")
 
 	// The Gateway's listener.
 	var listeners []*listenerv3.Listener
@@ -222,7 +231,7 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	hcm := hcmOf(t, l)
 	require.Equal(t, name, hcm.GetRds().GetRouteConfigName())
 	require.EqualValues(t, bufferLimit, hcm.GetHttp2ProtocolOptions().GetInitialStreamWindowSize().GetValue(), "HTTP/2 bodies are bounded alike")
-	requireProtoEqual(t, own.hcm.GetLocalReplyConfig(), hcm.GetLocalReplyConfig(), "the listener's local_reply_config")
+	require.Nil(t, hcm.GetLocalReplyConfig(), "Envoy's own local replies (without envoy-gateway-json-errors/)")
 	// No header limits set: Envoy's defaults, as in pdx's own Envoy and pdx.
 	require.Nil(t, hcm.GetMaxRequestHeadersKb())
 	require.Nil(t, hcm.GetCommonHttpProtocolOptions().GetMaxHeadersCount())
@@ -243,7 +252,10 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	// The ext_proc filter.
 	ep := extProcOf(t, hcm)
 	require.Equal(t, extprocv3.ProcessingMode_BUFFERED, ep.GetProcessingMode().GetRequestBodyMode())
-	requireProtoEqual(t, own.extProc.GetProcessingMode(), ep.GetProcessingMode(), "the ext_proc processing mode")
+	mode := proto.Clone(own.extProc.GetProcessingMode()).(*extprocv3.ProcessingMode)
+	mode.ResponseHeaderMode = extprocv3.ProcessingMode_SEND // pdx sets x-request-id and learns the decode that served
+	requireProtoEqual(t, mode, ep.GetProcessingMode(), "the ext_proc processing mode")
+	require.Equal(t, []string{processor.UpstreamAddressAttribute}, ep.GetResponseAttributes())
 	require.False(t, ep.GetFailureModeAllow(), "fail closed")
 	require.True(t, ep.GetAllowModeOverride())
 	require.Equal(t, string(*eep.Spec.ExtProc[0].MessageTimeout), ep.GetMessageTimeout().AsDuration().String())
@@ -252,20 +264,17 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	require.Equal(t, []string{processor.MetadataNamespace, processor.RequestMetadataNamespace}, ep.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
 	require.ElementsMatch(t, own.extProc.GetMetadataOptions().GetReceivingNamespaces().GetUntyped(), ep.GetMetadataOptions().GetReceivingNamespaces().GetUntyped())
 
-	// The testdata the manifest tests apply the patches to is Envoy
-	// Gateway's translation without them.
-	unpatched := dumpOf(t, translate(t, egctl, dirs, "EnvoyPatchPolicy"))
+	// The testdata the manifest tests apply the optional patch to is
+	// Envoy Gateway's translation of the default set.
 	gen := map[string]map[string]any{
-		egClusterFile:     unpatched.clusters[egRuleCluster(route, 0)],
-		egRouteConfigFile: unpatched.routes[name],
+		egRouteConfigFile: dump.routes[name],
 	}
-	for _, l := range unpatched.listeners {
+	for _, l := range dump.listeners {
 		if l["name"] == name {
 			gen[egListenerFile] = l
 		}
 	}
 	for _, r := range []egResource{
-		{typ: string(egv1a1.ClusterEnvoyResourceType), file: egClusterFile},
 		{typ: string(egv1a1.ListenerEnvoyResourceType), file: egListenerFile},
 		{typ: string(egv1a1.RouteConfigurationEnvoyResourceType), file: egRouteConfigFile},
 	} {
@@ -285,6 +294,57 @@ func TestEnvoyGatewayTranslation(t *testing.T) {
 	}
 
 	// The real Envoy accepts it.
+	requireValidates(t, bin, dump)
+
+	// With the optional patch: pdx's JSON local replies and x-request-id
+	// response headers, accepted and valid.
+	withJSON := translate(t, egctl, append(dirs, jsonErrorsDir))
+	require.Len(t, withJSON.EnvoyPatchPolicies, 1)
+	for _, p := range withJSON.EnvoyPatchPolicies {
+		require.NotEmpty(t, p.Status.Ancestors, p.Name)
+		for _, a := range p.Status.Ancestors {
+			accepted("EnvoyPatchPolicy "+p.Name, a.Conditions, "Accepted")
+		}
+	}
+	jd := dumpOf(t, withJSON)
+	jrc := xdsResource[*routev3.RouteConfiguration](t, jd.routes[name], "route configuration "+name)
+	requireProtoEqual(t, responseHeaders(own.route.GetResponseHeadersToAdd()), responseHeaders(jrc.GetResponseHeadersToAdd()), "the route configuration's response_headers_to_add")
+	var jl *listenerv3.Listener
+	for _, l := range jd.listeners {
+		if l["name"] == name {
+			jl = xdsResource[*listenerv3.Listener](t, l, "listener "+name)
+		}
+	}
+	require.NotNil(t, jl)
+	requireProtoEqual(t, own.hcm.GetLocalReplyConfig(), hcmOf(t, jl).GetLocalReplyConfig(), "the listener's local_reply_config")
+	requireOverrideHost(t, jd, egRuleCluster(route, 0))
+	requireValidates(t, bin, jd)
+}
+
+// requireOverrideHost requires the cluster named c to take its host from
+// pdx's header by the override_host load balancing policy, among the
+// endpoints Envoy Gateway gives it (EDS).
+func requireOverrideHost(t *testing.T, dump xdsDump, c string) {
+	t.Helper()
+	decode := dump.clusters[c]
+	require.NotNil(t, decode, "no cluster %s: Envoy Gateway names clusters differently", c)
+	require.Equal(t, "EDS", decode["type"], c)
+	require.NotContains(t, decode, "originalDstLbConfig", c)
+	raw, err := json.Marshal(decode["loadBalancingPolicy"])
+	require.NoError(t, err)
+	var lb clusterv3.LoadBalancingPolicy
+	require.NoError(t, protojson.Unmarshal(raw, &lb), c)
+	require.NotEmpty(t, lb.GetPolicies(), c)
+	var oh overridehostv3.OverrideHost
+	require.NoError(t, lb.GetPolicies()[0].GetTypedExtensionConfig().GetTypedConfig().UnmarshalTo(&oh), "%s: the first policy is override_host", c)
+	require.NotEmpty(t, oh.GetOverrideHostSources(), c)
+	require.Equal(t, processor.DestinationHeader, oh.GetOverrideHostSources()[0].GetHeader(), c)
+}
+
+// requireValidates has the pinned Envoy validate dump as a static
+// bootstrap.
+func requireValidates(t *testing.T, bin string, dump xdsDump) {
+	t.Helper()
 	bootstrap := filepath.Join(t.TempDir(), "envoy.json")
 	data, err := json.MarshalIndent(dump.staticBootstrap(t), "", "  ")
 	require.NoError(t, err)

@@ -35,7 +35,13 @@ const (
 	DefaultMaxRequestHeaders   = 100
 	DefaultMaxRequestHeadersKB = 60
 	DefaultRequestBodyTimeout  = time.Minute
-	MaxRequestBodyTimeout      = time.Hour
+	// DefaultXDSCluster is the EDS cluster pdx serves (xds.cluster_name):
+	// the decode cluster of pdx's Envoy bootstrap.
+	DefaultXDSCluster     = "pdx_decode"
+	MaxRequestBodyTimeout = time.Hour
+	// MaxDecodeFallbacks bounds a pool's decode_fallbacks: each one is an
+	// Envoy retry and an address in a header.
+	MaxDecodeFallbacks = 8
 )
 
 // Defaults of a pool's failure handling.
@@ -127,6 +133,9 @@ func applyDefaults(cfg *configv1.Config) {
 	}
 	if cfg.EngineMetrics == nil {
 		cfg.EngineMetrics = &configv1.EngineMetrics{}
+	}
+	if x := cfg.Xds; x != nil && x.ClusterName == "" {
+		x.ClusterName = DefaultXDSCluster
 	}
 	if m := cfg.EngineMetrics; !m.Disabled {
 		if m.Interval == nil {

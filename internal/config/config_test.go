@@ -178,6 +178,14 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].saturation.max_queue_time: 2m0s exceeds the maximum of 1m0s`}},
 		{"disaggregation without a prefill leg", pools(pool("connector: none", "prefill: []", "disaggregation: {min_uncached_tokens: 16}")), []string{
 			`config: pools[0].disaggregation: not valid with connector "none", which has no prefill leg`}},
+		{"decode_fallbacks with connectors that cannot", pools(pool("connector: sglang", "decode_fallbacks: 1"), pool("name: q", "models: [q]", "connector: p2p-nccl", "decode_fallbacks: 1"),
+			pool("name: r", "models: [r]", "connector: trtllm", "decode_fallbacks: 1"), pool("name: s", "models: [s]", "connector: mooncake", "mooncake_protocol: vllm", "decode_fallbacks: 1"),
+			pool("name: t", "models: [t]", "decode_fallbacks: 9")), []string{
+			`config: pools[0].decode_fallbacks: not valid with connector "sglang": its prefill hands the KV to the one decode engine it was told of, so no other can take the request`,
+			`config: pools[1].decode_fallbacks: not valid with connector "p2p-nccl"`,
+			`config: pools[2].decode_fallbacks: not valid with connector "trtllm"`,
+			`config: pools[3].decode_fallbacks: not valid with connector "mooncake"`,
+			`config: pools[4].decode_fallbacks: 9 exceeds the maximum of 8`}},
 		{"prefix_block_tokens", pools(pool("prefix_block_tokens: 5000")), []string{
 			`config: pools[0].prefix_block_tokens: 5000 exceeds the maximum of 4096`}},
 		{"pass_through paths", pools(pool(`pass_through: [v1/x, "/v1/y?z=1", /v1/completions, /v1/e, /v1/e]`)), []string{
@@ -187,9 +195,9 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].pass_through[4]: duplicate path "/v1/e"`}},
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
-			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing)`}},
+			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks)`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
 			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
@@ -284,6 +292,32 @@ func TestParseLimits(t *testing.T) {
 		_, err := Parse([]byte(in))
 		require.NoError(t, err, "input:\n%s", in)
 	}
+}
+
+// Decode fallbacks are for the connectors whose KV any decode engine can
+// take; the xDS server's cluster defaults to the bootstrap's decode cluster.
+func TestDecodeFallbacksAndXDS(t *testing.T) {
+	for _, tc := range []struct {
+		name, yaml string
+		want       uint32
+	}{
+		{"nixl", pools(pool("decode_fallbacks: 1")), 1},
+		{"http", pools(pool("connector: http", "decode_fallbacks: 8")), 8},
+		{"lmcache", pools(pool("connector: lmcache", "decode_fallbacks: 2")), 2},
+		{"mooncake nixl protocol", pools(pool("connector: mooncake", "decode_fallbacks: 1")), 1},
+		{"none", pools(pool("connector: none", "prefill: []", "decode_fallbacks: 3")), 3},
+		{"sglang without", pools(pool("connector: sglang")), 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, err := Parse([]byte(tc.yaml + "xds: {enabled: true}\n"))
+			require.NoError(t, err)
+			require.Equal(t, tc.want, cfg.GetPools()[0].GetDecodeFallbacks())
+			require.Equal(t, DefaultXDSCluster, cfg.GetXds().GetClusterName())
+		})
+	}
+	cfg, err := Parse([]byte(minimal))
+	require.NoError(t, err)
+	require.Nil(t, cfg.GetXds(), "xDS is off unless asked for")
 }
 
 // A connector pdx does not have is refused where the config is read.

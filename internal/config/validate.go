@@ -66,6 +66,7 @@ func validate(cfg *configv1.Config) []error {
 	if len(cfg.GetPools()) == 0 {
 		v.fail("pools", "at least one pool is required")
 	}
+
 	names := map[string]string{}  // pool name -> path of its first use
 	models := map[string]string{} // model -> path of its first listing
 	defaultPath := ""
@@ -138,6 +139,7 @@ func validate(cfg *configv1.Config) []error {
 		v.pickers(path, p, traits)
 		v.placement(path, p, traits)
 		v.failureHandling(path, p)
+		v.decodeFallbacks(path, p, traits)
 		v.passThrough(path, p.GetPassThrough())
 
 		switch d := p.GetPrefillTimeout().AsDuration(); {
@@ -247,6 +249,20 @@ func (v *validator) failureHandling(path string, p *configv1.Pool) {
 		v.fail(path+".eject_duration", "%v must be greater than 0", d)
 	case d > MaxEjectDuration:
 		v.fail(path+".eject_duration", "%v exceeds the maximum of %v", d, MaxEjectDuration)
+	}
+}
+
+// decodeFallbacks checks that a pool naming decode endpoints to fall back
+// to has a connector whose KV another decode engine can take.
+func (v *validator) decodeFallbacks(path string, p *configv1.Pool, traits connectors.Traits) {
+	n := p.GetDecodeFallbacks()
+	switch {
+	case n == 0:
+	case n > MaxDecodeFallbacks:
+		v.fail(path+".decode_fallbacks", "%d exceeds the maximum of %d", n, MaxDecodeFallbacks)
+	case !traits.DecodeFallback:
+		v.fail(path+".decode_fallbacks", "not valid with connector %q: its prefill hands the KV to the one decode engine it was told of, so no other can take the request",
+			p.GetConnector())
 	}
 }
 

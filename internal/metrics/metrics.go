@@ -54,6 +54,7 @@ type Metrics struct {
 	decodeDur  *prometheus.HistogramVec // pool, connector
 	decisions  *prometheus.CounterVec   // pool, decision
 	scrapes    *prometheus.CounterVec   // endpoint
+	served     *prometheus.CounterVec   // pool, endpoint, fallback
 	inFlight   prometheus.Gauge
 
 	// pools maps a pool name to its resolved children. It is replaced, never
@@ -105,12 +106,16 @@ func New() *Metrics {
 			Name: "pdx_engine_metrics_failures_total",
 			Help: "Scrapes of an engine's metrics that failed (unreachable, slow, malformed); its endpoint is picked by pdx's in-flight counts meanwhile.",
 		}, []string{"endpoint"}),
+		served: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_decode_served_total",
+			Help: "Decode answers by pool, the decode endpoint that served (as Envoy reports it) and whether it was pdx's first choice (fallback=first) or one Envoy retried on (fallback=fallback); counted only when Envoy sends pdx the response headers with upstream.address (the decode-fallback profile).",
+		}, []string{"pool", "endpoint", "fallback"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "pdx_streams_in_flight",
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.decisions, m.scrapes, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.decisions, m.scrapes, m.served, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -286,6 +291,25 @@ func (p *Pool) Decision(decision string) {
 	if p != nil && p.name != "" {
 		p.m.decisions.WithLabelValues(p.name, decision).Inc()
 	}
+}
+
+// Values of pdx_decode_served_total's fallback label.
+const (
+	ServedFirst    = "first"
+	ServedFallback = "fallback"
+)
+
+// DecodeServed counts a decode answer from endpoint; fallback: not the
+// request's first decode endpoint.
+func (p *Pool) DecodeServed(endpoint string, fallback bool) {
+	if p == nil || p.name == "" {
+		return
+	}
+	label := ServedFirst
+	if fallback {
+		label = ServedFallback
+	}
+	p.m.served.WithLabelValues(p.name, endpoint, label).Inc()
 }
 
 // ScrapeFailed counts a failed scrape of the metrics of the engine at

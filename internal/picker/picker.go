@@ -49,6 +49,15 @@ type Picker interface {
 	Report(ep endpoint.Endpoint, ok bool)
 }
 
+// Successor is implemented by policies whose Pick changes their own state
+// (round robin's turns), which a request's fallback picks must not: Next
+// returns the endpoint after the last of req.Tried in the policy's order,
+// leaving the state as it is. Other policies' fallbacks are Picks with the
+// endpoints before them tried.
+type Successor interface {
+	Next(req Request) (endpoint.Endpoint, bool)
+}
+
 // Role is the leg a policy picks for; policies' defaults differ by role.
 type Role int
 

@@ -80,6 +80,38 @@ func (r *RoundRobin) Pick(req Request) (endpoint.Endpoint, bool) {
 	return v.soonest(members, int((turn+1)%uint64(n)), req, &now)
 }
 
+var _ Successor = (*RoundRobin)(nil)
+
+// Next implements [Successor]: the first admitted endpoint after the last
+// one req tried, in the Set's order, that req has not tried; the
+// cool-down that ends first when all are ejected.
+func (r *RoundRobin) Next(req Request) (endpoint.Endpoint, bool) {
+	v := r.set.view.Load()
+	members, _, ok := v.candidates(req.Group)
+	n := v.count(members)
+	if !ok || n == 0 {
+		return endpoint.Endpoint{}, false
+	}
+	start := 0
+	if len(req.Tried) > 0 {
+		last := req.Tried[len(req.Tried)-1]
+		for k := range n {
+			if v.endpoints[position(members, k)] == last {
+				start = k + 1
+				break
+			}
+		}
+	}
+	now := r.set.clock()
+	for k := range n {
+		i := position(members, (start+k)%n)
+		if !tried(v.endpoints[i], req.Tried) && now.usable(v.states[i]) {
+			return v.endpoints[i], true
+		}
+	}
+	return v.soonest(members, start%n, req, &now)
+}
+
 // groupCounter returns the turn counter of group number id.
 func (r *RoundRobin) groupCounter(id int) *atomic.Uint64 {
 	if g := r.groups.Load(); g != nil && id < len(*g) {

@@ -60,9 +60,14 @@ type Pool struct {
 	// Saturated is what a request does when every endpoint of a leg is
 	// saturated; nil when saturation is off.
 	Saturated *Shedding
+	// DecodeFallbacks is how many more decode endpoints a request names
+	// for Envoy to retry its decode on (DecodeFallbacks).
+	DecodeFallbacks int
 
 	// update serializes SetEndpoints.
 	update sync.Mutex
+	// changed, when set (NewTable sets it), is told of every SetEndpoints.
+	changed func()
 }
 
 // Decider decides per request whether the prefill leg pays (see the
@@ -125,6 +130,33 @@ func (p *Pool) PickDecode(req picker.Request) (endpoint.Endpoint, error) {
 	return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
 }
 
+// PickFallbacks appends to out up to DecodeFallbacks decode endpoints other
+// than first, a request's decode pick, in the decode picker's order of
+// preference (each a pick with the ones before it tried): where Envoy
+// retries the request's decode when first fails. They are of first's
+// Group: the request's prefill hands its KV over within it. Fewer when
+// the pool (or group) has fewer endpoints.
+func (p *Pool) PickFallbacks(out []endpoint.Endpoint, req picker.Request, first endpoint.Endpoint) []endpoint.Endpoint {
+	if p.DecodeFallbacks == 0 {
+		return out
+	}
+	req.Group = first.Group
+	req.Tried = append(make([]endpoint.Endpoint, 0, 1+p.DecodeFallbacks), first)
+	pick := p.Decode.Picker.Pick
+	if s, ok := p.Decode.Picker.(picker.Successor); ok {
+		pick = s.Next
+	}
+	for range p.DecodeFallbacks {
+		ep, ok := pick(req)
+		if !ok {
+			break
+		}
+		out = append(out, ep)
+		req.Tried = append(req.Tried, ep)
+	}
+	return out
+}
+
 // PickPrefill picks a prefill endpoint for a request (req: its prompt)
 // whose decode endpoint is decode, other than those in tried. A decode
 // endpoint with a Group pairs only with the prefill endpoints of that group;
@@ -167,6 +199,9 @@ func (p *Pool) SetEndpoints(prefill, decode []endpoint.Endpoint) {
 	p.Prefill.Set.SetEndpoints(both)
 	p.Decode.Set.SetEndpoints(decode)
 	p.Prefill.Set.SetEndpoints(prefill)
+	if p.changed != nil {
+		p.changed()
+	}
 }
 
 // Table finds the pool of a model.
@@ -178,6 +213,10 @@ type Table struct {
 	limits     Limits
 	models     []string // every pool's models, in config order
 	created    time.Time
+	// fallbacks is the most decode fallbacks of a pool.
+	fallbacks int
+	// changes hears of every change of a pool's endpoints (see Changes).
+	changes chan struct{}
 }
 
 // Limits are the bounds pdx holds a request to.
@@ -333,7 +372,8 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 			MinUncachedTokens:    int(pc.GetDisaggregation().GetMinUncachedTokens()),
 			WhenPrefillSaturated: pc.GetDisaggregation().GetWhenPrefillSaturated(),
 		},
-		Saturated: shedding,
+		Saturated:       shedding,
+		DecodeFallbacks: int(pc.GetDecodeFallbacks()),
 	}
 	if p.BlockTokens <= 0 { // a config not through config.Parse
 		p.BlockTokens = config.DefaultPrefixBlockTokens
@@ -353,8 +393,11 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 // NewTable returns a table of pools, in config order, holding requests to
 // limits (zero fields: Envoy's defaults).
 func NewTable(limits Limits, pools ...*Pool) *Table {
-	t := &Table{pools: pools, byModel: map[string]*Pool{}, limits: defaultLimits(limits), created: time.Now()}
+	t := &Table{pools: pools, byModel: map[string]*Pool{}, limits: defaultLimits(limits), created: time.Now(),
+		changes: make(chan struct{}, 1)}
 	for _, p := range pools {
+		p.changed = t.changed
+		t.fallbacks = max(t.fallbacks, p.DecodeFallbacks)
 		t.concurrent = t.concurrent || p.Traits.Concurrent
 		for _, m := range p.Models {
 			t.byModel[m] = p
@@ -365,6 +408,23 @@ func NewTable(limits Limits, pools ...*Pool) *Table {
 		}
 	}
 	return t
+}
+
+// MaxDecodeFallbacks is the most decode fallbacks a request of the table
+// may name (the pools' DecodeFallbacks).
+func (t *Table) MaxDecodeFallbacks() int { return t.fallbacks }
+
+// Changes receives a value after the endpoints of some pool changed
+// (Pool.SetEndpoints, as discovery calls it), changes coming faster than
+// they are received being told once. It has one receiver: the xDS server,
+// which then reads the table's endpoints anew.
+func (t *Table) Changes() <-chan struct{} { return t.changes }
+
+func (t *Table) changed() {
+	select {
+	case t.changes <- struct{}{}:
+	default:
+	}
 }
 
 // Addresses returns the distinct addresses of every endpoint of the table's

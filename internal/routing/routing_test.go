@@ -1,6 +1,7 @@
 package routing
 
 import (
+	"fmt"
 	"testing"
 
 	"github.com/stretchr/testify/require"
@@ -225,4 +226,108 @@ func leg(t *testing.T, eps []endpoint.Endpoint, opts picker.Options) Leg {
 	l, err := NewLeg(picker.RoundRobinPolicy, picker.Params{}, eps, opts)
 	require.NoError(t, err)
 	return l
+}
+
+// A request's decode fallbacks are the pool's other decode endpoints in the
+// picker's order, the first pick excluded, healthy ones first; round
+// robin's turns are not used up by them.
+func TestPickFallbacks(t *testing.T) {
+	const pool = `
+pools:
+- name: p
+  default: true
+  connector: nixl
+  decode_fallbacks: %d
+  decode_picker: {policy: %s}
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:11}, {address: 127.0.0.1:12}, {address: 127.0.0.1:13}]
+`
+	addrs := func(eps []endpoint.Endpoint) []string {
+		out := []string{}
+		for _, ep := range eps {
+			out = append(out, ep.Address)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		name      string
+		fallbacks int
+		policy    string
+		eject     string         // a decode endpoint made unhealthy first
+		busy      map[string]int // requests in flight on decode endpoints
+		want      [][]string
+	}{
+		{name: "none", fallbacks: 0, policy: "round_robin", want: [][]string{{"127.0.0.1:11"}, {"127.0.0.1:12"}}},
+		{name: "round robin, one", fallbacks: 1, policy: "round_robin",
+			want: [][]string{{"127.0.0.1:11", "127.0.0.1:12"}, {"127.0.0.1:12", "127.0.0.1:13"}, {"127.0.0.1:13", "127.0.0.1:11"}}},
+		{name: "round robin, more than there are", fallbacks: 5, policy: "round_robin",
+			want: [][]string{{"127.0.0.1:11", "127.0.0.1:12", "127.0.0.1:13"}, {"127.0.0.1:12", "127.0.0.1:13", "127.0.0.1:11"}}},
+		{name: "round robin, an ejected endpoint last", fallbacks: 2, policy: "round_robin", eject: "127.0.0.1:12",
+			want: [][]string{{"127.0.0.1:11", "127.0.0.1:13", "127.0.0.1:12"}}},
+		{name: "least request", fallbacks: 2, policy: "least_request", busy: map[string]int{"127.0.0.1:11": 2, "127.0.0.1:12": 1},
+			want: [][]string{{"127.0.0.1:13", "127.0.0.1:12", "127.0.0.1:11"}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, err := config.Parse(fmt.Appendf(nil, pool, tc.fallbacks, tc.policy))
+			require.NoError(t, err)
+			table, err := New(cfg)
+			require.NoError(t, err)
+			require.Equal(t, tc.fallbacks, table.MaxDecodeFallbacks())
+			p, _ := table.Lookup("m")
+			if tc.eject != "" {
+				for range config.DefaultEjectAfterFailures {
+					p.Decode.Report(endpoint.Endpoint{Address: tc.eject}, false)
+				}
+			}
+			for addr, n := range tc.busy {
+				for range n {
+					p.Decode.Set.Begin(endpoint.Endpoint{Address: addr}, nil, 0)
+				}
+			}
+			for i, want := range tc.want {
+				first, err := p.PickDecode(picker.Request{})
+				require.NoError(t, err)
+				got := p.PickFallbacks([]endpoint.Endpoint{first}, picker.Request{}, first)
+				require.Equal(t, want, addrs(got), "request %d", i)
+			}
+		})
+	}
+}
+
+// Fallbacks stay in the first pick's group: its prefill hands the KV over
+// within it.
+func TestPickFallbacksInGroup(t *testing.T) {
+	cfg, err := config.Parse([]byte("pools:\n- name: p\n  default: true\n  connector: nixl\n  decode_fallbacks: 3\n  decode_picker: {policy: round_robin}\n  prefill: [{address: 127.0.0.1:1}]\n  decode: [{address: 127.0.0.1:2}]\n"))
+	require.NoError(t, err)
+	table, err := New(cfg)
+	require.NoError(t, err)
+	p := table.Pools()[0]
+	a1, a2 := endpoint.Endpoint{Address: "127.0.0.1:11", Group: "a"}, endpoint.Endpoint{Address: "127.0.0.1:12", Group: "a"}
+	b1 := endpoint.Endpoint{Address: "127.0.0.1:21", Group: "b"}
+	p.SetEndpoints([]endpoint.Endpoint{{Address: "127.0.0.1:1", Group: "a"}, {Address: "127.0.0.1:2", Group: "b"}}, []endpoint.Endpoint{a1, b1, a2})
+	require.Equal(t, []endpoint.Endpoint{a2}, p.PickFallbacks(nil, picker.Request{}, a1))
+	require.Empty(t, p.PickFallbacks(nil, picker.Request{}, b1), "group b has no other decode endpoint")
+}
+
+// Changing a pool's endpoints tells the table's Changes, once for changes
+// not yet received.
+func TestChanges(t *testing.T) {
+	cfg, err := config.Parse([]byte("pools:\n- name: p\n  default: true\n  connector: nixl\n  prefill: [{address: 127.0.0.1:1}]\n  decode: [{address: 127.0.0.1:2}]\n"))
+	require.NoError(t, err)
+	table, err := New(cfg)
+	require.NoError(t, err)
+	select {
+	case <-table.Changes():
+		t.Fatal("no change yet")
+	default:
+	}
+	p := table.Pools()[0]
+	p.SetEndpoints([]endpoint.Endpoint{{Address: "127.0.0.1:1"}}, []endpoint.Endpoint{{Address: "127.0.0.1:3"}})
+	p.SetEndpoints([]endpoint.Endpoint{{Address: "127.0.0.1:1"}}, []endpoint.Endpoint{{Address: "127.0.0.1:4"}})
+	<-table.Changes()
+	select {
+	case <-table.Changes():
+		t.Fatal("two changes told once")
+	default:
+	}
 }

@@ -27,6 +27,7 @@ import (
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/xds"
 	"github.com/pdx-router/pdx/processor"
 )
 
@@ -55,6 +56,11 @@ type Server struct {
 	// it has. nil when scraping is off.
 	stopScraping context.CancelFunc
 	scraped      chan struct{}
+	// xds serves Envoy the decode endpoints (nil: off); stopXDS ends its
+	// streams and its updates, xdsDone is closed once the updates have.
+	xds     *xds.Server
+	stopXDS context.CancelFunc
+	xdsDone chan struct{}
 
 	shutdownOnce sync.Once
 	shutdownErr  error
@@ -135,6 +141,9 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 	s.metrics.CollectEndpoints(proc.Table)
 	extprocv3.RegisterExternalProcessorServer(s.grpc, proc)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
+	if x := cfg.GetXds(); x.GetEnabled() {
+		s.serveXDS(x.GetClusterName(), table)
+	}
 	for _, name := range healthServices {
 		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
 	}
@@ -174,12 +183,30 @@ func (s *Server) scrape(m *configv1.EngineMetrics) {
 	}()
 }
 
+// serveXDS registers the endpoint discovery service on the gRPC server and
+// keeps it up to date with the table proc routes by.
+func (s *Server) serveXDS(cluster string, table *routing.Table) {
+	ctx, cancel := context.WithCancel(context.Background())
+	s.xds = xds.New(cluster, table, s.log.With(slog.String("component", "xds")))
+	s.xds.Register(ctx, s.grpc)
+	s.stopXDS, s.xdsDone = cancel, make(chan struct{})
+	go func() {
+		defer close(s.xdsDone)
+		s.xds.Run(ctx)
+	}()
+}
+
 // GRPCAddr is the ext_proc listener's address.
 func (s *Server) GRPCAddr() string { return s.grpcLn.Addr().String() }
 
 // SetTable routes the streams that start from now on by t (a reloaded
 // config); streams already open keep the table they started with.
-func (s *Server) SetTable(t *routing.Table) { s.proc.SetTable(t) }
+func (s *Server) SetTable(t *routing.Table) {
+	s.proc.SetTable(t)
+	if s.xds != nil {
+		s.xds.SetTable(t)
+	}
+}
 
 // AdminAddr is the HTTP admin listener's address.
 func (s *Server) AdminAddr() string { return s.adminLn.Addr().String() }
@@ -196,6 +223,12 @@ func (s *Server) shutdown(ctx context.Context) error {
 	s.health.Shutdown() // NOT_SERVING everywhere: Envoy stops sending new streams
 	stopped := make(chan struct{})
 	s.proc.Drain() // streams held only to count decodes end now
+	if s.stopXDS != nil {
+		// Envoy's EDS streams never end by themselves; Envoy keeps the
+		// endpoints it has.
+		s.stopXDS()
+		<-s.xdsDone
+	}
 	go func() {
 		s.grpc.GracefulStop()
 		close(stopped)

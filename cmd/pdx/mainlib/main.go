@@ -132,6 +132,9 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.IntVar(&c.MaxRequestHeadersKB, "max-request-headers-kb", envoy.DefaultMaxRequestHeadersKB, "largest size of request headers, in KiB; match pdx's max_request_headers_kb")
 	fs.StringVar(&c.Profile, "profile", envoy.ProfilePdx, "the Envoy around pdx: "+envoy.ProfilePdx+" (pdx's own) or "+envoy.ProfileAIGateway+
 		" (as Envoy AI Gateway's InferencePool translation configures its endpoint picker, to test pdx with; pdx must serve tls.self_signed)")
+	fs.StringVar(&c.DecodeCluster, "decode-cluster", envoy.DecodeOriginalDst, "the decode cluster: "+envoy.DecodeOriginalDst+" (the one host pdx names) or "+envoy.DecodeEDS+" (decode fallback: the decode engines pdx serves over EDS, its xds config, retried in pdx's order)")
+	fs.IntVar(&c.DecodeFallbacks, "decode-fallbacks", 1, "with --decode-cluster "+envoy.DecodeEDS+": how often Envoy retries a decode; the most decode_fallbacks of pdx's pools")
+	fs.StringVar(&c.XDSCluster, "xds-cluster", config.DefaultXDSCluster, "with --decode-cluster "+envoy.DecodeEDS+": pdx's xds.cluster_name")
 	var t envoy.TLS
 	fs.StringVar(&t.CAFile, "pdx-ca", "", "reach pdx over TLS: CA file that verifies pdx's certificate")
 	fs.StringVar(&t.SNI, "pdx-sni", "", "with --pdx-ca: the DNS name pdx's certificate is valid for")

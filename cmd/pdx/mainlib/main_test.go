@@ -63,6 +63,7 @@ func TestEnvoyConfigValidates(t *testing.T) {
 		"mutual TLS": {"--pdx-address", "pdx:9002", "--pdx-ca", pki.CAFile, "--pdx-sni", pki.ServerName,
 			"--pdx-client-cert", pki.ClientCertFile, "--pdx-client-key", pki.ClientKey},
 		"full-duplex streamed body": {"--pdx-address", "pdx:9002", "--request-body-mode", "FULL_DUPLEX_STREAMED"},
+		"decode fallback over EDS":  {"--pdx-address", "pdx:9002", "--decode-cluster", "eds", "--decode-fallbacks", "2", "--xds-cluster", "decode"},
 	} {
 		t.Run(name, func(t *testing.T) {
 			var out bytes.Buffer
@@ -76,6 +77,7 @@ func TestEnvoyConfigValidates(t *testing.T) {
 	var out bytes.Buffer
 	require.ErrorContains(t, Main(t.Context(), []string{"envoy-config", "--pdx-client-cert", "c.pem"}, &out, &out), "CA file and an SNI")
 	require.ErrorContains(t, Main(t.Context(), []string{"envoy-config", "--request-body-mode", "STREAMED"}, &out, &out), `request body mode "STREAMED"`)
+	require.ErrorContains(t, Main(t.Context(), []string{"envoy-config", "--decode-cluster", "static"}, &out, &out), `decode cluster "static"`)
 }
 
 // The product binary links nothing of the test wing: no engine simulator,

@@ -80,6 +80,12 @@ type Options struct {
 	// SubsetHintHeader is envoy.Config.SubsetHintHeader: a request header
 	// that Envoy turns into the gateway's subset hint.
 	SubsetHintHeader string
+	// EDS runs the decode-fallback profile: pdx serves the decode
+	// endpoints over xDS and Envoy's decode cluster is the EDS cluster
+	// with override_host (envoy.DecodeEDS). DecodeFallbacks, when set,
+	// is the pool's decode_fallbacks and implies EDS.
+	EDS             bool
+	DecodeFallbacks int
 	// PdxReplicas is how many pdx servers run (default 1), each with the
 	// same config and its own state; Envoy's ext_proc cluster lists them
 	// all and spreads requests over them round robin.
@@ -183,6 +189,9 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		RequestBodyMode:  opts.RequestBodyMode,
 		Profile:          opts.Profile,
 		SubsetHintHeader: opts.SubsetHintHeader,
+	}
+	if opts.EDS || opts.DecodeFallbacks > 0 {
+		ecfg.DecodeCluster, ecfg.DecodeFallbacks = envoy.DecodeEDS, opts.DecodeFallbacks
 	}
 	if opts.Envoy != nil {
 		opts.Envoy(&ecfg)
@@ -335,6 +344,9 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 	if p := opts.PKI; p != nil {
 		fmt.Fprintf(&b, "tls: {cert_file: %q, key_file: %q, client_ca_file: %q}\n", p.ServerCertFile, p.ServerKey, p.CAFile)
 	}
+	if opts.EDS || opts.DecodeFallbacks > 0 {
+		fmt.Fprintf(&b, "xds: {enabled: true}\n")
+	}
 	for line := range strings.Lines(opts.ConfigYAML) {
 		fmt.Fprintf(&b, "%s\n", strings.TrimSpace(line))
 	}
@@ -343,6 +355,9 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 		Model, !opts.NotDefault, opts.Connector, opts.PrefillTimeout)
 	if opts.MooncakeProtocol != "" {
 		fmt.Fprintf(&b, "  mooncake_protocol: %s\n", opts.MooncakeProtocol)
+	}
+	if opts.DecodeFallbacks > 0 {
+		fmt.Fprintf(&b, "  decode_fallbacks: %d\n", opts.DecodeFallbacks)
 	}
 	for line := range strings.Lines(opts.PoolYAML) {
 		fmt.Fprintf(&b, "  %s\n", strings.TrimSpace(line))

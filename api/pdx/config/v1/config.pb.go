@@ -73,8 +73,14 @@ type Config struct {
 	// response of a stream that breaks. A drain (SIGTERM) ends held streams
 	// cleanly either way. Default: false.
 	EndStreamsAtRouting bool `protobuf:"varint,10,opt,name=end_streams_at_routing,json=endStreamsAtRouting,proto3" json:"end_streams_at_routing,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// Serve Envoy the decode endpoints over xDS (EDS), on the gRPC listener
+	// of ext_proc (grpc_address), for the decode-fallback profile: Envoy's
+	// decode cluster is an EDS cluster with the override_host load
+	// balancing policy, so it only ever connects to hosts pdx knows. Off by
+	// default.
+	Xds           *Xds `protobuf:"bytes,11,opt,name=xds,proto3" json:"xds,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Config) Reset() {
@@ -177,6 +183,71 @@ func (x *Config) GetEndStreamsAtRouting() bool {
 	return false
 }
 
+func (x *Config) GetXds() *Xds {
+	if x != nil {
+		return x.Xds
+	}
+	return nil
+}
+
+// Xds is pdx's endpoint discovery service for Envoy.
+type Xds struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Serve it. Default: false.
+	Enabled bool `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	// Name of the ClusterLoadAssignment pdx serves: the EDS cluster (its
+	// eds_config service_name, or its name) of Envoy's decode cluster. It
+	// holds every decode endpoint of every pool, listed and discovered.
+	// Default: pdx_decode.
+	ClusterName   string `protobuf:"bytes,2,opt,name=cluster_name,json=clusterName,proto3" json:"cluster_name,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Xds) Reset() {
+	*x = Xds{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Xds) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Xds) ProtoMessage() {}
+
+func (x *Xds) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Xds.ProtoReflect.Descriptor instead.
+func (*Xds) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Xds) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *Xds) GetClusterName() string {
+	if x != nil {
+		return x.ClusterName
+	}
+	return ""
+}
+
 // EngineMetrics is how pdx reads the engines' load. A scrape never sits on
 // a request's path: picks read the latest sample, and an engine whose
 // metrics fail or go stale is picked by pdx's own in-flight counts.
@@ -199,7 +270,7 @@ type EngineMetrics struct {
 
 func (x *EngineMetrics) Reset() {
 	*x = EngineMetrics{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -211,7 +282,7 @@ func (x *EngineMetrics) String() string {
 func (*EngineMetrics) ProtoMessage() {}
 
 func (x *EngineMetrics) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -224,7 +295,7 @@ func (x *EngineMetrics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineMetrics.ProtoReflect.Descriptor instead.
 func (*EngineMetrics) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *EngineMetrics) GetDisabled() bool {
@@ -279,7 +350,7 @@ type TLS struct {
 
 func (x *TLS) Reset() {
 	*x = TLS{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -291,7 +362,7 @@ func (x *TLS) String() string {
 func (*TLS) ProtoMessage() {}
 
 func (x *TLS) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -304,7 +375,7 @@ func (x *TLS) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TLS.ProtoReflect.Descriptor instead.
 func (*TLS) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *TLS) GetCertFile() string {
@@ -450,13 +521,23 @@ type Pool struct {
 	// Size, in tokens, of the blocks a prompt is hashed in for prefix
 	// placement (pdx counts 4 bytes of prompt a token). Default: 64.
 	PrefixBlockTokens uint32 `protobuf:"varint,22,opt,name=prefix_block_tokens,json=prefixBlockTokens,proto3" json:"prefix_block_tokens,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// How many decode endpoints besides the chosen one pdx names, in the
+	// decode picker's order of preference, for Envoy to retry the decode on
+	// when the first refuses the connection or answers 5xx before any byte
+	// of its answer reached the client. Only for connectors whose KV another
+	// decode engine can still take: nixl, http/lmcache, mooncake (protocol
+	// nixl) and none. The list goes in x-gateway-destination-endpoint as
+	// "ip:port,ip:port": Envoy's decode cluster must be one that reads a
+	// list (override_host over EDS, Envoy Gateway's endpointOverride), never
+	// ORIGINAL_DST, which cannot parse one. Default: 0, one endpoint.
+	DecodeFallbacks uint32 `protobuf:"varint,23,opt,name=decode_fallbacks,json=decodeFallbacks,proto3" json:"decode_fallbacks,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -468,7 +549,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -481,7 +562,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Pool) GetName() string {
@@ -638,6 +719,13 @@ func (x *Pool) GetPrefixBlockTokens() uint32 {
 	return 0
 }
 
+func (x *Pool) GetDecodeFallbacks() uint32 {
+	if x != nil {
+		return x.DecodeFallbacks
+	}
+	return 0
+}
+
 // Picker selects the picking policy of one leg of a pool.
 type Picker struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -670,7 +758,7 @@ type Picker struct {
 
 func (x *Picker) Reset() {
 	*x = Picker{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -682,7 +770,7 @@ func (x *Picker) String() string {
 func (*Picker) ProtoMessage() {}
 
 func (x *Picker) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -695,7 +783,7 @@ func (x *Picker) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Picker.ProtoReflect.Descriptor instead.
 func (*Picker) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Picker) GetPolicy() string {
@@ -737,7 +825,7 @@ type Weights struct {
 
 func (x *Weights) Reset() {
 	*x = Weights{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -749,7 +837,7 @@ func (x *Weights) String() string {
 func (*Weights) ProtoMessage() {}
 
 func (x *Weights) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -762,7 +850,7 @@ func (x *Weights) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Weights.ProtoReflect.Descriptor instead.
 func (*Weights) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Weights) GetPrefix() float64 {
@@ -811,7 +899,7 @@ type Disaggregation struct {
 
 func (x *Disaggregation) Reset() {
 	*x = Disaggregation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -823,7 +911,7 @@ func (x *Disaggregation) String() string {
 func (*Disaggregation) ProtoMessage() {}
 
 func (x *Disaggregation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -836,7 +924,7 @@ func (x *Disaggregation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Disaggregation.ProtoReflect.Descriptor instead.
 func (*Disaggregation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{6}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Disaggregation) GetMinUncachedTokens() uint32 {
@@ -880,7 +968,7 @@ type Saturation struct {
 
 func (x *Saturation) Reset() {
 	*x = Saturation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -892,7 +980,7 @@ func (x *Saturation) String() string {
 func (*Saturation) ProtoMessage() {}
 
 func (x *Saturation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -905,7 +993,7 @@ func (x *Saturation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Saturation.ProtoReflect.Descriptor instead.
 func (*Saturation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Saturation) GetDisabled() bool {
@@ -1005,7 +1093,7 @@ type KubernetesDiscovery struct {
 
 func (x *KubernetesDiscovery) Reset() {
 	*x = KubernetesDiscovery{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1017,7 +1105,7 @@ func (x *KubernetesDiscovery) String() string {
 func (*KubernetesDiscovery) ProtoMessage() {}
 
 func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1030,7 +1118,7 @@ func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
 func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *KubernetesDiscovery) GetNamespace() string {
@@ -1136,7 +1224,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1148,7 +1236,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1161,7 +1249,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -1189,7 +1277,7 @@ var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xf3\x03\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\x99\x04\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
@@ -1201,7 +1289,11 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x14request_body_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\x12requestBodyTimeout\x12C\n" +
 	"\x0eengine_metrics\x18\t \x01(\v2\x1c.pdx.config.v1.EngineMetricsR\rengineMetrics\x123\n" +
 	"\x16end_streams_at_routing\x18\n" +
-	" \x01(\bR\x13endStreamsAtRouting\"\xb2\x01\n" +
+	" \x01(\bR\x13endStreamsAtRouting\x12$\n" +
+	"\x03xds\x18\v \x01(\v2\x12.pdx.config.v1.XdsR\x03xds\"B\n" +
+	"\x03Xds\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12!\n" +
+	"\fcluster_name\x18\x02 \x01(\tR\vclusterName\"\xb2\x01\n" +
 	"\rEngineMetrics\x12\x1a\n" +
 	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x125\n" +
 	"\binterval\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\binterval\x12:\n" +
@@ -1213,7 +1305,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
 	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\x12\x1f\n" +
 	"\vself_signed\x18\x04 \x01(\bR\n" +
-	"selfSigned\"\xc5\b\n" +
+	"selfSigned\"\xf0\b\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -1241,7 +1333,8 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
 	"saturation\x18\x15 \x01(\v2\x19.pdx.config.v1.SaturationR\n" +
 	"saturation\x12.\n" +
-	"\x13prefix_block_tokens\x18\x16 \x01(\rR\x11prefixBlockTokens\"s\n" +
+	"\x13prefix_block_tokens\x18\x16 \x01(\rR\x11prefixBlockTokens\x12)\n" +
+	"\x10decode_fallbacks\x18\x17 \x01(\rR\x0fdecodeFallbacks\"s\n" +
 	"\x06Picker\x12\x16\n" +
 	"\x06policy\x18\x01 \x01(\tR\x06policy\x120\n" +
 	"\aweights\x18\x02 \x01(\v2\x16.pdx.config.v1.WeightsR\aweights\x12\x1f\n" +
@@ -1301,46 +1394,48 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 	return file_pdx_config_v1_config_proto_rawDescData
 }
 
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_pdx_config_v1_config_proto_goTypes = []any{
 	(*Config)(nil),              // 0: pdx.config.v1.Config
-	(*EngineMetrics)(nil),       // 1: pdx.config.v1.EngineMetrics
-	(*TLS)(nil),                 // 2: pdx.config.v1.TLS
-	(*Pool)(nil),                // 3: pdx.config.v1.Pool
-	(*Picker)(nil),              // 4: pdx.config.v1.Picker
-	(*Weights)(nil),             // 5: pdx.config.v1.Weights
-	(*Disaggregation)(nil),      // 6: pdx.config.v1.Disaggregation
-	(*Saturation)(nil),          // 7: pdx.config.v1.Saturation
-	(*KubernetesDiscovery)(nil), // 8: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),            // 9: pdx.config.v1.Endpoint
-	nil,                         // 10: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil), // 11: google.protobuf.Duration
+	(*Xds)(nil),                 // 1: pdx.config.v1.Xds
+	(*EngineMetrics)(nil),       // 2: pdx.config.v1.EngineMetrics
+	(*TLS)(nil),                 // 3: pdx.config.v1.TLS
+	(*Pool)(nil),                // 4: pdx.config.v1.Pool
+	(*Picker)(nil),              // 5: pdx.config.v1.Picker
+	(*Weights)(nil),             // 6: pdx.config.v1.Weights
+	(*Disaggregation)(nil),      // 7: pdx.config.v1.Disaggregation
+	(*Saturation)(nil),          // 8: pdx.config.v1.Saturation
+	(*KubernetesDiscovery)(nil), // 9: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),            // 10: pdx.config.v1.Endpoint
+	nil,                         // 11: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil), // 12: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
-	3,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
-	2,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	11, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
-	1,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
-	11, // 4: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	11, // 5: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	9,  // 6: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	9,  // 7: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	11, // 8: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	11, // 9: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	11, // 10: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	8,  // 11: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	4,  // 12: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	4,  // 13: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	6,  // 14: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	7,  // 15: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
-	5,  // 16: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	11, // 17: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	10, // 18: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	19, // [19:19] is the sub-list for method output_type
-	19, // [19:19] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	4,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
+	3,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
+	12, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	2,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
+	1,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
+	12, // 5: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	12, // 6: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	10, // 7: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	10, // 8: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	12, // 9: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	12, // 10: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	12, // 11: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	9,  // 12: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	5,  // 13: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	5,  // 14: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	7,  // 15: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	8,  // 16: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	6,  // 17: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	12, // 18: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	11, // 19: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	20, // [20:20] is the sub-list for method output_type
+	20, // [20:20] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -1354,7 +1449,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -1,0 +1,71 @@
+package processor
+
+import (
+	"context"
+	"log/slog"
+	"slices"
+	"strconv"
+
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
+
+// UpstreamAddressAttribute is the Envoy attribute that names the host a
+// response came from: the last attempt's, after Envoy's retries. The Envoy
+// configs of the decode-fallback profile list it in the ext_proc filter's
+// response_attributes.
+const UpstreamAddressAttribute = "upstream.address"
+
+// served notes the decode endpoint that answered a request pdx named
+// fallbacks for, as Envoy tells it with the response headers: it counts
+// in pdx_decode_served_total and the log; the endpoints before it in the
+// request's list failed (Envoy retried past them), which the decode leg's
+// passive health hears; and the request's in-flight count moves to it.
+func (r *request) served(ctx context.Context, msg *extprocv3.ProcessingRequest) {
+	if r.decodePool == nil || len(r.decodes) == 0 {
+		return
+	}
+	addr := upstreamAddress(msg)
+	if addr == "" {
+		return // Envoy was not asked for it, or no upstream answered
+	}
+	status, _ := strconv.Atoi(header(msg.GetResponseHeaders(), ":status"))
+	at := slices.IndexFunc(r.decodes, func(ep endpoint.Endpoint) bool { return ep.Address == addr })
+	if at < 0 {
+		// The list is Envoy's only source of hosts (override_host): a host
+		// outside it means a cluster that does not honour it.
+		r.log.LogAttrs(ctx, slog.LevelWarn, "a decode endpoint pdx did not name answered",
+			slog.String("served", addr), slog.String("named", r.destination(r.decodes[0])), slog.Int("status", status))
+		return
+	}
+	pool := r.decodePool
+	for _, ep := range r.decodes[:at] {
+		pool.Decode.Report(ep, false)
+	}
+	if at > 0 {
+		r.decode.begin(pool.Decode.Set, r.decodes[at], r.blocks, r.tokens)
+	}
+	if status >= 500 {
+		// Every attempt failed; Envoy passes on the last one's error.
+		return
+	}
+	r.obs.served(pool, addr, at > 0)
+	level := slog.LevelDebug
+	if at > 0 {
+		level = slog.LevelInfo
+	}
+	r.log.LogAttrs(ctx, level, "decode served", slog.String("pool", pool.Name), slog.String("decode", addr),
+		slog.Bool("fallback", at > 0), slog.String("first", r.decodes[0].Address), slog.Int("status", status))
+}
+
+// upstreamAddress returns the UpstreamAddressAttribute Envoy sent with msg,
+// "" when it sent none. Envoy keys the attributes by the filter's name.
+func upstreamAddress(msg *extprocv3.ProcessingRequest) string {
+	for _, attrs := range msg.GetAttributes() {
+		if v, ok := attrs.GetFields()[UpstreamAddressAttribute]; ok {
+			return v.GetStringValue()
+		}
+	}
+	return ""
+}
