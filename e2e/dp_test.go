@@ -21,17 +21,22 @@ const dpRequests = 64
 // engines that each serve two data-parallel ranks. pdx names a rank per leg
 // (vLLM: X-data-parallel-rank on its prefill call and in Envoy's decode
 // request; SGLang: routed_dp_rank and disagg_prefill_dp_rank in the bodies)
-// and the engines check the hand-off per rank: a NIXL decode pulls from the
-// engine id of the prefill's rank, an SGLang decode waits on the bootstrap
-// registration of the rank it was told. Every request must answer its own
+// and the engines check the hand-off per rank: a NIXL or Mooncake decode
+// pulls from the engine id of the prefill's rank, an SGLang decode waits on
+// the bootstrap registration of the rank it was told. Every request must answer its own
 // prompt, both ranks of every engine must serve, and each decode must have
 // taken the KV of the rank its prefill ran on. Clients name ranks of their
 // own (the header, SGLang's fields) that pdx must drop: rank 7 is out of
 // range, and an engine that got it would refuse the request.
 func TestDPRanks(t *testing.T) {
-	for _, connector := range []string{"nixl", "sglang"} {
-		t.Run(connector, func(t *testing.T) {
-			st := startStack(t, stack.Options{Connector: connector, Prefill: 2, Decode: 2,
+	for _, tc := range []struct{ name, connector, mooncake string }{
+		{"nixl", "nixl", ""},
+		{"sglang", "sglang", ""},
+		{"mooncake-vllm", "mooncake", "vllm"},
+	} {
+		connector := tc.name
+		t.Run(tc.name, func(t *testing.T) {
+			st := startStack(t, stack.Options{Connector: tc.connector, MooncakeProtocol: tc.mooncake, Prefill: 2, Decode: 2,
 				Engine: enginesim.Config{DPSize: 2, PrefillLatency: 100 * time.Millisecond, DecodeLatency: 20 * time.Millisecond, DecodePerToken: time.Millisecond}})
 			client, _ := newClient(t, st)
 			clientRanks := []option.RequestOption{
@@ -74,6 +79,7 @@ func TestDPRanks(t *testing.T) {
 					require.NotEqual(t, enginesim.KindRejected, r.Kind, "engine %s refused %s: %s", e.Addr(), r.RequestID, r.Error)
 					require.Less(t, r.Status, 400, "engine %s: %+v", e.Addr(), r)
 					if r.Kind == enginesim.KindPrefill || r.Kind == enginesim.KindDecode {
+						require.True(t, r.DPRankNamed, "pdx named the rank of %s %s on %s", r.Kind, r.RequestID, e.Addr())
 						served[r.DPRank]++
 					}
 				}

@@ -50,24 +50,21 @@ func (s *Server) rankOfEngineID(id string) (int, bool) {
 }
 
 // servingRank decides the DP rank that serves a request: the one the router
-// named, as the engine family reads it, or else one the engine picks itself
-// (round robin; real engines balance on their queues). A rank out of range
-// is refused with 400, as the engines refuse it.
-func (s *Server) servingRank(r *http.Request, req *inferenceRequest) (int, error) {
+// named (named true), as the engine family reads it, or else one the engine
+// picks itself (round robin; real engines balance on their queues). A rank
+// out of range is refused with 400, as the engines refuse it.
+func (s *Server) servingRank(r *http.Request, req *inferenceRequest) (rank int, named bool, err error) {
 	asked, named, err := s.askedRank(r, req)
-	if err != nil {
-		return 0, err
-	}
-	if named {
-		return asked, nil
+	if err != nil || named {
+		return asked, named, err
 	}
 	if s.cfg.DPSize <= 1 {
-		return 0, nil
+		return 0, false, nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.nextRank = (s.nextRank + 1) % s.cfg.DPSize
-	return s.nextRank, nil
+	return s.nextRank, false, nil
 }
 
 // askedRank reads the rank the router named, if any.
@@ -133,12 +130,13 @@ func prefillRank(req *inferenceRequest) (int, bool, error) {
 	return int(n), true, nil
 }
 
-// rankedRoom is the key of a room's KV on a prefill: each DP rank of an
-// SGLang prefill has a bootstrap registration of its own. An engine
-// without DP ranks keys by the room alone.
-func (s *Server) rankedRoom(room string, rank int) string {
+// rankedKey is the key of a hand-off's KV on a prefill, by rank: each DP
+// rank keeps its own (an SGLang room's bootstrap registration, a Mooncake
+// transfer on the rank's engine). An engine without DP ranks keys by the
+// hand-off's own key alone.
+func (s *Server) rankedKey(key string, rank int) string {
 	if s.cfg.DPSize <= 1 && rank == 0 {
-		return room
+		return key
 	}
-	return room + "@dp" + strconv.Itoa(rank)
+	return key + "@dp" + strconv.Itoa(rank)
 }

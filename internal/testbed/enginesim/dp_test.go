@@ -37,16 +37,17 @@ func TestDPRankNamed(t *testing.T) {
 		header    string // vLLM
 		field     any    // SGLang's routed_dp_rank
 		wantRank  int
+		wantNamed bool
 		wantError string // 400
 	}{
-		{name: "vllm rank 3 of 4", connector: ConnectorNIXL, dpSize: 4, header: "3", wantRank: 3},
+		{name: "vllm rank 3 of 4", connector: ConnectorNIXL, dpSize: 4, header: "3", wantRank: 3, wantNamed: true},
 		{name: "vllm rank out of range", connector: ConnectorNIXL, dpSize: 4, header: "4", wantError: "data_parallel_rank 4 is out of range [0, 4)."},
 		{name: "vllm negative rank", connector: ConnectorNIXL, dpSize: 4, header: "-1", wantError: "data_parallel_rank -1 is out of range [0, 4)."},
 		{name: "vllm rank 1 of an engine without dp", connector: ConnectorNIXL, header: "1", wantError: "data_parallel_rank 1 is out of range [0, 1)."},
-		{name: "vllm rank 0 of an engine without dp", connector: ConnectorNIXL, header: "0", wantRank: 0},
+		{name: "vllm rank 0 of an engine without dp", connector: ConnectorNIXL, header: "0", wantRank: 0, wantNamed: true},
 		{name: "vllm ignores a rank that is no integer", connector: ConnectorNIXL, dpSize: 4, header: "two", wantRank: 1},
 		{name: "vllm without a rank", connector: ConnectorNIXL, dpSize: 4, wantRank: 1},
-		{name: "sglang rank 1 of 2", connector: ConnectorSGLang, dpSize: 2, field: 1, wantRank: 1},
+		{name: "sglang rank 1 of 2", connector: ConnectorSGLang, dpSize: 2, field: 1, wantRank: 1, wantNamed: true},
 		{name: "sglang rank out of range", connector: ConnectorSGLang, dpSize: 2, field: 2, wantError: "routed_dp_rank=2 out of range [0, 2)"},
 		{name: "sglang rank 0 without dp is ignored", connector: ConnectorSGLang, field: 0, wantRank: 0},
 		{name: "sglang rank 1 without dp", connector: ConnectorSGLang, field: 1, wantError: "routed_dp_rank=1 out of range [0, 1)"},
@@ -69,6 +70,7 @@ func TestDPRankNamed(t *testing.T) {
 			r.decode(t)
 			require.Equal(t, KindPlain, rec.Kind)
 			require.Equal(t, tc.wantRank, rec.DPRank)
+			require.Equal(t, tc.wantNamed, rec.DPRankNamed)
 		})
 	}
 }
@@ -166,6 +168,44 @@ func TestSGLangPrefillRank(t *testing.T) {
 			require.Equal(t, KVPulled, rec.KV)
 			require.Equal(t, 0, rec.DPRank, "the decode's own rank")
 			require.Equal(t, 1, rec.KVSourceRank, "the prefill's rank")
+		})
+	}
+}
+
+// TestMooncakeRankEngines: upstream Mooncake's bootstrap server lists an
+// engine per DP rank; a decode gets the transfer only from the engine of
+// the rank its prefill ran on, and waits in vain at another.
+func TestMooncakeRankEngines(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		engine   string
+		wantFail string
+	}{
+		{name: "the prefill rank's engine", engine: "mc-prefill_dp1"},
+		{name: "another rank's engine", engine: "mc-prefill_dp0", wantFail: "no prefill registered KV"},
+		{name: "an engine the server does not list", engine: "mc-prefill", wantFail: "remote_engine_id mismatch"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p, d := mooncakePair(t, Config{DPSize: 2}, 200*time.Millisecond)
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, "http://127.0.0.1:"+strconv.Itoa(p.BootstrapPort())+"/query", nil)
+			require.NoError(t, err)
+			var engines map[string]mooncakeEngine
+			require.NoError(t, json.Unmarshal(do(t, req).body, &engines))
+			require.Equal(t, "mc-prefill_dp0", engines["0"].EngineID)
+			require.Equal(t, "mc-prefill_dp1", engines["1"].EngineID)
+
+			client := completionBody("mooncake ranks").with("max_tokens", 3)
+			postRanked(t, p, "/v1/completions", "req-1", "1", mooncakePrefill(client, "req-1")).decode(t)
+			r := post(t, d, "/v1/completions", "req-1", mooncakeDecodeWith(client, p, "req-1", "remote_engine_id", tc.engine))
+			if tc.wantFail != "" {
+				require.GreaterOrEqual(t, r.status, 400, "body: %s", r.body)
+				require.Contains(t, string(r.body), tc.wantFail)
+				return
+			}
+			r.decode(t)
+			rec := lastKind(t, d, KindDecode)
+			require.Equal(t, KVPulled, rec.KV)
+			require.Equal(t, 1, rec.KVSourceRank)
 		})
 	}
 }

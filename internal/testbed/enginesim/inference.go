@@ -89,7 +89,7 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 			s.reject(x, &apiError{status: s.cfg.FailStatus, msg: fmt.Sprintf("simulated engine failure (FailStatus %d)", s.cfg.FailStatus)})
 			return
 		}
-		if x.rank, err = s.servingRank(r, x.req); err != nil {
+		if x.rank, x.rec.DPRankNamed, err = s.servingRank(r, x.req); err != nil {
 			s.reject(x, err)
 			return
 		}

@@ -221,7 +221,7 @@ func (p *sglangProtocol) prefill(x *exchange) {
 		return
 	}
 	a := kvAnswer{Fingerprint: x.rec.Fingerprint, RequestID: x.rec.RequestID, Source: s.addr, Rank: x.rank}
-	if err := p.hold(leg.req, s.rankedRoom(b.room, x.rank), a); err != nil {
+	if err := p.hold(leg.req, s.rankedKey(b.room, x.rank), a); err != nil {
 		if errors.Is(err, errAborted) {
 			s.interrupted(x, ctx, nil)
 			return
@@ -343,10 +343,10 @@ func (p *sglangProtocol) handleRoom(w http.ResponseWriter, r *http.Request) {
 	// waits for KV that never comes there, until its timeout.
 	keys := make([]string, 0, s.dpSize())
 	if rr.Rank != nil {
-		keys = append(keys, s.rankedRoom(room, *rr.Rank))
+		keys = append(keys, s.rankedKey(room, *rr.Rank))
 	} else {
 		for r := range s.dpSize() {
-			keys = append(keys, s.rankedRoom(room, r))
+			keys = append(keys, s.rankedKey(room, r))
 		}
 	}
 	ctx, cancel := s.waitContext(r.Context())
