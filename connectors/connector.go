@@ -28,6 +28,9 @@ type Request struct {
 	Body jsonedit.Object
 	// Prefill and Decode are the endpoints picked for the two legs.
 	Prefill, Decode endpoint.Endpoint
+	// PrefillRank and DecodeRank are the data-parallel ranks picked on
+	// them; none for an engine without DP ranks (Endpoint.DPSize <= 1).
+	PrefillRank, DecodeRank endpoint.Rank
 	// KVHosts are the hosts, besides the prefill endpoint's own, that a
 	// prefill answer may name as the decode's KV source (the pool's
 	// allowed_kv_hosts: NAT, a separate KV network).
@@ -41,6 +44,10 @@ type Decode struct {
 	// RequestID, when set, replaces Request.ID as the decode leg's
 	// X-Request-Id (P2P NCCL encodes the engines' addresses in it).
 	RequestID string
+	// Rank is the DP rank the decode request names in vLLM's
+	// X-data-parallel-rank header; none when the engine has no ranks or
+	// takes the rank in the body (SGLang).
+	Rank endpoint.Rank
 	// Prefill is set by concurrent connectors (SGLang, upstream Mooncake),
 	// whose prefill still runs while Envoy sends the decode. It delivers the
 	// prefill's outcome exactly once (nil on success) and is buffered, so the
@@ -89,9 +96,10 @@ type Env struct {
 // Engine sends requests to inference engines.
 type Engine interface {
 	// Post sends body (its pieces one after another, only read) to path
-	// on endpoint with the given X-Request-Id and returns the answer's
-	// body. A non-2xx answer is an *engines.Error.
-	Post(ctx context.Context, endpoint endpoint.Endpoint, path, requestID string, body net.Buffers) ([]byte, error)
+	// on endpoint with the given X-Request-Id and, when rank is set, the
+	// DP rank that is to serve it (vLLM's X-data-parallel-rank), and
+	// returns the answer's body. A non-2xx answer is an *engines.Error.
+	Post(ctx context.Context, endpoint endpoint.Endpoint, path, requestID string, rank endpoint.Rank, body net.Buffers) ([]byte, error)
 	// Get fetches http://address+path (a bootstrap server's, for example)
 	// and returns the answer's body. A non-2xx answer is an *engines.Error.
 	Get(ctx context.Context, address, path string) ([]byte, error)

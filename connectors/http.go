@@ -21,16 +21,16 @@ func httpSpec() Spec {
 	// samples as many sequences as asked. Any decode engine finds it there,
 	// so a decode may fall back to another.
 	traits, build := fixed(HTTP{}, Traits{Prefills: true, MultipleChoices: true, DecodeFallback: true})
-	return Spec{Names: []string{"http", "lmcache"}, Traits: traits, New: build}
+	return Spec{Names: []string{"http", "lmcache"}, Fields: []string{FieldDPSize}, Traits: traits, New: build}
 }
 
 // Prepare implements [Connector]. The prefill runs to its end before the
 // decode is sent, so the KV is in the store when the decode looks for it.
 func (HTTP) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
-	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, httpPrefillBody(req.Body)); err != nil {
+	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, httpPrefillBody(req.Body)); err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
-	return Decode{Body: engineBody(req.Body)}, nil
+	return Decode{Body: engineBody(req.Body), Rank: req.DecodeRank}, nil
 }
 
 func httpPrefillBody(client jsonedit.Object) net.Buffers {

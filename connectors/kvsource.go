@@ -36,7 +36,10 @@ func sameHost(a []byte, b string) bool {
 // port, against the prefill endpoint pdx called: with a kv_address
 // configured (or discovered) for it, the source must be that port, on that
 // host or an allowed one; without, any port on the endpoint's own host or an
-// allowed one (see checkKVHost).
+// allowed one (see checkKVHost). Each DP rank of a vLLM engine has a side
+// channel of its own, on the configured port plus its rank (vLLM's NIXL
+// scheduler: VLLM_NIXL_SIDE_CHANNEL_PORT + data_parallel_index): a prefill
+// on rank r must name that one.
 func checkKVSource(req *Request, host []byte, port int) error {
 	ep := req.Prefill
 	if ep.KVAddress == "" {
@@ -46,9 +49,18 @@ func checkKVSource(req *Request, host []byte, port int) error {
 	if err != nil {
 		return fmt.Errorf("%w: kv_address %q is not host:port", engines.ErrBadAnswer, ep.KVAddress)
 	}
-	if p, err := strconv.Atoi(kvPort); err != nil || p != port || !(sameHost(host, kvHost) || req.KVHosts.Contains(string(host))) {
-		return fmt.Errorf("%w: the answer names KV source %s, but the engine's kv_address is %s",
-			engines.ErrBadAnswer, net.JoinHostPort(string(host), strconv.Itoa(port)), ep.KVAddress)
+	p, err := strconv.Atoi(kvPort)
+	rank, ranked := req.PrefillRank.Get()
+	if ranked {
+		p += rank
+	}
+	if err != nil || p != port || !(sameHost(host, kvHost) || req.KVHosts.Contains(string(host))) {
+		of := ""
+		if ranked {
+			of = fmt.Sprintf(" (its DP rank %d's side channel port is %d)", rank, p)
+		}
+		return fmt.Errorf("%w: the answer names KV source %s, but the engine's kv_address is %s%s",
+			engines.ErrBadAnswer, net.JoinHostPort(string(host), strconv.Itoa(port)), ep.KVAddress, of)
 	}
 	return nil
 }

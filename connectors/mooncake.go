@@ -26,7 +26,7 @@ var _ Connector = MooncakeVLLMConnector{}
 func mooncakeSpec() Spec {
 	return Spec{
 		Names:  []string{"mooncake"},
-		Fields: []string{FieldMooncakeProtocol, FieldKVAddress},
+		Fields: []string{FieldMooncakeProtocol, FieldKVAddress, FieldDPSize},
 		Defaults: func(p *configv1.Pool) {
 			if p.MooncakeProtocol == "" {
 				p.MooncakeProtocol = MooncakeNIXL
@@ -91,8 +91,14 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request)
 		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	bootstrap := net.JoinHostPort(host, strconv.Itoa(req.Prefill.Bootstrap()))
-	engineID, err := env.EngineIDs.get(ctx, bootstrap, func(ctx context.Context) ([]byte, error) {
-		return queryEngineID(ctx, env.Engine, req.Prefill, bootstrap)
+	// The bootstrap server lists an engine per DP rank: the decode pulls
+	// from the one of the rank the prefill runs on.
+	rank, key := 0, bootstrap
+	if r, ok := req.PrefillRank.Get(); ok {
+		rank, key = r, bootstrap+"/dp"+strconv.Itoa(r)
+	}
+	engineID, err := env.EngineIDs.get(ctx, key, func(ctx context.Context) ([]byte, error) {
+		return queryEngineID(ctx, env.Engine, req.Prefill, bootstrap, rank)
 	})
 	if err != nil {
 		return Decode{}, err
@@ -108,20 +114,21 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request)
 		jsonedit.Set(keyKVTransferParams, mooncakePrefillParams(transferID)))...)
 	decode := engineBody(req.Body,
 		jsonedit.Set(keyKVTransferParams, mooncakeDecodeParams(transferID, "http://"+bootstrap, engineID)))
-	failed := func() { env.EngineIDs.forget(bootstrap, engineID) } // the engine may have restarted
-	return Decode{Body: decode, RequestID: id, Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, id, prefill, failed)}, nil
+	failed := func() { env.EngineIDs.forget(key, engineID) } // the engine may have restarted
+	return Decode{Body: decode, RequestID: id, Rank: req.DecodeRank,
+		Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, id, req.PrefillRank, prefill, failed)}, nil
 }
 
-// queryEngineID asks the bootstrap server at addr for the engine id of the
-// prefill engine ep.
-func queryEngineID(ctx context.Context, engine Engine, ep endpoint.Endpoint, addr string) ([]byte, error) {
+// queryEngineID asks the bootstrap server at addr for the engine id of DP
+// rank rank of the prefill engine ep.
+func queryEngineID(ctx context.Context, engine Engine, ep endpoint.Endpoint, addr string, rank int) ([]byte, error) {
 	answer, err := engine.Get(ctx, addr, "/query")
 	if err != nil {
 		// Status 0: whatever the bootstrap server said, the client's request
 		// is not at fault; the prefill engine is unavailable.
 		return nil, &engines.Error{Endpoint: ep, Message: "querying Mooncake bootstrap server " + addr, Err: err}
 	}
-	id, err := mooncakeEngineID(answer)
+	id, err := mooncakeEngineID(answer, rank)
 	if err != nil {
 		return nil, &engines.Error{Endpoint: ep, Message: "reading Mooncake bootstrap server " + addr + " /query", Err: err}
 	}
@@ -151,28 +158,28 @@ func mooncakeDecodeParams(transferID []byte, bootstrapURL string, engineID []byt
 	return append(b, '}')
 }
 
-// mooncakeEngineID returns the engine id of data-parallel rank 0, as a JSON
-// string, from a bootstrap server's /query answer. The answer maps each dp
-// rank to its engine: {"0":{"engine_id":"...","worker_addr":{...}}, ...}.
+// mooncakeEngineID returns the engine id of data-parallel rank rank, as a
+// JSON string, from a bootstrap server's /query answer. The answer maps each
+// dp rank to its engine: {"0":{"engine_id":"...","worker_addr":{...}}, ...}.
 // Upstream's proxy pins each prefill to a rank with an X-data-parallel-rank
-// header; [Engine] sends none, so pdx supports prefill engines with one dp
-// rank, rank 0.
-func mooncakeEngineID(answer []byte) ([]byte, error) {
+// header, as pdx does when the endpoint has a dp_size; without one, the
+// engine has one rank, 0.
+func mooncakeEngineID(answer []byte, rank int) ([]byte, error) {
 	ranks, err := jsonedit.Parse(answer)
 	if err != nil {
 		return nil, fmt.Errorf("%w: %w", engines.ErrBadAnswer, err)
 	}
-	raw, ok := ranks.Raw("0")
+	raw, ok := ranks.Raw(strconv.Itoa(rank))
 	if !ok {
-		return nil, fmt.Errorf("%w: no dp rank 0 registered (answer %.80s)", engines.ErrBadAnswer, answer)
+		return nil, fmt.Errorf("%w: no dp rank %d registered (answer %.80s)", engines.ErrBadAnswer, rank, answer)
 	}
-	rank, err := jsonedit.Parse(raw)
+	entry, err := jsonedit.Parse(raw)
 	if err != nil {
-		return nil, fmt.Errorf("%w: dp rank 0 is %.40s, not an object", engines.ErrBadAnswer, raw)
+		return nil, fmt.Errorf("%w: dp rank %d is %.40s, not an object", engines.ErrBadAnswer, rank, raw)
 	}
-	id, ok := rank.Raw("engine_id")
+	id, ok := entry.Raw("engine_id")
 	if !ok || id[0] != '"' || len(id) == 2 {
-		return nil, fmt.Errorf("%w: dp rank 0 has no engine_id string", engines.ErrBadAnswer)
+		return nil, fmt.Errorf("%w: dp rank %d has no engine_id string", engines.ErrBadAnswer, rank)
 	}
 	return id, nil
 }

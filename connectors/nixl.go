@@ -28,7 +28,7 @@ func nixlSpec() Spec {
 		// one nothing to read (the prefill frees blocks once read): vLLM's
 		// kv_load_failure_policy says whether that one recomputes or fails.
 		DecodeFallback: true})
-	return Spec{Names: []string{"nixl"}, Fields: []string{FieldKVAddress}, Traits: traits, New: build}
+	return Spec{Names: []string{"nixl"}, Fields: []string{FieldKVAddress, FieldDPSize}, Traits: traits, New: build}
 }
 
 // nixlPrefillParams asks the prefill engine to keep the KV for a remote
@@ -38,7 +38,7 @@ var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":fal
 
 // Prepare implements [Connector].
 func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
-	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, nixlPrefillBody(req.Body))
+	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, nixlPrefillBody(req.Body))
 	if err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
@@ -52,7 +52,7 @@ func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) 
 	// params == nil (the prefill ended on EOS/stop) deletes the key: the
 	// decode engine then recomputes from the plain client body. Either way a
 	// client-sent kv_transfer_params never reaches the decode engine.
-	return Decode{Body: nixlDecodeBody(req.Body, params)}, nil
+	return Decode{Body: nixlDecodeBody(req.Body, params), Rank: req.DecodeRank}, nil
 }
 
 // nixlKVSource checks the NIXL side channel that params name, the one the
@@ -96,7 +96,7 @@ func (NIXL) Release(ctx context.Context, env Env, req *Request, d Decode) error 
 	}
 	var buf [maxEdits]jsonedit.Edit
 	edits := append(prefillOnlyEdits(buf[:0], req.Body), jsonedit.Set(keyKVTransferParams, params))
-	_, err = env.Engine.Post(ctx, req.Decode, req.Path, req.ID, enginePieces(req.Body, edits...))
+	_, err = env.Engine.Post(ctx, req.Decode, req.Path, req.ID, d.Rank, enginePieces(req.Body, edits...))
 	return err
 }
 

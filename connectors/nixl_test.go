@@ -187,6 +187,7 @@ func TestNIXLKVSource(t *testing.T) {
 		name    string
 		prefill endpoint.Endpoint
 		hosts   endpoint.HostSet
+		rank    endpoint.Rank
 		host    string
 		port    int
 		ok      bool
@@ -203,10 +204,15 @@ func TestNIXLKVSource(t *testing.T) {
 		{name: "kv_address host, other port", prefill: testPrefill, host: "10.0.0.1", port: 5600},
 		{name: "allowed host on the kv_address port", prefill: testPrefill, hosts: allowed, host: "192.168.7.9", port: 21001, ok: true},
 		{name: "allowed host on another port", prefill: testPrefill, hosts: allowed, host: "192.168.7.9", port: 5600},
+		// vLLM's DP rank r listens on VLLM_NIXL_SIDE_CHANNEL_PORT + r.
+		{name: "dp rank 3 on its side channel", prefill: testPrefill, rank: endpoint.RankOf(3), host: "10.0.0.1", port: 21004, ok: true},
+		{name: "dp rank 3 naming rank 0's", prefill: testPrefill, rank: endpoint.RankOf(3), host: "10.0.0.1", port: 21001},
+		{name: "dp rank 0 is the kv_address", prefill: testPrefill, rank: endpoint.RankOf(0), host: "10.0.0.1", port: 21001, ok: true},
+		{name: "dp rank without kv_address, any port", prefill: noKV, rank: endpoint.RankOf(3), host: "10.0.0.1", port: 5600, ok: true},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			req := &Request{Prefill: tc.prefill, KVHosts: tc.hosts}
+			req := &Request{Prefill: tc.prefill, KVHosts: tc.hosts, PrefillRank: tc.rank}
 			err := checkKVSource(req, []byte(tc.host), tc.port)
 			if tc.ok {
 				require.NoError(t, err)

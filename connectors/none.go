@@ -10,7 +10,7 @@ type None struct{}
 
 // Prepare returns the plain client body; no engine is called.
 func (None) Prepare(_ context.Context, _ Env, req *Request) (Decode, error) {
-	return Decode{Body: engineBody(req.Body)}, nil
+	return Decode{Body: engineBody(req.Body), Rank: req.DecodeRank}, nil
 }
 
 var _ Connector = None{}
@@ -19,5 +19,5 @@ func noneSpec() Spec {
 	// No prefill leg: n > 1 is the engine's own business, and any engine
 	// can serve the request (decode fallback).
 	traits, build := fixed(None{}, Traits{MultipleChoices: true, DecodeFallback: true})
-	return Spec{Names: []string{"none"}, Traits: traits, New: build}
+	return Spec{Names: []string{"none"}, Fields: []string{FieldDPSize}, Traits: traits, New: build}
 }

@@ -5,6 +5,7 @@ import (
 	"fmt"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
@@ -12,7 +13,9 @@ import (
 // (disagg_proxy_p2p_nccl_xpyd.py) drives it: the request id names both
 // engines' KV (ZMQ) addresses; the prefill engine sends the KV to the decode
 // engine named in the id, which takes it by the same id. The prefill runs to
-// its end before the decode is sent.
+// its end before the decode is sent. It takes no dp_size: each rank of a
+// vLLM engine has a ZMQ port of its own (P2pNcclEngine: kv_port plus the
+// worker's rank), which the id would have to name.
 type P2PNCCL struct{}
 
 var _ Connector = P2PNCCL{}
@@ -52,7 +55,7 @@ func (P2PNCCL) Prepare(ctx context.Context, env Env, req *Request) (Decode, erro
 	}
 	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
 	var buf [maxEdits]jsonedit.Edit
-	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, enginePieces(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
+	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, endpoint.Rank{}, enginePieces(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}
 	return Decode{Body: engineBody(req.Body), RequestID: id}, nil

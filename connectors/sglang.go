@@ -3,6 +3,7 @@ package connectors
 import (
 	"context"
 	"errors"
+	"math"
 	"math/rand/v2"
 	"net"
 	"strconv"
@@ -29,7 +30,7 @@ func sglangSpec() Spec {
 	// No decode fallback: the prefill sends its KV to the decode that
 	// registered the bootstrap room, and a room serves one attempt.
 	traits, build := fixed(SGLang{}, Traits{Prefills: true, Concurrent: true})
-	return Spec{Names: []string{"sglang"}, Traits: traits, New: build}
+	return Spec{Names: []string{"sglang"}, Fields: []string{FieldDPSize}, Traits: traits, New: build}
 }
 
 // Prepare implements [Connector].
@@ -39,8 +40,33 @@ func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Decode, error
 		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	rid := sglangRID()
-	body := sglangBody(req.Body, host, req.Prefill.Bootstrap(), sglangRoom(), rid)
-	return Decode{Body: body, Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, req.ID, net.Buffers{body}, nil)}, nil
+	room := alignRoom(sglangRoom(), req.Prefill.DPSize, req.PrefillRank)
+	b := sglangBootstrap{host: host, port: req.Prefill.Bootstrap(), room: room, rid: rid}
+	prefill := sglangBody(req.Body, b, req.PrefillRank, endpoint.Rank{})
+	decode := prefill
+	if req.PrefillRank != (endpoint.Rank{}) || req.DecodeRank != (endpoint.Rank{}) {
+		decode = sglangBody(req.Body, b, req.DecodeRank, req.PrefillRank)
+	}
+	return Decode{Body: decode, Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, req.ID, endpoint.Rank{}, net.Buffers{prefill}, nil)}, nil
+}
+
+// alignRoom returns room, in [0, 2^63-1], moved within its block of size
+// rooms to the one that is rank modulo size, when rank is set (rank <
+// size). The decode is told the prefill's rank (disagg_prefill_dp_rank),
+// but a decode that finds it no other way takes room % dp_size as the
+// prefill's rank when the prefill follows bootstrap rooms: aligned, every
+// way of reading it agrees, as SGLang's own router aligns rooms.
+func alignRoom(room uint64, size int, rank endpoint.Rank) uint64 {
+	r, ok := rank.Get()
+	if !ok || size <= 1 {
+		return room
+	}
+	s := uint64(size)
+	aligned := room - room%s + uint64(r)
+	if aligned > math.MaxInt64 {
+		aligned -= s // the last block is partial; the one before is whole
+	}
+	return aligned
 }
 
 // sglangRoom returns a fresh random room in [0, 2^63-1], the range SGLang's
@@ -55,15 +81,38 @@ func sglangRoom() uint64 { return uint64(rand.Int64()) }
 // none is a prefix of another, and a client's rid is replaced.
 func sglangRID() string { return "pdx-" + uuidHex() }
 
-// sglangBody is the body of both legs: the client's plus the bootstrap
-// fields and the request id. The room is written as integer text, never
-// through float64.
-func sglangBody(client jsonedit.Object, host string, port int, room uint64, rid string) []byte {
-	return engineBody(client,
-		jsonedit.Set(keyBootstrapHost, appendJSONString(nil, host)),
-		jsonedit.Set(keyBootstrapPort, strconv.AppendInt(nil, int64(port), 10)),
-		jsonedit.Set(keyBootstrapRoom, strconv.AppendUint(nil, room, 10)),
-		jsonedit.Set(keySGLangRID, appendJSONString(nil, rid)))
+// sglangBootstrap is where and under which ids the two legs meet.
+type sglangBootstrap struct {
+	host string
+	port int
+	room uint64
+	rid  string
+}
+
+// sglangBody is the body of a leg: the client's plus the bootstrap fields,
+// the request id and, when set, the DP rank that is to serve it
+// (routed_dp_rank) and, on the decode, the prefill's rank, whose bootstrap
+// the decode takes the KV from (disagg_prefill_dp_rank), as SGLang's router
+// sends them. Without ranks both legs get the same body. The room is
+// written as integer text, never through float64.
+func sglangBody(client jsonedit.Object, b sglangBootstrap, routed, prefill endpoint.Rank) []byte {
+	edits := [...]jsonedit.Edit{
+		jsonedit.Set(keyBootstrapHost, appendJSONString(nil, b.host)),
+		jsonedit.Set(keyBootstrapPort, strconv.AppendInt(nil, int64(b.port), 10)),
+		jsonedit.Set(keyBootstrapRoom, strconv.AppendUint(nil, b.room, 10)),
+		jsonedit.Set(keySGLangRID, appendJSONString(nil, b.rid)),
+		{}, {},
+	}
+	n := 4
+	if r, ok := routed.Get(); ok {
+		edits[n] = jsonedit.Set(keyRoutedDPRank, strconv.AppendInt(nil, int64(r), 10))
+		n++
+	}
+	if r, ok := prefill.Get(); ok {
+		edits[n] = jsonedit.Set(keyDisaggPrefillDPRank, strconv.AppendInt(nil, int64(r), 10))
+		n++
+	}
+	return engineBody(client, edits[:n]...)
 }
 
 // sglangAbortRetry is when the abort is sent a second time. SGLang answers
@@ -98,7 +147,7 @@ func (SGLang) Release(ctx context.Context, env Env, req *Request, d Decode) erro
 		}
 		errs = errs[:0]
 		for _, ep := range []endpoint.Endpoint{req.Decode, req.Prefill} {
-			if _, err := env.Engine.Post(ctx, ep, "/abort_request", req.ID, net.Buffers{abort}); err != nil {
+			if _, err := env.Engine.Post(ctx, ep, "/abort_request", req.ID, endpoint.Rank{}, net.Buffers{abort}); err != nil {
 				errs = append(errs, engineFailure(ep, err))
 			}
 		}

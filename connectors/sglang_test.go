@@ -80,7 +80,7 @@ func TestSGLangBody(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			obj, err := jsonedit.Parse([]byte(tc.client))
 			require.NoError(t, err)
-			got := sglangBody(obj, tc.host, tc.port, tc.room, "pdx-RID")
+			got := sglangBody(obj, sglangBootstrap{host: tc.host, port: tc.port, room: tc.room, rid: "pdx-RID"}, endpoint.Rank{}, endpoint.Rank{})
 			require.Equal(t, tc.want, string(got))
 		})
 	}

@@ -22,6 +22,14 @@ const (
 	keyBootstrapPort       = "bootstrap_port"       // SGLang
 	keyBootstrapRoom       = "bootstrap_room"       // SGLang
 	keyDisaggregatedParams = "disaggregated_params" // TensorRT-LLM
+	// SGLang's data-parallel ranks: the rank to serve the request, and a
+	// decode's prefill rank, whose bootstrap it takes the KV from.
+	// data_parallel_rank is routed_dp_rank's deprecated name, which SGLang
+	// still reads. pdx picks ranks; a client's would pin an engine rank of
+	// its choosing, or point a decode at another rank's bootstrap.
+	keyRoutedDPRank        = "routed_dp_rank"
+	keyDisaggPrefillDPRank = "disagg_prefill_dp_rank"
+	keyDataParallelRank    = "data_parallel_rank"
 )
 
 // keySGLangRID is SGLang's request id. A client's would let it collide with
@@ -41,6 +49,9 @@ func stripped(dst []jsonedit.Edit, client jsonedit.Object, edits ...jsonedit.Edi
 		jsonedit.Delete(keyBootstrapPort),
 		jsonedit.Delete(keyBootstrapRoom),
 		jsonedit.Delete(keyDisaggregatedParams),
+		jsonedit.Delete(keyRoutedDPRank),
+		jsonedit.Delete(keyDisaggPrefillDPRank),
+		jsonedit.Delete(keyDataParallelRank),
 	)
 	// OpenAI clients send null for options they leave unset, and pdx reads
 	// null as absent. Engines do not all agree (SGLang's "stream" is a
@@ -121,10 +132,10 @@ func engineFailure(ep endpoint.Endpoint, err error) error {
 // when Post returns, which an [Engine] does once ctx is done. The answer's
 // body is discarded (the engine client has read it to the end). failed, if
 // not nil, is called before a failure is delivered.
-func startPrefill(ctx context.Context, engine Engine, ep endpoint.Endpoint, path, requestID string, body net.Buffers, failed func()) <-chan error {
+func startPrefill(ctx context.Context, engine Engine, ep endpoint.Endpoint, path, requestID string, rank endpoint.Rank, body net.Buffers, failed func()) <-chan error {
 	done := make(chan error, 1)
 	go func() {
-		_, err := engine.Post(ctx, ep, path, requestID, body)
+		_, err := engine.Post(ctx, ep, path, requestID, rank, body)
 		if err != nil {
 			err = engineFailure(ep, err)
 			if failed != nil {

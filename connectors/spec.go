@@ -60,6 +60,9 @@ const (
 	// FieldKVAddress covers the endpoints' kv_address and
 	// kubernetes.kv_port.
 	FieldKVAddress = "kv_address"
+	// FieldDPSize covers the endpoints' dp_size and kubernetes.dp_size
+	// and decode_dp_size: the connector names DP ranks to its engines.
+	FieldDPSize = "dp_size"
 )
 
 // specs lists every connector. Adding one is a file with its spec and a

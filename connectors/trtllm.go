@@ -11,6 +11,7 @@ import (
 	"strings"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -80,7 +81,7 @@ func (c TRTLLM) Prepare(ctx context.Context, env Env, req *Request) (Decode, err
 	if !c.Legacy {
 		disaggID = trtllmDisaggRequestID()
 	}
-	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, trtllmContextBody(req.Body, disaggID))
+	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, endpoint.Rank{}, trtllmContextBody(req.Body, disaggID))
 	if err != nil {
 		return Decode{}, engineFailure(req.Prefill, err)
 	}

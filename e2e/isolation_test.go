@@ -113,9 +113,11 @@ func isolation(t *testing.T, st *stack.Stack, name string, n int, text func(i in
 	}
 }
 
-// isolationRequest sends request i as chat or completion, streaming or not.
-func isolationRequest(t *testing.T, client openai.Client, i int, id, text string) (string, error) {
+// isolationRequest sends request i as chat or completion, streaming or not,
+// with the request options extra.
+func isolationRequest(t *testing.T, client openai.Client, i int, id, text string, extra ...option.RequestOption) (string, error) {
 	ctx, hdr := t.Context(), option.WithHeader("X-Request-Id", id)
+	opts := append([]option.RequestOption{hdr}, extra...)
 	stream := i%4 >= 2
 	if i%2 == 0 {
 		params := openai.ChatCompletionNewParams{
@@ -124,13 +126,13 @@ func isolationRequest(t *testing.T, client openai.Client, i int, id, text string
 			MaxTokens: openai.Int(4),
 		}
 		if !stream {
-			resp, err := client.Chat.Completions.New(ctx, params, hdr)
+			resp, err := client.Chat.Completions.New(ctx, params, opts...)
 			if err != nil {
 				return "", err
 			}
 			return resp.Choices[0].Message.Content, nil
 		}
-		s := client.Chat.Completions.NewStreaming(ctx, params, hdr)
+		s := client.Chat.Completions.NewStreaming(ctx, params, opts...)
 		defer s.Close()
 		var b strings.Builder
 		for s.Next() {
@@ -146,13 +148,13 @@ func isolationRequest(t *testing.T, client openai.Client, i int, id, text string
 		MaxTokens: openai.Int(4),
 	}
 	if !stream {
-		resp, err := client.Completions.New(ctx, params, hdr)
+		resp, err := client.Completions.New(ctx, params, opts...)
 		if err != nil {
 			return "", err
 		}
 		return resp.Choices[0].Text, nil
 	}
-	s := client.Completions.NewStreaming(ctx, params, hdr)
+	s := client.Completions.NewStreaming(ctx, params, opts...)
 	defer s.Close()
 	var b strings.Builder
 	for s.Next() {

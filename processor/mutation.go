@@ -16,6 +16,10 @@ import (
 // cluster (the Gateway API Inference Extension endpoint-picker convention).
 const DestinationHeader = "x-gateway-destination-endpoint"
 
+// RankHeader names the DP rank of the decode endpoint that is to serve the
+// request, for vLLM engines (engines.RankHeader, as Envoy spells headers).
+const RankHeader = "x-data-parallel-rank"
+
 // MetadataNamespace carries the same endpoint as dynamic metadata.
 const MetadataNamespace = "envoy.lb"
 
@@ -35,8 +39,9 @@ func setHeader(key, value string) *corev3.HeaderValueOption {
 // to name the destination, whatever happens next. (x-envoy-original-dst-host,
 // which an ORIGINAL_DST cluster reads when it names no header, is not among
 // them: Envoy refuses ext_proc mutations of x-envoy-* headers by default,
-// and pdx's clusters name DestinationHeader.)
-var clientRoutingHeaders = []string{DestinationHeader}
+// and pdx's clusters name DestinationHeader.) Nor does a client get to pin
+// an engine's DP rank: RankHeader is pdx's to set.
+var clientRoutingHeaders = []string{DestinationHeader, RankHeader}
 
 // routeHeaders answers the headers of a request.
 func routeHeaders() *extprocv3.ProcessingResponse {
@@ -79,6 +84,9 @@ var passThroughMode = &filterextprocv3.ProcessingMode{
 // answer turns it into Envoy's answer.
 type decision struct {
 	decode endpoint.Endpoint
+	// rank is the decode endpoint's DP rank that RankHeader names; none
+	// sends no header.
+	rank endpoint.Rank
 	// body is the decode request's body; unchanged marks the client's own,
 	// which is not sent back: Envoy keeps the one it holds, and neither
 	// side copies a prompt for nothing.
@@ -96,9 +104,12 @@ type decision struct {
 // waiting for, in FULL_DUPLEX_STREAMED mode and for a request without a
 // body.
 func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
-	set := make([]*corev3.HeaderValueOption, 0, 3+len(r.trace.headers))
+	set := make([]*corev3.HeaderValueOption, 0, 4+len(r.trace.headers))
 	destination := r.destination(d.decode)
 	set = append(set, setHeader(DestinationHeader, destination))
+	if rank, ok := d.rank.Get(); ok {
+		set = append(set, setHeader(RankHeader, strconv.Itoa(rank)))
+	}
 	if !d.atHeaders {
 		set = append(set, setHeader("content-length", strconv.Itoa(len(d.body))))
 	}

@@ -21,11 +21,12 @@ const (
 )
 
 // inFlight is a request counted on an endpoint of a leg (picker.Set.Begin)
-// until end.
+// until end, and on the DP rank it was given there (beginRank), if any.
 type inFlight struct {
 	set    *picker.Set
 	ep     endpoint.Endpoint
 	tokens int
+	rank   endpoint.Rank
 }
 
 func (f *inFlight) begin(set *picker.Set, ep endpoint.Endpoint, blocks []uint64, tokens int) {
@@ -34,11 +35,29 @@ func (f *inFlight) begin(set *picker.Set, ep endpoint.Endpoint, blocks []uint64,
 	f.set, f.ep, f.tokens = set, ep, tokens
 }
 
+// beginRank picks the DP rank of the endpoint begin counted the request
+// on, for engines that serve several (none otherwise), and counts it there
+// until end: the leg's Set spreads its requests over the ranks.
+func (f *inFlight) beginRank() endpoint.Rank {
+	f.rank = f.set.BeginRank(f.ep)
+	return f.rank
+}
+
+// endRank ends the count on the rank alone: the request goes to the
+// endpoint without naming one, and the engine places it itself.
+func (f *inFlight) endRank() {
+	if f.set != nil {
+		f.set.EndRank(f.ep, f.rank)
+	}
+	f.rank = endpoint.Rank{}
+}
+
 // end ends the count, if any; it may be called more than once.
 func (f *inFlight) end() {
 	if f.set != nil {
+		f.set.EndRank(f.ep, f.rank)
 		f.set.End(f.ep, f.tokens)
-		f.set = nil
+		f.set, f.rank = nil, endpoint.Rank{}
 	}
 }
 
@@ -84,6 +103,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	}
 	r.decode.begin(pool.Decode.Set, ep, r.blocks, r.tokens)
 	r.named(pool, ep)
+	creq.DecodeRank = r.decode.beginRank()
 	if !pool.Traits.Prefills {
 		return "", nil
 	}

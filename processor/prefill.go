@@ -133,6 +133,7 @@ func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connect
 	// What the engine is to compute: the prompt but what it has cached.
 	uncached := r.tokens - pool.Prefill.Set.Matched(creq.Prefill, r.blocks)*r.blockTokens
 	r.prefill.counted.begin(pool.Prefill.Set, creq.Prefill, r.blocks, max(uncached, 0))
+	creq.PrefillRank = r.prefill.counted.beginRank()
 	if pool.Traits.Concurrent {
 		decode, err := pool.Connector.Prepare(r.obs.attemptStarted(r.prefill.ctx, pool, creq.Prefill), r.env, creq)
 		if err != nil || decode.Prefill == nil {

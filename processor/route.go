@@ -211,6 +211,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 	default:
 		// The decode engine computes the prompt, as after a failed prefill.
 		decode = connectors.Decode{Body: connectors.Plain(body)}
+		r.decode.endRank() // a plain body names no rank
 	}
 	r.obs.decided(pool, reason)
 	switch {
@@ -220,6 +221,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
 			slog.String("pool", pool.Name), slog.String("error", err.Error()))
 		decode = connectors.Decode{Body: connectors.Plain(body)}
+		r.decode.endRank() // a plain body names no rank
 		r.fallback = true
 	case err != nil:
 		return decision{}, nil, err
@@ -245,7 +247,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		slog.String("model", model), slog.String("pool", pool.Name), slog.String("engine_request_id", r.id),
 		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
 		slog.Duration("elapsed", time.Since(r.start)))
-	return decision{decode: creq.Decode, body: decode.Body, unchanged: bytes.Equal(decode.Body, raw)}, nil, nil
+	return decision{decode: creq.Decode, rank: decode.Rank, body: decode.Body, unchanged: bytes.Equal(decode.Body, raw)}, nil, nil
 }
 
 // passHeaders routes a request on a pass-through path that has no body,

@@ -23,6 +23,7 @@ func TestRunRejectsBadArguments(t *testing.T) {
 		{"bad queue latency", []string{"--decode-queue-latency", "-1s"}, "DecodeQueueLatency must not be negative"},
 		{"bad disconnect check", []string{"--disconnect-check-interval", "-1s"}, "DisconnectCheckInterval must not be negative"},
 		{"tampered params not an object", []string{"--tamper-kv-params", "[1]"}, "TamperKVParams must be a JSON object"},
+		{"negative dp size", []string{"--addr", "127.0.0.1:0", "--dp-size", "-2"}, "DPSize must not be negative"},
 		{"store on a bad address", []string{"--store", "--addr", "127.0.0.1:bad"}, "store listen"},
 	}
 	for _, tt := range tests {
@@ -49,6 +50,7 @@ func TestRunServesUntilDone(t *testing.T) {
 			"--tamper-kv-params", `{"remote_host":"203.0.113.66"}`}},
 		{"sglang decode", []string{"--connector", "sglang", "--role", "decode", "--disconnect-check-interval", "1s"}},
 		{"lmcache", []string{"--connector", "lmcache", "--store-addr", "127.0.0.1:1"}},
+		{"sglang with dp ranks", []string{"--connector", "sglang", "--role", "prefill", "--dp-size", "4"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

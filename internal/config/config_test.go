@@ -198,8 +198,13 @@ func TestParseErrors(t *testing.T) {
 			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
 			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks)`}},
+		{"dp_size too big", pools(pool(`prefill: [{address: "10.0.0.1:8000", dp_size: 2000}]`, `decode: [{address: "10.0.0.2:8000", dp_size: 1}, {address: "10.0.0.3:8000", dp_size: 1025}]`)), []string{
+			`config: pools[0].prefill[0].dp_size: 2000 is over the maximum of 1024 data-parallel ranks`,
+			`config: pools[0].decode[1].dp_size: 1025 is over the maximum of 1024 data-parallel ranks`}},
+		{"dp_size with trtllm", pools(pool("connector: trtllm", `decode: [{address: "10.0.0.2:8000", dp_size: 2}]`)), []string{
+			`config: pools[0].decode[0].dp_size: only valid with connectors "nixl", "http", "mooncake", "sglang", "none", not "trtllm"`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
-			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address)`}},
+			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address, dp_size)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
 		{"all unknown fields reported", minimal + "b: 1\na: 2\n", []string{`unknown field "a"`, `unknown field "b"`}},
 
@@ -571,12 +576,16 @@ func TestKubernetesDiscovery(t *testing.T) {
 		{name: "p2p kv_port", yaml: kpool("p2p-nccl", "kv_port: 21001"), check: func(t *testing.T, k *configv1.KubernetesDiscovery) {
 			require.EqualValues(t, 21001, k.GetKvPort())
 		}},
+		{name: "dp sizes", yaml: kpool("sglang", "dp_size: 8", "decode_dp_size: 16"), check: func(t *testing.T, k *configv1.KubernetesDiscovery) {
+			require.EqualValues(t, 8, k.GetDpSize())
+			require.EqualValues(t, 16, k.GetDecodeDpSize())
+		}},
 
 		{name: "static lists too", yaml: kpool("nixl") + "  prefill: [{address: 10.0.0.1:1}]\n  decode: [{address: 10.0.0.1:2}]\n", wantErr: []string{
 			`config: pools[0].prefill: must be empty when kubernetes discovers the pool's endpoints`,
 			`config: pools[0].decode: must be empty when kubernetes discovers the pool's endpoints`}},
 		{name: "unknown field", yaml: kpool("nixl", "selector: {app: x}"), wantErr: []string{
-			`config: unknown field "pools[0].kubernetes.selector" (known fields of KubernetesDiscovery: namespace, service, match_labels, role_label, prefill_role, decode_role, group_label, port, port_name, bootstrap_port, kv_port)`}},
+			`config: unknown field "pools[0].kubernetes.selector" (known fields of KubernetesDiscovery: namespace, service, match_labels, role_label, prefill_role, decode_role, group_label, port, port_name, bootstrap_port, kv_port, dp_size, decode_dp_size)`}},
 		{name: "label value not a string", yaml: kpool("nixl", "match_labels: {app: 1}"), wantErr: []string{
 			`config: pools[0].kubernetes.match_labels["app"]: expected a string, got number 1`}},
 		{name: "labels not a mapping", yaml: kpool("nixl", "match_labels: [app]"), wantErr: []string{
@@ -604,6 +613,11 @@ func TestKubernetesDiscovery(t *testing.T) {
 			`config: pools[0].kubernetes.port_name: "HTTP_port" is not valid`}},
 		{name: "bootstrap port too big", yaml: kpool("sglang", "bootstrap_port: 70000"), wantErr: []string{
 			`config: pools[0].kubernetes.bootstrap_port: 70000 is not a port (1-65535)`}},
+		{name: "dp size too big", yaml: kpool("nixl", "dp_size: 1025", "decode_dp_size: 4096"), wantErr: []string{
+			`config: pools[0].kubernetes.dp_size: 1025 is over the maximum of 1024 data-parallel ranks`,
+			`config: pools[0].kubernetes.decode_dp_size: 4096 is over the maximum of 1024 data-parallel ranks`}},
+		{name: "dp size with trtllm", yaml: kpool("trtllm", "dp_size: 2"), wantErr: []string{
+			`config: pools[0].kubernetes.dp_size: only valid with connectors "nixl", "http", "mooncake", "sglang", "none", not "trtllm"`}},
 		{name: "p2p needs kv_port", yaml: kpool("p2p-nccl"), wantErr: []string{
 			`config: pools[0].kubernetes.kv_port: required with connector "p2p-nccl"`}},
 		{name: "kv_port elsewhere", yaml: kpool("sglang", "kv_port: 21001"), wantErr: []string{

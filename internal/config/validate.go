@@ -288,6 +288,12 @@ func (v *validator) connectorFields(path string, p *configv1.Pool, spec connecto
 	if p.GetKubernetes().GetKvPort() != 0 && !claims(connectors.FieldKVAddress) {
 		only(path+".kubernetes.kv_port", connectors.FieldKVAddress)
 	}
+	if n := p.GetKubernetes().GetDpSize(); n != 0 {
+		v.dpSize(path+".kubernetes.dp_size", n, claims, only)
+	}
+	if n := p.GetKubernetes().GetDecodeDpSize(); n != 0 {
+		v.dpSize(path+".kubernetes.decode_dp_size", n, claims, only)
+	}
 	for i, h := range p.GetAllowedKvHosts() {
 		if _, err := endpoint.ParseHostSet([]string{h}); err != nil {
 			v.fail(fmt.Sprintf("%s.allowed_kv_hosts[%d]", path, i), "%v", err)
@@ -308,6 +314,9 @@ func (v *validator) connectorFields(path string, p *configv1.Pool, spec connecto
 			}
 			if ep.GetBootstrapPort() > 65535 {
 				v.fail(fmt.Sprintf("%s.%s[%d].bootstrap_port", path, role.name, i), "%d is not a port (1-65535)", ep.GetBootstrapPort())
+			}
+			if n := ep.GetDpSize(); n != 0 {
+				v.dpSize(fmt.Sprintf("%s.%s[%d].dp_size", path, role.name, i), n, claims, only)
 			}
 		}
 	}
@@ -406,6 +415,21 @@ func (v *validator) kubernetes(path, connector string, traits connectors.Traits,
 	}
 	if kp := k.GetKvPort(); kp > 65535 {
 		v.fail(path+".kv_port", "%d is not a port (1-65535)", kp)
+	}
+}
+
+// MaxDPSize bounds a dp_size: more DP ranks behind one address than the
+// largest expert-parallel deployments run is a typo.
+const MaxDPSize = 1024
+
+// dpSize checks a dp_size n at path: a connector that names DP ranks to
+// its engines, and at most MaxDPSize.
+func (v *validator) dpSize(path string, n uint32, claims func(string) bool, only func(string, string)) {
+	switch {
+	case !claims(connectors.FieldDPSize):
+		only(path, connectors.FieldDPSize)
+	case n > MaxDPSize:
+		v.fail(path, "%d is over the maximum of %d data-parallel ranks", n, MaxDPSize)
 	}
 }
 

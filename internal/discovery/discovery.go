@@ -322,10 +322,14 @@ func endpoints(w *watch, t Target) (prefill, decode []endpoint.Endpoint) {
 		if kp := spec.GetKvPort(); kp != 0 {
 			ep.KVAddress = net.JoinHostPort(e.ip.String(), strconv.Itoa(int(kp)))
 		}
+		ep.DPSize = int(spec.GetDpSize())
 		if isPrefill {
 			ep.BootstrapPort = int(spec.GetBootstrapPort())
 			prefill = append(prefill, ep)
 		} else {
+			if d := spec.GetDecodeDpSize(); d != 0 {
+				ep.DPSize = int(d)
+			}
 			decode = append(decode, ep)
 		}
 	}

@@ -539,6 +539,28 @@ func TestP2PKVAddress(t *testing.T) {
 	require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.2:8000", KVAddress: "10.0.0.2:21001"}}, h.pool.Decode.Set.Endpoints())
 }
 
+// TestDPSize gives every discovered engine the pool's dp_size, and the
+// decode pods decode_dp_size when set.
+func TestDPSize(t *testing.T) {
+	for _, tc := range []struct {
+		name            string
+		sizes           string
+		prefill, decode int
+	}{
+		{"one size", "dp_size: 4", 4, 4},
+		{"decode differs", "dp_size: 2, decode_dp_size: 8", 2, 8},
+		{"none", "group_label: \"\"", 0, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			h := newHarness(t, "  connector: sglang\n  kubernetes: {namespace: llm, service: engines, port: 8000, "+tc.sizes+"}\n")
+			h.createPods(podSpec{name: "p", ip: "10.0.0.1", role: "prefill"}, podSpec{name: "d", ip: "10.0.0.2", role: "decode"})
+			h.applySlice(newSlice("engines-a", "engines", discoveryv1.AddressTypeIPv4, sliceEP{pod: "p", ip: "10.0.0.1"}, sliceEP{pod: "d", ip: "10.0.0.2"}))
+			require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.1:8000", DPSize: tc.prefill}}, h.pool.Prefill.Set.Endpoints())
+			require.Equal(t, []endpoint.Endpoint{{Address: "10.0.0.2:8000", DPSize: tc.decode}}, h.pool.Decode.Set.Endpoints())
+		})
+	}
+}
+
 // TestSetTargets replaces the pools fed, as a config reload does.
 func TestSetTargets(t *testing.T) {
 	objs := []runtime.Object{

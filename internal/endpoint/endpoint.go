@@ -24,6 +24,10 @@ type Endpoint struct {
 	// the prefill endpoints of its group (Kubernetes discovery with a
 	// group_label). Empty: unpaired. Connectors do not use it.
 	Group string
+	// DPSize is how many data-parallel ranks the engine serves behind its
+	// one address (vLLM --data-parallel-size, SGLang --dp-size). pdx names
+	// a rank per request only when it is over 1.
+	DPSize int
 }
 
 // DefaultBootstrapPort is SGLang's and vLLM Mooncake's default bootstrap port.
@@ -42,6 +46,18 @@ func (e Endpoint) Bootstrap() int {
 	}
 	return e.BootstrapPort
 }
+
+// Rank is a data-parallel rank of an engine, or none (the zero value): an
+// engine without DP ranks, or a request the engine places itself.
+type Rank struct {
+	plus1 int32 // the rank + 1; 0: none
+}
+
+// RankOf returns rank n (n >= 0).
+func RankOf(n int) Rank { return Rank{plus1: int32(n) + 1} }
+
+// Get returns the rank, and false for none.
+func (r Rank) Get() (int, bool) { return int(r.plus1) - 1, r.plus1 > 0 }
 
 // HostSet is a set of hosts: IP addresses, CIDR prefixes and DNS names. The
 // zero value is empty. It is not changed once parsed.

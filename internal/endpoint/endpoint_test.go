@@ -34,3 +34,22 @@ func TestParseHostSet(t *testing.T) {
 	require.False(t, s.Contains("10.3.0.1"))
 	require.False(t, HostSet{}.Contains("10.1.2.3"))
 }
+
+func TestRank(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		rank Rank
+		want int
+		ok   bool
+	}{
+		{"zero value is none", Rank{}, -1, false},
+		{"rank 0", RankOf(0), 0, true},
+		{"rank 7", RankOf(7), 7, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			got, ok := tc.rank.Get()
+			require.Equal(t, tc.ok, ok)
+			require.Equal(t, tc.want, got)
+		})
+	}
+}

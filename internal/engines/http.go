@@ -11,6 +11,7 @@ import (
 	"net"
 	"net/http"
 	"net/url"
+	"strconv"
 	"time"
 
 	"go.opentelemetry.io/otel/propagation"
@@ -64,7 +65,7 @@ func NewTransport() *http.Transport {
 func (e *HTTP) CloseIdleConnections() { e.client.CloseIdleConnections() }
 
 // Post implements [Engine].
-func (e *HTTP) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
+func (e *HTTP) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID string, rank endpoint.Rank, body net.Buffers) ([]byte, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+ep.Address+path, nil)
 	if err != nil {
 		return nil, &Error{Endpoint: ep, Err: err}
@@ -78,8 +79,17 @@ func (e *HTTP) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID s
 	req.GetBody = func() (io.ReadCloser, error) { return &piecesReader{pieces: body}, nil }
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", requestID)
+	if n, ok := rank.Get(); ok {
+		req.Header.Set(RankHeader, strconv.Itoa(n))
+	}
 	return e.do(req, ep)
 }
+
+// RankHeader names the DP rank that is to serve a request. vLLM's OpenAI
+// server reads "X-data-parallel-rank" (serving.py,
+// _get_data_parallel_rank); header names are case-insensitive, and the
+// canonical spelling costs Header.Set no allocation.
+const RankHeader = "X-Data-Parallel-Rank"
 
 // piecesReader reads pieces one after another without changing them (unlike
 // net.Buffers, whose reads consume it), so the same pieces can be sent again.

@@ -8,6 +8,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"syscall"
@@ -38,8 +39,8 @@ func TestHTTPPostRequest(t *testing.T) {
 	const body = `{"model":"m","prompt":"hi","max_tokens":1}`
 	const answer = `{"id":"cmpl-1","choices":[{"text":"x"}]}`
 	type seen struct {
-		method, path, contentType, requestID string
-		body                                 []byte
+		method, path, contentType, requestID, rank string
+		body                                       []byte
 	}
 	got := make(chan seen, 1)
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -48,13 +49,13 @@ func TestHTTPPostRequest(t *testing.T) {
 			http.Error(w, err.Error(), http.StatusBadRequest)
 			return
 		}
-		got <- seen{r.Method, r.URL.Path, r.Header.Get("Content-Type"), r.Header.Get("X-Request-Id"), b}
+		got <- seen{r.Method, r.URL.Path, r.Header.Get("Content-Type"), r.Header.Get("X-Request-Id"), r.Header.Get("X-data-parallel-rank"), b}
 		w.Header().Set("Content-Type", "application/json")
 		io.WriteString(w, answer)
 	}))
 	defer srv.Close()
 
-	out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "req-42", net.Buffers{[]byte(body)})
+	out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "req-42", endpoint.Rank{}, net.Buffers{[]byte(body)})
 	require.NoError(t, err)
 	require.Equal(t, answer, string(out))
 
@@ -64,6 +65,13 @@ func TestHTTPPostRequest(t *testing.T) {
 	require.Equal(t, "application/json", s.contentType)
 	require.Equal(t, "req-42", s.requestID)
 	require.Equal(t, body, string(s.body), "the body must reach the engine byte for byte")
+	require.Empty(t, s.rank, "no DP rank named")
+
+	for _, rank := range []int{0, 7, 130} {
+		_, err = newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "req-43", endpoint.RankOf(rank), net.Buffers{[]byte(body)})
+		require.NoError(t, err)
+		require.Equal(t, strconv.Itoa(rank), (<-got).rank, "the DP rank, in vLLM's X-data-parallel-rank")
+	}
 }
 
 func TestHTTPPostErrorAnswer(t *testing.T) {
@@ -128,7 +136,7 @@ func TestHTTPPostErrorAnswer(t *testing.T) {
 			defer srv.Close()
 			ep := endpointOf(srv)
 
-			out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
+			out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
 			require.Nil(t, out)
 			ee, ok := errors.AsType[*Error](err)
 			require.True(t, ok, "want *Error, got %T: %v", err, err)
@@ -161,7 +169,7 @@ func TestHTTPPostAnswerSize(t *testing.T) {
 			}))
 			defer srv.Close()
 
-			out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
+			out, err := newEngine(t).Post(t.Context(), endpointOf(srv), "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
 			if !tc.tooBig {
 				require.NoError(t, err)
 				require.Len(t, out, tc.size)
@@ -180,7 +188,7 @@ func TestHTTPPostConnectionRefused(t *testing.T) {
 	// A free loopback port is one nobody listens on.
 	ep := endpoint.Endpoint{Address: loopback.FreeAddr(t)}
 
-	out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
+	out, err := newEngine(t).Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
 	require.Nil(t, out)
 	ee, ok := errors.AsType[*Error](err)
 	require.True(t, ok, "want *Error, got %T: %v", err, err)
@@ -234,7 +242,7 @@ func TestHTTPPostContextEnds(t *testing.T) {
 			e := newEngine(t)
 			done := make(chan error, 1)
 			go func() {
-				_, err := e.Post(ctx, endpointOf(srv), "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
+				_, err := e.Post(ctx, endpointOf(srv), "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
 				done <- err
 			}()
 			// A deadline may pass before the request arrives; either way the
@@ -281,7 +289,7 @@ func TestHTTPReusesConnections(t *testing.T) {
 
 	e := newEngine(t)
 	for i := range 20 {
-		_, err := e.Post(t.Context(), endpointOf(srv), "/v1/completions", "r", net.Buffers{[]byte(`{}`)})
+		_, err := e.Post(t.Context(), endpointOf(srv), "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
 		if i%2 == 0 {
 			require.NoError(t, err, "call %d", i)
 		} else {

@@ -6,6 +6,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 
@@ -158,9 +159,39 @@ type health struct {
 	// seed is the hash of the endpoint's address: every pdx replica
 	// computes the same, for prefix affinity to agree without talking.
 	seed uint64
-	// Pad to a cache line: endpoints' health is allocated together, and
-	// Reports on one must not slow Picks reading another.
-	_ [64 - 8 - 4 - 4 - 8 - 8 - 8 - 8 - 8]byte
+	// ranks counts pdx's requests per DP rank of the endpoint (BeginRank,
+	// EndRank); nil without DP ranks (Endpoint.DPSize <= 1).
+	ranks *ranks
+}
+
+// health fills a cache line exactly (this fails to compile otherwise):
+// endpoints' health is allocated together, and Reports on one must not slow
+// Picks reading another.
+var _ [0]struct{} = [unsafe.Sizeof(health{}) - 64]struct{}{}
+
+// ranks is the in-flight requests on each DP rank of one endpoint, and
+// where the next pick starts looking, so that ties go round robin.
+type ranks struct {
+	next     atomic.Uint32
+	inFlight []atomic.Int32
+}
+
+// begin picks the rank with the fewest requests in flight, the first from
+// next on a tie, and counts one more on it. Two picks at once may see the
+// same counts and pick the same rank, as picks of endpoints may: the
+// spread is even over time, not exact at every instant.
+func (rs *ranks) begin() endpoint.Rank {
+	n := uint32(len(rs.inFlight))
+	start := rs.next.Add(1) % n
+	best, least := start, rs.inFlight[start].Load()
+	for i := uint32(1); i < n; i++ {
+		k := (start + i) % n
+		if c := rs.inFlight[k].Load(); c < least {
+			best, least = k, c
+		}
+	}
+	rs.inFlight[best].Add(1)
+	return endpoint.RankOf(int(best))
 }
 
 // load is a Load as picks read it: times in nanoseconds since Set.base.
@@ -247,6 +278,11 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 				h = new(health)
 			}
 			h.seed = xxhash.Sum64String(ep.Address)
+			if h.ranks == nil && ep.DPSize > 1 {
+				// Endpoints with other DP sizes are other endpoints:
+				// an inherited health has its ranks already.
+				h.ranks = &ranks{inFlight: make([]atomic.Int32, ep.DPSize)}
+			}
 			byEP[ep] = h
 		}
 		v.states[i] = h
@@ -416,6 +452,39 @@ func (s *Set) End(ep endpoint.Endpoint, tokens int) {
 		h.inFlight.Add(-1)
 		h.inFlightTokens.Add(-int64(tokens))
 	}
+}
+
+// BeginRank picks the DP rank of ep that is to serve a request, the one
+// with the fewest of pdx's requests in flight (ties go round robin), and
+// counts the request on it until EndRank. It returns none for an endpoint
+// without DP ranks (Endpoint.DPSize <= 1) or that the set does not have.
+func (s *Set) BeginRank(ep endpoint.Endpoint) endpoint.Rank {
+	h := s.view.Load().lookup(ep)
+	if h == nil || h.ranks == nil {
+		return endpoint.Rank{}
+	}
+	return h.ranks.begin()
+}
+
+// EndRank tells the Set that a request BeginRank counted on rank of ep is
+// over. Ranks that ep does not have (none among them) are ignored.
+func (s *Set) EndRank(ep endpoint.Endpoint, rank endpoint.Rank) {
+	r, ok := rank.Get()
+	if !ok {
+		return
+	}
+	if h := s.view.Load().lookup(ep); h != nil && h.ranks != nil && r < len(h.ranks.inFlight) {
+		h.ranks.inFlight[r].Add(-1)
+	}
+}
+
+// RankInFlight returns how many requests BeginRank counted on DP rank
+// rank of ep that have not ended.
+func (s *Set) RankInFlight(ep endpoint.Endpoint, rank int) int {
+	if h := s.view.Load().lookup(ep); h != nil && h.ranks != nil && rank >= 0 && rank < len(h.ranks.inFlight) {
+		return int(h.ranks.inFlight[rank].Load())
+	}
+	return 0
 }
 
 // InFlight returns how many requests Begin counted on ep that have not

@@ -483,7 +483,7 @@ func (t *Table) Lookup(model string) (*Pool, bool) {
 func endpoints(eps []*configv1.Endpoint) []endpoint.Endpoint {
 	out := make([]endpoint.Endpoint, len(eps))
 	for i, e := range eps {
-		out[i] = endpoint.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress()}
+		out[i] = endpoint.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress(), DPSize: int(e.GetDpSize())}
 	}
 	return out
 }

@@ -21,6 +21,8 @@ type exchange struct {
 	w   http.ResponseWriter
 	r   *http.Request
 	leg any // what the protocol's classify parsed for its serve method
+	// rank is the DP rank that serves the request (servingRank).
+	rank int
 	// headersSent is set once the 200 headers of an SSE answer are out
 	// (see openStream): from then on a refusal is an SSE error event.
 	headersSent bool
@@ -87,6 +89,11 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 			s.reject(x, &apiError{status: s.cfg.FailStatus, msg: fmt.Sprintf("simulated engine failure (FailStatus %d)", s.cfg.FailStatus)})
 			return
 		}
+		if x.rank, x.rec.DPRankNamed, err = s.servingRank(r, x.req); err != nil {
+			s.reject(x, err)
+			return
+		}
+		x.rec.DPRank = x.rank
 		m, err := s.proto.classify(x)
 		if err != nil {
 			s.reject(x, err)
@@ -179,10 +186,10 @@ func (s *Server) servePrefill(x *exchange) {
 		writeJSON(x.w, http.StatusOK, s.completion(x, first, "stop", json.RawMessage("null")))
 		return
 	}
-	id, blocks := s.kv.allocate(x.rec.Fingerprint, x.rec.RequestID, promptTokens(x.req.prompt), time.Now())
+	id, blocks := s.kv.allocate(x.rec.Fingerprint, x.rec.RequestID, x.rank, promptTokens(x.req.prompt), time.Now())
 	params := s.tampered(mustJSON(issuedKVParams{
 		DoRemotePrefill: true,
-		RemoteEngineID:  s.cfg.EngineID,
+		RemoteEngineID:  s.engineID(x.rank),
 		RemoteBlockIDs:  blocks,
 		RemoteRequestID: id,
 		RemoteHost:      s.host,
@@ -252,6 +259,7 @@ func (s *Server) serveDecode(x *exchange) {
 			pulled.RequestID, x.rec.RequestID))
 		return
 	}
+	x.rec.KVSourceRank = pulled.Rank
 	s.servePulled(x, src)
 }
 

@@ -126,8 +126,8 @@ func (p *mooncakeProtocol) prefill(x *exchange) {
 		s.abandon(x, err)
 		return
 	}
-	a := kvAnswer{Fingerprint: x.rec.Fingerprint, RequestID: x.rec.RequestID, Source: s.addr}
-	if err := p.transfers.put(*kv.TransferID, a, time.Now()); err != nil {
+	a := kvAnswer{Fingerprint: x.rec.Fingerprint, RequestID: x.rec.RequestID, Source: s.addr, Rank: x.rank}
+	if err := p.transfers.put(s.rankedKey(*kv.TransferID, x.rank), a, time.Now()); err != nil {
 		s.reject(x, err)
 		return
 	}
@@ -154,9 +154,13 @@ func (p *mooncakeProtocol) handleQuery(w http.ResponseWriter, r *http.Request) {
 		p.engineQueries++
 	}
 	p.mu.Unlock()
-	writeJSON(w, http.StatusOK, map[string]mooncakeEngine{
-		"0": {EngineID: p.s.cfg.EngineID, WorkerAddr: map[string]map[string]string{"0": {"0": p.s.addr}}},
-	})
+	// One engine per DP rank, each named as vLLM's DP engine cores name
+	// themselves; the simulator's ranks share its one worker address.
+	engines := map[string]mooncakeEngine{}
+	for r := range p.s.dpSize() {
+		engines[strconv.Itoa(r)] = mooncakeEngine{EngineID: p.s.engineID(r), WorkerAddr: map[string]map[string]string{"0": {"0": p.s.addr}}}
+	}
+	writeJSON(w, http.StatusOK, engines)
 }
 
 // transferRequest is the body of POST /sim/kv/transfer on a prefill
@@ -180,9 +184,10 @@ func (p *mooncakeProtocol) handleTransfer(w http.ResponseWriter, r *http.Request
 		s.answerSide(w, r, sr, nil, ae)
 		return
 	}
-	if tr.EngineID != s.cfg.EngineID {
-		s.answerSide(w, r, sr, nil, badRequest("remote_engine_id mismatch: KV was requested from engine %q but this engine is %q",
-			tr.EngineID, s.cfg.EngineID))
+	rank, ok := s.rankOfEngineID(tr.EngineID)
+	if !ok {
+		s.answerSide(w, r, sr, nil, badRequest("remote_engine_id mismatch: KV was requested from engine %q but this engine is %s",
+			tr.EngineID, s.engineIDs()))
 		return
 	}
 	if s.cfg.Role == RoleDecode {
@@ -191,7 +196,9 @@ func (p *mooncakeProtocol) handleTransfer(w http.ResponseWriter, r *http.Request
 	}
 	ctx, cancel := s.waitContext(r.Context())
 	defer cancel()
-	a, err := p.transfers.take(ctx, tr.TransferID, sr.rec.RequestID, sideWait(tr.WaitMS))
+	// Only the rank's engine has the transfer: asked of another, the
+	// decode waits for KV that never comes there.
+	a, err := p.transfers.take(ctx, s.rankedKey(tr.TransferID, rank), sr.rec.RequestID, sideWait(tr.WaitMS))
 	sr.rec.Fingerprint = a.Fingerprint
 	s.answerSide(w, r, sr, a, err)
 }
@@ -243,6 +250,7 @@ func (p *mooncakeProtocol) decode(x *exchange) {
 	err = s.sideCall(ctx, s.waitClient(), what, "http://"+worker+"/sim/kv/transfer", x.rec.RequestID,
 		transferRequest{TransferID: *kv.TransferID, EngineID: *kv.RemoteEngineID, WaitMS: wait.Milliseconds()}, &got)
 	release()
+	x.rec.KVSourceRank = got.Rank
 	s.finishDecode(x, "transfer_id "+*kv.TransferID, got, err)
 }
 

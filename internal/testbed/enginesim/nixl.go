@@ -116,6 +116,7 @@ type pullRequest struct {
 type pullResponse struct {
 	Fingerprint string `json:"fingerprint"`
 	RequestID   string `json:"request_id"`
+	Rank        int    `json:"dp_rank"` // the prefill's DP rank that held the blocks
 }
 
 // pullKV fetches KV from the prefill engine at src. An error is either the
@@ -187,16 +188,17 @@ func (s *Server) servePull(w http.ResponseWriter, r *http.Request, rec *Record) 
 	if err := decodeJSON(body, &pr); err != nil {
 		return pullResponse{}, badRequest("invalid KV pull request: %v", err)
 	}
-	if pr.RemoteEngineID != s.cfg.EngineID {
-		return pullResponse{}, badRequest("remote_engine_id mismatch: KV was requested from engine %q but this engine is %q",
-			pr.RemoteEngineID, s.cfg.EngineID)
+	rank, ok := s.rankOfEngineID(pr.RemoteEngineID)
+	if !ok {
+		return pullResponse{}, badRequest("remote_engine_id mismatch: KV was requested from engine %q but this engine is %s",
+			pr.RemoteEngineID, s.engineIDs())
 	}
-	entry, ae := s.kv.take(pr, time.Now())
+	entry, ae := s.kv.take(pr, rank, time.Now())
 	rec.Fingerprint = entry.fingerprint
 	if ae != nil {
 		return pullResponse{}, ae
 	}
-	return pullResponse{Fingerprint: entry.fingerprint, RequestID: entry.requestID}, nil
+	return pullResponse{Fingerprint: entry.fingerprint, RequestID: entry.requestID, Rank: entry.rank}, nil
 }
 
 // releaseRequest is the body of POST /sim/kv/release, the stand-in for the
@@ -216,9 +218,9 @@ func (s *Server) handleRelease(w http.ResponseWriter, r *http.Request) {
 		s.answerSide(w, r, sr, nil, ae)
 		return
 	}
-	if rr.RemoteEngineID != s.cfg.EngineID {
-		s.answerSide(w, r, sr, nil, badRequest("remote_engine_id mismatch: a KV release was sent for engine %q but this engine is %q",
-			rr.RemoteEngineID, s.cfg.EngineID))
+	if _, ok := s.rankOfEngineID(rr.RemoteEngineID); !ok {
+		s.answerSide(w, r, sr, nil, badRequest("remote_engine_id mismatch: a KV release was sent for engine %q but this engine is %s",
+			rr.RemoteEngineID, s.engineIDs()))
 		return
 	}
 	e, ae := s.kv.release(rr.RemoteRequestID, rr.RequestID, time.Now())
@@ -234,6 +236,7 @@ func (s *Server) handleRelease(w http.ResponseWriter, r *http.Request) {
 type kvEntry struct {
 	fingerprint string // of the prompt whose KV the blocks hold
 	requestID   string // X-Request-Id of the prefill
+	rank        int    // the DP rank whose blocks hold it
 	blockIDs    [][]int
 	created     time.Time
 	consumedBy  string // X-Request-Id of the decode that pulled it, "" until then
@@ -297,7 +300,7 @@ func (k *kvStore) sweep(now time.Time) {
 // allocate remembers the KV of a finished prefill and returns its
 // remote_request_id and block ids. Expired entries are swept here, which
 // bounds the store without a background goroutine.
-func (k *kvStore) allocate(fingerprint, requestID string, tokens int, now time.Time) (string, [][]int) {
+func (k *kvStore) allocate(fingerprint, requestID string, rank, tokens int, now time.Time) (string, [][]int) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	k.sweep(now)
@@ -309,7 +312,7 @@ func (k *kvStore) allocate(fingerprint, requestID string, tokens int, now time.T
 	}
 	id := randomHex(16)
 	ids := [][]int{blocks}
-	k.entries[id] = &kvEntry{fingerprint: fingerprint, requestID: requestID, blockIDs: ids, created: now}
+	k.entries[id] = &kvEntry{fingerprint: fingerprint, requestID: requestID, rank: rank, blockIDs: ids, created: now}
 	return id, ids
 }
 
@@ -342,12 +345,18 @@ func gone(id string, e *kvEntry) *apiError {
 
 // take hands out the KV named by a pull, once. Freed entries stay until
 // they expire so that a second pull is told why it fails (409, not 404).
-func (k *kvStore) take(pr pullRequest, now time.Time) (kvEntry, *apiError) {
+// The blocks are those of one DP rank, whose engine the pull must name
+// (rank): another rank's NIXL agent has no such request.
+func (k *kvStore) take(pr pullRequest, rank int, now time.Time) (kvEntry, *apiError) {
 	k.mu.Lock()
 	defer k.mu.Unlock()
 	e, ae := k.lookup(pr.RemoteRequestID, now)
 	if ae != nil {
 		return kvEntry{}, ae
+	}
+	if e.rank != rank {
+		return *e, &apiError{status: http.StatusNotFound,
+			msg: fmt.Sprintf("no KV for remote_request_id %q on engine %q: it is held by DP rank %d", pr.RemoteRequestID, pr.RemoteEngineID, e.rank)}
 	}
 	var blocks [][]int
 	if err := json.Unmarshal(pr.RemoteBlockIDs, &blocks); err != nil || !slices.EqualFunc(blocks, e.blockIDs, slices.Equal) {

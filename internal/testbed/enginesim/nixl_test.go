@@ -312,12 +312,12 @@ func TestNixlExpiredKV(t *testing.T) {
 func TestKVStoreSweepsOnAllocate(t *testing.T) {
 	k := newKVStore(time.Minute)
 	now := time.Now()
-	id1, b1 := k.allocate("fp1", "r1", 40, now)
-	id2, b2 := k.allocate("fp2", "r2", 1, now.Add(30*time.Second))
+	id1, b1 := k.allocate("fp1", "r1", 0, 40, now)
+	id2, b2 := k.allocate("fp2", "r2", 0, 1, now.Add(30*time.Second))
 	require.NotEqual(t, id1, id2)
 	require.Equal(t, [][]int{{1, 2, 3}}, b1, "40 tokens fill three 16-token blocks")
 	require.Equal(t, [][]int{{4}}, b2, "block ids are never reused")
-	k.allocate("fp3", "r3", 1, now.Add(90*time.Second))
+	k.allocate("fp3", "r3", 0, 1, now.Add(90*time.Second))
 	require.Len(t, k.entries, 2, "the first entry expired and was swept")
 	require.NotContains(t, k.entries, id1)
 }

@@ -2,6 +2,7 @@ package enginesim
 
 import (
 	"bytes"
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -181,6 +182,7 @@ type kvAnswer struct {
 	Fingerprint string `json:"fingerprint"`
 	RequestID   string `json:"request_id"`
 	Source      string `json:"source"`
+	Rank        int    `json:"dp_rank"` // the prefill's DP rank that held the KV
 }
 
 // handoff is KV a prefill left for a decode, under a protocol's key (a
@@ -304,6 +306,13 @@ func (h *handoffs) stats(now time.Time) (int, kvFreed) {
 // *apiError: 409 when the KV was already taken and none came since, 504 when
 // nothing was registered in time (404 when wait is 0).
 func (h *handoffs) take(ctx context.Context, key, consumer string, wait time.Duration) (kvAnswer, error) {
+	return h.takeAny(ctx, []string{key}, consumer, wait)
+}
+
+// takeAny is take of the KV under the first of keys that has some (an
+// SGLang decode that asks a DP prefill for a room on any of its ranks).
+func (h *handoffs) takeAny(ctx context.Context, keys []string, consumer string, wait time.Duration) (kvAnswer, error) {
+	key := strings.Join(keys, " or ")
 	var timeout <-chan time.Time
 	if wait > 0 {
 		t := time.NewTimer(wait)
@@ -311,7 +320,7 @@ func (h *handoffs) take(ctx context.Context, key, consumer string, wait time.Dur
 		timeout = t.C
 	}
 	for {
-		a, takenBy, changed := h.tryTake(key, consumer, time.Now())
+		a, takenBy, changed := h.tryTake(keys, consumer, time.Now())
 		if changed == nil {
 			return a, nil
 		}
@@ -369,22 +378,27 @@ func (h *handoffs) waiting() int {
 // tryTake takes the KV under key if it is there and not taken; otherwise it
 // returns who took the last KV under key, if anyone, and the channel that
 // signals the next registration.
-func (h *handoffs) tryTake(key, consumer string, now time.Time) (kvAnswer, string, <-chan struct{}) {
+func (h *handoffs) tryTake(keys []string, consumer string, now time.Time) (kvAnswer, string, <-chan struct{}) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	e, ok := h.entries[key]
-	if ok && h.expire(key, e, now) {
-		ok = false
+	takenBy := ""
+	for _, key := range keys {
+		e, ok := h.entries[key]
+		if ok && h.expire(key, e, now) {
+			ok = false
+		}
+		switch {
+		case !ok:
+			continue
+		case e.consumedBy != "":
+			takenBy = cmp.Or(takenBy, e.consumedBy)
+			continue
+		}
+		e.consumedBy = orNoID(consumer)
+		h.freed.pulled++
+		return e.kvAnswer, "", nil
 	}
-	switch {
-	case !ok:
-		return kvAnswer{}, "", h.changed
-	case e.consumedBy != "":
-		return kvAnswer{}, e.consumedBy, h.changed
-	}
-	e.consumedBy = orNoID(consumer)
-	h.freed.pulled++
-	return e.kvAnswer, "", nil
+	return kvAnswer{}, takenBy, h.changed
 }
 
 // maxSideWait caps the wait a side channel request may ask for.

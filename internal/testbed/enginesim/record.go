@@ -22,6 +22,14 @@ type Record struct {
 	// event after a 200 (an SGLang streaming decode) has the status the
 	// event names.
 	Status int `json:"status"`
+	// DPRank is the data-parallel rank that served an inference request
+	// (0 on an engine without DP ranks), and KVSourceRank, for a decode
+	// that took KV, the prefill engine's rank whose KV it was.
+	DPRank       int `json:"dp_rank"`
+	KVSourceRank int `json:"kv_source_rank"`
+	// DPRankNamed reports that the request named its rank, rather than
+	// leaving it to the engine.
+	DPRankNamed bool `json:"dp_rank_named,omitempty"`
 	// RID is the request id a client set in the body (SGLang's rid; for
 	// KindAbort the rid asked to abort); "" when the engine made one up.
 	RID   string          `json:"rid,omitempty"`

@@ -117,6 +117,14 @@ type Config struct {
 	// nothing per request: a load run's millions of records, bodies
 	// included, would cost more than the engine being measured.
 	TallyOnly bool
+	// DPSize is how many data-parallel ranks the engine serves behind its
+	// one address (vLLM --data-parallel-size, SGLang --dp-size); 0 or 1:
+	// one. A request names its rank as the engine family does (vLLM's
+	// X-data-parallel-rank header, SGLang's routed_dp_rank), or the engine
+	// picks one; each rank keeps its own KV: a NIXL prefill on rank r names
+	// engine "<EngineID>_dp<r>", an SGLang room is registered on the rank
+	// its prefill ran on.
+	DPSize int
 	// Capacity, when set, replaces the fixed latencies above (but
 	// DecodeQueueLatency) with a queueing model of a real engine: a prefill
 	// server, a decode batch, a prefix cache and KV pull times (see
@@ -178,6 +186,9 @@ func (c Config) withDefaults() (Config, error) {
 		if d < 0 {
 			return c, fmt.Errorf("enginesim: %s must not be negative, got %v", name, d)
 		}
+	}
+	if c.DPSize < 0 {
+		return c, fmt.Errorf("enginesim: DPSize must not be negative, got %d", c.DPSize)
 	}
 	if c.Capacity != nil {
 		if err := c.Capacity.validate(); err != nil {
@@ -270,6 +281,7 @@ type Server struct {
 	tally     Tally
 	waiting   int // NIXL decodes in the waiting queue (Config.DecodeQueueLatency)
 	slots     int // decodes holding pre-allocated KV while they wait for a prefill's
+	nextRank  int // the DP rank the engine last picked itself (servingRank)
 	closing   bool
 	stopWatch func() bool // detaches Close from the Start context
 	inflight  sync.WaitGroup
@@ -422,6 +434,10 @@ func (s *Server) BootstrapPort() int {
 	}
 	return 0
 }
+
+// DPSize is the engine's Config.DPSize: how many data-parallel ranks serve
+// behind its address.
+func (s *Server) DPSize() int { return s.cfg.DPSize }
 
 // KVAddr is the "host:port" of the engine's KV listener (Connector
 // "p2p-nccl"), or "" when it runs none.

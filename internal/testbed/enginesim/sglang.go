@@ -66,6 +66,9 @@ func (p *sglangProtocol) report(st *State, now time.Time) {
 type sglangLeg struct {
 	boot bootstrap
 	req  *sglangReq
+	// prefillRank is a decode's disagg_prefill_dp_rank, if prefillRanked.
+	prefillRank   int
+	prefillRanked bool
 }
 
 // bootstrap is a request's bootstrap fields; room is kept as its exact
@@ -106,11 +109,15 @@ func (p *sglangProtocol) classify(x *exchange) (mode, error) {
 	if given {
 		x.rec.RID = rid
 	}
+	pr, ranked, err := prefillRank(x.req)
+	if err != nil {
+		return modePlain, err
+	}
 	q, err := p.register(x, rid, given)
 	if err != nil {
 		return modePlain, err
 	}
-	x.leg = &sglangLeg{boot: b, req: q}
+	x.leg = &sglangLeg{boot: b, req: q, prefillRank: pr, prefillRanked: ranked}
 	return m, nil
 }
 
@@ -213,8 +220,8 @@ func (p *sglangProtocol) prefill(x *exchange) {
 		s.interrupted(x, ctx, nil)
 		return
 	}
-	a := kvAnswer{Fingerprint: x.rec.Fingerprint, RequestID: x.rec.RequestID, Source: s.addr}
-	if err := p.hold(leg.req, b.room, a); err != nil {
+	a := kvAnswer{Fingerprint: x.rec.Fingerprint, RequestID: x.rec.RequestID, Source: s.addr, Rank: x.rank}
+	if err := p.hold(leg.req, s.rankedKey(b.room, x.rank), a); err != nil {
 		if errors.Is(err, errAborted) {
 			s.interrupted(x, ctx, nil)
 			return
@@ -246,6 +253,10 @@ func (p *sglangProtocol) hold(q *sglangReq, room string, a kvAnswer) error {
 type roomRequest struct {
 	Room   string `json:"room"`
 	WaitMS int64  `json:"wait_ms"`
+	// Rank is the prefill DP rank the decode connects to: its
+	// disagg_prefill_dp_rank. nil: the decode asks the bootstrap server
+	// which rank has the room (decode.py, _resolve_pending_reqs).
+	Rank *int `json:"dp_rank,omitempty"`
 }
 
 // decode waits for the room's KV and generates from it. A streaming decode
@@ -275,9 +286,13 @@ func (p *sglangProtocol) decode(x *exchange) {
 	defer cancelWait()
 	var got kvAnswer
 	what := "KV pull of bootstrap_room " + b.room + " from the bootstrap server at " + b.addr()
+	rr := roomRequest{Room: b.room, WaitMS: wait.Milliseconds()}
+	if leg.prefillRanked {
+		rr.Rank = &leg.prefillRank
+		what += " for prefill DP rank " + strconv.Itoa(leg.prefillRank)
+	}
 	release := s.holdSlot()
-	err := s.sideCall(ctx, s.waitClient(), what, "http://"+b.addr()+"/sim/room", x.rec.RequestID,
-		roomRequest{Room: b.room, WaitMS: wait.Milliseconds()}, &got)
+	err := s.sideCall(ctx, s.waitClient(), what, "http://"+b.addr()+"/sim/room", x.rec.RequestID, rr, &got)
 	release()
 	switch cause := context.Cause(work); {
 	case errors.Is(cause, errAborted):
@@ -295,6 +310,7 @@ func (p *sglangProtocol) decode(x *exchange) {
 		err = &apiError{status: http.StatusInternalServerError,
 			msg: transferFailed(leg, fmt.Sprintf("timed out after %.1fs in KVPoll.WaitingForInput (%s)", wait.Seconds(), ae.msg))}
 	}
+	x.rec.KVSourceRank = got.Rank
 	s.finishDecode(x, "bootstrap_room "+b.room, got, err)
 }
 
@@ -322,9 +338,20 @@ func (p *sglangProtocol) handleRoom(w http.ResponseWriter, r *http.Request) {
 		s.answerSide(w, r, sr, nil, badRequest("room %q is not an integer in [0, 2^64)", rr.Room))
 		return
 	}
+	// Each DP rank registers the rooms it prefills. A decode told a rank
+	// waits on that rank's registration alone: told the wrong one, it
+	// waits for KV that never comes there, until its timeout.
+	keys := make([]string, 0, s.dpSize())
+	if rr.Rank != nil {
+		keys = append(keys, s.rankedKey(room, *rr.Rank))
+	} else {
+		for r := range s.dpSize() {
+			keys = append(keys, s.rankedKey(room, r))
+		}
+	}
 	ctx, cancel := s.waitContext(r.Context())
 	defer cancel()
-	a, err := p.rooms.take(ctx, room, sr.rec.RequestID, sideWait(rr.WaitMS))
+	a, err := p.rooms.takeAny(ctx, keys, sr.rec.RequestID, sideWait(rr.WaitMS))
 	sr.rec.Fingerprint = a.Fingerprint
 	s.answerSide(w, r, sr, a, err)
 }

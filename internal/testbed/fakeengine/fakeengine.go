@@ -29,8 +29,9 @@ type Call struct {
 	// Endpoint is a POST's endpoint; a GET's is endpoint.Endpoint{Address: address}.
 	Endpoint  endpoint.Endpoint
 	Path      string
-	RequestID string // POST only
-	Body      string // POST only, its pieces joined
+	RequestID string        // POST only
+	Rank      endpoint.Rank // POST only: the DP rank named, if any
+	Body      string        // POST only, its pieces joined
 	// CtxErr is, for a call a Block reply held, ctx.Err() when the wait
 	// ended: what tells a test the call was ended by its context.
 	CtxErr error
@@ -88,8 +89,8 @@ func (e *Engine) On(method, address, path string, r Reply) *Engine {
 }
 
 // Post implements connectors.Engine.
-func (e *Engine) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID string, body net.Buffers) ([]byte, error) {
-	return e.do(ctx, Call{Method: http.MethodPost, Endpoint: ep, Path: path, RequestID: requestID, Body: string(bytes.Join(body, nil))})
+func (e *Engine) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID string, rank endpoint.Rank, body net.Buffers) ([]byte, error) {
+	return e.do(ctx, Call{Method: http.MethodPost, Endpoint: ep, Path: path, RequestID: requestID, Rank: rank, Body: string(bytes.Join(body, nil))})
 }
 
 // Get implements connectors.Engine.
@@ -176,7 +177,7 @@ type Fixed struct {
 }
 
 // Post implements connectors.Engine.
-func (f Fixed) Post(context.Context, endpoint.Endpoint, string, string, net.Buffers) ([]byte, error) {
+func (f Fixed) Post(context.Context, endpoint.Endpoint, string, string, endpoint.Rank, net.Buffers) ([]byte, error) {
 	return f.PostAnswer, nil
 }
 

@@ -35,7 +35,7 @@ func TestReplies(t *testing.T) {
 			return []byte(c.Method + " " + c.Endpoint.Address + c.Path), nil
 		}})
 	post := func(ep endpoint.Endpoint, path string) ([]byte, error) {
-		return e.Post(t.Context(), ep, path, "id", net.Buffers{[]byte(`{"a":`), []byte(`1}`)})
+		return e.Post(t.Context(), ep, path, "id", endpoint.Rank{}, net.Buffers{[]byte(`{"a":`), []byte(`1}`)})
 	}
 	other := endpoint.Endpoint{Address: "10.0.0.9:1"}
 	for _, tc := range []struct {
@@ -74,7 +74,7 @@ func TestBlock(t *testing.T) {
 	ctx, cancel := context.WithCancel(t.Context())
 	done := make(chan error, 1)
 	go func() {
-		_, err := e.Post(ctx, ep, "/p", "id", nil)
+		_, err := e.Post(ctx, ep, "/p", "id", endpoint.Rank{}, nil)
 		done <- err
 	}()
 	c := <-e.Blocked()
@@ -97,7 +97,7 @@ func TestConcurrentUse(t *testing.T) {
 	for range 8 {
 		wg.Go(func() {
 			for range 50 {
-				_, _ = e.Post(t.Context(), ep, "/p", "id", nil)
+				_, _ = e.Post(t.Context(), ep, "/p", "id", endpoint.Rank{}, nil)
 				_ = e.Calls()
 			}
 		})
@@ -110,7 +110,7 @@ func TestFixedDoesNotAllocate(t *testing.T) {
 	var eng connectors.Engine = fakeengine.Fixed{PostAnswer: []byte("post"), GetAnswer: []byte("get")}
 	ctx := t.Context()
 	allocs := testing.AllocsPerRun(100, func() {
-		if b, _ := eng.Post(ctx, ep, "/p", "id", nil); string(b) != "post" {
+		if b, _ := eng.Post(ctx, ep, "/p", "id", endpoint.Rank{}, nil); string(b) != "post" {
 			t.Fatal(string(b))
 		}
 		if b, _ := eng.Get(ctx, ep.Address, "/q"); string(b) != "get" {

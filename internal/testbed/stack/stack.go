@@ -36,7 +36,9 @@ type Options struct {
 	// MooncakeProtocol is the "mooncake" connector's protocol ("nixl" or
 	// "vllm").
 	MooncakeProtocol string
-	// Engine sets the simulators' latencies; Role and EngineID are ignored.
+	// Engine sets the simulators' latencies and DP size (DPSize, which
+	// pdx's config then gives as each endpoint's dp_size); Role and
+	// EngineID are ignored.
 	Engine enginesim.Config
 	// PrefillTimeout is the pool's prefill_timeout (default 30s).
 	PrefillTimeout time.Duration
@@ -299,14 +301,14 @@ func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role, i
 
 // endpoint is what pdx's config says of an engine.
 type endpoint struct {
-	addr, kvAddr  string
-	bootstrapPort int
+	addr, kvAddr          string
+	bootstrapPort, dpSize int
 }
 
 func endpointsOf(sims []*enginesim.Server) []endpoint {
 	out := make([]endpoint, len(sims))
 	for i, sim := range sims {
-		out[i] = endpoint{addr: sim.Addr(), kvAddr: sim.KVAddr(), bootstrapPort: sim.BootstrapPort()}
+		out[i] = endpoint{addr: sim.Addr(), kvAddr: sim.KVAddr(), bootstrapPort: sim.BootstrapPort(), dpSize: sim.DPSize()}
 	}
 	return out
 }
@@ -371,12 +373,18 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 		if p.kvAddr != "" {
 			fmt.Fprintf(&b, "    kv_address: %s\n", p.kvAddr)
 		}
+		if p.dpSize != 0 {
+			fmt.Fprintf(&b, "    dp_size: %d\n", p.dpSize)
+		}
 	}
 	fmt.Fprintf(&b, "  decode:\n")
 	for _, d := range decode {
 		fmt.Fprintf(&b, "  - address: %s\n", d.addr)
 		if d.kvAddr != "" {
 			fmt.Fprintf(&b, "    kv_address: %s\n", d.kvAddr)
+		}
+		if d.dpSize != 0 {
+			fmt.Fprintf(&b, "    dp_size: %d\n", d.dpSize)
 		}
 	}
 	b.WriteString(opts.PoolsYAML)

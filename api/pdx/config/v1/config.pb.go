@@ -1086,7 +1086,19 @@ type KubernetesDiscovery struct {
 	// (vLLM's kv_port); with "nixl" and "mooncake" (protocol "nixl") the NIXL
 	// side channel port (VLLM_NIXL_SIDE_CHANNEL_PORT). Not valid with other
 	// connectors.
-	KvPort        uint32 `protobuf:"varint,11,opt,name=kv_port,json=kvPort,proto3" json:"kv_port,omitempty"`
+	KvPort uint32 `protobuf:"varint,11,opt,name=kv_port,json=kvPort,proto3" json:"kv_port,omitempty"`
+	// Data-parallel size of every discovered engine (vLLM
+	// --data-parallel-size, SGLang --dp-size): how many DP ranks serve
+	// behind each pod's one address. pdx then picks a rank per request and
+	// leg (see docs/connectors.md, "Data-parallel ranks"). 0 or 1: no DP,
+	// no rank is sent. At most 1024. Not valid with connectors "trtllm" and
+	// "p2p-nccl".
+	DpSize uint32 `protobuf:"varint,12,opt,name=dp_size,json=dpSize,proto3" json:"dp_size,omitempty"`
+	// Data-parallel size of the decode pods, when it differs from dp_size
+	// (prefill and decode engines are often launched with different DP
+	// sizes). 0 or unset: dp_size. At most 1024. Not valid with connectors
+	// "trtllm" and "p2p-nccl".
+	DecodeDpSize  uint32 `protobuf:"varint,13,opt,name=decode_dp_size,json=decodeDpSize,proto3" json:"decode_dp_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1198,6 +1210,20 @@ func (x *KubernetesDiscovery) GetKvPort() uint32 {
 	return 0
 }
 
+func (x *KubernetesDiscovery) GetDpSize() uint32 {
+	if x != nil {
+		return x.DpSize
+	}
+	return 0
+}
+
+func (x *KubernetesDiscovery) GetDecodeDpSize() uint32 {
+	if x != nil {
+		return x.DecodeDpSize
+	}
+	return 0
+}
+
 // Endpoint is one model server instance.
 type Endpoint struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1217,7 +1243,15 @@ type Endpoint struct {
 	// channel (VLLM_NIXL_SIDE_CHANNEL_HOST and _PORT) that the engine's
 	// answers must name as the KV source; unset, they must name the engine's
 	// own host (any port). Not valid with other connectors.
-	KvAddress     string `protobuf:"bytes,3,opt,name=kv_address,json=kvAddress,proto3" json:"kv_address,omitempty"`
+	KvAddress string `protobuf:"bytes,3,opt,name=kv_address,json=kvAddress,proto3" json:"kv_address,omitempty"`
+	// Data-parallel size of the engine (vLLM --data-parallel-size, SGLang
+	// --dp-size): how many DP ranks serve behind this one address. pdx then
+	// picks a rank per request and leg and names it as the engine expects:
+	// vLLM's X-data-parallel-rank header, SGLang's routed_dp_rank and
+	// disagg_prefill_dp_rank body fields (see docs/connectors.md,
+	// "Data-parallel ranks"). 0 or 1: no DP, no rank is sent. At most 1024.
+	// Not valid with connectors "trtllm" and "p2p-nccl".
+	DpSize        uint32 `protobuf:"varint,4,opt,name=dp_size,json=dpSize,proto3" json:"dp_size,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1271,6 +1305,13 @@ func (x *Endpoint) GetKvAddress() string {
 		return x.KvAddress
 	}
 	return ""
+}
+
+func (x *Endpoint) GetDpSize() uint32 {
+	if x != nil {
+		return x.DpSize
+	}
+	return 0
 }
 
 var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
@@ -1356,7 +1397,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\bkv_usage\x18\x03 \x01(\x01R\akvUsage\x12\"\n" +
 	"\rmax_in_flight\x18\x04 \x01(\rR\vmaxInFlight\x12\x16\n" +
 	"\x06action\x18\x05 \x01(\tR\x06action\x12?\n" +
-	"\x0emax_queue_time\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\fmaxQueueTime\"\xda\x03\n" +
+	"\x0emax_queue_time\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\fmaxQueueTime\"\x99\x04\n" +
 	"\x13KubernetesDiscovery\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
 	"\aservice\x18\x02 \x01(\tR\aservice\x12V\n" +
@@ -1372,15 +1413,18 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\tport_name\x18\t \x01(\tR\bportName\x12%\n" +
 	"\x0ebootstrap_port\x18\n" +
 	" \x01(\rR\rbootstrapPort\x12\x17\n" +
-	"\akv_port\x18\v \x01(\rR\x06kvPort\x1a>\n" +
+	"\akv_port\x18\v \x01(\rR\x06kvPort\x12\x17\n" +
+	"\adp_size\x18\f \x01(\rR\x06dpSize\x12$\n" +
+	"\x0edecode_dp_size\x18\r \x01(\rR\fdecodeDpSize\x1a>\n" +
 	"\x10MatchLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"j\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x83\x01\n" +
 	"\bEndpoint\x12\x18\n" +
 	"\aaddress\x18\x01 \x01(\tR\aaddress\x12%\n" +
 	"\x0ebootstrap_port\x18\x02 \x01(\rR\rbootstrapPort\x12\x1d\n" +
 	"\n" +
-	"kv_address\x18\x03 \x01(\tR\tkvAddressB6Z4github.com/pdx-router/pdx/api/pdx/config/v1;configv1b\x06proto3"
+	"kv_address\x18\x03 \x01(\tR\tkvAddress\x12\x17\n" +
+	"\adp_size\x18\x04 \x01(\rR\x06dpSizeB6Z4github.com/pdx-router/pdx/api/pdx/config/v1;configv1b\x06proto3"
 
 var (
 	file_pdx_config_v1_config_proto_rawDescOnce sync.Once
