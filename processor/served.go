@@ -17,6 +17,13 @@ import (
 // response_attributes.
 const UpstreamAddressAttribute = "upstream.address"
 
+// ServedKey is the key, in the MetadataNamespace filter metadata Envoy
+// forwards with the response, under which a gateway reports the endpoint
+// that served the request (the endpoint-picker protocol's
+// x-gateway-destination-endpoint-served; override_host's
+// selected_host_key writes it).
+const ServedKey = "x-gateway-destination-endpoint-served"
+
 // served notes the decode endpoint that answered a request pdx named
 // fallbacks for, as Envoy tells it with the response headers: it counts
 // in pdx_decode_served_total and the log; the endpoints before it in the
@@ -26,7 +33,7 @@ func (r *request) served(ctx context.Context, msg *extprocv3.ProcessingRequest) 
 	if r.decodePool == nil || len(r.decodes) == 0 {
 		return
 	}
-	addr := upstreamAddress(msg)
+	addr := servedAddress(msg)
 	if addr == "" {
 		return // Envoy was not asked for it, or no upstream answered
 	}
@@ -59,9 +66,14 @@ func (r *request) served(ctx context.Context, msg *extprocv3.ProcessingRequest) 
 		slog.Bool("fallback", at > 0), slog.String("first", r.decodes[0].Address), slog.Int("status", status))
 }
 
-// upstreamAddress returns the UpstreamAddressAttribute Envoy sent with msg,
-// "" when it sent none. Envoy keys the attributes by the filter's name.
-func upstreamAddress(msg *extprocv3.ProcessingRequest) string {
+// servedAddress returns the endpoint that served, as Envoy tells it with
+// msg: the gateway's ServedKey metadata, else the
+// UpstreamAddressAttribute; "" when it tells neither. Envoy keys the
+// attributes by the filter's name.
+func servedAddress(msg *extprocv3.ProcessingRequest) string {
+	if v, ok := msg.GetMetadataContext().GetFilterMetadata()[MetadataNamespace].GetFields()[ServedKey]; ok {
+		return v.GetStringValue()
+	}
 	for _, attrs := range msg.GetAttributes() {
 		if v, ok := attrs.GetFields()[UpstreamAddressAttribute]; ok {
 			return v.GetStringValue()

@@ -3,6 +3,7 @@ package processor
 import (
 	"log/slog"
 	"strconv"
+	"strings"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
@@ -36,11 +37,19 @@ pools:
 }
 
 // responseFrom is the response headers Envoy sends in the decode-fallback
-// profile: the status and the upstream.address attribute.
+// profile: the status and the upstream.address attribute, or, with
+// "metadata:" before addr, the endpoint-picker protocol's served metadata.
 func responseFrom(status, addr string) *extprocv3.ProcessingRequest {
 	msg := &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
 		Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte(status)}}},
 	}}}
+	if a, ok := strings.CutPrefix(addr, "metadata:"); ok {
+		msg.MetadataContext = &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
+			MetadataNamespace: {Fields: map[string]*structpb.Value{ServedKey: structpb.NewStringValue(a)}},
+		}}
+		// The metadata wins over the attribute.
+		addr = "10.9.9.9:1"
+	}
 	if addr != "" {
 		msg.Attributes = map[string]*structpb.Struct{"envoy.filters.http.ext_proc": {Fields: map[string]*structpb.Value{
 			UpstreamAddressAttribute: structpb.NewStringValue(addr),
@@ -73,6 +82,8 @@ func TestDecodeFallbacks(t *testing.T) {
 		{name: "all failed", fallbacks: 1, served: "127.0.0.1:12", status: "503", wantDest: "127.0.0.1:11,127.0.0.1:12",
 			failed: []string{"127.0.0.1:11"}, inFlight: "127.0.0.1:12"},
 		{name: "a host pdx did not name", fallbacks: 1, served: "10.9.9.9:1", status: "200", wantDest: "127.0.0.1:11,127.0.0.1:12", inFlight: "127.0.0.1:11"},
+		{name: "the gateway's served metadata", fallbacks: 2, served: "metadata:127.0.0.1:12", status: "200", wantDest: "127.0.0.1:11,127.0.0.1:12,127.0.0.1:13",
+			failed: []string{"127.0.0.1:11"}, inFlight: "127.0.0.1:12"},
 		{name: "no attribute", fallbacks: 1, status: "200", wantDest: "127.0.0.1:11,127.0.0.1:12", inFlight: "127.0.0.1:11"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
