@@ -56,6 +56,14 @@ type Config struct {
 	// the mode of the Gateway API Inference Extension's InferencePool
 	// integrations. pdx learns the mode from Envoy on each stream.
 	RequestBodyMode string
+	// WithoutObserver leaves out the observability pass: the second ext_proc
+	// filter, in observability_mode, that shows pdx the decode's response
+	// (the TTFT split, token usage; see docs/observability.md). It never
+	// holds up or fails a request.
+	WithoutObserver bool
+	// ObserverAddress, "host:port", sends the observability pass to another
+	// ext_proc server than pdx; empty: pdx's cluster.
+	ObserverAddress string
 	// WithoutExtProc leaves pdx out: the client's own
 	// x-gateway-destination-endpoint picks the engine. Only the load
 	// harness's floor, Envoy alone, uses it; it is never a deployment.
@@ -190,7 +198,22 @@ func Render(w io.Writer, c Config) error {
 	if c.MaxRequestHeadersKB == 0 {
 		c.MaxRequestHeadersKB = DefaultMaxRequestHeadersKB
 	}
+	var observer *hostPort
+	if c.ObserverAddress != "" {
+		hp, err := splitHostPort(c.ObserverAddress)
+		if err != nil {
+			return fmt.Errorf("observer address: %w", err)
+		}
+		observer = &hp
+	}
+	observerCluster := "pdx"
+	if observer != nil {
+		observerCluster = "pdx_observer"
+	}
 	return bootstrap.Execute(w, map[string]any{
+		"Observer":            !c.WithoutObserver && !c.WithoutExtProc,
+		"ObserverAddress":     observer,
+		"ObserverCluster":     observerCluster,
 		"ListenAddress":       c.ListenAddress,
 		"ListenPort":          c.ListenPort,
 		"AdminPort":           c.AdminPort,

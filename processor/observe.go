@@ -108,7 +108,8 @@ type observation struct {
 	prefillResult            string        // ok or the last attempt's error code
 	attempting               bool          // an attempt is in flight
 
-	headersAt, doneAt time.Duration // decode response headers, end of response
+	// decode response headers, first body byte, end of response
+	headersAt, firstAt, doneAt time.Duration
 
 	span    trace.Span // the request's; nil when tracing is off
 	attempt trace.Span // the prefill attempt in flight
@@ -155,6 +156,9 @@ func (o *observation) message(msg *extprocv3.ProcessingRequest) {
 			o.doneAt = o.headersAt
 		}
 	case *extprocv3.ProcessingRequest_ResponseBody:
+		if o.firstAt == 0 && len(m.ResponseBody.GetBody()) > 0 {
+			o.firstAt = time.Since(o.start)
+		}
 		if m.ResponseBody.GetEndOfStream() {
 			o.doneAt = time.Since(o.start)
 		}
@@ -244,8 +248,8 @@ func (o *observation) end(e ending) {
 		if e.decoded && o.headersAt > 0 {
 			pm.DecodeHeaders(o.headersAt)
 		}
-		if e.decoded && o.doneAt > 0 {
-			pm.DecodeDone(o.doneAt)
+		if e.decoded && o.firstAt > 0 && o.doneAt > 0 {
+			pm.DecodeDone(o.doneAt - o.firstAt)
 		}
 	}
 	if s := o.span; s != nil {
