@@ -76,7 +76,7 @@ func TestUsage(t *testing.T) {
 		t.Run(connector, func(t *testing.T) {
 			st := startStack(t, stack.Options{Connector: connector, Engine: enginesim.Config{
 				PromptTokensDetails: true, DecodeLatency: 5 * time.Millisecond, DecodePerToken: time.Millisecond,
-			}})
+			}, Envoy: func(c *envoy.Config) { c.Observer = true }})
 			_, hc := newClient(t, st)
 			var want struct{ prompt, cached, completion int64 }
 			requests := []struct {
@@ -159,7 +159,7 @@ func TestUsageNeverHoldsARequest(t *testing.T) {
 
 			st := startStack(t, stack.Options{
 				Engine: enginesim.Config{DecodePerToken: 2 * time.Millisecond},
-				Envoy:  func(c *envoy.Config) { c.ObserverAddress = lis.Addr().String() },
+				Envoy:  func(c *envoy.Config) { c.Observer, c.ObserverAddress = true, lis.Addr().String() },
 			})
 			_, hc := newClient(t, st)
 			for i := range 3 {

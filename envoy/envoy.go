@@ -56,13 +56,14 @@ type Config struct {
 	// the mode of the Gateway API Inference Extension's InferencePool
 	// integrations. pdx learns the mode from Envoy on each stream.
 	RequestBodyMode string
-	// WithoutObserver leaves out the observability pass: the second ext_proc
-	// filter, in observability_mode, that shows pdx the decode's response
-	// (the TTFT split, token usage; see docs/observability.md). It never
-	// holds up or fails a request.
-	WithoutObserver bool
+	// Observer adds the observability pass: a second ext_proc filter, in
+	// observability_mode, that shows pdx the decode's response (the TTFT
+	// split, token usage; see docs/observability.md). It never holds up or
+	// fails a request, but costs pdx and Envoy CPU per request (a second
+	// gRPC stream; see docs/performance.md), so it is off by default.
+	Observer bool
 	// ObserverAddress, "host:port", sends the observability pass to another
-	// ext_proc server than pdx; empty: pdx's cluster.
+	// ext_proc server than pdx; empty: pdx's cluster. It needs Observer.
 	ObserverAddress string
 	// WithoutExtProc leaves pdx out: the client's own
 	// x-gateway-destination-endpoint picks the engine. Only the load
@@ -199,6 +200,9 @@ func Render(w io.Writer, c Config) error {
 		c.MaxRequestHeadersKB = DefaultMaxRequestHeadersKB
 	}
 	var observer *hostPort
+	if c.ObserverAddress != "" && !c.Observer {
+		return errors.New("observer address: the observability pass is off (set Observer)")
+	}
 	if c.ObserverAddress != "" {
 		hp, err := splitHostPort(c.ObserverAddress)
 		if err != nil {
@@ -211,7 +215,7 @@ func Render(w io.Writer, c Config) error {
 		observerCluster = "pdx_observer"
 	}
 	return bootstrap.Execute(w, map[string]any{
-		"Observer":            !c.WithoutObserver && !c.WithoutExtProc,
+		"Observer":            c.Observer && !c.WithoutExtProc,
 		"ObserverAddress":     observer,
 		"ObserverCluster":     observerCluster,
 		"ListenAddress":       c.ListenAddress,

@@ -82,10 +82,10 @@ func TestRenderObserver(t *testing.T) {
 		wantFilters []string
 		wantCluster string
 	}{
-		{"default", Config{PdxAddress: "127.0.0.1:9002"}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx"},
-		{"own server", Config{PdxAddress: "127.0.0.1:9002", ObserverAddress: "127.0.0.1:9100"}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx_observer"},
-		{"without", Config{PdxAddress: "127.0.0.1:9002", WithoutObserver: true}, []string{"envoy.filters.http.ext_proc", "envoy.filters.http.router"}, ""},
-		{"without ext_proc", Config{PdxAddress: "127.0.0.1:9002", WithoutExtProc: true}, []string{"envoy.filters.http.router"}, ""},
+		{"on", Config{PdxAddress: "127.0.0.1:9002", Observer: true}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx"},
+		{"own server", Config{PdxAddress: "127.0.0.1:9002", Observer: true, ObserverAddress: "127.0.0.1:9100"}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx_observer"},
+		{"off by default", Config{PdxAddress: "127.0.0.1:9002"}, []string{"envoy.filters.http.ext_proc", "envoy.filters.http.router"}, ""},
+		{"without ext_proc", Config{PdxAddress: "127.0.0.1:9002", Observer: true, WithoutExtProc: true}, []string{"envoy.filters.http.router"}, ""},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			var buf bytes.Buffer
@@ -116,7 +116,8 @@ func TestRenderObserver(t *testing.T) {
 			require.Equal(t, []string{"pdx"}, ep.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
 		})
 	}
-	require.ErrorContains(t, Render(io.Discard, Config{PdxAddress: "127.0.0.1:1", ObserverAddress: "nope"}), "observer address")
+	require.ErrorContains(t, Render(io.Discard, Config{PdxAddress: "127.0.0.1:1", Observer: true, ObserverAddress: "nope"}), "observer address")
+	require.ErrorContains(t, Render(io.Discard, Config{PdxAddress: "127.0.0.1:1", ObserverAddress: "127.0.0.1:2"}), "the observability pass is off")
 }
 
 // TestRenderErrorReplies checks how the bootstrap makes Envoy answer by

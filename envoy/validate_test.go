@@ -25,8 +25,8 @@ func TestRenderValidates(t *testing.T) {
 		}},
 		{name: "pdx replicas", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", PdxAddresses: []string{"127.0.0.1:9003", "127.0.0.1:9004"}}},
 		{name: "full-duplex streamed body", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", RequestBodyMode: envoy.BodyFullDuplexStreamed}},
-		{name: "without the observability pass", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", WithoutObserver: true}},
-		{name: "observability pass to its own server", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", ObserverAddress: "observer:9003"}},
+		{name: "observability pass", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", Observer: true}},
+		{name: "observability pass to its own server", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", Observer: true, ObserverAddress: "observer:9003"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

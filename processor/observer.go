@@ -66,13 +66,28 @@ func (s *Server) observe(ctx context.Context, stream extprocv3.ExternalProcessor
 		return nil // nothing to record
 	}
 	o := observer{metrics: s.metrics, tracer: s.tracer, ctx: ctx}
-	for o.message(msg) {
-		var err error
-		if msg, err = stream.Recv(); err != nil {
-			return streamErr(ctx, err)
+	if !o.message(msg) {
+		return nil
+	}
+	// A drain ends the stream, as it ends held routing streams: a graceful
+	// stop must not wait for generations to end.
+	received := make(chan recvResult, 1)
+	go receive(ctx, stream, received)
+	for {
+		select {
+		case r := <-received:
+			if r.err != nil {
+				return streamErr(ctx, r.err)
+			}
+			if !o.message(r.msg) {
+				return nil
+			}
+		case <-ctx.Done():
+			return nil
+		case <-s.draining:
+			return nil
 		}
 	}
-	return nil
 }
 
 // observer is what the observability pass knows of one response. It keeps

@@ -32,9 +32,9 @@ func routedMetadata(t *testing.T, srv *Server) *corev3.Metadata {
 	}}
 }
 
-func observed(md *corev3.Metadata, r extprocv3.ProcessingRequest) *extprocv3.ProcessingRequest {
+func observed(md *corev3.Metadata, r *extprocv3.ProcessingRequest) *extprocv3.ProcessingRequest {
 	r.ObservabilityMode, r.MetadataContext = true, md
-	return &r
+	return r
 }
 
 func respHeaders(md *corev3.Metadata, status string, endOfStream bool, kv ...string) *extprocv3.ProcessingRequest {
@@ -42,19 +42,19 @@ func respHeaders(md *corev3.Metadata, status string, endOfStream bool, kv ...str
 	for i := 0; i+1 < len(kv); i += 2 {
 		hs = append(hs, &corev3.HeaderValue{Key: kv[i], RawValue: []byte(kv[i+1])})
 	}
-	return observed(md, extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{
+	return observed(md, &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{
 		ResponseHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: hs}, EndOfStream: endOfStream},
 	}})
 }
 
 func respBody(md *corev3.Metadata, b string, endOfStream bool) *extprocv3.ProcessingRequest {
-	return observed(md, extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
+	return observed(md, &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{
 		ResponseBody: &extprocv3.HttpBody{Body: []byte(b), EndOfStream: endOfStream},
 	}})
 }
 
 func respTrailers(md *corev3.Metadata) *extprocv3.ProcessingRequest {
-	return observed(md, extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{
+	return observed(md, &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseTrailers{
 		ResponseTrailers: &extprocv3.HttpTrailers{},
 	}})
 }
@@ -234,4 +234,26 @@ func spanNames(spans tracetest.SpanStubs) []string {
 		out = append(out, s.Name)
 	}
 	return out
+}
+
+// TestObserverStreamEndsOnDrain: a drain ends the observability stream of
+// a response still streaming, as it ends held routing streams.
+func TestObserverStreamEndsOnDrain(t *testing.T) {
+	m := metrics.New()
+	srv := New(testTable(t, false, time.Minute), answering(fakeengine.Reply{Body: kvAnswer}), slog.New(slog.DiscardHandler), WithMetrics(m))
+	md := routedMetadata(t, srv)
+	stream := newFakeStream(t.Context())
+	stream.in <- respHeaders(md, "200", false)
+	stream.in <- respBody(md, "data: {}\n\n", false)
+	done := make(chan error, 1)
+	go func() { done <- srv.Process(stream) }()
+	require.Eventually(t, func() bool { return len(histogramCounts(t, m, "pdx_handoff_duration_seconds")) == 1 }, 5*time.Second, time.Millisecond)
+	srv.Drain()
+	select {
+	case err := <-done:
+		require.NoError(t, err)
+	case <-time.After(5 * time.Second):
+		t.Fatal("the observability stream outlived the drain")
+	}
+	require.Empty(t, histogramCounts(t, m, "pdx_decode_duration_seconds"), "the decode had not ended")
 }

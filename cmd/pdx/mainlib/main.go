@@ -130,8 +130,8 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&c.RequestBodyMode, "request-body-mode", envoy.BodyBuffered, "how Envoy sends request bodies to pdx: "+envoy.BodyBuffered+" or "+envoy.BodyFullDuplexStreamed+" (the InferencePool integrations' mode)")
 	fs.IntVar(&c.MaxRequestHeaders, "max-request-headers", envoy.DefaultMaxRequestHeaders, "largest number of request headers; match pdx's max_request_headers")
 	fs.IntVar(&c.MaxRequestHeadersKB, "max-request-headers-kb", envoy.DefaultMaxRequestHeadersKB, "largest size of request headers, in KiB; match pdx's max_request_headers_kb")
-	fs.BoolVar(&c.WithoutObserver, "without-observer", false, "leave out the observability pass (the second ext_proc filter that shows pdx the decode's response: TTFT split, token usage)")
-	fs.StringVar(&c.ObserverAddress, "observer-address", "", "send the observability pass to this ext_proc server (host:port) instead of pdx")
+	fs.BoolVar(&c.Observer, "observer", false, "add the observability pass: a second ext_proc filter that shows pdx the decode's response (TTFT split, token usage); costs CPU per request")
+	fs.StringVar(&c.ObserverAddress, "observer-address", "", "with --observer: send the observability pass to this ext_proc server (host:port) instead of pdx")
 	var t envoy.TLS
 	fs.StringVar(&t.CAFile, "pdx-ca", "", "reach pdx over TLS: CA file that verifies pdx's certificate")
 	fs.StringVar(&t.SNI, "pdx-sni", "", "with --pdx-ca: the DNS name pdx's certificate is valid for")
