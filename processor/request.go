@@ -105,7 +105,10 @@ type request struct {
 	// decode counts the request on its decode endpoint until its stream
 	// ends: Envoy ends it when the response is over.
 	decode inFlight
-	closed bool
+	// observed: Envoy has an observability pass, which the routing answer
+	// tells what it needs (observer.go).
+	observed bool
+	closed   bool
 }
 
 func newRequest(table *routing.Table, env connectors.Env, log *slog.Logger, bg *sync.WaitGroup, start time.Time, obs recorder) *request {
