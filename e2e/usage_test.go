@@ -78,6 +78,7 @@ func TestUsage(t *testing.T) {
 				PromptTokensDetails: true, DecodeLatency: 5 * time.Millisecond, DecodePerToken: time.Millisecond,
 			}, Envoy: func(c *envoy.Config) { c.Observer = true }})
 			_, hc := newClient(t, st)
+			seeObserver(t, st, hc)
 			var want struct{ prompt, cached, completion int64 }
 			requests := []struct {
 				path, body string
@@ -121,6 +122,17 @@ func TestUsage(t *testing.T) {
 			}, 10*time.Second, 50*time.Millisecond)
 		})
 	}
+}
+
+// seeObserver sends one request, whose observability stream shows pdx that
+// Envoy has the pass (its routing answers carry the pass's metadata from
+// then on; this one's did not), and waits until pdx has seen it.
+func seeObserver(t *testing.T, st *stack.Stack, hc *http.Client) {
+	t.Helper()
+	a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"the first request","max_tokens":1}`)
+	require.Equal(t, http.StatusOK, a.status, a.body)
+	require.Eventually(t, func() bool { return strings.Contains(st.PdxLog(), "the observability pass is on") },
+		10*time.Second, 10*time.Millisecond)
 }
 
 // sideProcessor is an ext_proc server standing in for the observability

@@ -110,7 +110,7 @@ func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
 	}
 	r.obs.routed(d.decode)
 	metadata := endpointMetadata(d.decode, r.clientID)
-	if d.pool != nil {
+	if d.pool != nil && r.observed {
 		r.handOff(metadata, d.pool)
 	}
 	if !d.atHeaders && !r.duplex() {

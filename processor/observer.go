@@ -2,6 +2,7 @@ package processor
 
 import (
 	"context"
+	"log/slog"
 	"strconv"
 	"strings"
 	"time"
@@ -38,6 +39,9 @@ const (
 
 // handOff adds to the routing answer's metadata md what the observability
 // pass needs of a request routed to pool: its pool, its times, its trace.
+// pdx adds it once it has seen a stream of the pass (which is optional in
+// Envoy's config), so that without one routing pays nothing for it; the
+// first requests a pdx routes before that go unrecorded.
 // The hand-off starts at the prefill's answer; for a concurrent connector,
 // whose prefill runs on, and a request decoded without prefill, at this
 // answer.
@@ -64,6 +68,9 @@ func (r *request) handOff(md *structpb.Struct, pool *routing.Pool) {
 func (s *Server) observe(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, msg *extprocv3.ProcessingRequest) error {
 	if s.metrics == nil && s.tracer == nil {
 		return nil // nothing to record
+	}
+	if !s.observed.Swap(true) {
+		s.log.LogAttrs(ctx, slog.LevelInfo, "the observability pass is on: routing answers carry its metadata from now on")
 	}
 	o := observer{metrics: s.metrics, tracer: s.tracer, ctx: ctx}
 	if !o.message(msg) {

@@ -3,6 +3,8 @@ package processor
 import (
 	"context"
 	"log/slog"
+	"maps"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -23,6 +25,7 @@ import (
 // observability pass.
 func routedMetadata(t *testing.T, srv *Server) *corev3.Metadata {
 	t.Helper()
+	seeObserver(t, srv)
 	out := runOn(t, srv, headers("POST", "/v1/chat/completions", false, "x-request-id", "client-1"), body(chatHi, true))
 	require.Len(t, out, 2)
 	md := out[1].GetDynamicMetadata()
@@ -30,6 +33,13 @@ func routedMetadata(t *testing.T, srv *Server) *corev3.Metadata {
 	return &corev3.Metadata{FilterMetadata: map[string]*structpb.Struct{
 		RequestMetadataNamespace: md.GetFields()[RequestMetadataNamespace].GetStructValue(),
 	}}
+}
+
+// seeObserver gives srv a stream of the observability pass, for a request
+// it did not route: from then on its routing answers carry the metadata.
+func seeObserver(t *testing.T, srv *Server) {
+	t.Helper()
+	require.Empty(t, runOn(t, srv, respHeaders(nil, "200", false)))
 }
 
 func observed(md *corev3.Metadata, r *extprocv3.ProcessingRequest) *extprocv3.ProcessingRequest {
@@ -173,6 +183,21 @@ func TestObserverStreamEndsEarly(t *testing.T) {
 	require.Len(t, stream.in, 1, "the body was never read")
 }
 
+// TestObserverMetadataOnceObserved: routing answers leave the pass's
+// metadata only once pdx has seen a stream of it, so that routing without
+// one pays nothing.
+func TestObserverMetadataOnceObserved(t *testing.T) {
+	srv := New(testTable(t, false, time.Minute), answering(fakeengine.Reply{Body: kvAnswer}), slog.New(slog.DiscardHandler), WithMetrics(metrics.New()))
+	route := func() map[string]*structpb.Value {
+		out := runOn(t, srv, headers("POST", "/v1/chat/completions", false, "x-request-id", "client-1"), body(chatHi, true))
+		require.Len(t, out, 2)
+		return out[1].GetDynamicMetadata().GetFields()[RequestMetadataNamespace].GetStructValue().GetFields()
+	}
+	require.Equal(t, []string{"request_id"}, slices.Sorted(maps.Keys(route())), "no pass seen: the request id alone")
+	seeObserver(t, srv)
+	require.Equal(t, []string{"connector", "handoff_ns", "pool", "request_id", "start_ns"}, slices.Sorted(maps.Keys(route())))
+}
+
 // TestObserverHandoffTimes: the hand-off of a sequential connector starts
 // at the prefill's answer, within the routing stream, and the observer's
 // hand-off and TTFT are measured from the times the routing answer left.
@@ -180,7 +205,7 @@ func TestObserverHandoffTimes(t *testing.T) {
 	srv := New(testTable(t, false, time.Minute), answering(fakeengine.Reply{Fn: func(ctx context.Context, _ fakeengine.Call) ([]byte, error) {
 		time.Sleep(20 * time.Millisecond)
 		return []byte(kvAnswer), nil
-	}}), slog.New(slog.DiscardHandler))
+	}}), slog.New(slog.DiscardHandler), WithMetrics(metrics.New()))
 	before := time.Now()
 	md := routedMetadata(t, srv).GetFilterMetadata()[RequestMetadataNamespace].GetFields()
 	after := time.Now()

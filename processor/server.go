@@ -41,6 +41,9 @@ type Server struct {
 
 	metrics *metrics.Metrics // nil: none (see observe.go)
 	tracer  trace.Tracer     // nil: no tracing
+	// observed is set once an observability pass's stream has come
+	// (observer.go): from then on routing answers carry what it needs.
+	observed atomic.Bool
 }
 
 // Option configures a Server.
@@ -117,6 +120,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 		return s.observe(ctx, stream, first)
 	}
 	req := newRequest(s.table.Load(), s.env, s.log, &s.bg, start, newRecorder(s.metrics, s.tracer, start))
+	req.observed = s.observed.Load()
 	defer req.close()
 	defer req.decode.end()
 	// While a concurrent prefill runs, pdx must hear both Envoy and the
