@@ -70,11 +70,16 @@ func usageOfAnswer(t *testing.T, stream bool, body string) (engineUsage, bool) {
 // the engines reported, cached tokens included (the engines play vLLM with
 // --enable-prompt-tokens-details: a decode that pulled its KV computed only
 // the last prompt token). Every routed answer has its hand-off, TTFT and
-// decode timed.
+// decode timed, whichever body mode pdx's routing filter has.
 func TestUsage(t *testing.T) {
-	for _, connector := range []string{"nixl", "sglang"} {
-		t.Run(connector, func(t *testing.T) {
-			st := startStack(t, stack.Options{Connector: connector, Engine: enginesim.Config{
+	for _, tc := range []struct{ name, connector, bodyMode string }{
+		{"nixl", "nixl", ""},
+		{"sglang", "sglang", ""},
+		{"nixl full duplex", "nixl", envoy.BodyFullDuplexStreamed},
+	} {
+		connector := tc.connector
+		t.Run(tc.name, func(t *testing.T) {
+			st := startStack(t, stack.Options{Connector: connector, RequestBodyMode: tc.bodyMode, Engine: enginesim.Config{
 				PromptTokensDetails: true, DecodeLatency: 5 * time.Millisecond, DecodePerToken: time.Millisecond,
 			}, Envoy: func(c *envoy.Config) { c.Observer = true }})
 			_, hc := newClient(t, st)
