@@ -72,7 +72,7 @@ func (s *Server) observe(ctx context.Context, stream extprocv3.ExternalProcessor
 	if !s.observed.Swap(true) {
 		s.log.LogAttrs(ctx, slog.LevelInfo, "the observability pass is on: routing answers carry its metadata from now on")
 	}
-	o := observer{metrics: s.metrics, tracer: s.tracer, ctx: ctx}
+	o := observer{metrics: s.metrics, tracer: s.tracer}
 	if !o.message(msg) {
 		return nil
 	}
@@ -102,7 +102,6 @@ func (s *Server) observe(ctx context.Context, stream extprocv3.ExternalProcessor
 type observer struct {
 	metrics *metrics.Metrics
 	tracer  trace.Tracer
-	ctx     context.Context
 
 	routed         bool          // the response headers are a routed request's
 	pool           *metrics.Pool // nil with metrics off
@@ -212,7 +211,7 @@ func (o *observer) span(name string, from, to time.Time) {
 	if o.tracer == nil || !o.trace.IsValid() {
 		return
 	}
-	_, s := o.tracer.Start(trace.ContextWithRemoteSpanContext(o.ctx, o.trace), name,
+	_, s := o.tracer.Start(trace.ContextWithRemoteSpanContext(context.Background(), o.trace), name,
 		trace.WithTimestamp(from),
 		trace.WithAttributes(attribute.String("pdx.pool", o.poolName), attribute.String("pdx.connector", o.conn)))
 	s.End(trace.WithTimestamp(to))
