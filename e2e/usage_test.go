@@ -196,3 +196,61 @@ func TestUsageNeverHoldsARequest(t *testing.T) {
 		})
 	}
 }
+
+// TestUsageAcrossReplicas: with two pdx replicas, Envoy places a request's
+// routing stream and its observability stream independently; whichever
+// replica gets the latter records it from the metadata the routing answer
+// left, so the replicas' counts add up to the engines' usage.
+func TestUsageAcrossReplicas(t *testing.T) {
+	st := startStack(t, stack.Options{PdxReplicas: 2, Engine: enginesim.Config{PromptTokensDetails: true},
+		Envoy: func(c *envoy.Config) { c.Observer = true }})
+	_, hc := newClient(t, st)
+	// Each replica turns the metadata on at its first observability stream.
+	require.Eventually(t, func() bool {
+		a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"warm-up","max_tokens":1}`)
+		require.Equal(t, http.StatusOK, a.status, a.body)
+		return strings.Count(st.PdxLog(), "the observability pass is on") == 2
+	}, 20*time.Second, 20*time.Millisecond)
+	demo := map[string]string{"pool": "demo", "connector": "nixl"}
+	type totals struct {
+		prompt, cached, completion float64
+		handoffs                   uint64
+	}
+	read := func() totals {
+		var t0 totals
+		for _, r := range st.Replicas {
+			fams := scrape(t, "http://"+r.AdminAddr()+"/metrics")
+			t0.prompt += value(fams, "pdx_tokens_total", with(demo, "kind", "prompt"))
+			t0.cached += value(fams, "pdx_tokens_total", with(demo, "kind", "cached"))
+			t0.completion += value(fams, "pdx_tokens_total", with(demo, "kind", "completion"))
+			t0.handoffs += count(fams, "pdx_handoff_duration_seconds", demo)
+		}
+		return t0
+	}
+	// Some warm-ups were recorded (those routed by a replica already on):
+	// count from where they leave the totals.
+	var base totals
+	require.Eventually(t, func() bool {
+		before := read()
+		time.Sleep(200 * time.Millisecond)
+		base = read()
+		return base == before
+	}, 10*time.Second, time.Millisecond)
+
+	var want totals
+	const n = 12
+	for i := range n {
+		a := post(t, hc, st.URL()+"/v1/completions", fmt.Sprintf(`{"model":"demo-model","prompt":"replicas %d","max_tokens":%d}`, i, 2+i%3))
+		require.Equal(t, http.StatusOK, a.status, a.body)
+		u, ok := usageOfAnswer(t, false, a.body)
+		require.True(t, ok)
+		want.prompt += float64(u.PromptTokens)
+		want.cached += float64(u.PromptTokensDetails.CachedTokens)
+		want.completion += float64(u.CompletionTokens)
+	}
+	want.handoffs = n
+	require.Eventually(t, func() bool {
+		got := read()
+		return got == totals{base.prompt + want.prompt, base.cached + want.cached, base.completion + want.completion, base.handoffs + want.handoffs}
+	}, 10*time.Second, 50*time.Millisecond, "the replicas' counts add up to the engines' usage: want %+v more than %+v, have %+v", want, base, read())
+}

@@ -210,14 +210,20 @@ func Render(w io.Writer, c Config) error {
 		}
 		observer = &hp
 	}
-	observerCluster := "pdx"
-	if observer != nil {
+	// The pass's streams get a cluster of their own, whose round robin is
+	// not the routing streams'.
+	pdxClusters, observerCluster := []string{"pdx"}, "pdx_observability"
+	switch {
+	case observer != nil:
 		observerCluster = "pdx_observer"
+	case c.Observer && !c.WithoutExtProc:
+		pdxClusters = append(pdxClusters, observerCluster)
 	}
 	return bootstrap.Execute(w, map[string]any{
 		"Observer":            c.Observer && !c.WithoutExtProc,
 		"ObserverAddress":     observer,
 		"ObserverCluster":     observerCluster,
+		"PdxClusters":         pdxClusters,
 		"ListenAddress":       c.ListenAddress,
 		"ListenPort":          c.ListenPort,
 		"AdminPort":           c.AdminPort,

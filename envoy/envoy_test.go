@@ -82,7 +82,7 @@ func TestRenderObserver(t *testing.T) {
 		wantFilters []string
 		wantCluster string
 	}{
-		{"on", Config{PdxAddress: "127.0.0.1:9002", Observer: true}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx"},
+		{"on", Config{PdxAddress: "127.0.0.1:9002", Observer: true}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx_observability"},
 		{"own server", Config{PdxAddress: "127.0.0.1:9002", Observer: true, ObserverAddress: "127.0.0.1:9100"}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx_observer"},
 		{"off by default", Config{PdxAddress: "127.0.0.1:9002"}, []string{"envoy.filters.http.ext_proc", "envoy.filters.http.router"}, ""},
 		{"without ext_proc", Config{PdxAddress: "127.0.0.1:9002", Observer: true, WithoutExtProc: true}, []string{"envoy.filters.http.router"}, ""},
