@@ -175,20 +175,27 @@ func TestUsageNeverHoldsARequest(t *testing.T) {
 			t.Cleanup(gs.Stop)
 
 			st := startStack(t, stack.Options{
-				Engine: enginesim.Config{DecodePerToken: 2 * time.Millisecond},
-				Envoy:  func(c *envoy.Config) { c.Observer, c.ObserverAddress = true, lis.Addr().String() },
+				Envoy: func(c *envoy.Config) { c.Observer, c.ObserverAddress = true, lis.Addr().String() },
 			})
 			_, hc := newClient(t, st)
 			for i := range 3 {
-				for _, stream := range []bool{false, true} {
-					began := time.Now()
-					a := post(t, hc, st.URL()+"/v1/completions",
-						fmt.Sprintf(`{"model":"demo-model","prompt":"never held %s %d %v","max_tokens":64,"stream":%v}`, tc.name, i, stream, stream))
-					require.Equal(t, http.StatusOK, a.status, a.body)
-					require.Contains(t, a.body, wantPrefix(fmt.Sprintf("never held %s %d %v", tc.name, i, stream)))
-					// 64 tokens at 2ms: well under a second unless something
-					// waits on the observer (Envoy's deferred close is 5s).
-					require.Less(t, time.Since(began), 2*time.Second)
+				// Up to 4,000 tokens (the simulator's most): answers of up
+				// to half a megabyte, far past the flow-control window of a
+				// stream nobody reads.
+				for _, tokens := range []int{64, 4000} {
+					for _, stream := range []bool{false, true} {
+						began := time.Now()
+						prompt := fmt.Sprintf("never held %s %d %d %v", tc.name, i, tokens, stream)
+						a := post(t, hc, st.URL()+"/v1/completions",
+							fmt.Sprintf(`{"model":"demo-model","prompt":%q,"max_tokens":%d,"stream":%v}`, prompt, tokens, stream))
+						require.Equal(t, http.StatusOK, a.status, a.body)
+						require.True(t, strings.Contains(a.body, wantPrefix(prompt)) && strings.Contains(a.body, fmt.Sprintf(" t%d\"", tokens-1)),
+							"the whole answer to %q: %d bytes", prompt, len(a.body))
+						// Engines at zero latency: well under a second unless
+						// something waits on the observer (Envoy's deferred
+						// close is 5s).
+						require.Less(t, time.Since(began), 2*time.Second)
+					}
 				}
 			}
 			fams := scrape(t, "http://"+st.Pdx.AdminAddr()+"/metrics")
