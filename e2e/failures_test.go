@@ -8,13 +8,22 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
 
 // A sick prefill endpoint costs its requests a retry, never their answer;
-// when all are sick, the pool's policy decides, within the timeout.
+// when all are sick, the pool's policy decides, within the timeout. Behind
+// pdx's own Envoy and behind one shaped as AI Gateway's InferencePool
+// translation alike.
 func TestPrefillFailover(t *testing.T) {
+	for _, profile := range []string{envoy.ProfilePdx, envoy.ProfileAIGateway} {
+		t.Run(profile, func(t *testing.T) { prefillFailover(t, profile) })
+	}
+}
+
+func prefillFailover(t *testing.T, profile string) {
 	sick := []struct {
 		name string
 		tune func(c *enginesim.Config)
@@ -27,7 +36,7 @@ func TestPrefillFailover(t *testing.T) {
 	for _, sc := range sick {
 		t.Run("one prefill endpoint "+sc.name, func(t *testing.T) {
 			st := startStack(t, stack.Options{
-				Prefill: 3, Decode: 1, PrefillTimeout: 20 * time.Second,
+				Prefill: 3, Decode: 1, PrefillTimeout: 20 * time.Second, Profile: profile,
 				// No ejection: every third request meets the sick endpoint.
 				PoolYAML: "prefill_attempt_timeout: 500ms\neject_after_failures: 100",
 				Tune: func(role enginesim.Role, i int, c *enginesim.Config) {
@@ -55,7 +64,7 @@ func TestPrefillFailover(t *testing.T) {
 	}
 
 	allDown := func(t *testing.T, policy string) (*stack.Stack, answer, time.Duration) {
-		st := startStack(t, stack.Options{Prefill: 2, Decode: 1, PrefillTimeout: 5 * time.Second, PoolYAML: "on_prefill_failure: " + policy})
+		st := startStack(t, stack.Options{Prefill: 2, Decode: 1, PrefillTimeout: 5 * time.Second, Profile: profile, PoolYAML: "on_prefill_failure: " + policy})
 		for _, p := range st.Prefill {
 			require.NoError(t, p.Close())
 		}

@@ -79,6 +79,15 @@ type Config struct {
 	// XDSCluster is the ClusterLoadAssignment the DecodeEDS cluster asks
 	// pdx for: pdx's xds.cluster_name ("" means pdx_decode).
 	XDSCluster string
+	// Observer adds the observability pass: a second ext_proc filter, in
+	// observability_mode, that shows pdx the decode's response (the TTFT
+	// split, token usage; see docs/observability.md). It never holds up or
+	// fails a request, but costs pdx and Envoy CPU per request (a second
+	// gRPC stream; see docs/performance.md), so it is off by default.
+	Observer bool
+	// ObserverAddress, "host:port", sends the observability pass to another
+	// ext_proc server than pdx; empty: pdx's cluster. It needs Observer.
+	ObserverAddress string
 	// WithoutExtProc leaves pdx out: the client's own
 	// x-gateway-destination-endpoint picks the engine. Only the load
 	// harness's floor, Envoy alone, uses it; it is never a deployment.
@@ -263,7 +272,31 @@ func Render(w io.Writer, c Config) error {
 	if c.MaxRequestHeadersKB == 0 {
 		c.MaxRequestHeadersKB = DefaultMaxRequestHeadersKB
 	}
+	var observer *hostPort
+	if c.ObserverAddress != "" && !c.Observer {
+		return errors.New("observer address: the observability pass is off (set Observer)")
+	}
+	if c.ObserverAddress != "" {
+		hp, err := splitHostPort(c.ObserverAddress)
+		if err != nil {
+			return fmt.Errorf("observer address: %w", err)
+		}
+		observer = &hp
+	}
+	// The pass's streams get a cluster of their own, whose round robin is
+	// not the routing streams'.
+	pdxClusters, observerCluster := []string{"pdx"}, "pdx_observability"
+	switch {
+	case observer != nil:
+		observerCluster = "pdx_observer"
+	case c.Observer && !c.WithoutExtProc:
+		pdxClusters = append(pdxClusters, observerCluster)
+	}
 	return bootstrap.Execute(w, map[string]any{
+		"Observer":            c.Observer && !c.WithoutExtProc,
+		"ObserverAddress":     observer,
+		"ObserverCluster":     observerCluster,
+		"PdxClusters":         pdxClusters,
 		"ListenAddress":       c.ListenAddress,
 		"ListenPort":          c.ListenPort,
 		"AdminPort":           c.AdminPort,

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"maps"
 	"strings"
 	"testing"
@@ -69,6 +70,54 @@ func TestRenderBodyModes(t *testing.T) {
 			require.Equal(t, tc.wantContentLength, ep.GetAllowContentLengthHeader())
 		})
 	}
+}
+
+// TestRenderObserver decodes the observability pass's filter: second,
+// before the router, in observability_mode, failing open, shown the
+// response alone, with the routing answer's metadata forwarded.
+func TestRenderObserver(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		cfg         Config
+		wantFilters []string
+		wantCluster string
+	}{
+		{"on", Config{PdxAddress: "127.0.0.1:9002", Observer: true}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx_observability"},
+		{"own server", Config{PdxAddress: "127.0.0.1:9002", Observer: true, ObserverAddress: "127.0.0.1:9100"}, []string{"envoy.filters.http.ext_proc", "pdx.observability", "envoy.filters.http.router"}, "pdx_observer"},
+		{"off by default", Config{PdxAddress: "127.0.0.1:9002"}, []string{"envoy.filters.http.ext_proc", "envoy.filters.http.router"}, ""},
+		{"without ext_proc", Config{PdxAddress: "127.0.0.1:9002", Observer: true, WithoutExtProc: true}, []string{"envoy.filters.http.router"}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			var buf bytes.Buffer
+			require.NoError(t, Render(&buf, tc.cfg))
+			var bs map[string]any
+			require.NoError(t, yaml.Unmarshal(buf.Bytes(), &bs))
+			filters := dig(t, bs, "static_resources", "listeners", 0, "filter_chains", 0, "filters", 0, "typed_config", "http_filters").([]any)
+			var names []string
+			for _, f := range filters {
+				names = append(names, f.(map[string]any)["name"].(string))
+			}
+			require.Equal(t, tc.wantFilters, names)
+			if tc.wantCluster == "" {
+				return
+			}
+			var ep extprocv3.ExternalProcessor
+			typedConfig(t, dig(t, bs, "static_resources", "listeners", 0, "filter_chains", 0, "filters", 0, "typed_config", "http_filters", 1, "typed_config"),
+				"envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor", &ep)
+			require.True(t, ep.GetObservabilityMode())
+			require.True(t, ep.GetFailureModeAllow(), "the pass never fails a request")
+			require.Equal(t, 5*time.Second, ep.GetDeferredCloseTimeout().AsDuration())
+			require.Equal(t, tc.wantCluster, ep.GetGrpcService().GetEnvoyGrpc().GetClusterName())
+			require.True(t, proto.Equal(&extprocv3.ProcessingMode{
+				RequestHeaderMode: extprocv3.ProcessingMode_SKIP, RequestBodyMode: extprocv3.ProcessingMode_NONE,
+				RequestTrailerMode: extprocv3.ProcessingMode_SKIP, ResponseHeaderMode: extprocv3.ProcessingMode_SEND,
+				ResponseBodyMode: extprocv3.ProcessingMode_STREAMED, ResponseTrailerMode: extprocv3.ProcessingMode_SEND,
+			}, ep.GetProcessingMode()), "got %v", ep.GetProcessingMode())
+			require.Equal(t, []string{"pdx"}, ep.GetMetadataOptions().GetForwardingNamespaces().GetUntyped())
+		})
+	}
+	require.ErrorContains(t, Render(io.Discard, Config{PdxAddress: "127.0.0.1:1", Observer: true, ObserverAddress: "nope"}), "observer address")
+	require.ErrorContains(t, Render(io.Discard, Config{PdxAddress: "127.0.0.1:1", ObserverAddress: "127.0.0.1:2"}), "the observability pass is off")
 }
 
 // TestRenderErrorReplies checks how the bootstrap makes Envoy answer by

@@ -33,6 +33,8 @@ func TestRenderValidates(t *testing.T) {
 			PdxAddress: "pdx:9002", PdxAddresses: []string{"pdx-2:9002"}, DecodeCluster: envoy.DecodeEDS, XDSCluster: "decode",
 			RequestBodyMode: envoy.BodyFullDuplexStreamed,
 		}},
+		{name: "observability pass", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", Observer: true}},
+		{name: "observability pass to its own server", cfg: envoy.Config{PdxAddress: "127.0.0.1:9002", Observer: true, ObserverAddress: "observer:9003"}},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {

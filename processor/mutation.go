@@ -10,6 +10,7 @@ import (
 	"google.golang.org/protobuf/types/known/structpb"
 
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/routing"
 )
 
 // DestinationHeader names the decode endpoint for Envoy's ORIGINAL_DST
@@ -94,6 +95,9 @@ type decision struct {
 	unchanged bool
 	// atHeaders: a request without a body, routed at its headers.
 	atHeaders bool
+	// pool is the pool of a routed generation request, which the
+	// observability pass is told of (observer.go); nil on pass-through paths.
+	pool *routing.Pool
 }
 
 // answer is the one builder of pdx's routing answers. The request goes to
@@ -119,6 +123,9 @@ func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
 	}
 	r.obs.routed(d.decode)
 	metadata := endpointMetadata(destination, r.clientID)
+	if d.pool != nil && r.observed {
+		r.handOff(metadata, d.pool)
+	}
 	if !d.atHeaders && !r.duplex() {
 		resp := &extprocv3.CommonResponse{HeaderMutation: &extprocv3.HeaderMutation{SetHeaders: set}}
 		if !d.unchanged {

@@ -16,6 +16,7 @@ import (
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/usage"
 )
 
 // recorder is what a request tells its metrics and trace, as it happens.
@@ -112,7 +113,12 @@ type observation struct {
 	prefillResult            string        // ok or the last attempt's error code
 	attempting               bool          // an attempt is in flight
 
-	headersAt, doneAt time.Duration // decode response headers, end of response
+	// decode response headers, first body byte, end of response
+	headersAt, firstAt, doneAt time.Duration
+	// usage reads the token usage of a response body Envoy sends this
+	// stream (the InferencePool integrations' FULL_DUPLEX_STREAMED
+	// response); nil when it sends none or the body is encoded.
+	usage *usage.Reader
 
 	span    trace.Span // the request's; nil when tracing is off
 	attempt trace.Span // the prefill attempt in flight
@@ -154,11 +160,21 @@ func pathOf(h *extprocv3.HttpHeaders) string {
 func (o *observation) message(msg *extprocv3.ProcessingRequest) {
 	switch m := msg.GetRequest().(type) {
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
+		h := m.ResponseHeaders
 		o.headersAt = time.Since(o.start)
-		if m.ResponseHeaders.GetEndOfStream() {
+		if h.GetEndOfStream() {
 			o.doneAt = o.headersAt
 		}
+		if enc := header(h, "content-encoding"); o.metrics != nil && strings.HasPrefix(header(h, ":status"), "2") && (enc == "" || enc == "identity") {
+			o.usage = usage.NewReader(strings.HasPrefix(header(h, "content-type"), "text/event-stream"))
+		}
 	case *extprocv3.ProcessingRequest_ResponseBody:
+		if o.firstAt == 0 && len(m.ResponseBody.GetBody()) > 0 {
+			o.firstAt = time.Since(o.start)
+		}
+		if o.usage != nil {
+			_, _ = o.usage.Write(m.ResponseBody.GetBody()) // scanned in place
+		}
 		if m.ResponseBody.GetEndOfStream() {
 			o.doneAt = time.Since(o.start)
 		}
@@ -168,6 +184,16 @@ func (o *observation) message(msg *extprocv3.ProcessingRequest) {
 }
 
 func (o *observation) pool(p *routing.Pool) { o.chosen = p }
+
+// handoffFrom is when the hand-off began, as the observability pass counts
+// it (observer.go's handOff): the prefill's answer, or pdx's routing answer
+// for a concurrent connector and a request decoded without prefill.
+func (o *observation) handoffFrom() time.Duration {
+	if o.prefilled && o.prefillResult == metrics.ResultOK && (o.chosen == nil || !o.chosen.Traits.Concurrent) {
+		return o.prefillEnd
+	}
+	return o.answered
+}
 
 func (o *observation) decided(p *routing.Pool, reason string) {
 	if reason != "" {
@@ -255,8 +281,16 @@ func (o *observation) end(e ending) {
 		if e.decoded && o.headersAt > 0 {
 			pm.DecodeHeaders(o.headersAt)
 		}
-		if e.decoded && o.doneAt > 0 {
-			pm.DecodeDone(o.doneAt)
+		if e.decoded && o.firstAt > 0 {
+			pm.FirstByte(o.firstAt-o.handoffFrom(), o.firstAt)
+		}
+		if e.decoded && o.firstAt > 0 && o.doneAt > 0 {
+			pm.DecodeDone(o.doneAt - o.firstAt)
+		}
+		if o.usage != nil && e.decoded {
+			if u, ok := o.usage.Usage(); ok {
+				pm.Tokens(u.Prompt, u.Cached, u.Completion)
+			}
 		}
 	}
 	if s := o.span; s != nil {

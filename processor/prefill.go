@@ -45,6 +45,9 @@ type prefillRun struct {
 	prepared *prepared
 	// counted is the attempt running on a prefill endpoint.
 	counted inFlight
+	// answeredAt is when an attempt last succeeded: the hand-off starts
+	// there.
+	answeredAt time.Time
 }
 
 // prepared is a decode that a connector whose engines hold work for it
@@ -161,6 +164,8 @@ func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.En
 	result := metrics.ResultOK
 	if err != nil {
 		result = toAPIError(r.prefillErr(pool, ep, err)).code
+	} else {
+		r.prefill.answeredAt = time.Now()
 	}
 	r.obs.attemptEnded(pool, ep, result, err)
 	if err != nil && (ctx.Err() != nil || !endpointFault(err)) {

@@ -115,7 +115,10 @@ type request struct {
 	// response headers (served.go).
 	decodes    []endpoint.Endpoint
 	decodePool *routing.Pool
-	closed     bool
+	// observed: Envoy has an observability pass, which the routing answer
+	// tells what it needs (observer.go).
+	observed bool
+	closed   bool
 }
 
 func newRequest(table *routing.Table, env connectors.Env, log *slog.Logger, bg *sync.WaitGroup, start time.Time, obs recorder) *request {

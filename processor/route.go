@@ -247,7 +247,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		slog.String("model", model), slog.String("pool", pool.Name), slog.String("engine_request_id", r.id),
 		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
 		slog.Duration("elapsed", time.Since(r.start)))
-	return decision{decode: creq.Decode, rank: decode.Rank, body: decode.Body, unchanged: bytes.Equal(decode.Body, raw)}, nil, nil
+	return decision{decode: creq.Decode, rank: decode.Rank, body: decode.Body, unchanged: bytes.Equal(decode.Body, raw), pool: pool}, nil, nil
 }
 
 // passHeaders routes a request on a pass-through path that has no body,

@@ -41,6 +41,9 @@ type Server struct {
 
 	metrics *metrics.Metrics // nil: none (see observe.go)
 	tracer  trace.Tracer     // nil: no tracing
+	// observed is set once an observability pass's stream has come
+	// (observer.go): from then on routing answers carry what it needs.
+	observed atomic.Bool
 }
 
 // Option configures a Server.
@@ -109,7 +112,15 @@ func (s *Server) Wait(ctx context.Context) error {
 func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	ctx := stream.Context()
 	start := time.Now()
+	first, err := stream.Recv()
+	if err != nil {
+		return streamErr(ctx, err)
+	}
+	if first.GetObservabilityMode() {
+		return s.observe(ctx, stream, first)
+	}
 	req := newRequest(s.table.Load(), s.env, s.log, &s.bg, start, newRecorder(s.metrics, s.tracer, start))
+	req.observed = s.observed.Load()
 	defer req.close()
 	defer req.decode.end()
 	// While a concurrent prefill runs, pdx must hear both Envoy and the
@@ -120,12 +131,17 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	for {
 		var resp *extprocv3.ProcessingResponse
 		if received == nil && req.prefill.pending == nil {
-			msg, err := stream.Recv()
-			if deadline.interrupted() {
-				return nil // the body timed out, and pdx has answered so
-			}
-			if err != nil {
-				return streamErr(ctx, err)
+			msg := first
+			if first != nil {
+				first = nil
+			} else {
+				msg, err = stream.Recv()
+				if deadline.interrupted() {
+					return nil // the body timed out, and pdx has answered so
+				}
+				if err != nil {
+					return streamErr(ctx, err)
+				}
 			}
 			resp = req.handle(ctx, msg)
 		} else {

@@ -47,6 +47,7 @@ func run(ctx context.Context, args []string) error {
 		selfProf = fs.String("cpuprofile", "", "write the harness's own CPU profile (its load generator and engines) to this file")
 	)
 	fs.StringVar(&plan.PdxBin, "pdx-bin", "", "the pdx binary to measure (required)")
+	fs.BoolVar(&plan.Observer, "observer", false, "add the observability pass to Envoy's config")
 	fs.StringVar(&plan.EnvoyBin, "envoy-bin", "", "Envoy binary (default: $ENVOY_BIN or the one `make envoy` installs)")
 	fs.IntVar(&plan.SweepBody, "sweep-body", 32768, "body size of the concurrency sweep")
 	fs.IntVar(&plan.SizeConcurrency, "size-concurrency", 64, "concurrency of the size sweep")

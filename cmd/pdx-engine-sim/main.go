@@ -52,6 +52,7 @@ func run(ctx context.Context, args []string) error {
 		"how often SGLang notices a waiting request's gone client (default 4s for sglang)")
 	tamper := fs.String("tamper-kv-params", "", "JSON object whose members override the kv_transfer_params a NIXL prefill returns")
 	fs.IntVar(&cfg.DPSize, "dp-size", 0, "data-parallel ranks behind the engine's address (vLLM --data-parallel-size, SGLang --dp-size); 0 or 1: none")
+	fs.BoolVar(&cfg.PromptTokensDetails, "enable-prompt-tokens-details", false, "report usage.prompt_tokens_details.cached_tokens, as vLLM's flag of that name")
 	fs.BoolVar(&cfg.TRTLLMLegacy, "trtllm-legacy", false, "play an older TensorRT-LLM server (DisaggregatedParams without disagg_request_id, ctx_usage, ...)")
 	store := fs.Bool("store", false, "run the shared KV store of --connector http on --addr instead of an engine")
 	capacity := fs.Bool("capacity", false, "model an engine under load: Llama-3-8B on one H100 (batch, queues, prefix cache, KV pulls; see docs/simulator.md)")

@@ -52,6 +52,9 @@ type Metrics struct {
 	attempts   *prometheus.CounterVec   // pool, endpoint, result
 	ttfb       *prometheus.HistogramVec // pool, connector
 	decodeDur  *prometheus.HistogramVec // pool, connector
+	handoff    *prometheus.HistogramVec // pool, connector
+	ttft       *prometheus.HistogramVec // pool, connector
+	tokens     *prometheus.CounterVec   // pool, connector, kind
 	decisions  *prometheus.CounterVec   // pool, decision
 	scrapes    *prometheus.CounterVec   // endpoint
 	served     *prometheus.CounterVec   // pool, endpoint, fallback
@@ -95,9 +98,23 @@ func New() *Metrics {
 		}, []string{"pool", "connector"}),
 		decodeDur: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "pdx_decode_duration_seconds",
-			Help:    "Time from the request headers to the end of the decode's response; observed only when Envoy sends the response body or trailers to pdx.",
+			Help:    "Decode: from the decode response's first body byte to its end; observed when Envoy shows pdx the response body (the observability pass).",
 			Buckets: decodeBuckets,
 		}, []string{"pool", "connector"}),
+		handoff: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pdx_handoff_duration_seconds",
+			Help:    "Hand-off: from the prefill's answer (sequential connectors) or pdx's routing answer (concurrent connectors: sglang, mooncake with vllm; and requests decoded without prefill) to the decode response's first body byte; observed by the observability pass.",
+			Buckets: routeBuckets,
+		}, []string{"pool", "connector"}),
+		ttft: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pdx_ttft_seconds",
+			Help:    "Time to first token as the gateway sees it: from the request headers reaching pdx to the decode response's first body byte; observed by the observability pass.",
+			Buckets: decodeBuckets,
+		}, []string{"pool", "connector"}),
+		tokens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_tokens_total",
+			Help: "Tokens the decode engines reported in their answers' usage, by kind: prompt, cached (prompt tokens the engine did not compute: KV handed off or prefix-cached; reported only by engines that give prompt_tokens_details) and completion. Streamed answers report usage only when the client asked for stream_options.include_usage.",
+		}, []string{"pool", "connector", "kind"}),
 		decisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdx_disaggregation_decisions_total",
 			Help: "Requests of pools with a prefill leg by the disaggregation decider's decision: disaggregated, or decode-only because short_uncached or prefill_saturated.",
@@ -115,7 +132,7 @@ func New() *Metrics {
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.decisions, m.scrapes, m.served, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.scrapes, m.served, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -213,6 +230,8 @@ type Pool struct {
 	// Histograms seen only in some setups or on failures: resolved on first
 	// use, so that the others do not export empty series.
 	ttfb, decodeDur, fallbackDur, errorDur atomic.Pointer[prometheus.Observer]
+	handoff, ttft                          atomic.Pointer[prometheus.Observer]
+	tokens                                 atomic.Pointer[[3]prometheus.Counter] // prompt, cached, completion
 }
 
 // Request counts a finished request by outcome and, for requests pdx routed
@@ -327,11 +346,63 @@ func (p *Pool) DecodeHeaders(d time.Duration) {
 	}
 }
 
-// DecodeDone observes the time until the end of the decode's response.
+// DecodeDone observes the decode: from its response's first body byte to
+// its end.
 func (p *Pool) DecodeDone(d time.Duration) {
 	if p != nil {
 		p.observer(&p.decodeDur, p.m.decodeDur, "").Observe(d.Seconds())
 	}
+}
+
+// FirstByte observes, at the decode response's first body byte, the
+// hand-off (since the prefill's answer, or pdx's routing answer) and the
+// time to first token (since the request headers).
+func (p *Pool) FirstByte(handoff, ttft time.Duration) {
+	if p != nil {
+		p.observer(&p.handoff, p.m.handoff, "").Observe(handoff.Seconds())
+		p.observer(&p.ttft, p.m.ttft, "").Observe(ttft.Seconds())
+	}
+}
+
+// Token kinds of pdx_tokens_total.
+const (
+	TokensPrompt     = "prompt"
+	TokensCached     = "cached"
+	TokensCompletion = "completion"
+)
+
+// Tokens counts the usage a decode engine reported.
+func (p *Pool) Tokens(prompt, cached, completion int64) {
+	if p == nil {
+		return
+	}
+	c := p.tokens.Load()
+	if c == nil {
+		c = &[3]prometheus.Counter{
+			p.m.tokens.WithLabelValues(p.name, p.connector, TokensPrompt),
+			p.m.tokens.WithLabelValues(p.name, p.connector, TokensCached),
+			p.m.tokens.WithLabelValues(p.name, p.connector, TokensCompletion),
+		}
+		p.tokens.Store(c)
+	}
+	c[0].Add(float64(prompt))
+	c[1].Add(float64(cached))
+	c[2].Add(float64(completion))
+}
+
+// Named returns the metrics of the pool called name with connector, as
+// another stream of the same request named them (the observability pass
+// reads them from Envoy's dynamic metadata): the resolved ones when this
+// server's table has that pool, else ones that resolve their children on
+// each use.
+func (m *Metrics) Named(name, connector string) *Pool {
+	if m == nil {
+		return nil
+	}
+	if pm := (*m.pools.Load())[name]; pm != nil && pm.connector == connector {
+		return pm
+	}
+	return &Pool{m: m, name: name, connector: connector}
 }
 
 // observer returns the child of vec for p's labels and outcome (none when

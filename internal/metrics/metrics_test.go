@@ -185,7 +185,49 @@ func TestNilRecordsNothing(t *testing.T) {
 	p.Prefill(ResultOK, time.Second)
 	p.DecodeHeaders(time.Second)
 	p.DecodeDone(time.Second)
+	p.FirstByte(time.Second, time.Second)
+	p.Tokens(1, 1, 1)
+	require.Nil(t, m.Named("a", "nixl"))
 	m.StreamEnded()
+}
+
+// TestObservabilityPass: the pass's stream names its request's pool by
+// name; a pool of this server's table gets its resolved children, which
+// then record the split and the tokens without allocating, and one it does
+// not know (another replica's newer table) is recorded all the same.
+func TestObservabilityPass(t *testing.T) {
+	m := New()
+	table := testTable(t)
+	m.Warm(table)
+	require.Same(t, m.Pool(table.Pools()[0]), m.Named("a", "nixl"))
+	require.NotSame(t, m.Pool(table.Pools()[0]), m.Named("a", "sglang"), "another connector: other series")
+
+	a := m.Named("a", "nixl")
+	a.FirstByte(10*time.Millisecond, 300*time.Millisecond)
+	a.DecodeDone(2 * time.Second)
+	a.Tokens(100, 99, 7)
+	a.Tokens(10, 0, 3)
+	m.Named("new", "sglang").Tokens(5, 0, 1)
+	require.Equal(t, map[string]uint64{"a": 1}, histogramCounts(t, m, "pdx_handoff_duration_seconds", "pool"))
+	require.Equal(t, map[string]uint64{"a": 1}, histogramCounts(t, m, "pdx_ttft_seconds", "pool"))
+	require.Equal(t, map[string]uint64{"a": 1}, histogramCounts(t, m, "pdx_decode_duration_seconds", "pool"))
+	require.NoError(t, testutil.GatherAndCompare(m.Registry(), strings.NewReader(`
+# HELP pdx_tokens_total Tokens the decode engines reported in their answers' usage, by kind: prompt, cached (prompt tokens the engine did not compute: KV handed off or prefix-cached; reported only by engines that give prompt_tokens_details) and completion. Streamed answers report usage only when the client asked for stream_options.include_usage.
+# TYPE pdx_tokens_total counter
+pdx_tokens_total{connector="nixl",kind="cached",pool="a"} 99
+pdx_tokens_total{connector="nixl",kind="completion",pool="a"} 10
+pdx_tokens_total{connector="nixl",kind="prompt",pool="a"} 110
+pdx_tokens_total{connector="sglang",kind="cached",pool="new"} 0
+pdx_tokens_total{connector="sglang",kind="completion",pool="new"} 1
+pdx_tokens_total{connector="sglang",kind="prompt",pool="new"} 5
+`), "pdx_tokens_total"))
+	allocs := testing.AllocsPerRun(100, func() {
+		p := m.Named("a", "nixl")
+		p.FirstByte(time.Millisecond, time.Millisecond)
+		p.DecodeDone(time.Millisecond)
+		p.Tokens(1, 1, 1)
+	})
+	require.Zero(t, allocs)
 }
 
 // histogramCounts gathers the histogram name and returns its sample counts

@@ -135,6 +135,8 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&c.DecodeCluster, "decode-cluster", envoy.DecodeOriginalDst, "the decode cluster: "+envoy.DecodeOriginalDst+" (the one host pdx names) or "+envoy.DecodeEDS+" (decode fallback: the decode engines pdx serves over EDS, its xds config, retried in pdx's order)")
 	fs.IntVar(&c.DecodeFallbacks, "decode-fallbacks", 1, "with --decode-cluster "+envoy.DecodeEDS+": how often Envoy retries a decode; the most decode_fallbacks of pdx's pools")
 	fs.StringVar(&c.XDSCluster, "xds-cluster", config.DefaultXDSCluster, "with --decode-cluster "+envoy.DecodeEDS+": pdx's xds.cluster_name")
+	fs.BoolVar(&c.Observer, "observer", false, "add the observability pass: a second ext_proc filter that shows pdx the decode's response (TTFT split, token usage); costs CPU per request")
+	fs.StringVar(&c.ObserverAddress, "observer-address", "", "with --observer: send the observability pass to this ext_proc server (host:port) instead of pdx")
 	var t envoy.TLS
 	fs.StringVar(&t.CAFile, "pdx-ca", "", "reach pdx over TLS: CA file that verifies pdx's certificate")
 	fs.StringVar(&t.SNI, "pdx-sni", "", "with --pdx-ca: the DNS name pdx's certificate is valid for")

@@ -427,7 +427,7 @@ func (s *Server) stream(x *exchange, toks []string, delay func(int) time.Duratio
 	}
 	if x.req.includeUsage {
 		u := completionResponse{ID: id, Object: chunkObject(x.req.api), Created: created, Model: x.req.model,
-			Choices: []choice{}, Usage: usageOf(x.req, len(toks))}
+			Choices: []choice{}, Usage: s.usageOf(x, len(toks))}
 		if err := send(u); err != nil {
 			s.abandon(x, err)
 			return
@@ -524,14 +524,41 @@ type delta struct {
 }
 
 type usage struct {
-	PromptTokens     int `json:"prompt_tokens"`
-	CompletionTokens int `json:"completion_tokens"`
-	TotalTokens      int `json:"total_tokens"`
+	PromptTokens        int                  `json:"prompt_tokens"`
+	CompletionTokens    int                  `json:"completion_tokens"`
+	TotalTokens         int                  `json:"total_tokens"`
+	PromptTokensDetails *promptTokensDetails `json:"prompt_tokens_details,omitempty"`
 }
 
-func usageOf(req *inferenceRequest, completion int) *usage {
-	p := req.promptTokens
-	return &usage{PromptTokens: p, CompletionTokens: completion, TotalTokens: p + completion}
+type promptTokensDetails struct {
+	CachedTokens int `json:"cached_tokens"`
+}
+
+// usageOf is the usage of an answer with completion output tokens. With
+// Config.PromptTokensDetails it has vLLM's prompt_tokens_details, which
+// vLLM's serving code adds only when --enable-prompt-tokens-details is on
+// and the request's num_cached_tokens is not 0.
+func (s *Server) usageOf(x *exchange, completion int) *usage {
+	p := x.req.promptTokens
+	u := &usage{PromptTokens: p, CompletionTokens: completion, TotalTokens: p + completion}
+	if n := cachedTokens(x); s.cfg.PromptTokensDetails && n > 0 {
+		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: n}
+	}
+	return u
+}
+
+// cachedTokens is vLLM's num_cached_tokens for the request: the prompt
+// tokens it did not compute when first scheduled. A decode that pulled its
+// prompt's KV from a prefill has all of it but the last token, which vLLM
+// recomputes to sample the next one (the scheduler's
+// _update_waiting_for_remote_kv: "on a full prompt hit, we need to
+// re-compute the last token"). Local prefix-cache hits are not modelled:
+// they count 0.
+func cachedTokens(x *exchange) int {
+	if x.rec.KV == KVPulled {
+		return max(x.req.promptTokens-1, 0)
+	}
+	return 0
 }
 
 // completion is a whole non-streaming response. kvParams nil omits the
@@ -548,7 +575,7 @@ func (s *Server) completion(x *exchange, toks []string, finish string, kvParams 
 	}
 	return completionResponse{
 		ID: s.responseID(x), Object: object, Created: time.Now().Unix(), Model: x.req.model,
-		Choices: []choice{c}, Usage: usageOf(x.req, len(toks)), KVTransferParams: kvParams,
+		Choices: []choice{c}, Usage: s.usageOf(x, len(toks)), KVTransferParams: kvParams,
 	}
 }
 

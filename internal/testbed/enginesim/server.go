@@ -105,6 +105,10 @@ type Config struct {
 	// draft_tokens (so it refuses disagg_request_id, ctx_usage, ...), and
 	// whose context answers carry no prompt_token_ids or disagg_request_id.
 	TRTLLMLegacy bool
+	// PromptTokensDetails is vLLM's --enable-prompt-tokens-details: usage
+	// reports prompt_tokens_details.cached_tokens, the prompt tokens the
+	// engine did not compute (for a decode, the KV it pulled), when not 0.
+	PromptTokensDetails bool
 	// Client is used for KV pulls. The default has a tuned transport, a 10s
 	// timeout and dials loopback addresses only (the simulator is a test
 	// fixture, and a tampered remote_host must not send traffic elsewhere).

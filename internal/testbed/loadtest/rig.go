@@ -41,6 +41,7 @@ type rigOptions struct {
 	engine           enginesim.Config // latencies
 	prefill, decode  int
 	prefillTimeout   time.Duration
+	observer         bool
 }
 
 func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
@@ -82,6 +83,7 @@ func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
 		PdxAddress:       r.pdx.grpcAddr,
 		MessageTimeout:   o.prefillTimeout + 5*time.Second,
 		BufferLimitBytes: maxBody + envoy.BufferHeadroom/2,
+		Observer:         o.observer,
 	}
 	if r.envoy, err = envoyproc.Start(ctx, o.envoyBin, ecfg, nil); err != nil {
 		return nil, fmt.Errorf("envoy: %w", err)

@@ -37,7 +37,10 @@ var (
 // Plan is what one run measures.
 type Plan struct {
 	PdxBin, EnvoyBin string
-	Profiles         []Profile
+	// Observer adds the observability pass (envoy.Config's Observer) to the
+	// Envoys with ext_proc.
+	Observer bool
+	Profiles []Profile
 	// Each profile sweeps Concurrency at SweepBody bytes, and Bodies at
 	// SizeConcurrency, for every Streams value, every scenario.
 	Concurrency     []int
@@ -180,7 +183,7 @@ func (p Plan) shapes() []shape {
 func runProfile(ctx context.Context, plan Plan, prof Profile, rep *Report) error {
 	r, err := startRig(ctx, rigOptions{
 		pdxBin: plan.PdxBin, envoyBin: plan.EnvoyBin, engine: prof.Engine,
-		prefill: 2, decode: 2, prefillTimeout: 60 * time.Second,
+		prefill: 2, decode: 2, prefillTimeout: 60 * time.Second, observer: plan.Observer,
 	})
 	if err != nil {
 		return err
