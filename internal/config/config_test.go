@@ -201,6 +201,8 @@ func TestParseErrors(t *testing.T) {
 		{"dp_size too big", pools(pool(`prefill: [{address: "10.0.0.1:8000", dp_size: 2000}]`, `decode: [{address: "10.0.0.2:8000", dp_size: 1}, {address: "10.0.0.3:8000", dp_size: 1025}]`)), []string{
 			`config: pools[0].prefill[0].dp_size: 2000 is over the maximum of 1024 data-parallel ranks`,
 			`config: pools[0].decode[1].dp_size: 1025 is over the maximum of 1024 data-parallel ranks`}},
+		{"dp_size differing among decode fallbacks", pools(pool("decode_fallbacks: 1", `decode: [{address: "10.0.0.2:8000", dp_size: 4}, {address: "10.0.0.3:8000", dp_size: 4}, {address: "10.0.0.4:8000"}]`)), []string{
+			`config: pools[0].decode[2].dp_size: 0 differs from decode[0]'s 4: with decode_fallbacks every decode endpoint needs one dp_size`}},
 		{"dp_size with trtllm", pools(pool("connector: trtllm", `decode: [{address: "10.0.0.2:8000", dp_size: 2}]`)), []string{
 			`config: pools[0].decode[0].dp_size: only valid with connectors "nixl", "http", "mooncake", "sglang", "none", not "trtllm"`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{

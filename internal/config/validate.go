@@ -263,6 +263,15 @@ func (v *validator) decodeFallbacks(path string, p *configv1.Pool, traits connec
 	case !traits.DecodeFallback:
 		v.fail(path+".decode_fallbacks", "not valid with connector %q: its prefill hands the KV to the one decode engine it was told of, so no other can take the request",
 			p.GetConnector())
+	default:
+		// One rank header goes with the request, whichever decode
+		// serves it: a fallback with fewer DP ranks could refuse it.
+		for i, ep := range p.GetDecode() {
+			if first := max(p.GetDecode()[0].GetDpSize(), 1); max(ep.GetDpSize(), 1) != first {
+				v.fail(fmt.Sprintf("%s.decode[%d].dp_size", path, i), "%d differs from decode[0]'s %d: with decode_fallbacks every decode endpoint needs one dp_size, as the decode's DP rank goes to whichever of them serves",
+					ep.GetDpSize(), first)
+			}
+		}
 	}
 }
 
