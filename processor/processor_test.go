@@ -539,3 +539,30 @@ func TestEnvoyAnswersBeforeRequestHeaders(t *testing.T) {
 	require.NotNil(t, out[0].GetResponseHeaders(), "Envoy's answer goes on unchanged: %v", out[0])
 	require.Empty(t, eng.Calls())
 }
+
+// A table whose engines serve DP ranks sets one header more on the decode
+// request (the rank), so it leaves the client one header less.
+func TestHeaderRoomCountsTheRankHeader(t *testing.T) {
+	for _, tc := range []struct {
+		dpSize     uint32
+		wantStatus int // of a request with 95 headers of its own and 2 pseudo-headers
+	}{{0, 0}, {2, 431}} {
+		t.Run(fmt.Sprintf("dp_size %d", tc.dpSize), func(t *testing.T) {
+			table, err := routing.New(&configv1.Config{Pools: []*configv1.Pool{{
+				Name: "p", Default: true, Connector: "nixl",
+				Prefill: []*configv1.Endpoint{{Address: "127.0.0.1:8100"}},
+				Decode:  []*configv1.Endpoint{{Address: "127.0.0.1:8200", DpSize: tc.dpSize}},
+			}}})
+			require.NoError(t, err)
+			require.Equal(t, tc.dpSize > 1, table.Ranked())
+			out := run(t, table, answering(fakeengine.Reply{Body: kvAnswer}), headers("POST", "/v1/completions", false, manyHeaders(95)...))
+			require.Len(t, out, 1)
+			if tc.wantStatus == 0 {
+				require.Nil(t, out[0].GetImmediateResponse(), "room for pdx's headers: %v", out[0])
+				return
+			}
+			require.EqualValues(t, tc.wantStatus, out[0].GetImmediateResponse().GetStatus().GetCode())
+			require.Contains(t, string(out[0].GetImmediateResponse().GetBody()), "headers_too_large")
+		})
+	}
+}

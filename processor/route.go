@@ -118,6 +118,9 @@ func (r *request) checkHeaderRoom(h *extprocv3.HttpHeaders) error {
 	add(DestinationHeader, (1+r.table.MaxDecodeFallbacks())*len("[ffff:ffff:ffff:ffff:ffff:ffff:ffff:ffff]:65535,"))
 	add("content-length", 10)
 	add("x-request-id", 36)
+	if r.table.Ranked() {
+		add(RankHeader, 4)
+	}
 	for _, th := range r.trace.headers {
 		add(th.name, len(th.value))
 	}

@@ -63,6 +63,9 @@ type Pool struct {
 	// DecodeFallbacks is how many more decode endpoints a request names
 	// for Envoy to retry its decode on (DecodeFallbacks).
 	DecodeFallbacks int
+	// Ranked: the pool's engines may serve several DP ranks (a dp_size of
+	// its config), so its requests may carry a rank header.
+	Ranked bool
 
 	// update serializes SetEndpoints.
 	update sync.Mutex
@@ -213,8 +216,10 @@ type Table struct {
 	limits     Limits
 	models     []string // every pool's models, in config order
 	created    time.Time
-	// fallbacks is the most decode fallbacks of a pool.
+	// fallbacks is the most decode fallbacks of a pool; ranked: some
+	// pool's requests may carry a DP rank header.
 	fallbacks int
+	ranked    bool
 	// changes hears of every change of a pool's endpoints (see Changes).
 	changes chan struct{}
 }
@@ -374,6 +379,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 		},
 		Saturated:       shedding,
 		DecodeFallbacks: int(pc.GetDecodeFallbacks()),
+		Ranked:          ranked(pc),
 	}
 	if p.BlockTokens <= 0 { // a config not through config.Parse
 		p.BlockTokens = config.DefaultPrefixBlockTokens
@@ -398,6 +404,7 @@ func NewTable(limits Limits, pools ...*Pool) *Table {
 	for _, p := range pools {
 		p.changed = t.changed
 		t.fallbacks = max(t.fallbacks, p.DecodeFallbacks)
+		t.ranked = t.ranked || p.Ranked
 		t.concurrent = t.concurrent || p.Traits.Concurrent
 		for _, m := range p.Models {
 			t.byModel[m] = p
@@ -408,6 +415,23 @@ func NewTable(limits Limits, pools ...*Pool) *Table {
 		}
 	}
 	return t
+}
+
+// Ranked reports whether some pool's requests may carry a DP rank header.
+func (t *Table) Ranked() bool { return t.ranked }
+
+// ranked reports whether a pool's config gives its engines DP ranks.
+func ranked(pc *configv1.Pool) bool {
+	k := pc.GetKubernetes()
+	if k.GetDpSize() > 1 || k.GetDecodeDpSize() > 1 {
+		return true
+	}
+	for _, ep := range append(slices.Clip(pc.GetPrefill()), pc.GetDecode()...) {
+		if ep.GetDpSize() > 1 {
+			return true
+		}
+	}
+	return false
 }
 
 // MaxDecodeFallbacks is the most decode fallbacks a request of the table
