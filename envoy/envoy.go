@@ -230,6 +230,9 @@ func Render(w io.Writer, c Config) error {
 		if c.PdxTLS != nil {
 			return fmt.Errorf("profile %s reaches pdx over TLS without verifying it: PdxTLS does not apply", ProfileAIGateway)
 		}
+		if (c.DecodeCluster != "" && c.DecodeCluster != DecodeOriginalDst) || c.Observer {
+			return fmt.Errorf("profile %s is the translation's filter and ORIGINAL_DST cluster: no decode cluster %q or observability pass of pdx's own", ProfileAIGateway, c.DecodeCluster)
+		}
 		c.RequestBodyMode = BodyFullDuplexStreamed
 	default:
 		return fmt.Errorf("profile %q: want %s or %s", c.Profile, ProfilePdx, ProfileAIGateway)

@@ -33,6 +33,9 @@ func TestRender(t *testing.T) {
 
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "nope"}), "pdx address")
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", RequestBodyMode: "STREAMED"}), `request body mode "STREAMED"`)
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: ProfileAIGateway, DecodeCluster: DecodeEDS}), "ORIGINAL_DST cluster")
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: ProfileAIGateway, Observer: true}), "observability pass")
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: "gke"}), `profile "gke"`)
 }
 
 // TestRenderBodyModes decodes the ext_proc filter each body mode renders.

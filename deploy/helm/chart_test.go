@@ -257,9 +257,7 @@ type pdx struct {
 
 // loadPdx follows the Deployment's --config flag to its volume mount, the
 // ConfigMap and the key behind it, and parses the config with pdx's own
-// loader. A config holding tls.self_signed (inferencePool mode) is parsed
-// without its tls section by a pdx that does not know the field yet (see
-// selfSignedField).
+// loader.
 func loadPdx(t *testing.T, objs []object) pdx {
 	t.Helper()
 	deps := all[*appsv1.Deployment](objs)
@@ -299,36 +297,9 @@ func loadPdx(t *testing.T, objs []object) pdx {
 	data, ok := get[*corev1.ConfigMap](t, objs, cm.Name).Data[key]
 	require.True(t, ok, "ConfigMap %s has no key %s", cm.Name, key)
 
-	toParse := []byte(data)
-	if selfSigned(t, data) && selfSignedField == nil {
-		var m map[string]any
-		require.NoError(t, yaml.Unmarshal(toParse, &m))
-		delete(m, "tls")
-		var err error
-		toParse, err = yaml.Marshal(m)
-		require.NoError(t, err)
-	}
-	cfg, err := config.Parse(toParse)
+	cfg, err := config.Parse([]byte(data))
 	require.NoError(t, err, "ConfigMap %s, key %s:\n%s", cm.Name, key, data)
-	if selfSignedField != nil {
-		require.Equal(t, selfSigned(t, data), cfg.GetTls().ProtoReflect().Get(selfSignedField).Bool(), "pdx's loader reads tls.self_signed")
-	}
 	return pdx{dep: dep, container: c, rawConfig: data, cfg: cfg}
-}
-
-// selfSignedField is pdx's tls.self_signed config field, nil in a pdx that
-// does not have it yet: then loadPdx parses an inferencePool config
-// without its tls section, and checks tls.self_signed as plain YAML only.
-var selfSignedField = (&configv1.TLS{}).ProtoReflect().Descriptor().Fields().ByName("self_signed")
-
-// selfSigned reports whether a config's YAML sets tls.self_signed: true.
-func selfSigned(t *testing.T, data string) bool {
-	t.Helper()
-	var m struct {
-		TLS map[string]any `json:"tls"`
-	}
-	require.NoError(t, yaml.Unmarshal([]byte(data), &m))
-	return m.TLS["self_signed"] == true
 }
 
 func (p pdx) maxPrefillTimeout() time.Duration {
@@ -618,7 +589,7 @@ func checkWorkload(t *testing.T, objs []object, p pdx) {
 	sp := svc.Spec.Ports[0]
 	require.Equal(t, "grpc", sp.Name)
 	require.Equal(t, grpcPort, resolvePort(t, sp.TargetPort, c))
-	tls := selfSigned(t, p.rawConfig)
+	tls := p.cfg.GetTls().GetSelfSigned()
 	if tls {
 		require.Nil(t, sp.AppProtocol, "pdx serves TLS: not h2c")
 	} else {
@@ -878,7 +849,7 @@ func checkEnvoyGateway(t *testing.T, r rendered, p pdx) {
 // closed, and pdx serves self-signed TLS.
 func checkInferencePool(t *testing.T, r rendered, p pdx) {
 	objs := r.objs
-	require.True(t, selfSigned(t, p.rawConfig), "tls.self_signed: true in pdx's config:\n%s", p.rawConfig)
+	require.True(t, p.cfg.GetTls().GetSelfSigned(), "tls.self_signed: true in pdx's config:\n%s", p.rawConfig)
 	routes := all[*gwv1.HTTPRoute](objs)
 	require.Len(t, routes, 1)
 	route := routes[0]
