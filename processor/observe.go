@@ -16,7 +16,6 @@ import (
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
-	"github.com/pdx-router/pdx/internal/usage"
 )
 
 // recorder is what a request tells its metrics and trace, as it happens.
@@ -103,22 +102,19 @@ type observation struct {
 	tracer  trace.Tracer
 	start   time.Time
 
-	// Times are durations since the request's start; zero means not yet.
 	chosen   *routing.Pool // once the model named it
 	code     string        // the error code pdx answered with
-	answered time.Duration // pdx's routing answer or error
+	answered time.Time     // pdx's routing answer or error; zero: not yet
 
-	prefilled                bool          // an attempt has ended
-	prefillStart, prefillEnd time.Duration // first attempt's start, last one's end
-	prefillResult            string        // ok or the last attempt's error code
-	attempting               bool          // an attempt is in flight
+	prefilled                bool      // an attempt has ended
+	prefillStart, prefillEnd time.Time // first attempt's start, last one's end
+	prefillResult            string    // ok or the last attempt's error code
+	attempting               bool      // an attempt is in flight
 
-	// decode response headers, first body byte, end of response
-	headersAt, firstAt, doneAt time.Duration
-	// usage reads the token usage of a response body Envoy sends this
-	// stream (the InferencePool integrations' FULL_DUPLEX_STREAMED
-	// response); nil when it sends none or the body is encoded.
-	usage *usage.Reader
+	// response is the decode's response, when Envoy sends this stream
+	// the response phases (the InferencePool integrations'
+	// FULL_DUPLEX_STREAMED response).
+	response decodeResponse
 
 	span    trace.Span // the request's; nil when tracing is off
 	attempt trace.Span // the prefill attempt in flight
@@ -158,41 +154,18 @@ func pathOf(h *extprocv3.HttpHeaders) string {
 }
 
 func (o *observation) message(msg *extprocv3.ProcessingRequest) {
-	switch m := msg.GetRequest().(type) {
-	case *extprocv3.ProcessingRequest_ResponseHeaders:
-		h := m.ResponseHeaders
-		o.headersAt = time.Since(o.start)
-		if h.GetEndOfStream() {
-			o.doneAt = o.headersAt
-		}
-		if enc := header(h, "content-encoding"); o.metrics != nil && strings.HasPrefix(header(h, ":status"), "2") && (enc == "" || enc == "identity") {
-			o.usage = usage.NewReader(strings.HasPrefix(header(h, "content-type"), "text/event-stream"))
-		}
-	case *extprocv3.ProcessingRequest_ResponseBody:
-		if o.firstAt == 0 && len(m.ResponseBody.GetBody()) > 0 {
-			o.firstAt = time.Since(o.start)
-		}
-		if o.usage != nil {
-			_, _ = o.usage.Write(m.ResponseBody.GetBody()) // scanned in place
-		}
-		if m.ResponseBody.GetEndOfStream() {
-			o.doneAt = time.Since(o.start)
-		}
-	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		o.doneAt = time.Since(o.start)
-	}
+	o.response.read(msg, time.Now(), o.metrics != nil)
 }
 
 func (o *observation) pool(p *routing.Pool) { o.chosen = p }
 
-// handoffFrom is when the hand-off began, as the observability pass counts
-// it (observer.go's handOff): the prefill's answer, or pdx's routing answer
-// for a concurrent connector and a request decoded without prefill.
-func (o *observation) handoffFrom() time.Duration {
-	if o.prefilled && o.prefillResult == metrics.ResultOK && (o.chosen == nil || !o.chosen.Traits.Concurrent) {
-		return o.prefillEnd
+// handoff is when the request's hand-off began (see handoffStart).
+func (o *observation) handoff() time.Time {
+	var prefilled time.Time
+	if o.prefilled && o.prefillResult == metrics.ResultOK {
+		prefilled = o.prefillEnd
 	}
-	return o.answered
+	return handoffStart(o.chosen != nil && o.chosen.Traits.Concurrent, prefilled, o.answered)
 }
 
 func (o *observation) decided(p *routing.Pool, reason string) {
@@ -205,7 +178,7 @@ func (o *observation) decided(p *routing.Pool, reason string) {
 }
 
 func (o *observation) routed(decode endpoint.Endpoint) {
-	o.answered = time.Since(o.start)
+	o.answered = time.Now()
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.decode.endpoint", decode.Address))
 	}
@@ -220,15 +193,15 @@ func (o *observation) served(p *routing.Pool, endpoint string, fallback bool) {
 
 func (o *observation) failed(code string) {
 	o.code = code
-	if o.answered == 0 {
-		o.answered = time.Since(o.start)
+	if o.answered.IsZero() {
+		o.answered = time.Now()
 	}
 }
 
 func (o *observation) attemptStarted(ctx context.Context, p *routing.Pool, ep endpoint.Endpoint) context.Context {
 	now := time.Now()
 	if !o.attempting && !o.prefilled {
-		o.prefillStart = now.Sub(o.start)
+		o.prefillStart = now
 	}
 	o.attempting = true
 	if o.span == nil {
@@ -251,7 +224,7 @@ func (o *observation) attemptEnded(p *routing.Pool, ep endpoint.Endpoint, result
 	}
 	now := time.Now()
 	o.attempting, o.prefilled = false, true
-	o.prefillEnd, o.prefillResult = now.Sub(o.start), result
+	o.prefillEnd, o.prefillResult = now, result
 	o.metrics.Pool(p).Attempt(ep.Address, result)
 	if s := o.attempt; s != nil {
 		o.attempt = nil
@@ -274,23 +247,20 @@ func (o *observation) end(e ending) {
 	}
 	if o.metrics != nil {
 		pm := o.metrics.Pool(o.chosen)
-		pm.Request(outcome, o.answered)
+		answered := time.Duration(0)
+		if !o.answered.IsZero() {
+			answered = o.answered.Sub(o.start)
+		}
+		pm.Request(outcome, answered)
 		if o.prefilled {
-			pm.Prefill(o.prefillResult, o.prefillEnd-o.prefillStart)
+			pm.Prefill(o.prefillResult, o.prefillEnd.Sub(o.prefillStart))
 		}
-		if e.decoded && o.headersAt > 0 {
-			pm.DecodeHeaders(o.headersAt)
-		}
-		if e.decoded && o.firstAt > 0 {
-			pm.FirstByte(o.firstAt-o.handoffFrom(), o.firstAt)
-		}
-		if e.decoded && o.firstAt > 0 && o.doneAt > 0 {
-			pm.DecodeDone(o.doneAt - o.firstAt)
-		}
-		if o.usage != nil && e.decoded {
-			if u, ok := o.usage.Usage(); ok {
-				pm.Tokens(u.Prompt, u.Cached, u.Completion)
+		if d := &o.response; e.decoded {
+			if !d.headersAt.IsZero() {
+				pm.DecodeHeaders(d.headersAt.Sub(o.start))
 			}
+			d.recordFirstByte(pm, o.start, o.handoff())
+			d.recordDone(pm)
 		}
 	}
 	if s := o.span; s != nil {

@@ -15,7 +15,6 @@ import (
 
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
-	"github.com/pdx-router/pdx/internal/usage"
 )
 
 // The observability pass: a second ext_proc filter, after pdx's routing
@@ -46,10 +45,7 @@ const (
 // whose prefill runs on, and a request decoded without prefill, at this
 // answer.
 func (r *request) handOff(md *structpb.Struct, pool *routing.Pool) {
-	at := r.prefill.answeredAt
-	if at.IsZero() || pool.Traits.Concurrent {
-		at = time.Now()
-	}
+	at := handoffStart(pool.Traits.Concurrent, r.prefill.answeredAt, time.Now())
 	ns := md.GetFields()[RequestMetadataNamespace].GetStructValue().GetFields()
 	ns[metaPool] = structpb.NewStringValue(pool.Name)
 	ns[metaConnector] = structpb.NewStringValue(pool.ConnectorName)
@@ -108,45 +104,39 @@ type observer struct {
 	poolName, conn string
 	start, handoff time.Time
 	trace          trace.SpanContext // the request's span, when traced
-	first          time.Time         // the response's first body byte
-	usage          *usage.Reader     // nil: the body is not read (encoded)
+	response       decodeResponse
 }
 
 // message takes one message and reports whether more are wanted.
 func (o *observer) message(msg *extprocv3.ProcessingRequest) bool {
-	switch m := msg.GetRequest().(type) {
-	case *extprocv3.ProcessingRequest_ResponseHeaders:
-		if !o.headers(msg, m.ResponseHeaders) {
+	h := msg.GetResponseHeaders()
+	switch {
+	case h != nil:
+		if !o.headers(msg, h) {
 			return false
 		}
-		if m.ResponseHeaders.GetEndOfStream() {
-			o.finish(time.Now())
-			return false
-		}
-	case *extprocv3.ProcessingRequest_ResponseBody:
+	case msg.GetResponseBody() != nil || msg.GetResponseTrailers() != nil:
 		if !o.routed {
 			return false
 		}
-		b := m.ResponseBody.GetBody()
-		if o.first.IsZero() && len(b) > 0 {
-			o.firstByte(time.Now())
-		}
-		if o.usage != nil {
-			_, _ = o.usage.Write(b)
-		}
-		if m.ResponseBody.GetEndOfStream() {
-			o.finish(time.Now())
-			return false
-		}
-	case *extprocv3.ProcessingRequest_ResponseTrailers:
-		if o.routed {
-			o.finish(time.Now())
-		}
-		return false
+	default:
+		// Request phases, if the filter sends them, carry nothing of the
+		// answer: wait for it.
+		return true
 	}
-	// Request phases, if the filter sends them, carry nothing of the
-	// answer: wait for it.
-	return true
+	now := time.Now()
+	first, ended := o.response.read(msg, now, true)
+	if first {
+		o.response.recordFirstByte(o.pool, o.start, o.handoff)
+		o.span("pdx.handoff", o.handoff, now)
+	}
+	if ended {
+		o.response.recordDone(o.pool)
+		if f := o.response.firstAt; !f.IsZero() {
+			o.span("pdx.decode", f, now)
+		}
+	}
+	return !ended
 }
 
 // headers reads the response headers and the request's metadata; false
@@ -174,36 +164,7 @@ func (o *observer) headers(msg *extprocv3.ProcessingRequest, h *extprocv3.HttpHe
 		}
 		o.trace = trace.SpanContextFromContext(propagation.TraceContext{}.Extract(context.Background(), carrier))
 	}
-	if enc := header(h, "content-encoding"); enc == "" || enc == "identity" {
-		o.usage = usage.NewReader(strings.HasPrefix(header(h, "content-type"), "text/event-stream"))
-	}
 	return true
-}
-
-// firstByte records the hand-off, which ends at the response's first byte.
-func (o *observer) firstByte(now time.Time) {
-	o.first = now
-	// The times come from the replica that routed the request; another
-	// host's clock may be behind.
-	if handoff, ttft := now.Sub(o.handoff), now.Sub(o.start); handoff >= 0 && ttft >= 0 {
-		o.pool.FirstByte(handoff, ttft)
-	}
-	o.span("pdx.handoff", o.handoff, now)
-}
-
-// finish records the decode, from the first byte to the end, and the
-// answer's usage.
-func (o *observer) finish(now time.Time) {
-	if !o.first.IsZero() {
-		o.pool.DecodeDone(now.Sub(o.first))
-		o.span("pdx.decode", o.first, now)
-	}
-	if o.usage == nil {
-		return
-	}
-	if u, ok := o.usage.Usage(); ok {
-		o.pool.Tokens(u.Prompt, u.Cached, u.Completion)
-	}
 }
 
 // span records a finished span, a child of the request's.
