@@ -19,12 +19,6 @@ import (
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
-// Generation APIs pdx routes with a prefill.
-var inferencePaths = map[string]bool{
-	"/v1/chat/completions": true,
-	"/v1/completions":      true,
-}
-
 // modelsPath is where OpenAI clients list the models; pdx answers it from
 // its pools unless a pool passes it through.
 const modelsPath = "/v1/models"
@@ -43,7 +37,7 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 
 	method := header(h, ":method")
 	switch {
-	case inferencePaths[path]:
+	case connectors.Routed(path):
 		if method != "POST" {
 			return nil, &apiError{status: 405, typ: typeInvalidRequest, code: "method_not_allowed",
 				msg: fmt.Sprintf("%s %s is not supported; use POST", method, path), allow: "POST"}
@@ -58,7 +52,7 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 		return r.models(), nil
 	default:
 		return nil, &apiError{status: 404, typ: typeInvalidRequest, code: "not_found",
-			msg: fmt.Sprintf("no API at %s: pdx serves POST /v1/chat/completions, POST /v1/completions and GET /v1/models", path)}
+			msg: fmt.Sprintf("no API at %s: pdx serves POST %s, POST %s and GET %s", path, connectors.ChatCompletionsPath, connectors.CompletionsPath, modelsPath)}
 	}
 	if err := r.checkHeaderRoom(h); err != nil {
 		return nil, err

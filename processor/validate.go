@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"strconv"
 
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -31,7 +32,7 @@ func validate(body jsonedit.Object, path string, pool *routing.Pool) error {
 			`"n" is %d, but connector %q hands over the KV of one sequence: send n of 1 (or leave it out)`, n, pool.ConnectorName))
 	}
 	switch path {
-	case "/v1/chat/completions":
+	case connectors.ChatCompletionsPath:
 		raw, ok := body.Raw("messages")
 		switch {
 		case !ok || string(raw) == "null":
@@ -41,7 +42,7 @@ func validate(body jsonedit.Object, path string, pool *routing.Pool) error {
 		case isEmptyArray(raw):
 			return badRequest("empty_messages", `"messages" is empty; send at least one message`)
 		}
-	case "/v1/completions":
+	case connectors.CompletionsPath:
 		raw, ok := body.Raw("prompt")
 		switch {
 		case !ok || string(raw) == "null":

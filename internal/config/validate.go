@@ -342,10 +342,6 @@ func quoted(names []string) []string {
 	return out
 }
 
-// routedPaths are the paths pdx routes itself; a pool cannot pass them
-// through.
-var routedPaths = []string{"/v1/chat/completions", "/v1/completions"}
-
 // passThrough checks a pool's pass_through paths.
 func (v *validator) passThrough(path string, paths []string) {
 	seen := map[string]bool{}
@@ -354,7 +350,7 @@ func (v *validator) passThrough(path string, paths []string) {
 		switch {
 		case !strings.HasPrefix(p, "/") || strings.ContainsAny(p, "?# \t"):
 			v.fail(pp, "%q is not a path (it starts with / and has no query)", p)
-		case slices.Contains(routedPaths, p):
+		case connectors.Routed(p):
 			v.fail(pp, "%q is routed by pdx itself", p)
 		case seen[p]:
 			v.fail(pp, "duplicate path %q", p)
