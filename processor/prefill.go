@@ -28,20 +28,17 @@ type prefillRun struct {
 	pool   *routing.Pool
 	// on is the endpoint of the concurrent prefill that pending reports.
 	on endpoint.Endpoint
-	// pending is a concurrent connector's prefill, still running while
-	// Envoy sends the decode; nil once its outcome is in (or for sequential
-	// connectors).
+	// pending delivers a concurrent connector's prefill outcome, which the
+	// request waits for while it is prefilling (see state.prefilling).
 	pending <-chan error
-	// heldHeaders is set while pdx withholds its answer to the decode's
-	// response headers until the prefill has succeeded.
-	heldHeaders bool
 	// heldAfter are the answers to the response phases that came after
-	// the held headers (a FULL_DUPLEX_STREAMED response body streams
-	// without waiting for them): Envoy takes answers in order, so they
-	// follow the headers' answer.
+	// the held response headers (stateHoldingResponse: a
+	// FULL_DUPLEX_STREAMED response body streams without waiting for
+	// them): Envoy takes answers in order, so they follow the headers'.
 	heldAfter []*extprocv3.ProcessingResponse
 	// prepared is the decode a connector prepared, kept until pdx knows
-	// whether the engines can let go of what they hold for it (see stop).
+	// that the engines need not let go of what they hold for it: Envoy
+	// has the decode and its prefill is over (see stop).
 	prepared *prepared
 	// counted is the attempt running on a prefill endpoint.
 	counted inFlight
@@ -53,10 +50,9 @@ type prefillRun struct {
 // prepared is a decode that a connector whose engines hold work for it
 // prepared: what Release needs should the decode never come.
 type prepared struct {
-	releaser  connectors.Releaser
-	req       *connectors.Request
-	decode    connectors.Decode
-	delivered bool // Envoy has the decode
+	releaser connectors.Releaser
+	req      *connectors.Request
+	decode   connectors.Decode
 }
 
 // errAttemptTimeout ends one prefill attempt that ran past the pool's
@@ -185,7 +181,6 @@ func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.En
 // its way, waiting for this prefill's KV, and its engine is told to let go.
 func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.ProcessingResponse {
 	pf := &r.prefill
-	pf.pending = nil
 	pf.cancel()
 	pf.counted.end()
 	r.report(ctx, pf.pool, pf.on, err)
@@ -195,8 +190,9 @@ func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.Process
 	}
 	pf.prepared = nil
 	r.log.LogAttrs(ctx, slog.LevelDebug, "prefill done", slog.Duration("elapsed", time.Since(r.start)))
-	if pf.heldHeaders {
-		pf.heldHeaders = false
+	held := r.state == stateHoldingResponse
+	r.enter(stateRouted)
+	if held {
 		r.body.queued = append(r.body.queued, pf.heldAfter...)
 		pf.heldAfter = nil
 		return r.responseHeaders()
@@ -204,16 +200,16 @@ func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.Process
 	return nil
 }
 
-// stop ends the prefill's attempts. A prepared decode that Envoy never got,
-// and the legs of a concurrent prefill the request did not wait for (the
-// client went away), leave work on the engines: they are told to let go of
-// it.
+// stop ends the prefill's attempts. A prepared decode still kept (Envoy
+// never got it, or the request did not wait for its concurrent prefill:
+// the client went away) leaves work on the engines: they are told to let
+// go of it.
 func (pf *prefillRun) stop(r *request) {
 	if pf.cancel != nil {
 		pf.cancel()
 	}
 	pf.counted.end()
-	if p := pf.prepared; p != nil && (!p.delivered || pf.pending != nil) {
+	if pf.prepared != nil {
 		r.release("the request ended before its decode")
 	}
 }

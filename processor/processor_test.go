@@ -29,7 +29,10 @@ import (
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+func TestMain(m *testing.M) {
+	strictTransitions = true // a phase change the table does not allow panics
+	goleak.VerifyTestMain(m)
+}
 
 // fakeStream feeds Process the messages of in and collects its answers.
 type fakeStream struct {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -15,7 +16,8 @@ import (
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
-// state is the phase a request is in.
+// state is the phase a request is in. Every change of phase goes through
+// enter, which holds it to transitions.
 type state int
 
 const (
@@ -23,7 +25,21 @@ const (
 	stateRequestHeaders state = iota
 	// stateRequestBody waits for the body of a request pdx routes.
 	stateRequestBody
-	// stateRouted has sent the decode mutation; only response phases follow.
+	// statePassThroughBody waits for the body of a request on a path that
+	// a pool serves as it is.
+	statePassThroughBody
+	// statePrefilling has sent the decode mutation while a concurrent
+	// connector's prefill still runs; the decode's response headers have
+	// not come.
+	statePrefilling
+	// stateHoldingResponse: the concurrent prefill still runs and the
+	// decode's response headers have come. pdx withholds its answer to
+	// them, and queues its answers to the response phases after them,
+	// until the prefill's outcome is in: the client then sees either the
+	// decode's output or pdx's error.
+	stateHoldingResponse
+	// stateRouted has sent the decode mutation, and nothing of pdx's
+	// runs for the request any more; only response phases follow.
 	stateRouted
 	// statePassThrough has sent a request on a pass-through path to a
 	// decode endpoint; only response phases follow.
@@ -38,29 +54,81 @@ const (
 	stateFailed
 )
 
+var stateNames = [...]string{
+	stateRequestHeaders:  "request_headers",
+	stateRequestBody:     "request_body",
+	statePassThroughBody: "pass_through_body",
+	statePrefilling:      "prefilling",
+	stateHoldingResponse: "holding_response",
+	stateRouted:          "routed",
+	statePassThrough:     "pass_through",
+	stateAnswered:        "answered",
+	stateEnvoyAnswered:   "envoy_answered",
+	stateFailed:          "failed",
+}
+
 func (s state) String() string {
-	switch s {
-	case stateRequestHeaders:
-		return "request_headers"
-	case stateRequestBody:
-		return "request_body"
-	case stateRouted:
-		return "routed"
-	case statePassThrough:
-		return "pass_through"
-	case stateAnswered:
-		return "answered"
-	case stateEnvoyAnswered:
-		return "envoy_answered"
-	case stateFailed:
-		return "failed"
+	if s >= 0 && int(s) < len(stateNames) {
+		return stateNames[s]
 	}
 	return fmt.Sprintf("state(%d)", int(s))
+}
+
+// transitions are the phases each phase may move to: the request's
+// lifecycle in one place. Any phase before the client has its answer may
+// fail, and Envoy may answer the client itself while pdx waits for a
+// request's headers or body.
+var transitions = [...][]state{
+	stateRequestHeaders: {stateRequestBody, statePassThroughBody, statePassThrough, stateAnswered, stateEnvoyAnswered, stateFailed},
+	stateRequestBody:    {stateRouted, statePrefilling, stateAnswered, stateEnvoyAnswered, stateFailed},
+	// A pass-through request is routed at its body.
+	statePassThroughBody: {statePassThrough, stateEnvoyAnswered, stateFailed},
+	// The prefill's outcome, or the decode's response headers before it.
+	statePrefilling:      {stateRouted, stateHoldingResponse, stateFailed},
+	stateHoldingResponse: {stateRouted, stateFailed},
+	stateRouted:          {},
+	statePassThrough:     {},
+	stateAnswered:        {},
+	stateEnvoyAnswered:   {},
+	stateFailed:          {},
+}
+
+// strictTransitions makes enter panic on a transition the table does not
+// allow. The processor's tests set it; in production a stray transition
+// is logged, and the request goes on in the phase its handler chose.
+var strictTransitions = false
+
+// enter moves the request to phase next.
+func (r *request) enter(next state) {
+	if !slices.Contains(transitions[r.state], next) {
+		if strictTransitions {
+			panic(fmt.Sprintf("processor: request moved from %s to %s", r.state, next))
+		}
+		r.log.Error("request moved between phases out of order", slog.String("from", r.state.String()), slog.String("to", next.String()))
+	}
+	r.state = next
 }
 
 // over reports whether pdx has given the request its answer (or Envoy has).
 func (s state) over() bool {
 	return s == stateAnswered || s == stateEnvoyAnswered || s == stateFailed
+}
+
+// awaitingBody reports whether the request waits for its body.
+func (s state) awaitingBody() bool {
+	return s == stateRequestBody || s == statePassThroughBody
+}
+
+// prefilling reports whether a concurrent connector's prefill still runs
+// for a request whose decode Envoy has.
+func (s state) prefilling() bool {
+	return s == statePrefilling || s == stateHoldingResponse
+}
+
+// decoded reports whether the request went to a decode engine with pdx's
+// decode mutation.
+func (s state) decoded() bool {
+	return s == statePrefilling || s == stateHoldingResponse || s == stateRouted
 }
 
 // request is everything pdx knows about one HTTP request. It is created in
@@ -84,8 +152,6 @@ type request struct {
 	clientID string
 	id       string
 	path     string // without the query string
-	// passThrough: the path is one that a pool serves as it is.
-	passThrough bool
 	// subset is the gateway's subset hint: the decode endpoints the request
 	// may go to; nil: any (subset.go).
 	subset []string
@@ -118,7 +184,6 @@ type request struct {
 	// observed: Envoy has an observability pass, which the routing answer
 	// tells what it needs (observer.go).
 	observed bool
-	closed   bool
 }
 
 func newRequest(table *routing.Table, env connectors.Env, log *slog.Logger, bg *sync.WaitGroup, start time.Time, obs recorder) *request {
@@ -138,7 +203,7 @@ func (r *request) handle(ctx context.Context, msg *extprocv3.ProcessingRequest) 
 // fail answers the request with err's error: the one place where an error
 // becomes the client's answer.
 func (r *request) fail(ctx context.Context, err error) *extprocv3.ProcessingResponse {
-	r.state = stateFailed
+	r.enter(stateFailed)
 	e := toAPIError(err)
 	r.obs.failed(e.code)
 	r.log.LogAttrs(ctx, e.logLevel(), "request failed",
@@ -184,12 +249,12 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 		return r.requestHeaders(ctx, m.RequestHeaders)
 	case *extprocv3.ProcessingRequest_RequestBody:
 		switch r.state {
-		case stateRequestBody:
+		case stateRequestBody, statePassThroughBody:
 			if r.duplex() {
 				return r.bodyChunk(ctx, m.RequestBody)
 			}
 			return r.requestBody(ctx, m.RequestBody)
-		case stateRouted, statePassThrough:
+		case statePrefilling, stateHoldingResponse, stateRouted, statePassThrough:
 			return r.passRequestBody(m.RequestBody), nil
 		}
 		return nil, protocolError("request body", r.state)
@@ -197,24 +262,22 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 		if r.state == stateRequestHeaders {
 			return nil, protocolError("request trailers", r.state)
 		}
-		if r.state == stateRequestBody && r.duplex() {
+		if r.state.awaitingBody() && r.duplex() {
 			return r.bodyEnded(ctx, true)
 		}
 		return continueRequestTrailers(), nil
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
 		switch r.state {
-		case stateRequestHeaders, stateRequestBody:
+		case stateRequestHeaders, stateRequestBody, statePassThroughBody:
 			// Envoy's own answer: before pdx has the request's headers
 			// (a path Envoy refuses to normalise, an HTTP/1.0 client)
 			// when the filter sends response headers, or while pdx waits
 			// for the body (a body over Envoy's buffer limit).
 			return r.envoyAnswered(ctx, m.ResponseHeaders), nil
-		}
-		if r.prefill.pending != nil {
+		case statePrefilling:
 			// The decode answered before its KV is known to be complete
-			// (SGLang streams headers at once): hold the answer, so the
-			// client sees either the decode's output or pdx's error.
-			r.prefill.heldHeaders = true
+			// (SGLang streams headers at once).
+			r.enter(stateHoldingResponse)
 			return nil, nil
 		}
 		r.served(ctx, msg)
@@ -237,7 +300,7 @@ func (r *request) dispatch(ctx context.Context, msg *extprocv3.ProcessingRequest
 // afterResponseHeaders answers a response phase that follows the headers:
 // at once, or after them while pdx holds its answer to them.
 func (r *request) afterResponseHeaders(resp *extprocv3.ProcessingResponse) *extprocv3.ProcessingResponse {
-	if r.prefill.heldHeaders {
+	if r.state == stateHoldingResponse {
 		r.prefill.heldAfter = append(r.prefill.heldAfter, resp)
 		return nil
 	}
@@ -248,20 +311,18 @@ func (r *request) afterResponseHeaders(resp *extprocv3.ProcessingResponse) *extp
 // the client itself while pdx waited for the body (its 413 for a body over
 // its buffer limit, its 408): the request is over.
 func (r *request) envoyAnswered(ctx context.Context, h *extprocv3.HttpHeaders) *extprocv3.ProcessingResponse {
-	r.state = stateEnvoyAnswered
+	r.enter(stateEnvoyAnswered)
 	r.log.LogAttrs(ctx, slog.LevelInfo, "Envoy answered the request itself",
 		slog.String("status", header(h, ":status")), slog.Duration("elapsed", time.Since(r.start)))
 	return r.responseHeaders()
 }
 
 // sent notes that the answer handle returned has reached Envoy: a decode
-// prepared by then is Envoy's to send.
+// whose prefill is over is Envoy's to send, and leaves the engines nothing
+// to let go of.
 func (r *request) sent() {
-	if p := r.prefill.prepared; p != nil && r.state == stateRouted {
-		p.delivered = true
-		if r.prefill.pending == nil {
-			r.prefill.prepared = nil // a sequential prefill: nothing left to release
-		}
+	if r.state == stateRouted {
+		r.prefill.prepared = nil
 	}
 }
 
@@ -277,19 +338,15 @@ func (r *request) finished() bool {
 	case stateAnswered, statePassThrough:
 		return true
 	case stateRouted:
-		return r.prefill.pending == nil && !r.prefill.heldHeaders && !r.table.HasConcurrent()
+		return !r.table.HasConcurrent()
 	}
 	return false
 }
 
 // close ends whatever of the request still runs but its decode, and
-// records it; later calls do nothing.
+// records it. Process calls it once.
 func (r *request) close() {
-	if r.closed {
-		return
-	}
-	r.closed = true
-	if pf := &r.prefill; pf.pending != nil {
+	if pf := &r.prefill; r.state.prefilling() {
 		// The request ended without the concurrent prefill's outcome.
 		err := context.Canceled
 		r.obs.attemptEnded(pf.pool, pf.on, toAPIError(r.prefillErr(pf.pool, pf.on, err)).code, err)
@@ -302,7 +359,7 @@ func (r *request) close() {
 func (r *request) ending() ending {
 	var outcome string
 	switch r.state {
-	case stateRouted:
+	case statePrefilling, stateHoldingResponse, stateRouted:
 		outcome = metrics.OutcomeRouted
 		if r.fallback {
 			outcome = metrics.OutcomeFallback
@@ -318,6 +375,6 @@ func (r *request) ending() ending {
 	default:
 		outcome = metrics.OutcomeIncomplete
 	}
-	return ending{outcome: outcome, decoded: r.state == stateRouted, failed: r.state == stateFailed,
+	return ending{outcome: outcome, decoded: r.state.decoded(), failed: r.state == stateFailed,
 		clientID: r.clientID, engineID: r.id}
 }

@@ -36,6 +36,7 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 	}
 
 	method := header(h, ":method")
+	passThrough := false
 	switch {
 	case connectors.Routed(path):
 		if method != "POST" {
@@ -43,7 +44,7 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 				msg: fmt.Sprintf("%s %s is not supported; use POST", method, path), allow: "POST"}
 		}
 	case r.table.PassesThrough(path):
-		r.passThrough = true
+		passThrough = true
 	case path == modelsPath:
 		if method != "GET" {
 			return nil, &apiError{status: 405, typ: typeInvalidRequest, code: "method_not_allowed",
@@ -57,12 +58,12 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 	if err := r.checkHeaderRoom(h); err != nil {
 		return nil, err
 	}
-	if r.passThrough && h.GetEndOfStream() {
+	if passThrough && h.GetEndOfStream() {
 		// No body (GET): the decode endpoint is known now.
 		pool, _ := r.table.PassThrough(path, "")
 		return r.passHeaders(pool)
 	}
-	if !r.passThrough {
+	if !passThrough {
 		if enc := header(h, "content-encoding"); enc != "" && !strings.EqualFold(enc, "identity") {
 			return nil, &apiError{status: 415, typ: typeInvalidRequest, code: "unsupported_content_encoding",
 				msg: fmt.Sprintf("content-encoding %q is not supported; send the JSON body uncompressed", enc)}
@@ -74,12 +75,16 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 	if err := r.checkBodyMode(); err != nil {
 		return nil, err
 	}
-	r.state = stateRequestBody
+	if passThrough {
+		r.enter(statePassThroughBody)
+	} else {
+		r.enter(stateRequestBody)
+	}
 	if r.duplex() {
 		// The answer waits for the body: it carries the decode endpoint.
 		return nil, nil
 	}
-	if (r.table.HasConcurrent() || r.table.MaxDecodeFallbacks() > 0) && !r.passThrough {
+	if (r.table.HasConcurrent() || r.table.MaxDecodeFallbacks() > 0) && !passThrough {
 		// Also with decode fallbacks: the response headers tell which
 		// decode served (served.go).
 		return routeHeadersHoldingResponse(), nil
@@ -151,12 +156,12 @@ func (r *request) requestBody(ctx context.Context, b *extprocv3.HttpBody) (*extp
 // bodyDone routes a request whose body has arrived (BUFFERED, or the last
 // of a FULL_DUPLEX_STREAMED body) and answers with what it decided.
 func (r *request) bodyDone(ctx context.Context, raw []byte) (*extprocv3.ProcessingResponse, error) {
-	if r.passThrough {
+	if r.state == statePassThroughBody {
 		d, err := r.passBody(raw)
 		if err != nil {
 			return nil, err
 		}
-		r.state = statePassThrough
+		r.enter(statePassThrough)
 		return r.answer(d), nil
 	}
 	d, answer, err := r.routeBody(ctx, raw)
@@ -164,10 +169,13 @@ func (r *request) bodyDone(ctx context.Context, raw []byte) (*extprocv3.Processi
 	case err != nil:
 		return nil, err
 	case answer != nil:
-		r.state = stateAnswered
+		r.enter(stateAnswered)
 		return immediate(200, answer.ContentType, answer.Body, "pdx_answered_by_prefill", r.clientID), nil
+	case r.prefill.pending != nil:
+		r.enter(statePrefilling)
+	default:
+		r.enter(stateRouted)
 	}
-	r.state = stateRouted
 	return r.answer(d), nil
 }
 
@@ -257,7 +265,7 @@ func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse
 	}
 	r.decode.begin(pool.Decode.Set, decode, nil, 0)
 	r.named(pool, decode)
-	r.state = statePassThrough
+	r.enter(statePassThrough)
 	return r.answer(decision{decode: decode, atHeaders: true}), nil
 }
 
@@ -313,7 +321,7 @@ func (r *request) models() *extprocv3.ProcessingResponse {
 		list.Data[i] = model{ID: n, Object: "model", Created: created.Unix(), OwnedBy: "pdx"}
 	}
 	body, _ := json.Marshal(list) // strings and numbers only
-	r.state = stateAnswered
+	r.enter(stateAnswered)
 	return immediate(200, "application/json", body, "pdx_models", r.clientID)
 }
 

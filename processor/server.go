@@ -121,48 +121,83 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	}
 	req := newRequest(s.table.Load(), s.env, s.log, &s.bg, start, newRecorder(s.metrics, s.tracer, start))
 	req.observed = s.observed.Load()
-	defer req.close()
-	defer req.decode.end()
-	// While a concurrent prefill runs, pdx must hear both Envoy and the
-	// prefill, so Recv moves to a goroutine; other requests never pay for it.
-	var received chan recvResult
-	var deadline *bodyDeadline
-	defer func() { deadline.stop() }()
+	received := make(chan recvResult, 1)
+	go receive(ctx, stream, received)
+	return s.serve(ctx, stream, req, first, received)
+}
+
+// serve is a routing stream's one loop. It answers what comes, one at a
+// time: Envoy's messages (first, then those from received), a concurrent
+// prefill's outcome while the request is prefilling, the end of the time
+// its body may take while it waits for it. Once pdx has nothing left to do
+// for the request, the request's state goes; a routed request's stream
+// stays open until Envoy ends it with the response, so that the decode
+// endpoint's in-flight count is exact (unless the table says to end it
+// now), passing on the response phases Envoy still sends. A drain ends
+// that hold cleanly, and Envoy goes on with the generation.
+func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, req *request, first *extprocv3.ProcessingRequest, received <-chan recvResult) error {
+	// The request's record ends with the stream, or, for a held stream
+	// whose response Envoy does not send pdx, once it is routed.
+	closed := false
+	defer func() {
+		if !closed {
+			req.close()
+		}
+		req.decode.end()
+	}()
+	holding := false
+	var drained <-chan struct{} // the server's draining, once holding
+	deadline := bodyDeadline{}
+	defer deadline.stop()
+	msg := first
 	for {
 		var resp *extprocv3.ProcessingResponse
-		if received == nil && req.prefill.pending == nil {
-			msg := first
-			if first != nil {
-				first = nil
-			} else {
-				msg, err = stream.Recv()
-				if deadline.interrupted() {
-					return nil // the body timed out, and pdx has answered so
-				}
-				if err != nil {
-					return streamErr(ctx, err)
-				}
-			}
-			resp = req.handle(ctx, msg)
-		} else {
-			if received == nil {
-				received = make(chan recvResult, 1)
-				go receive(ctx, stream, received)
+		if msg == nil {
+			var prefilled <-chan error
+			if req.state.prefilling() {
+				prefilled = req.prefill.pending
 			}
 			select {
 			case r := <-received:
 				if r.err != nil {
+					if holding {
+						return nil
+					}
 					return streamErr(ctx, r.err)
 				}
-				resp = req.handle(ctx, r.msg)
-			case err := <-req.prefill.pending:
+				msg = r.msg
+			case err := <-prefilled:
 				resp = req.prefillDone(ctx, err)
+			case <-deadline.expired():
+				// Envoy keeps the stream open for as long as the client
+				// trickles: pdx answers, and Envoy then ends the stream.
+				err := fmt.Errorf("%w: the request body did not arrive within %s", errBodyTimeout, deadline.timeout)
+				_ = stream.Send(req.fail(ctx, err))
+				return nil
+			case <-drained:
+				return nil
 			case <-ctx.Done():
 				return nil // the stream is over; receive may have left quietly
 			}
 		}
+		if msg != nil {
+			if holding {
+				// Only the routed request's response phases are left.
+				req.obs.message(msg)
+				var err error
+				if resp, err = req.dispatch(ctx, msg); err != nil {
+					return nil // not a message of a routed request: leave it to Envoy
+				}
+			} else {
+				resp = req.handle(ctx, msg)
+			}
+			msg = nil
+		}
 		if resp != nil {
 			if err := stream.Send(resp); err != nil {
+				if holding {
+					return nil
+				}
 				return streamErr(ctx, err)
 			}
 			// A FULL_DUPLEX_STREAMED body follows the answer to its headers.
@@ -173,109 +208,56 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			}
 			req.sent()
 		}
-		if req.finished() {
-			// Nothing more is asked of pdx. The request's state goes now;
-			// its stream stays open until Envoy ends it with the response,
-			// so that the decode endpoint's in-flight count is exact (unless
-			// the table says to end it now). A drain ends it cleanly, and
-			// Envoy goes on with the generation. The count may move to the
-			// decode endpoint that served (served.go); the deferred end
-			// ends it. The request's record waits for the response's end
-			// when Envoy sends pdx the response.
-			hold := req.decode.set != nil && !req.table.Limits().EndStreamsAtRouting
-			if !hold || !req.observesResponse() {
+		if !holding && req.finished() {
+			// Nothing more is asked of pdx. The decode count may move to
+			// the decode endpoint that served (served.go).
+			if req.decode.set == nil || req.table.Limits().EndStreamsAtRouting {
+				return nil
+			}
+			if !req.observesResponse() {
 				req.close()
+				closed = true
 			}
-			if hold {
-				s.hold(ctx, stream, received, req)
-			}
-			req.close() // once the response is over, when pdx saw it
-			return nil
+			holding, drained = true, s.draining
+			req.body = streamedBody{}
 		}
-		deadline = req.awaitBody(ctx, stream, deadline)
+		deadline.follow(req)
 	}
 }
 
-// hold waits until Envoy ends the stream (its request is over), the
-// server drains, or the stream breaks, passing on what Envoy still sends
-// (the response phases a FULL_DUPLEX_STREAMED filter sends) unchanged.
-// received, when not nil, already has the stream's messages.
-func (s *Server) hold(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, received chan recvResult, req *request) {
-	req.body = streamedBody{} // only the routed request's phases are left
-	if received == nil {
-		received = make(chan recvResult, 1)
-		go receive(ctx, stream, received)
-	}
-	for {
-		select {
-		case r := <-received:
-			if r.err != nil {
-				return
-			}
-			req.obs.message(r.msg)
-			resp, err := req.dispatch(ctx, r.msg)
-			if err != nil {
-				return // not a message of a routed request: leave it to Envoy
-			}
-			if resp != nil && stream.Send(resp) != nil {
-				return
-			}
-		case <-ctx.Done():
-			return
-		case <-s.draining:
-			return
-		}
-	}
-}
-
-// bodyDeadline answers 408 when a request's body has not arrived within the
-// table's body timeout. Its timer fires while Process waits in Recv, and
-// the timer's function answers: Process itself is blocked, and Envoy keeps
-// the stream open for as long as the client trickles. Process stops the
-// timer before it handles anything Recv returns, so the two never touch the
-// request at once.
+// bodyDeadline is the time a request's body may take to arrive, from the
+// request's start (the table's body timeout): pdx answers 408 when it
+// expires while the request waits for its body.
 type bodyDeadline struct {
-	at    time.Time
-	timer *time.Timer
-	fired chan struct{} // closed once the timer's answer is sent
+	timer   *time.Timer // nil while not armed
+	timeout time.Duration
 }
 
-// awaitBody arms d while the request waits for its body (a new deadline
-// from the request's start, or the one it has), and stops it otherwise. It
-// returns the deadline in force, nil once the body is in.
-func (r *request) awaitBody(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, d *bodyDeadline) *bodyDeadline {
-	if r.state != stateRequestBody {
+// follow arms d while the request waits for its body, and stops it once
+// the body is in.
+func (d *bodyDeadline) follow(r *request) {
+	switch waiting := r.state.awaitingBody(); {
+	case waiting && d.timer == nil:
+		d.timeout = r.table.Limits().BodyTimeout
+		d.timer = time.NewTimer(time.Until(r.start.Add(d.timeout)))
+	case !waiting && d.timer != nil:
 		d.stop()
+	}
+}
+
+// expired is the deadline's channel; nil, which never receives, while it
+// is not armed.
+func (d *bodyDeadline) expired() <-chan time.Time {
+	if d.timer == nil {
 		return nil
 	}
-	if d == nil {
-		timeout := r.table.Limits().BodyTimeout
-		d = &bodyDeadline{at: r.start.Add(timeout), fired: make(chan struct{})}
-		d.timer = time.AfterFunc(time.Until(d.at), func() {
-			err := fmt.Errorf("%w: the request body did not arrive within %s", errBodyTimeout, timeout)
-			_ = stream.Send(r.fail(ctx, err)) // Envoy then ends the stream
-			close(d.fired)
-		})
-		return d
-	}
-	d.timer.Reset(time.Until(d.at))
-	return d
+	return d.timer.C
 }
 
-// interrupted stops the timer; it reports whether the timer had fired, and
-// then waits for its answer to be sent: the request is over.
-func (d *bodyDeadline) interrupted() bool {
-	if d == nil || d.timer.Stop() {
-		return false
-	}
-	<-d.fired
-	return true
-}
-
-// stop stops the timer for good.
 func (d *bodyDeadline) stop() {
-	if d != nil {
+	if d.timer != nil {
 		d.timer.Stop()
+		d.timer = nil
 	}
 }
 
