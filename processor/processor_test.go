@@ -475,11 +475,10 @@ func TestCancellationDuringPrefill(t *testing.T) {
 	srv := New(testTable(t, false, time.Minute), eng, slog.New(slog.DiscardHandler))
 	done := make(chan error, 1)
 	go func() { done <- srv.Process(stream) }()
-	<-stream.out // headers answer
-	require.Eventually(t, func() bool {
-		cancel() // the prefill may not have started yet; cancelling again is harmless
-		return len(eng.Calls()) == 1
-	}, 5*time.Second, 5*time.Millisecond)
+	<-stream.out    // headers answer
+	<-eng.Blocked() // the prefill runs
+	cancel()
+	require.Eventually(t, func() bool { return len(eng.Calls()) == 1 }, 5*time.Second, 5*time.Millisecond)
 	require.NoError(t, <-done)
 	require.ErrorIs(t, eng.Calls()[0].CtxErr, context.Canceled)
 }

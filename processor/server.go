@@ -153,31 +153,25 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 	for {
 		var resp *extprocv3.ProcessingResponse
 		if msg == nil {
-			var prefilled <-chan error
-			if req.state.prefilling() {
-				prefilled = req.prefill.pending
-			}
-			select {
-			case r := <-received:
-				if r.err != nil {
-					if holding {
-						return nil
-					}
-					return streamErr(ctx, r.err)
+			ev := nextEvent(ctx, req, received, &deadline, drained)
+			switch {
+			case ev.received && ev.recv.err != nil:
+				if holding {
+					return nil
 				}
-				msg = r.msg
-			case err := <-prefilled:
-				resp = req.prefillDone(ctx, err)
-			case <-deadline.expired():
+				return streamErr(ctx, ev.recv.err)
+			case ev.received:
+				msg = ev.recv.msg
+			case ev.prefilled:
+				resp = req.prefillDone(ctx, ev.prefillErr)
+			case ev.expired:
 				// Envoy keeps the stream open for as long as the client
 				// trickles: pdx answers, and Envoy then ends the stream.
 				err := fmt.Errorf("%w: the request body did not arrive within %s", errBodyTimeout, deadline.timeout)
 				_ = stream.Send(req.fail(ctx, err))
 				return nil
-			case <-drained:
-				return nil
-			case <-ctx.Done():
-				return nil // the stream is over; receive may have left quietly
+			default:
+				return nil // drained, or the stream is over (receive may have left quietly)
 			}
 		}
 		if msg != nil {
@@ -223,6 +217,43 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 		}
 		deadline.follow(req)
 	}
+}
+
+// event is what serve takes next: a message from Envoy (or the stream's
+// end), a concurrent prefill's outcome, the body deadline, or else the end
+// of the stream or a drain.
+type event struct {
+	recv       recvResult
+	received   bool
+	prefilled  bool
+	prefillErr error
+	expired    bool
+}
+
+// nextEvent waits for serve's next event. Messages Envoy sent come first: what
+// it sent before it ended the stream is handled, as a stream read in order
+// would.
+func nextEvent(ctx context.Context, req *request, received <-chan recvResult, deadline *bodyDeadline, drained <-chan struct{}) event {
+	select {
+	case r := <-received:
+		return event{recv: r, received: true}
+	default:
+	}
+	var prefilled <-chan error
+	if req.state.prefilling() {
+		prefilled = req.prefill.pending
+	}
+	select {
+	case r := <-received:
+		return event{recv: r, received: true}
+	case err := <-prefilled:
+		return event{prefilled: true, prefillErr: err}
+	case <-deadline.expired():
+		return event{expired: true}
+	case <-drained:
+	case <-ctx.Done():
+	}
+	return event{}
 }
 
 // bodyDeadline is the time a request's body may take to arrive, from the
