@@ -20,7 +20,7 @@ import (
 func dpTable(t *testing.T, prefillDP, decodeDP uint32) *routing.Table {
 	t.Helper()
 	table, err := routing.New(&configv1.Config{Pools: []*configv1.Pool{{
-		OnPrefillFailure: "fallback",
+		OnPrefillFailure: configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
 		Name:             "p",
 		Models:           []string{"m"},
 		Connector:        "nixl",

@@ -101,10 +101,10 @@ func Parse(data []byte) (*configv1.Config, error) {
 // parse is Parse with source, the prefix of every error line: the file name
 // for Load, so that messages read like a compiler's.
 func parse(data []byte, source string) (*configv1.Config, error) {
-	cfg, errs := decode(data)
+	cfg, errs, choices := decode(data)
 	if len(errs) == 0 {
 		applyDefaults(cfg)
-		errs = validate(cfg)
+		errs = append(choices, validate(cfg)...)
 	}
 	if len(errs) > 0 {
 		return nil, joinErrors(source, errs)
@@ -159,8 +159,8 @@ func applyDefaults(cfg *configv1.Config) {
 			if s.KvUsage == 0 {
 				s.KvUsage = DefaultKVUsage
 			}
-			if s.Action == "" {
-				s.Action = "queue"
+			if s.Action == configv1.SaturationAction_SATURATION_ACTION_UNSPECIFIED {
+				s.Action = configv1.SaturationAction_SATURATION_ACTION_QUEUE
 			}
 			if s.MaxQueueTime == nil {
 				s.MaxQueueTime = durationpb.New(DefaultMaxQueueTime)
@@ -184,8 +184,8 @@ func applyDefaults(cfg *configv1.Config) {
 		if p.PrefillAttemptTimeout == nil {
 			p.PrefillAttemptTimeout = durationpb.New(p.PrefillTimeout.AsDuration())
 		}
-		if p.OnPrefillFailure == "" {
-			p.OnPrefillFailure = "fail"
+		if p.OnPrefillFailure == configv1.PrefillFailure_PREFILL_FAILURE_UNSPECIFIED {
+			p.OnPrefillFailure = configv1.PrefillFailure_PREFILL_FAILURE_FAIL
 		}
 		if p.EjectAfterFailures == 0 {
 			p.EjectAfterFailures = DefaultEjectAfterFailures

@@ -71,7 +71,7 @@ func TestParseAppliesDefaults(t *testing.T) {
 
 			PrefillAttempts:       3,
 			PrefillAttemptTimeout: durationpb.New(30 * time.Second),
-			OnPrefillFailure:      "fail",
+			OnPrefillFailure:      configv1.PrefillFailure_PREFILL_FAILURE_FAIL,
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
 			PrefillPicker:         &configv1.Picker{Policy: "least_work"},
@@ -87,7 +87,7 @@ func defaultEngineMetrics() *configv1.EngineMetrics {
 }
 
 func defaultSaturation() *configv1.Saturation {
-	return &configv1.Saturation{QueueDepth: 5, KvUsage: 0.8, Action: "queue", MaxQueueTime: durationpb.New(time.Second)}
+	return &configv1.Saturation{QueueDepth: 5, KvUsage: 0.8, Action: configv1.SaturationAction_SATURATION_ACTION_QUEUE, MaxQueueTime: durationpb.New(time.Second)}
 }
 
 func TestParseAllFields(t *testing.T) {
@@ -127,7 +127,7 @@ func TestParseAllFields(t *testing.T) {
 
 			PrefillAttempts:       3,
 			PrefillAttemptTimeout: durationpb.New(90 * time.Second),
-			OnPrefillFailure:      "fail",
+			OnPrefillFailure:      configv1.PrefillFailure_PREFILL_FAILURE_FAIL,
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
 			PrefillPicker:         &configv1.Picker{Policy: "least_work"},
@@ -144,13 +144,13 @@ func TestParseAllFields(t *testing.T) {
 
 			PrefillAttempts:       2,
 			PrefillAttemptTimeout: durationpb.New(100 * time.Millisecond),
-			OnPrefillFailure:      "fallback",
+			OnPrefillFailure:      configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
 			EjectAfterFailures:    5,
 			EjectDuration:         durationpb.New(time.Minute),
 			PrefillPicker:         &configv1.Picker{Policy: "round_robin"},
 			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Queue: 1}},
 			Disaggregation:        &configv1.Disaggregation{MinUncachedTokens: 16, WhenPrefillSaturated: true},
-			Saturation:            &configv1.Saturation{QueueDepth: 8, KvUsage: 0.9, MaxInFlight: 20, Action: "reject", MaxQueueTime: durationpb.New(2 * time.Second)},
+			Saturation:            &configv1.Saturation{QueueDepth: 8, KvUsage: 0.9, MaxInFlight: 20, Action: configv1.SaturationAction_SATURATION_ACTION_REJECT, MaxQueueTime: durationpb.New(2 * time.Second)},
 			PrefixBlockTokens:     16,
 		}},
 	}, cfg)
@@ -492,7 +492,12 @@ pools:
 		{name: "attempt timeout zero", extra: "  prefill_attempt_timeout: 0s\n", wantErr: "pools[0].prefill_attempt_timeout: 0s must be greater than 0"},
 		{name: "unknown policy", extra: "  on_prefill_failure: retry\n", wantErr: `pools[0].on_prefill_failure: "retry" is not "fail" or "fallback"`},
 		{name: "eject duration too long", extra: "  eject_duration: 2h\n", wantErr: "pools[0].eject_duration: 2h0m0s exceeds the maximum of 1h0m0s"},
+		{name: "a choice that is no string", extra: "  on_prefill_failure: 2\n", wantErr: `pools[0].on_prefill_failure: expected "fail" or "fallback", got number 2`},
+		{name: "the unspecified value is no choice", extra: "  on_prefill_failure: unspecified\n", wantErr: `"unspecified" is not "fail" or "fallback"`},
 		{name: "all fine", extra: "  prefill_attempts: 10\n  prefill_attempt_timeout: 10s\n  on_prefill_failure: fallback\n"},
+		// protojson's spelling of a choice, as a config written from the
+		// proto reads.
+		{name: "full enum names", extra: "  on_prefill_failure: PREFILL_FAILURE_FALLBACK\n  saturation: {action: SATURATION_ACTION_REJECT}\n"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
@@ -649,4 +654,30 @@ func TestKubernetesDiscovery(t *testing.T) {
 			tc.check(t, cfg.GetPools()[0].GetKubernetes())
 		})
 	}
+}
+
+// A choice reads the same in the file's spelling and in protojson's.
+func TestEnumSpellings(t *testing.T) {
+	const pool = `
+pools:
+- name: p
+  default: true
+  connector: nixl
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:2}]
+`
+	for _, extra := range []string{
+		"  on_prefill_failure: fallback\n  saturation: {action: reject}\n",
+		"  on_prefill_failure: PREFILL_FAILURE_FALLBACK\n  saturation: {action: SATURATION_ACTION_REJECT}\n",
+	} {
+		cfg, err := Parse([]byte(pool + extra))
+		require.NoError(t, err)
+		p := cfg.GetPools()[0]
+		require.Equal(t, configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK, p.GetOnPrefillFailure(), extra)
+		require.Equal(t, configv1.SaturationAction_SATURATION_ACTION_REJECT, p.GetSaturation().GetAction(), extra)
+	}
+	cfg, err := Parse([]byte(pool))
+	require.NoError(t, err)
+	require.Equal(t, configv1.PrefillFailure_PREFILL_FAILURE_FAIL, cfg.GetPools()[0].GetOnPrefillFailure(), "the default")
+	require.Equal(t, configv1.SaturationAction_SATURATION_ACTION_QUEUE, cfg.GetPools()[0].GetSaturation().GetAction(), "the default")
 }

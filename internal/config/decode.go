@@ -38,40 +38,53 @@ func (e *fieldError) Error() string {
 // is first checked against the message descriptors: that catches unknown
 // fields and wrong types with their paths, leaving protojson only the
 // conversion itself.
-func decode(data []byte) (*configv1.Config, []error) {
+//
+// choices are the values that name none of their enum field's choices: such
+// a field is left unset, and its error is reported with validation's, since
+// the file's shape is sound.
+func decode(data []byte) (cfg *configv1.Config, errs, choices []error) {
+	cfg, errs, c := decodeTree(data)
+	if c != nil {
+		choices = c.choices
+	}
+	return cfg, errs, choices
+}
+
+func decodeTree(data []byte) (*configv1.Config, []error, *checker) {
 	// The strict variant rejects duplicate keys instead of keeping the last.
 	js, err := yaml.YAMLToJSONStrict(data)
 	if err != nil {
-		return nil, []error{err}
+		return nil, []error{err}, nil
 	}
 	dec := json.NewDecoder(bytes.NewReader(js))
 	dec.UseNumber() // keep integers exact for range checks
 	var tree any
 	if err := dec.Decode(&tree); err != nil {
-		return nil, []error{err}
+		return nil, []error{err}, nil
 	}
 
 	cfg := &configv1.Config{}
 	if tree == nil { // empty document
-		return cfg, nil
+		return cfg, nil, nil
 	}
-	var c checker
+	c := &checker{}
 	tree = c.message(tree, cfg.ProtoReflect().Descriptor(), "")
 	if len(c.errs) > 0 {
-		return nil, c.errs
+		return nil, c.errs, c
 	}
 	if js, err = json.Marshal(tree); err != nil {
-		return nil, []error{err}
+		return nil, []error{err}, c
 	}
 	if err := protojson.Unmarshal(js, cfg); err != nil {
-		return nil, []error{err}
+		return nil, []error{err}, c
 	}
-	return cfg, nil
+	return cfg, nil, c
 }
 
 // checker walks generic JSON against a message descriptor, collecting errors.
 type checker struct {
-	errs []error
+	errs    []error
+	choices []error // see decode
 }
 
 func (c *checker) fail(path, format string, args ...any) {
@@ -161,6 +174,8 @@ func (c *checker) value(v any, fd protoreflect.FieldDescriptor, path string) any
 		if _, ok := v.(string); !ok {
 			c.fail(path, "expected a string, got %s", describe(v))
 		}
+	case protoreflect.EnumKind:
+		return c.enum(v, fd.Enum(), path)
 	case protoreflect.BoolKind:
 		if _, ok := v.(bool); !ok {
 			c.fail(path, "expected true or false, got %s", describe(v))
@@ -179,6 +194,45 @@ func (c *checker) value(v any, fd protoreflect.FieldDescriptor, path string) any
 		// strict too but names the field without its path.
 	}
 	return v
+}
+
+// enum takes a choice of an enum field as the file writes it, its value's
+// name without the enum's prefix in lower case ("reject" for
+// SATURATION_ACTION_REJECT), or the full name protojson writes, and
+// rewrites it into the latter. The zero value, *_UNSPECIFIED, is no choice:
+// it is what an unset field reads as.
+func (c *checker) enum(v any, ed protoreflect.EnumDescriptor, path string) any {
+	choices := enumChoices(ed)
+	if s, ok := v.(string); ok {
+		for i, name := range choices {
+			if s == name || s == string(ed.Values().Get(i+1).Name()) {
+				return string(ed.Values().Get(i + 1).Name())
+			}
+		}
+	}
+	quoted := make([]string, len(choices))
+	for i, name := range choices {
+		quoted[i] = strconv.Quote(name)
+	}
+	list := strings.Join(quoted[:len(quoted)-1], ", ") + " or " + quoted[len(quoted)-1]
+	if s, ok := v.(string); ok {
+		c.choices = append(c.choices, &fieldError{path: path, msg: fmt.Sprintf("%q is not %s", s, list)})
+	} else {
+		c.choices = append(c.choices, &fieldError{path: path, msg: fmt.Sprintf("expected %s, got %s", list, describe(v))})
+	}
+	return nil // unset
+}
+
+// enumChoices returns the names the file gives ed's values but the first
+// (its *_UNSPECIFIED zero value), in order.
+func enumChoices(ed protoreflect.EnumDescriptor) []string {
+	values := ed.Values()
+	prefix := strings.TrimSuffix(string(values.Get(0).Name()), "UNSPECIFIED")
+	names := make([]string, values.Len()-1)
+	for i := range names {
+		names[i] = strings.ToLower(strings.TrimPrefix(string(values.Get(i+1).Name()), prefix))
+	}
+	return names
 }
 
 // duration accepts Go duration syntax ("1m30s"), a superset of the seconds-only

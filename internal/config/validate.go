@@ -215,9 +215,6 @@ func (v *validator) placement(path string, p *configv1.Pool, traits connectors.T
 		if u := s.GetKvUsage(); u <= 0 || u > 1 {
 			v.fail(path+".saturation.kv_usage", "%v is not in (0, 1]", u)
 		}
-		if a := s.GetAction(); a != "queue" && a != "reject" {
-			v.fail(path+".saturation.action", "%q is not \"queue\" or \"reject\"", a)
-		}
 		switch d := s.GetMaxQueueTime().AsDuration(); {
 		case d <= 0:
 			v.fail(path+".saturation.max_queue_time", "%v must be greater than 0", d)
@@ -240,9 +237,6 @@ func (v *validator) failureHandling(path string, p *configv1.Pool) {
 		v.fail(path+".prefill_attempt_timeout", "%v must be greater than 0", d)
 	case d > total:
 		v.fail(path+".prefill_attempt_timeout", "%v exceeds prefill_timeout (%v), the budget of all attempts", d, total)
-	}
-	if f := p.GetOnPrefillFailure(); f != "fail" && f != "fallback" {
-		v.fail(path+".on_prefill_failure", "%q is not \"fail\" or \"fallback\"", f)
 	}
 	switch d := p.GetEjectDuration().AsDuration(); {
 	case d <= 0:

@@ -347,7 +347,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 			QueueDepth: int(s.GetQueueDepth()), KVUsage: s.GetKvUsage(), MaxInFlight: int(s.GetMaxInFlight()),
 		}
 		shedding = &Shedding{}
-		if s.GetAction() != "reject" {
+		if s.GetAction() != configv1.SaturationAction_SATURATION_ACTION_REJECT {
 			shedding.MaxWait = s.GetMaxQueueTime().AsDuration()
 		}
 	}
@@ -369,7 +369,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 		PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
 		AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
 		Attempts:       max(1, int(pc.GetPrefillAttempts())),
-		Fallback:       pc.GetOnPrefillFailure() == "fallback",
+		Fallback:       pc.GetOnPrefillFailure() == configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
 		PassThrough:    pc.GetPassThrough(),
 		KVHosts:        kvHosts,
 		BlockTokens:    int(pc.GetPrefixBlockTokens()),

@@ -27,6 +27,109 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// What a request gets when every prefill attempt failed (a pool's
+// on_prefill_failure). In the file, a value is written without its
+// prefix, in lower case: "fail", "fallback".
+type PrefillFailure int32
+
+const (
+	PrefillFailure_PREFILL_FAILURE_UNSPECIFIED PrefillFailure = 0
+	PrefillFailure_PREFILL_FAILURE_FAIL        PrefillFailure = 1
+	PrefillFailure_PREFILL_FAILURE_FALLBACK    PrefillFailure = 2
+)
+
+// Enum value maps for PrefillFailure.
+var (
+	PrefillFailure_name = map[int32]string{
+		0: "PREFILL_FAILURE_UNSPECIFIED",
+		1: "PREFILL_FAILURE_FAIL",
+		2: "PREFILL_FAILURE_FALLBACK",
+	}
+	PrefillFailure_value = map[string]int32{
+		"PREFILL_FAILURE_UNSPECIFIED": 0,
+		"PREFILL_FAILURE_FAIL":        1,
+		"PREFILL_FAILURE_FALLBACK":    2,
+	}
+)
+
+func (x PrefillFailure) Enum() *PrefillFailure {
+	p := new(PrefillFailure)
+	*p = x
+	return p
+}
+
+func (x PrefillFailure) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (PrefillFailure) Descriptor() protoreflect.EnumDescriptor {
+	return file_pdx_config_v1_config_proto_enumTypes[0].Descriptor()
+}
+
+func (PrefillFailure) Type() protoreflect.EnumType {
+	return &file_pdx_config_v1_config_proto_enumTypes[0]
+}
+
+func (x PrefillFailure) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use PrefillFailure.Descriptor instead.
+func (PrefillFailure) EnumDescriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{0}
+}
+
+// What a request does when every endpoint of a leg is saturated
+// (saturation.action). In the file: "queue", "reject".
+type SaturationAction int32
+
+const (
+	SaturationAction_SATURATION_ACTION_UNSPECIFIED SaturationAction = 0
+	SaturationAction_SATURATION_ACTION_QUEUE       SaturationAction = 1
+	SaturationAction_SATURATION_ACTION_REJECT      SaturationAction = 2
+)
+
+// Enum value maps for SaturationAction.
+var (
+	SaturationAction_name = map[int32]string{
+		0: "SATURATION_ACTION_UNSPECIFIED",
+		1: "SATURATION_ACTION_QUEUE",
+		2: "SATURATION_ACTION_REJECT",
+	}
+	SaturationAction_value = map[string]int32{
+		"SATURATION_ACTION_UNSPECIFIED": 0,
+		"SATURATION_ACTION_QUEUE":       1,
+		"SATURATION_ACTION_REJECT":      2,
+	}
+)
+
+func (x SaturationAction) Enum() *SaturationAction {
+	p := new(SaturationAction)
+	*p = x
+	return p
+}
+
+func (x SaturationAction) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (SaturationAction) Descriptor() protoreflect.EnumDescriptor {
+	return file_pdx_config_v1_config_proto_enumTypes[1].Descriptor()
+}
+
+func (SaturationAction) Type() protoreflect.EnumType {
+	return &file_pdx_config_v1_config_proto_enumTypes[1]
+}
+
+func (x SaturationAction) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use SaturationAction.Descriptor instead.
+func (SaturationAction) EnumDescriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+}
+
 // Config is the top level of the pdx configuration file.
 type Config struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -460,7 +563,7 @@ type Pool struct {
 	// client's body goes to a decode endpoint, which computes the prompt
 	// itself: slower, but the request succeeds). "fallback" applies to
 	// failures before the decode is sent.
-	OnPrefillFailure string `protobuf:"bytes,11,opt,name=on_prefill_failure,json=onPrefillFailure,proto3" json:"on_prefill_failure,omitempty"`
+	OnPrefillFailure PrefillFailure `protobuf:"varint,11,opt,name=on_prefill_failure,json=onPrefillFailure,proto3,enum=pdx.config.v1.PrefillFailure" json:"on_prefill_failure,omitempty"`
 	// Passive health: an endpoint that fails this many calls in a row is left
 	// out of picking for eject_duration, then tried again. 0 or unset means 3.
 	EjectAfterFailures uint32 `protobuf:"varint,12,opt,name=eject_after_failures,json=ejectAfterFailures,proto3" json:"eject_after_failures,omitempty"`
@@ -635,11 +738,11 @@ func (x *Pool) GetPrefillAttemptTimeout() *durationpb.Duration {
 	return nil
 }
 
-func (x *Pool) GetOnPrefillFailure() string {
+func (x *Pool) GetOnPrefillFailure() PrefillFailure {
 	if x != nil {
 		return x.OnPrefillFailure
 	}
-	return ""
+	return PrefillFailure_PREFILL_FAILURE_UNSPECIFIED
 }
 
 func (x *Pool) GetEjectAfterFailures() uint32 {
@@ -959,7 +1062,7 @@ type Saturation struct {
 	// "queue" (the default) waits up to max_queue_time for an endpoint to
 	// have room, then answers 429; "reject" answers 429 at once. The 429
 	// carries retry-after.
-	Action string `protobuf:"bytes,5,opt,name=action,proto3" json:"action,omitempty"`
+	Action SaturationAction `protobuf:"varint,5,opt,name=action,proto3,enum=pdx.config.v1.SaturationAction" json:"action,omitempty"`
 	// Default: 1s; at most 1m.
 	MaxQueueTime  *durationpb.Duration `protobuf:"bytes,6,opt,name=max_queue_time,json=maxQueueTime,proto3" json:"max_queue_time,omitempty"`
 	unknownFields protoimpl.UnknownFields
@@ -1024,11 +1127,11 @@ func (x *Saturation) GetMaxInFlight() uint32 {
 	return 0
 }
 
-func (x *Saturation) GetAction() string {
+func (x *Saturation) GetAction() SaturationAction {
 	if x != nil {
 		return x.Action
 	}
-	return ""
+	return SaturationAction_SATURATION_ACTION_UNSPECIFIED
 }
 
 func (x *Saturation) GetMaxQueueTime() *durationpb.Duration {
@@ -1346,7 +1449,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
 	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\x12\x1f\n" +
 	"\vself_signed\x18\x04 \x01(\bR\n" +
-	"selfSigned\"\xf0\b\n" +
+	"selfSigned\"\x8f\t\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -1358,8 +1461,8 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x11mooncake_protocol\x18\b \x01(\tR\x10mooncakeProtocol\x12)\n" +
 	"\x10prefill_attempts\x18\t \x01(\rR\x0fprefillAttempts\x12Q\n" +
 	"\x17prefill_attempt_timeout\x18\n" +
-	" \x01(\v2\x19.google.protobuf.DurationR\x15prefillAttemptTimeout\x12,\n" +
-	"\x12on_prefill_failure\x18\v \x01(\tR\x10onPrefillFailure\x120\n" +
+	" \x01(\v2\x19.google.protobuf.DurationR\x15prefillAttemptTimeout\x12K\n" +
+	"\x12on_prefill_failure\x18\v \x01(\x0e2\x1d.pdx.config.v1.PrefillFailureR\x10onPrefillFailure\x120\n" +
 	"\x14eject_after_failures\x18\f \x01(\rR\x12ejectAfterFailures\x12@\n" +
 	"\x0eeject_duration\x18\r \x01(\v2\x19.google.protobuf.DurationR\rejectDuration\x12B\n" +
 	"\n" +
@@ -1388,15 +1491,15 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\tin_flight\x18\x04 \x01(\x01R\binFlight\"v\n" +
 	"\x0eDisaggregation\x12.\n" +
 	"\x13min_uncached_tokens\x18\x01 \x01(\rR\x11minUncachedTokens\x124\n" +
-	"\x16when_prefill_saturated\x18\x02 \x01(\bR\x14whenPrefillSaturated\"\xe1\x01\n" +
+	"\x16when_prefill_saturated\x18\x02 \x01(\bR\x14whenPrefillSaturated\"\x82\x02\n" +
 	"\n" +
 	"Saturation\x12\x1a\n" +
 	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12\x1f\n" +
 	"\vqueue_depth\x18\x02 \x01(\rR\n" +
 	"queueDepth\x12\x19\n" +
 	"\bkv_usage\x18\x03 \x01(\x01R\akvUsage\x12\"\n" +
-	"\rmax_in_flight\x18\x04 \x01(\rR\vmaxInFlight\x12\x16\n" +
-	"\x06action\x18\x05 \x01(\tR\x06action\x12?\n" +
+	"\rmax_in_flight\x18\x04 \x01(\rR\vmaxInFlight\x127\n" +
+	"\x06action\x18\x05 \x01(\x0e2\x1f.pdx.config.v1.SaturationActionR\x06action\x12?\n" +
 	"\x0emax_queue_time\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\fmaxQueueTime\"\x99\x04\n" +
 	"\x13KubernetesDiscovery\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
@@ -1424,7 +1527,15 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x0ebootstrap_port\x18\x02 \x01(\rR\rbootstrapPort\x12\x1d\n" +
 	"\n" +
 	"kv_address\x18\x03 \x01(\tR\tkvAddress\x12\x17\n" +
-	"\adp_size\x18\x04 \x01(\rR\x06dpSizeB6Z4github.com/pdx-router/pdx/api/pdx/config/v1;configv1b\x06proto3"
+	"\adp_size\x18\x04 \x01(\rR\x06dpSize*i\n" +
+	"\x0ePrefillFailure\x12\x1f\n" +
+	"\x1bPREFILL_FAILURE_UNSPECIFIED\x10\x00\x12\x18\n" +
+	"\x14PREFILL_FAILURE_FAIL\x10\x01\x12\x1c\n" +
+	"\x18PREFILL_FAILURE_FALLBACK\x10\x02*p\n" +
+	"\x10SaturationAction\x12!\n" +
+	"\x1dSATURATION_ACTION_UNSPECIFIED\x10\x00\x12\x1b\n" +
+	"\x17SATURATION_ACTION_QUEUE\x10\x01\x12\x1c\n" +
+	"\x18SATURATION_ACTION_REJECT\x10\x02B6Z4github.com/pdx-router/pdx/api/pdx/config/v1;configv1b\x06proto3"
 
 var (
 	file_pdx_config_v1_config_proto_rawDescOnce sync.Once
@@ -1438,48 +1549,53 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 	return file_pdx_config_v1_config_proto_rawDescData
 }
 
+var file_pdx_config_v1_config_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
 var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_pdx_config_v1_config_proto_goTypes = []any{
-	(*Config)(nil),              // 0: pdx.config.v1.Config
-	(*Xds)(nil),                 // 1: pdx.config.v1.Xds
-	(*EngineMetrics)(nil),       // 2: pdx.config.v1.EngineMetrics
-	(*TLS)(nil),                 // 3: pdx.config.v1.TLS
-	(*Pool)(nil),                // 4: pdx.config.v1.Pool
-	(*Picker)(nil),              // 5: pdx.config.v1.Picker
-	(*Weights)(nil),             // 6: pdx.config.v1.Weights
-	(*Disaggregation)(nil),      // 7: pdx.config.v1.Disaggregation
-	(*Saturation)(nil),          // 8: pdx.config.v1.Saturation
-	(*KubernetesDiscovery)(nil), // 9: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),            // 10: pdx.config.v1.Endpoint
-	nil,                         // 11: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil), // 12: google.protobuf.Duration
+	(PrefillFailure)(0),         // 0: pdx.config.v1.PrefillFailure
+	(SaturationAction)(0),       // 1: pdx.config.v1.SaturationAction
+	(*Config)(nil),              // 2: pdx.config.v1.Config
+	(*Xds)(nil),                 // 3: pdx.config.v1.Xds
+	(*EngineMetrics)(nil),       // 4: pdx.config.v1.EngineMetrics
+	(*TLS)(nil),                 // 5: pdx.config.v1.TLS
+	(*Pool)(nil),                // 6: pdx.config.v1.Pool
+	(*Picker)(nil),              // 7: pdx.config.v1.Picker
+	(*Weights)(nil),             // 8: pdx.config.v1.Weights
+	(*Disaggregation)(nil),      // 9: pdx.config.v1.Disaggregation
+	(*Saturation)(nil),          // 10: pdx.config.v1.Saturation
+	(*KubernetesDiscovery)(nil), // 11: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),            // 12: pdx.config.v1.Endpoint
+	nil,                         // 13: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil), // 14: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
-	4,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
-	3,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	12, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
-	2,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
-	1,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
-	12, // 5: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	12, // 6: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	10, // 7: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	10, // 8: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	12, // 9: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	12, // 10: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	12, // 11: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	9,  // 12: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	5,  // 13: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	5,  // 14: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	7,  // 15: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	8,  // 16: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
-	6,  // 17: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	12, // 18: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	11, // 19: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	20, // [20:20] is the sub-list for method output_type
-	20, // [20:20] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	6,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
+	5,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
+	14, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	4,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
+	3,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
+	14, // 5: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	14, // 6: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	12, // 7: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	12, // 8: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	14, // 9: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	14, // 10: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	0,  // 11: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
+	14, // 12: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	11, // 13: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	7,  // 14: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	7,  // 15: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	9,  // 16: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	10, // 17: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	8,  // 18: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	1,  // 19: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
+	14, // 20: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	13, // 21: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	22, // [22:22] is the sub-list for method output_type
+	22, // [22:22] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -1492,13 +1608,14 @@ func file_pdx_config_v1_config_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
-			NumEnums:      0,
+			NumEnums:      2,
 			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
 		GoTypes:           file_pdx_config_v1_config_proto_goTypes,
 		DependencyIndexes: file_pdx_config_v1_config_proto_depIdxs,
+		EnumInfos:         file_pdx_config_v1_config_proto_enumTypes,
 		MessageInfos:      file_pdx_config_v1_config_proto_msgTypes,
 	}.Build()
 	File_pdx_config_v1_config_proto = out.File
