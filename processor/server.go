@@ -149,58 +149,19 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 	var drained <-chan struct{} // the server's draining, once holding
 	deadline := bodyDeadline{}
 	defer deadline.stop()
-	msg := first
+	ev := event{recv: recvResult{msg: first}, received: true}
 	for {
-		var resp *extprocv3.ProcessingResponse
-		if msg == nil {
-			ev := nextEvent(ctx, req, received, &deadline, drained)
-			switch {
-			case ev.received && ev.recv.err != nil:
-				if holding {
-					return nil
-				}
-				return streamErr(ctx, ev.recv.err)
-			case ev.received:
-				msg = ev.recv.msg
-			case ev.prefilled:
-				resp = req.prefillDone(ctx, ev.prefillErr)
-			case ev.expired:
-				// Envoy keeps the stream open for as long as the client
-				// trickles: pdx answers, and Envoy then ends the stream.
-				err := fmt.Errorf("%w: the request body did not arrive within %s", errBodyTimeout, deadline.timeout)
-				_ = stream.Send(req.fail(ctx, err))
-				return nil
-			default:
-				return nil // drained, or the stream is over (receive may have left quietly)
-			}
-		}
-		if msg != nil {
-			if holding {
-				// Only the routed request's response phases are left.
-				req.obs.message(msg)
-				var err error
-				if resp, err = req.dispatch(ctx, msg); err != nil {
-					return nil // not a message of a routed request: leave it to Envoy
-				}
-			} else {
-				resp = req.handle(ctx, msg)
-			}
-			msg = nil
+		resp, end, err := react(ctx, stream, req, ev, holding, deadline.timeout)
+		if end {
+			return err
 		}
 		if resp != nil {
-			if err := stream.Send(resp); err != nil {
+			if err := send(stream, req, resp); err != nil {
 				if holding {
 					return nil
 				}
 				return streamErr(ctx, err)
 			}
-			// A FULL_DUPLEX_STREAMED body follows the answer to its headers.
-			for _, more := range req.takeQueued() {
-				if err := stream.Send(more); err != nil {
-					return streamErr(ctx, err)
-				}
-			}
-			req.sent()
 		}
 		if !holding && req.finished() {
 			// Nothing more is asked of pdx. The decode count may move to
@@ -216,7 +177,52 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 			req.body = streamedBody{}
 		}
 		deadline.follow(req)
+		ev = nextEvent(ctx, req, received, &deadline, drained)
 	}
+}
+
+// react answers one event; end reports that the stream is over for pdx,
+// err what Process returns then. While holding, only the routed request's
+// response phases are left, and anything else is left to Envoy.
+func react(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, req *request, ev event, holding bool, bodyTimeout time.Duration) (resp *extprocv3.ProcessingResponse, end bool, err error) {
+	switch {
+	case ev.received && ev.recv.err != nil:
+		if holding {
+			return nil, true, nil
+		}
+		return nil, true, streamErr(ctx, ev.recv.err)
+	case ev.received && holding:
+		req.obs.message(ev.recv.msg)
+		resp, err := req.dispatch(ctx, ev.recv.msg)
+		return resp, err != nil, nil
+	case ev.received:
+		return req.handle(ctx, ev.recv.msg), false, nil
+	case ev.prefilled:
+		return req.prefillDone(ctx, ev.prefillErr), false, nil
+	case ev.expired:
+		// Envoy keeps the stream open for as long as the client trickles:
+		// pdx answers, and Envoy then ends the stream.
+		err := fmt.Errorf("%w: the request body did not arrive within %s", errBodyTimeout, bodyTimeout)
+		_ = stream.Send(req.fail(ctx, err))
+	}
+	// The body timed out, the server drains, or the stream is over
+	// (receive may have left quietly).
+	return nil, true, nil
+}
+
+// send sends resp and the answers queued behind it: a
+// FULL_DUPLEX_STREAMED body follows the answer to its headers.
+func send(stream extprocv3.ExternalProcessor_ProcessServer, req *request, resp *extprocv3.ProcessingResponse) error {
+	if err := stream.Send(resp); err != nil {
+		return err
+	}
+	for _, more := range req.takeQueued() {
+		if err := stream.Send(more); err != nil {
+			return err
+		}
+	}
+	req.sent()
+	return nil
 }
 
 // event is what serve takes next: a message from Envoy (or the stream's
