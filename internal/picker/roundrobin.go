@@ -83,8 +83,8 @@ func (r *RoundRobin) Pick(req Request) (endpoint.Endpoint, bool) {
 var _ Successor = (*RoundRobin)(nil)
 
 // Next implements [Successor]: the first admitted endpoint after the last
-// one req tried, in the Set's order, that req has not tried; the
-// cool-down that ends first when all are ejected.
+// one req tried, in the Set's order, that req may use (untried, in its
+// subset); the cool-down that ends first when all are ejected.
 func (r *RoundRobin) Next(req Request) (endpoint.Endpoint, bool) {
 	v := r.set.view.Load()
 	members, _, ok := v.candidates(req.Group)
@@ -105,7 +105,7 @@ func (r *RoundRobin) Next(req Request) (endpoint.Endpoint, bool) {
 	now := r.set.clock()
 	for k := range n {
 		i := position(members, (start+k)%n)
-		if !tried(v.endpoints[i], req.Tried) && now.usable(v.states[i]) {
+		if !req.skips(v.endpoints[i]) && now.usable(v.states[i]) {
 			return v.endpoints[i], true
 		}
 	}
