@@ -21,6 +21,7 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -122,7 +123,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 	req := newRequest(s.table.Load(), s.env, s.log, &s.bg, start, newRecorder(s.metrics, s.tracer, start))
 	req.observed = s.observed.Load()
 	defer req.close()
-	defer req.decode.end()
+	defer req.decode.End(picker.Released)
 	// While a concurrent prefill runs, pdx must hear both Envoy and the
 	// prefill, so Recv moves to a goroutine; other requests never pay for it.
 	var received chan recvResult
@@ -182,7 +183,7 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 			// decode endpoint that served (served.go); the deferred end
 			// ends it. The request's record waits for the response's end
 			// when Envoy sends pdx the response.
-			hold := req.decode.set != nil && !req.table.Limits().EndStreamsAtRouting
+			hold := req.decode.Open() && !req.table.Limits().EndStreamsAtRouting
 			if !hold || !req.observesResponse() {
 				req.close()
 			}
