@@ -127,6 +127,7 @@ func run(t *testing.T, table *routing.Table, eng connectors.Engine, msgs ...*ext
 	close(stream.in)
 	srv := New(table, eng, slog.New(slog.DiscardHandler))
 	require.NoError(t, srv.Process(stream))
+	requireLegsEnded(t, table)
 	close(stream.out)
 	var out []*extprocv3.ProcessingResponse
 	for r := range stream.out {
@@ -137,7 +138,8 @@ func run(t *testing.T, table *routing.Table, eng connectors.Engine, msgs ...*ext
 
 // requireLegsEnded checks that no request is counted on any endpoint or
 // rank of any leg of the table's pools: a stream that has ended has ended
-// every lease it took, whatever its way out.
+// every lease it took, whatever its way out. The test helpers that run a
+// stream call it.
 func requireLegsEnded(t *testing.T, table *routing.Table) {
 	t.Helper()
 	for _, pool := range table.Pools() {
