@@ -52,7 +52,8 @@ type Request struct {
 type Policy interface {
 	// Choose returns the index of a usable candidate (c.Usable), or -1 when
 	// it finds none; the Set then falls back on an unusable one (panic
-	// mode). An index that is not usable counts as -1.
+	// mode). For an index that is not usable the Set takes the first
+	// usable candidate, so that a policy's bug cannot break the rules.
 	Choose(c *Candidates) int
 }
 

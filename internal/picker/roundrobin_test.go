@@ -436,6 +436,7 @@ func BenchmarkPick(b *testing.B) {
 				rr.Report(ep, false)
 			}
 			b.ReportAllocs()
+			b.ResetTimer() // the Set's prefix index is made above
 			b.RunParallel(func(pb *testing.PB) {
 				for pb.Next() {
 					rr.Pick(bc.exclude...)
@@ -458,6 +459,7 @@ func BenchmarkPickEnd(b *testing.B) {
 		b.Run(bc.name, func(b *testing.B) {
 			rr := newRR(abc, Options{CoolDown: time.Millisecond})
 			b.ReportAllocs()
+			b.ResetTimer() // the Set's prefix index is made above
 			b.RunParallel(func(pb *testing.PB) {
 				i := 0
 				for pb.Next() {
