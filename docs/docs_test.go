@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/picker"
 )
 
 // pages are the markdown files checked, relative to this directory.
@@ -201,6 +202,18 @@ func TestConfigFieldsDocumented(t *testing.T) {
 	slices.Sort(missing)
 	require.Empty(t, missing, "config fields that %s do not name (in backticks, alone or in a field path):\n%s",
 		strings.Join(configPages, " and "), strings.Join(missing, "\n"))
+}
+
+// TestPoliciesDocumented: the placement page and the config reference
+// name every registered picking policy, in backticks.
+func TestPoliciesDocumented(t *testing.T) {
+	require.NotEmpty(t, picker.Policies())
+	for _, page := range []string{"placement.md", "configuration.md"} {
+		text := prose(t, page)
+		for _, name := range picker.Policies() {
+			require.Contains(t, text, "`"+name+"`", "%s does not name policy %s", page, name)
+		}
+	}
 }
 
 // TestFolderMapMatchesTree checks that the architecture page's folder map

@@ -67,6 +67,7 @@ func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurr
 	t.Cleanup(func() {
 		cancel()
 		require.NoError(t, <-done)
+		requireLegsEnded(t, table)
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		defer cancel()
 		require.NoError(t, srv.Wait(ctx))

@@ -106,18 +106,3 @@ func TestDPRankNotNamedWithoutPrefill(t *testing.T) {
 	require.NoError(t, <-done)
 	requireLegsEnded(t, table)
 }
-
-// requireLegsEnded checks that no request is counted on any endpoint or
-// rank of the table's pool.
-func requireLegsEnded(t *testing.T, table *routing.Table) {
-	t.Helper()
-	pool, _ := table.Lookup("m")
-	for _, leg := range []*routing.Leg{&pool.Prefill, &pool.Decode} {
-		for _, ep := range leg.Set.Endpoints() {
-			require.Zero(t, leg.Set.InFlight(ep), "every stream ended its legs")
-			for r := range ep.DPSize {
-				require.Zero(t, leg.Set.RankInFlight(ep, r), "every stream released its rank %d", r)
-			}
-		}
-	}
-}

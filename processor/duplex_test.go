@@ -52,6 +52,7 @@ func runMany(t *testing.T, table *routing.Table, eng connectors.Engine, msgs ...
 	}
 	close(stream.in)
 	require.NoError(t, New(table, eng, slog.New(slog.DiscardHandler)).Process(stream))
+	requireLegsEnded(t, table)
 	close(stream.out)
 	var out []*extprocv3.ProcessingResponse
 	for r := range stream.out {

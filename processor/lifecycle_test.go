@@ -200,8 +200,8 @@ func TestAnsweredByThePrefill(t *testing.T) {
 }
 
 // roundRobin is a leg picking among eps in turn.
-func roundRobin(eps ...endpoint.Endpoint) routing.Leg {
-	l, err := routing.NewLeg(picker.RoundRobinPolicy, picker.Params{}, eps, picker.Options{})
+func roundRobin(eps ...endpoint.Endpoint) picker.Leg {
+	l, err := picker.NewLeg(picker.NewSet(eps, picker.Options{}), &configv1.Picker{Policy: picker.RoundRobinPolicy}, picker.RoleDecode)
 	if err != nil {
 		panic(err)
 	}

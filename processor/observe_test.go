@@ -32,6 +32,7 @@ func runOn(t *testing.T, srv *Server, msgs ...*extprocv3.ProcessingRequest) []*e
 	}
 	close(stream.in)
 	require.NoError(t, srv.Process(stream))
+	requireLegsEnded(t, srv.Table())
 	close(stream.out)
 	var out []*extprocv3.ProcessingResponse
 	for r := range stream.out {

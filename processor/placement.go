@@ -2,6 +2,7 @@ package processor
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"time"
 
@@ -19,47 +20,6 @@ const (
 	reasonShort            = "short_uncached"
 	reasonPrefillSaturated = "prefill_saturated"
 )
-
-// inFlight is a request counted on an endpoint of a leg (picker.Set.Begin)
-// until end, and on the DP rank it was given there (beginRank), if any.
-type inFlight struct {
-	set    *picker.Set
-	ep     endpoint.Endpoint
-	tokens int
-	rank   endpoint.Rank
-}
-
-func (f *inFlight) begin(set *picker.Set, ep endpoint.Endpoint, blocks []uint64, tokens int) {
-	f.end()
-	set.Begin(ep, blocks, tokens)
-	f.set, f.ep, f.tokens = set, ep, tokens
-}
-
-// beginRank picks the DP rank of the endpoint begin counted the request
-// on, for engines that serve several (none otherwise), and counts it there
-// until end: the leg's Set spreads its requests over the ranks.
-func (f *inFlight) beginRank() endpoint.Rank {
-	f.rank = f.set.BeginRank(f.ep)
-	return f.rank
-}
-
-// endRank ends the count on the rank alone: the request goes to the
-// endpoint without naming one, and the engine places it itself.
-func (f *inFlight) endRank() {
-	if f.set != nil {
-		f.set.EndRank(f.ep, f.rank)
-	}
-	f.rank = endpoint.Rank{}
-}
-
-// end ends the count, if any; it may be called more than once.
-func (f *inFlight) end() {
-	if f.set != nil {
-		f.set.EndRank(f.ep, f.rank)
-		f.set.End(f.ep, f.tokens)
-		f.set, f.rank = nil, endpoint.Rank{}
-	}
-}
 
 // named notes the decode endpoints a request names: first, pdx's pick,
 // then the pool's fallbacks for it.
@@ -91,23 +51,20 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	if err := r.awaitRoom(ctx, pool, pool.Decode.Set, "", "decode"); err != nil {
 		return "", err
 	}
-	ep, err := pool.PickDecode(r.pick())
+	lease, err := pool.PickDecode(r.pick())
 	if err != nil {
 		return "", err
 	}
+	r.decode = lease
+	ep := lease.Endpoint()
 	creq.Decode = ep
-	// What the decode engine holds before this request adds to it.
-	cached := 0
-	if pool.Decider.MinUncachedTokens > 0 {
-		cached = pool.Decode.Set.Matched(ep, r.blocks) * pool.BlockTokens
-	}
-	r.decode.begin(pool.Decode.Set, ep, r.blocks, r.tokens)
 	r.named(pool, ep)
-	creq.DecodeRank = r.decode.beginRank()
+	creq.DecodeRank = r.decode.Rank()
 	if !pool.Traits.Prefills {
 		return "", nil
 	}
-	if d := pool.Decider; d.MinUncachedTokens > 0 && r.tokens-cached < d.MinUncachedTokens {
+	// Cached is what the decode engine held before this request added to it.
+	if d := pool.Decider; d.MinUncachedTokens > 0 && r.tokens-r.decode.Cached() < d.MinUncachedTokens {
 		return reasonShort, nil
 	}
 	if pool.Prefill.Set.Saturated(ep.Group) {
@@ -126,35 +83,19 @@ func (r *request) pick() picker.Request {
 	return picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset}
 }
 
-// roomPoll is how often a request waiting for a saturated leg looks again:
-// in-flight counts change at once, engines' metrics every scrape.
-const roomPoll = 10 * time.Millisecond
-
 // awaitRoom waits until some endpoint of set (in group) is not saturated,
 // for up to the pool's queueing time, and fails with 429 if none is by
 // then. It returns at once when saturation is off or the leg has room.
 func (r *request) awaitRoom(ctx context.Context, pool *routing.Pool, set *picker.Set, group, leg string) error {
 	shed := pool.Saturated
-	if shed == nil || !set.Saturated(group) {
+	if shed == nil {
 		return nil
 	}
-	if shed.MaxWait > 0 {
-		deadline := time.NewTimer(shed.MaxWait)
-		defer deadline.Stop()
-		tick := time.NewTicker(roomPoll)
-		defer tick.Stop()
-		for set.Saturated(group) {
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-deadline.C:
-				return overloaded(pool, leg, shed.MaxWait)
-			case <-tick.C:
-			}
-		}
-		return nil
+	err := set.AwaitRoom(ctx, group, shed.MaxWait)
+	if errors.Is(err, picker.ErrSaturated) {
+		return overloaded(pool, leg, shed.MaxWait)
 	}
-	return overloaded(pool, leg, 0)
+	return err
 }
 
 // overloaded is the 429 of a request shed because every endpoint of a leg

@@ -14,6 +14,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -41,7 +42,7 @@ type prefillRun struct {
 	// has the decode and its prefill is over (see stop).
 	prepared *prepared
 	// counted is the attempt running on a prefill endpoint.
-	counted inFlight
+	counted picker.Lease
 	// answeredAt is when an attempt last succeeded: the hand-off starts
 	// there.
 	answeredAt time.Time
@@ -79,18 +80,21 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	var last error       // decides the client's status
 	var earlier []string // for the message
 	for n := range pool.Attempts {
-		ep, err := pool.PickPrefill(creq.Decode, r.pick(), tried...)
+		lease, err := pool.PickPrefill(creq.Decode, r.pick(), tried...)
 		if err != nil {
 			if last == nil {
 				last = err // no attempt: say why (e.g. the decode's group has no prefill)
 			}
 			break // every endpoint the decode pairs with has been tried
 		}
+		pf.counted = lease
 		if n > 0 {
 			if sleep(pf.ctx, retryBackoff(n)) != nil {
+				pf.counted.End(picker.Released)
 				break
 			}
 		}
+		ep := lease.Endpoint()
 		tried = append(tried, ep)
 		creq.Prefill = ep
 		decode, err := r.attempt(ctx, pool, creq)
@@ -125,23 +129,18 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	return connectors.Decode{}, withEarlier(last, earlier)
 }
 
-// attempt is one prefill on creq.Prefill. Its outcome feeds the endpoint's
-// passive health; that of a concurrent prefill still running is reported
-// when it arrives (prefillDone).
+// attempt is one prefill on creq.Prefill, whose lease is r.prefill.counted.
+// Its outcome feeds the endpoint's passive health; that of a concurrent
+// prefill still running is reported when it arrives (prefillDone).
 func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
-	// What the engine is to compute: the prompt but what it has cached.
-	uncached := r.tokens - pool.Prefill.Set.Matched(creq.Prefill, r.blocks)*r.blockTokens
-	r.prefill.counted.begin(pool.Prefill.Set, creq.Prefill, r.blocks, max(uncached, 0))
-	creq.PrefillRank = r.prefill.counted.beginRank()
+	creq.PrefillRank = r.prefill.counted.Rank()
 	if pool.Traits.Concurrent {
 		decode, err := pool.Connector.Prepare(r.obs.attemptStarted(r.prefill.ctx, pool, creq.Prefill), r.env, creq)
 		if err != nil || decode.Prefill == nil {
-			r.prefill.counted.end()
 			r.report(ctx, pool, creq.Prefill, err)
 		}
 		return decode, err
 	}
-	defer r.prefill.counted.end()
 	actx, cancel := context.WithTimeoutCause(r.prefill.ctx, pool.AttemptTimeout, errAttemptTimeout)
 	defer cancel()
 	decode, err := pool.Connector.Prepare(r.obs.attemptStarted(actx, pool, creq.Prefill), r.env, creq)
@@ -152,23 +151,23 @@ func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connect
 	return decode, err
 }
 
-// report tells the pool's prefill leg whether ep served the prefill. Only
-// the endpoint's faults count: a request the engine rejected, or a client
-// that went away, says nothing about the endpoint. The record has every
-// outcome.
+// report ends the attempt's lease on ep with whether ep served the
+// prefill, for the pool's prefill leg to hear. Only the endpoint's faults
+// count: a request the engine rejected, or a client that went away, says
+// nothing about the endpoint. The record has every outcome.
 func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.Endpoint, err error) {
-	result := metrics.ResultOK
+	result, outcome := metrics.ResultOK, picker.Succeeded
 	if err != nil {
-		result = toAPIError(r.prefillErr(pool, ep, err)).code
+		result, outcome = toAPIError(r.prefillErr(pool, ep, err)).code, picker.Released
+		if ctx.Err() == nil && endpointFault(err) {
+			outcome = picker.Failed
+		}
 	} else {
 		r.prefill.answeredAt = time.Now()
 	}
 	r.obs.attemptEnded(pool, ep, result, err)
-	if err != nil && (ctx.Err() != nil || !endpointFault(err)) {
-		return
-	}
-	pool.Prefill.Report(ep, err == nil)
-	if err != nil && !pool.Prefill.Set.Healthy(ep) {
+	r.prefill.counted.End(outcome)
+	if outcome == picker.Failed && !pool.Prefill.Set.Healthy(ep) {
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill endpoint ejected", slog.String("pool", pool.Name), slog.String("endpoint", ep.Address))
 	}
 }
@@ -182,7 +181,6 @@ func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.En
 func (r *request) prefillDone(ctx context.Context, err error) *extprocv3.ProcessingResponse {
 	pf := &r.prefill
 	pf.cancel()
-	pf.counted.end()
 	r.report(ctx, pf.pool, pf.on, err)
 	if err != nil {
 		r.release("the prefill failed after its decode was sent")
@@ -208,7 +206,7 @@ func (pf *prefillRun) stop(r *request) {
 	if pf.cancel != nil {
 		pf.cancel()
 	}
-	pf.counted.end()
+	pf.counted.End(picker.Released)
 	if pf.prepared != nil {
 		r.release("the request ended before its decode")
 	}

@@ -130,12 +130,31 @@ func run(t *testing.T, table *routing.Table, eng connectors.Engine, msgs ...*ext
 	close(stream.in)
 	srv := New(table, eng, slog.New(slog.DiscardHandler))
 	require.NoError(t, srv.Process(stream))
+	requireLegsEnded(t, table)
 	close(stream.out)
 	var out []*extprocv3.ProcessingResponse
 	for r := range stream.out {
 		out = append(out, r)
 	}
 	return out
+}
+
+// requireLegsEnded checks that no request is counted on any endpoint or
+// rank of any leg of the table's pools: a stream that has ended has ended
+// every lease it took, whatever its way out. The test helpers that run a
+// stream call it.
+func requireLegsEnded(t *testing.T, table *routing.Table) {
+	t.Helper()
+	for _, pool := range table.Pools() {
+		for _, leg := range []*picker.Leg{&pool.Prefill, &pool.Decode} {
+			for _, ep := range leg.Endpoints() {
+				require.Zero(t, leg.InFlight(ep), "pool %s: every stream ended its lease on %s", pool.Name, ep.Address)
+				for r := range ep.DPSize {
+					require.Zero(t, leg.RankInFlight(ep, r), "pool %s: every stream released rank %d of %s", pool.Name, r, ep.Address)
+				}
+			}
+		}
+	}
 }
 
 func setHeaders(m *extprocv3.HeaderMutation) map[string]string {

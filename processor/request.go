@@ -11,6 +11,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -57,7 +58,7 @@ type request struct {
 	blockTokens, tokens int
 	// decode counts the request on its decode endpoint until its stream
 	// ends: Envoy ends it when the response is over.
-	decode inFlight
+	decode picker.Lease
 	// decodes are the decode endpoints pdx named, its pick first and then
 	// the ones Envoy may retry on (the pool's decode_fallbacks); decodePool
 	// is their pool. The decode that served is told by Envoy with the

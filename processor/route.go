@@ -216,7 +216,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 	default:
 		// The decode engine computes the prompt, as after a failed prefill.
 		decode = connectors.Decode{Body: connectors.Plain(body)}
-		r.decode.endRank() // a plain body names no rank
+		r.decode.DropRank() // a plain body names no rank
 	}
 	r.obs.decided(pool, reason)
 	switch {
@@ -226,7 +226,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
 			slog.String("pool", pool.Name), slog.String("error", err.Error()))
 		decode = connectors.Decode{Body: connectors.Plain(body)}
-		r.decode.endRank() // a plain body names no rank
+		r.decode.DropRank() // a plain body names no rank
 		r.fallback = true
 	case err != nil:
 		return decision{}, nil, err
@@ -259,14 +259,14 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 // at its headers.
 func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse, error) {
 	r.obs.pool(pool)
-	decode, err := pool.PickDecode(picker.Request{Subset: r.subset})
+	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true})
 	if err != nil {
 		return nil, err
 	}
-	r.decode.begin(pool.Decode.Set, decode, nil, 0)
-	r.named(pool, decode)
+	r.decode = lease
+	r.named(pool, lease.Endpoint())
 	r.enter(statePassThrough)
-	return r.answer(decision{decode: decode, atHeaders: true}), nil
+	return r.answer(decision{decode: lease.Endpoint(), atHeaders: true}), nil
 }
 
 // passBody decides where a request on a pass-through path goes once its
@@ -295,13 +295,13 @@ func (r *request) passBody(raw []byte) (decision, error) {
 			msg: fmt.Sprintf("no API at %s for model %q", r.path, model)}
 	}
 	r.obs.pool(pool)
-	decode, err := pool.PickDecode(picker.Request{Subset: r.subset})
+	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true})
 	if err != nil {
 		return decision{}, err
 	}
-	r.decode.begin(pool.Decode.Set, decode, nil, 0)
-	r.named(pool, decode)
-	return decision{decode: decode, body: body, unchanged: bytes.Equal(body, raw)}, nil
+	r.decode = lease
+	r.named(pool, lease.Endpoint())
+	return decision{decode: lease.Endpoint(), body: body, unchanged: bytes.Equal(body, raw)}, nil
 }
 
 // models answers GET /v1/models with the models the pools serve.

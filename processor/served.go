@@ -51,7 +51,7 @@ func (r *request) served(ctx context.Context, msg *extprocv3.ProcessingRequest) 
 		pool.Decode.Report(ep, false)
 	}
 	if at > 0 {
-		r.decode.begin(pool.Decode.Set, r.decodes[at], r.blocks, r.tokens)
+		r.decode.Move(r.decodes[at])
 	}
 	if status >= 500 {
 		// Every attempt failed; Envoy passes on the last one's error.

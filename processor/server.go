@@ -21,6 +21,7 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -143,7 +144,7 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 		if !closed {
 			req.close()
 		}
-		req.decode.end()
+		req.decode.End(picker.Released)
 	}()
 	holding := false
 	var drained <-chan struct{} // the server's draining, once holding
@@ -166,7 +167,7 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 		if !holding && req.finished() {
 			// Nothing more is asked of pdx. The decode count may move to
 			// the decode endpoint that served (served.go).
-			if req.decode.set == nil || req.table.Limits().EndStreamsAtRouting {
+			if !req.decode.Open() || req.table.Limits().EndStreamsAtRouting {
 				return nil
 			}
 			if !req.observesResponse() {

@@ -8,8 +8,9 @@
 // "pools[0].decode[1].address", and all problems are reported at once.
 //
 // What a connector reads of a pool, and what it needs there, its spec in
-// package connectors says (connectors.Lookup); this package checks the
-// generic fields and calls the spec for the rest.
+// package connectors says (connectors.Lookup); what a picking policy reads
+// of its leg's picker, its spec in package picker (picker.Lookup). This
+// package checks the generic fields and calls the specs for the rest.
 package config
 
 import (
@@ -215,7 +216,8 @@ func applyDefaults(cfg *configv1.Config) {
 	}
 }
 
-// pickerDefaults fills in a leg's picking policy.
+// pickerDefaults fills in a leg's picking policy, and the policy's own
+// fields as its spec says.
 func pickerDefaults(p *configv1.Picker, role picker.Role) *configv1.Picker {
 	if p == nil {
 		p = &configv1.Picker{}
@@ -223,12 +225,8 @@ func pickerDefaults(p *configv1.Picker, role picker.Role) *configv1.Picker {
 	if p.Policy == "" {
 		p.Policy = picker.DefaultPolicy(role)
 	}
-	if p.Policy == picker.LoadAwarePolicy && p.Weights == nil {
-		w := picker.DefaultWeights(role)
-		p.Weights = &configv1.Weights{Prefix: w.Prefix, Queue: w.Queue, KvUsage: w.KVUsage, InFlight: w.InFlight}
-	}
-	if p.Policy == picker.PrefixAffinityPolicy && p.LoadFactor == 0 {
-		p.LoadFactor = picker.DefaultLoadFactor
+	if spec, err := picker.Lookup(p.Policy); err == nil && spec.Defaults != nil {
+		spec.Defaults(p, role)
 	}
 	return p
 }

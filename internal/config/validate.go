@@ -166,7 +166,9 @@ func (v *validator) connector(path string, p *configv1.Pool) (connectors.Spec, b
 	return spec, true
 }
 
-// pickers checks the legs' picking policies.
+// pickers checks the legs' picking policies: known, their own fields set
+// only on the legs of policies that read them, and then as the policy's
+// own validation says.
 func (v *validator) pickers(path string, p *configv1.Pool, traits connectors.Traits) {
 	if p.GetPrefillPicker() != nil && !traits.Prefills {
 		v.fail(path+".prefill_picker", "not valid with connector %q, which has no prefill leg", p.GetConnector())
@@ -178,29 +180,30 @@ func (v *validator) pickers(path string, p *configv1.Pool, traits connectors.Tra
 		if leg.p == nil {
 			continue
 		}
-		pol := leg.p.GetPolicy()
-		if !slices.Contains(picker.Policies(), pol) {
-			v.fail(path+"."+leg.field+".policy", "unknown picking policy %q (known: %s)", pol, strings.Join(picker.Policies(), ", "))
+		lp := path + "." + leg.field
+		spec, err := picker.Lookup(leg.p.GetPolicy())
+		if err != nil {
+			v.fail(lp+".policy", "%v", err)
+			continue
 		}
-		if w := leg.p.GetWeights(); w != nil {
-			if pol != picker.LoadAwarePolicy {
-				v.fail(path+"."+leg.field+".weights", "only for policy %q", picker.LoadAwarePolicy)
+		m := leg.p.ProtoReflect()
+		fields := m.Descriptor().Fields()
+		for i := range fields.Len() {
+			name := string(fields.Get(i).Name())
+			if name == "policy" || !m.Has(fields.Get(i)) || slices.Contains(spec.Fields, name) {
+				continue
 			}
-			for _, f := range []struct {
-				name string
-				w    float64
-			}{{"prefix", w.GetPrefix()}, {"queue", w.GetQueue()}, {"kv_usage", w.GetKvUsage()}, {"in_flight", w.GetInFlight()}} {
-				if f.w < 0 || f.w > 100 {
-					v.fail(path+"."+leg.field+".weights."+f.name, "%v is not in [0, 100]", f.w)
-				}
+			switch names := quoted(picker.Claimants(name)); len(names) {
+			case 0:
+				v.fail(lp+"."+name, "read by no picking policy")
+			case 1:
+				v.fail(lp+"."+name, "only for policy %s", names[0])
+			default:
+				v.fail(lp+"."+name, "only for policies %s", strings.Join(names, ", "))
 			}
 		}
-		if lf := leg.p.GetLoadFactor(); lf != 0 && (pol != picker.PrefixAffinityPolicy || lf <= 1 || lf > 100) {
-			if pol != picker.PrefixAffinityPolicy {
-				v.fail(path+"."+leg.field+".load_factor", "only for policy %q", picker.PrefixAffinityPolicy)
-			} else {
-				v.fail(path+"."+leg.field+".load_factor", "%v is not in (1, 100]", lf)
-			}
+		if spec.Validate != nil {
+			v.errs = append(v.errs, spec.Validate(leg.p, lp)...)
 		}
 	}
 }

@@ -231,14 +231,18 @@ func (h *harness) requirePicks(prefill, decode []string) {
 	}
 	var picked []string
 	for range decode {
-		d, err := h.pool.PickDecode(picker.Request{})
+		lease, err := h.pool.PickDecode(picker.Request{})
 		require.NoError(h.t, err)
+		lease.End(picker.Released)
+		d := lease.Endpoint()
 		picked = append(picked, show([]endpoint.Endpoint{d})...)
 		if len(prefill) == 0 {
 			continue // connector none
 		}
-		p, err := h.pool.PickPrefill(d, picker.Request{})
+		lease, err = h.pool.PickPrefill(d, picker.Request{})
 		require.NoError(h.t, err)
+		lease.End(picker.Released)
+		p := lease.Endpoint()
 		require.Contains(h.t, prefill, show([]endpoint.Endpoint{p})[0])
 		require.Equal(h.t, d.Group, p.Group, "paired within the group")
 	}
@@ -510,7 +514,8 @@ func TestGroupPairing(t *testing.T) {
 	for range 4 {
 		p, err := h.pool.PickPrefill(endpoint.Endpoint{Address: "10.0.2.11:8000", Group: "g2"}, picker.Request{})
 		require.NoError(t, err)
-		require.Equal(t, "10.0.2.1:8000", p.Address)
+		p.End(picker.Released)
+		require.Equal(t, "10.0.2.1:8000", p.Endpoint().Address)
 	}
 
 	// A pod moving to another group moves its pairing.

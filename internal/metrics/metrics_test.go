@@ -9,6 +9,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
@@ -282,8 +283,8 @@ func BenchmarkRecordRouted(b *testing.B) {
 }
 
 // roundRobin is a leg picking among eps in turn.
-func roundRobin(eps ...endpoint.Endpoint) routing.Leg {
-	l, err := routing.NewLeg(picker.RoundRobinPolicy, picker.Params{}, eps, picker.Options{})
+func roundRobin(eps ...endpoint.Endpoint) picker.Leg {
+	l, err := picker.NewLeg(picker.NewSet(eps, picker.Options{}), &configv1.Picker{Policy: picker.RoundRobinPolicy}, picker.RoleDecode)
 	if err != nil {
 		panic(err)
 	}

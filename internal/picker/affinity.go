@@ -1,11 +1,12 @@
 package picker
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"sync"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 )
 
 // PrefixAffinityPolicy names PrefixAffinity in the config.
@@ -16,6 +17,25 @@ const PrefixAffinityPolicy = "prefix_affinity"
 // "Consistent Hashing with Bounded Loads", 2016, use 1+ε with ε 0.25 in
 // their experiments, as does Vimeo's deployment of it).
 const DefaultLoadFactor = 1.25
+
+func prefixAffinitySpec() Spec {
+	return Spec{
+		Name:   PrefixAffinityPolicy,
+		Fields: []string{"load_factor"},
+		Defaults: func(p *configv1.Picker, _ Role) {
+			if p.LoadFactor == 0 {
+				p.LoadFactor = DefaultLoadFactor
+			}
+		},
+		Validate: func(p *configv1.Picker, path string) []error {
+			if lf := p.GetLoadFactor(); lf <= 1 || lf > 100 {
+				return []error{fmt.Errorf("%s.load_factor: %v is not in (1, 100]", path, lf)}
+			}
+			return nil
+		},
+		New: func(p *configv1.Picker, _ Role) Policy { return newPrefixAffinity(p.GetLoadFactor()) },
+	}
+}
 
 // PrefixAffinity sends prompts that share a prefix to the same endpoint, so
 // that its prefix cache serves them, without any state shared between pdx
@@ -31,64 +51,51 @@ const DefaultLoadFactor = 1.25
 // requests by its fresh metrics (the same for every replica) or pdx's
 // in-flight count, the larger.
 type PrefixAffinity struct {
-	set        *Set
 	loadFactor float64
 	branches   branches
-	least      *LeastRequest
 }
 
-var _ Picker = (*PrefixAffinity)(nil)
+var _ Policy = (*PrefixAffinity)(nil)
 
-// NewPrefixAffinity returns a prefix affinity policy over set, bounding
-// loads by loadFactor (0 or less: DefaultLoadFactor).
-func NewPrefixAffinity(set *Set, loadFactor float64) *PrefixAffinity {
+// newPrefixAffinity returns a prefix affinity policy bounding loads by
+// loadFactor (1 or less: DefaultLoadFactor).
+func newPrefixAffinity(loadFactor float64) *PrefixAffinity {
 	if loadFactor <= 1 {
 		loadFactor = DefaultLoadFactor
 	}
-	return &PrefixAffinity{set: set, loadFactor: loadFactor, least: NewLeastRequest(set), branches: newBranches()}
+	return &PrefixAffinity{loadFactor: loadFactor, branches: newBranches()}
 }
 
-// Pick returns the first endpoint in the key's rendezvous order that is
-// usable, not tried and within the load bound.
-func (p *PrefixAffinity) Pick(req Request) (endpoint.Endpoint, bool) {
-	if len(req.Blocks) == 0 {
-		return p.least.Pick(req)
+// Choose implements [Policy]: the first usable candidate in the key's
+// rendezvous order within the load bound.
+func (p *PrefixAffinity) Choose(c *Candidates) int {
+	if len(c.blocks) == 0 {
+		return leastRequest(c)
 	}
-	v := p.set.view.Load()
-	members, _, ok := v.candidates(req.Group)
-	n := v.count(members)
-	if !ok || n == 0 {
-		return endpoint.Endpoint{}, false
-	}
-	key := p.branches.key(req.Blocks)
-	now := p.set.clock()
-	var buf [64]signal
-	signals, usable := now.looks(v, members, req, buf[:])
-	if usable == 0 {
-		return v.soonest(members, 0, req, &now)
-	}
-	total := 0
-	for k := range signals {
-		if signals[k].usable {
-			total += signals[k].queue()
+	key := p.branches.key(c.blocks)
+	n := c.Len()
+	total, usable := 0, 0
+	for k := range n {
+		if g := c.signal(k); g.usable {
+			total += g.queue()
+			usable++
 		}
+	}
+	if usable == 0 {
+		return -1
 	}
 	bound := int(math.Ceil(p.loadFactor * float64(total+1) / float64(usable)))
 	best, bestWeight := -1, uint64(0)
-	for k := range signals {
-		if g := &signals[k]; !g.usable || g.queue()+1 > bound {
+	for k := range n {
+		if g := c.signal(k); !g.usable || g.queue()+1 > bound {
 			continue
 		}
-		i := position(members, k)
-		if w := mix(key ^ v.states[i].seed); best < 0 || w > bestWeight {
-			best, bestWeight = i, w
+		if w := mix(key ^ c.seed(k)); best < 0 || w > bestWeight {
+			best, bestWeight = k, w
 		}
 	}
-	return v.endpoints[best], true
+	return best
 }
-
-// Report does nothing: loads come from Begin, End and Observe.
-func (p *PrefixAffinity) Report(endpoint.Endpoint, bool) {}
 
 // mix is SplitMix64's finalizer: a rendezvous weight from a key and an
 // endpoint's seed.

@@ -1,62 +1,41 @@
 package picker
 
-import (
-	"sync/atomic"
-
-	"github.com/pdx-router/pdx/internal/endpoint"
-)
+import configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 
 // LeastRequestPolicy names LeastRequest in the config.
 const LeastRequestPolicy = "least_request"
 
+func leastRequestSpec() Spec {
+	return Spec{
+		Name: LeastRequestPolicy,
+		New:  func(*configv1.Picker, Role) Policy { return LeastRequest{} },
+	}
+}
+
 // LeastRequest picks the endpoint with the fewest requests: pdx's own
 // in-flight count, or the engine's waiting and running requests when its
 // fresh metrics say more (they count other routers' and replicas' traffic
-// too). Ties go round: the scan starts one endpoint further each pick.
-type LeastRequest struct {
-	set *Set
-	_   [56]byte // keep next's write traffic off set's cache line
-	// next is where the next pick starts its scan.
-	next atomic.Uint64
-	_    [56]byte
-}
+// too). Ties go round: the scan starts one candidate further each pick.
+type LeastRequest struct{}
 
-var _ Picker = (*LeastRequest)(nil)
+var _ Policy = LeastRequest{}
 
-// NewLeastRequest returns a least-request policy over set.
-func NewLeastRequest(set *Set) *LeastRequest { return &LeastRequest{set: set} }
+// Choose implements [Policy]: the usable candidate with the fewest
+// requests.
+func (LeastRequest) Choose(c *Candidates) int { return leastRequest(c) }
 
-// Pick returns the usable endpoint with the fewest requests that the
-// request has not tried, falling back like RoundRobin when none is usable.
-// It does not allocate.
-func (p *LeastRequest) Pick(req Request) (endpoint.Endpoint, bool) {
-	v := p.set.view.Load()
-	members, _, ok := v.candidates(req.Group)
-	n := v.count(members)
-	if !ok || n == 0 {
-		return endpoint.Endpoint{}, false
-	}
-	now := p.set.clock()
-	start := int(p.next.Add(1) % uint64(n))
+func leastRequest(c *Candidates) int {
+	n, start := c.Len(), c.Start()
 	best, least := -1, 0
-	var g signal
-	for k := range n {
-		i := position(members, (start+k)%n)
-		if req.narrowed() && req.skips(v.endpoints[i]) {
-			continue
-		}
-		if now.look(v.states[i], &g); !g.usable {
+	for j := range n {
+		k := (start + j) % n
+		g := c.signal(k)
+		if !g.usable {
 			continue
 		}
 		if q := g.queue(); best < 0 || q < least {
-			best, least = i, q
+			best, least = k, q
 		}
 	}
-	if best >= 0 {
-		return v.endpoints[best], true
-	}
-	return v.soonest(members, start, req, &now)
+	return best
 }
-
-// Report does nothing: the counts come from Begin and End.
-func (p *LeastRequest) Report(endpoint.Endpoint, bool) {}

@@ -1,13 +1,43 @@
 package picker
 
 import (
-	"sync/atomic"
+	"fmt"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 )
 
 // LoadAwarePolicy names LoadAware in the config.
 const LoadAwarePolicy = "load_aware"
+
+func loadAwareSpec() Spec {
+	return Spec{
+		Name:   LoadAwarePolicy,
+		Fields: []string{"weights"},
+		Defaults: func(p *configv1.Picker, role Role) {
+			if p.Weights == nil {
+				w := DefaultWeights(role)
+				p.Weights = &configv1.Weights{Prefix: w.Prefix, Queue: w.Queue, KvUsage: w.KVUsage, InFlight: w.InFlight}
+			}
+		},
+		Validate: func(p *configv1.Picker, path string) []error {
+			var errs []error
+			w := p.GetWeights()
+			for _, f := range []struct {
+				name string
+				w    float64
+			}{{"prefix", w.GetPrefix()}, {"queue", w.GetQueue()}, {"kv_usage", w.GetKvUsage()}, {"in_flight", w.GetInFlight()}} {
+				if f.w < 0 || f.w > 100 {
+					errs = append(errs, fmt.Errorf("%s.weights.%s: %v is not in [0, 100]", path, f.name, f.w))
+				}
+			}
+			return errs
+		},
+		New: func(p *configv1.Picker, _ Role) Policy {
+			w := p.GetWeights()
+			return &LoadAware{w: Weights{Prefix: w.GetPrefix(), Queue: w.GetQueue(), KVUsage: w.GetKvUsage(), InFlight: w.GetInFlight()}}
+		},
+	}
+}
 
 // Weights weigh LoadAware's scores. Each score is in [0, 1], higher is
 // better; an endpoint's total is their weighted sum.
@@ -40,62 +70,36 @@ func DefaultWeights(r Role) Weights {
 
 // LoadAware scores every candidate endpoint on prefix match, queue, KV
 // usage and in-flight requests and picks the best, like the llm-d router's
-// weighted scorers. Ties go round: the scan starts one endpoint further each
-// pick.
+// weighted scorers. Ties go round: the scan starts one candidate further
+// each pick.
 type LoadAware struct {
-	set *Set
-	w   Weights
-	_   [64]byte
-	// next is where the next pick starts its scan.
-	next atomic.Uint64
-	_    [56]byte
+	w Weights
 }
 
-var _ Picker = (*LoadAware)(nil)
+var _ Policy = (*LoadAware)(nil)
 
-// NewLoadAware returns a load-aware policy over set with weights w.
-func NewLoadAware(set *Set, w Weights) *LoadAware { return &LoadAware{set: set, w: w} }
-
-// Pick returns the usable endpoint with the best score that the request
-// has not tried, falling back like RoundRobin when none is usable. It does
-// not allocate for sets of up to 64 endpoints.
-func (p *LoadAware) Pick(req Request) (endpoint.Endpoint, bool) {
-	v := p.set.view.Load()
-	members, _, ok := v.candidates(req.Group)
-	n := v.count(members)
-	if !ok || n == 0 {
-		return endpoint.Endpoint{}, false
-	}
-	var depths [64]int32
-	var depth []int32
-	if p.w.Prefix > 0 {
-		depth = v.depths(req.Blocks, depths[:])
-	}
-	now := p.set.clock()
-	var buf [64]signal
-	signals, usable := now.looks(v, members, req, buf[:])
-	start := int(p.next.Add(1) % uint64(n))
-	if usable == 0 {
-		return v.soonest(members, start, req, &now)
-	}
+// Choose implements [Policy]: the usable candidate with the best score.
+func (p *LoadAware) Choose(c *Candidates) int {
+	n := c.Len()
 	var queue, flight span
-	for k := range signals {
-		if g := &signals[k]; g.usable {
+	for k := range n {
+		if g := c.signal(k); g.usable {
 			queue.add(g.queued())
 			flight.add(g.inFlight)
 		}
 	}
+	prefix := p.w.Prefix > 0 && len(c.blocks) > 0
+	start := c.Start()
 	best, bestScore := -1, 0.0
 	for j := range n {
 		k := (start + j) % n
-		g := &signals[k]
+		g := c.signal(k)
 		if !g.usable {
 			continue
 		}
-		i := position(members, k)
 		score := p.w.Queue*queue.score(g.queued()) + p.w.InFlight*flight.score(g.inFlight)
-		if len(depth) > 0 {
-			score += p.w.Prefix * float64(depth[i]) / float64(len(req.Blocks))
+		if prefix {
+			score += p.w.Prefix * float64(c.depth(k)) / float64(len(c.blocks))
 		}
 		if p.w.KVUsage != 0 {
 			free := 0.5
@@ -105,14 +109,11 @@ func (p *LoadAware) Pick(req Request) (endpoint.Endpoint, bool) {
 			score += p.w.KVUsage * free
 		}
 		if best < 0 || score > bestScore {
-			best, bestScore = i, score
+			best, bestScore = k, score
 		}
 	}
-	return v.endpoints[best], true
+	return best
 }
-
-// Report does nothing: loads come from Begin, End and Observe.
-func (p *LoadAware) Report(endpoint.Endpoint, bool) {}
 
 // queued is the queue LoadAware scores: the engine's waiting requests when
 // its metrics are fresh, else pdx's in-flight count.

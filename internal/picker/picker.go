@@ -1,14 +1,16 @@
 // Package picker chooses the engine endpoint for each leg of a request.
 //
-// A leg's endpoints and their passive health are a Set; a Picker is the
-// policy that chooses among a Set's endpoints. Every policy picks over a Set,
-// so that health (outlier detection) works the same whatever the policy.
+// A leg's endpoints with their passive health and load are a Set. For each
+// pick the Set reads the Candidates the request may use, and a Policy
+// chooses among them; a Leg is a Set with its policy. Picking on a Leg
+// returns a Lease, which counts the request on the endpoint until it ends
+// with an outcome. The rules every pick shares (group, subset hint, tried,
+// health, saturation, panic mode) are the Set's, so that they hold whatever
+// the policy; policies are registered by name (Spec).
 package picker
 
 import (
-	"fmt"
 	"slices"
-	"strings"
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 )
@@ -31,34 +33,41 @@ type Request struct {
 	// prompt. Tokens is the prompt's length in tokens (BytesPerToken).
 	Blocks              []uint64
 	BlockTokens, Tokens int
+	// NeedCached makes a decode lease tell what its endpoint had cached
+	// (Lease.Cached), which costs an index lookup; a prefill lease always
+	// does, since it counts the uncached tokens.
+	NeedCached bool
+	// NoRank: the request names no DP rank (a pass-through path), so its
+	// lease counts it on none.
+	NoRank bool
 }
 
-// Picker is a picking policy for one leg (prefill or decode) of a pool.
+// Policy is a picking policy: it chooses, among the candidates the Set
+// admits for a pick, the one the request goes to.
 //
-// Pick and Report are called from every stream at once, so implementations
-// are safe for concurrent use. They keep no per-request state: what a
-// request has tried comes with each Pick. Pick is on every request's path
-// and should not allocate (see BenchmarkPick).
-type Picker interface {
-	// Pick returns the endpoint the request goes to. It prefers endpoints
-	// the Set's health admits and reports false only when no endpoint
-	// matches the request's group and is untried.
-	Pick(req Request) (endpoint.Endpoint, bool)
-	// Report tells the outcome of a call to ep, an endpoint Pick returned.
-	// The Set's health has already counted it (routing reports to both).
-	Report(ep endpoint.Endpoint, ok bool)
+// Choose is called from every stream at once, so implementations are safe
+// for concurrent use; they keep no per-request state (what a request has
+// tried is the Set's business). It is on every request's path and should
+// not allocate (see BenchmarkPolicies).
+type Policy interface {
+	// Choose returns the index of a usable candidate (c.Usable), or -1 when
+	// it finds none; the Set then falls back on an unusable one (panic
+	// mode). For an index that is not usable the Set takes the first
+	// usable candidate, so that a policy's bug cannot break the rules.
+	Choose(c *Candidates) int
 }
 
-// Successor is implemented by policies whose Pick changes their own state
-// (round robin's turns), which a request's fallback picks must not: Next
-// returns the endpoint after the last of req.Tried in the policy's order,
-// leaving the state as it is. Other policies' fallbacks are Picks with the
-// endpoints before them tried.
+// Successor is implemented by policies whose Choose changes their own
+// state (round robin's turns), which a request's decode fallbacks must
+// not: Next chooses the candidate a fallback after the last of the
+// request's tried endpoints goes to, leaving the state as it is. Other
+// policies' fallbacks are Chooses with the endpoints before them tried.
 type Successor interface {
-	Next(req Request) (endpoint.Endpoint, bool)
+	Next(c *Candidates) int
 }
 
-// Role is the leg a policy picks for; policies' defaults differ by role.
+// Role is the leg a policy picks for; policies' defaults, and what a lease
+// counts, differ by role.
 type Role int
 
 const (
@@ -73,77 +82,13 @@ func (r Role) String() string {
 	return "prefill"
 }
 
-// Params configure a policy. The zero value is each policy's defaults for
-// the prefill leg.
-type Params struct {
-	Role Role
-	// Weights are load_aware's; nil means DefaultWeights(Role).
-	Weights *Weights
-	// LoadFactor is prefix_affinity's bound on an endpoint's load relative
-	// to the mean; 0 or less means DefaultLoadFactor.
-	LoadFactor float64
-}
-
-// policies lists every picking policy by the name pools[].*_picker.policy
-// gives it. Adding one is a file with its type and a line here.
-var policies = []struct {
-	name string
-	new  func(*Set, Params) Picker
-}{
-	{RoundRobinPolicy, func(s *Set, _ Params) Picker { return NewRoundRobin(s) }},
-	{LeastRequestPolicy, func(s *Set, _ Params) Picker { return NewLeastRequest(s) }},
-	{LeastWorkPolicy, func(s *Set, _ Params) Picker { return NewLeastWork(s) }},
-	{PrefixAffinityPolicy, func(s *Set, p Params) Picker { return NewPrefixAffinity(s, p.LoadFactor) }},
-	{LoadAwarePolicy, func(s *Set, p Params) Picker {
-		w := DefaultWeights(p.Role)
-		if p.Weights != nil {
-			w = *p.Weights
-		}
-		return NewLoadAware(s, w)
-	}},
-}
-
-// DefaultPolicy returns the policy of a leg whose config names none:
-// prefill engines by the work queued on them and what they have cached,
-// decode engines by their load.
-func DefaultPolicy(r Role) string {
-	if r == RoleDecode {
-		return LoadAwarePolicy
-	}
-	return LeastWorkPolicy
-}
-
-// New returns the policy named policy ("" is DefaultPolicy of params'
-// role), picking over set.
-func New(policy string, set *Set, params Params) (Picker, error) {
-	if policy == "" {
-		policy = DefaultPolicy(params.Role)
-	}
-	for _, p := range policies {
-		if p.name == policy {
-			return p.new(set, params), nil
-		}
-	}
-	return nil, fmt.Errorf("unknown picking policy %q (known: %s)", policy, strings.Join(Policies(), ", "))
-}
-
-// Policies lists the names of the picking policies, sorted.
-func Policies() []string {
-	names := make([]string, len(policies))
-	for i, p := range policies {
-		names[i] = p.name
-	}
-	slices.Sort(names)
-	return names
-}
-
 // skips reports whether the request may not use ep: it has tried it, or
 // ep is outside its subset.
 func (req *Request) skips(ep endpoint.Endpoint) bool {
 	if req.Subset != nil && !slices.Contains(req.Subset, ep.Address) {
 		return true
 	}
-	return tried(ep, req.Tried)
+	return slices.Contains(req.Tried, ep)
 }
 
 // narrowed reports whether the request excludes any endpoint at all, so

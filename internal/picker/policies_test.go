@@ -7,6 +7,7 @@ import (
 
 	"github.com/stretchr/testify/require"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
@@ -79,7 +80,7 @@ func TestLeastRequest(t *testing.T) {
 			set := NewSet(eps, Options{Now: clk.Now})
 			for i, n := range tc.inFlight {
 				for range n {
-					set.Begin(eps[i], nil, 0)
+					hold(t, set, eps[i], nil, 0)
 				}
 			}
 			for i, l := range tc.loads {
@@ -91,7 +92,7 @@ func TestLeastRequest(t *testing.T) {
 			for _, i := range tc.tried {
 				tried = append(tried, eps[i])
 			}
-			got, ok := NewLeastRequest(set).Pick(Request{Tried: tried})
+			got, ok := choose(set, LeastRequest{}, Request{Tried: tried})
 			require.True(t, ok)
 			require.Equal(t, eps[tc.want], got)
 		})
@@ -100,25 +101,26 @@ func TestLeastRequest(t *testing.T) {
 
 func TestLeastRequestTiesGoRound(t *testing.T) {
 	eps := endpoints(3)
-	p := NewLeastRequest(NewSet(eps, Options{}))
+	set := NewSet(eps, Options{})
 	seen := map[endpoint.Endpoint]int{}
 	for range 30 {
-		seen[must(p.Pick(Request{}))]++
+		seen[must(choose(set, LeastRequest{}, Request{}))]++
 	}
 	require.Equal(t, map[endpoint.Endpoint]int{eps[0]: 10, eps[1]: 10, eps[2]: 10}, seen)
 }
 
 func TestInFlightCounts(t *testing.T) {
 	set := NewSet(abc, Options{})
-	set.Begin(epA, nil, 0)
-	set.Begin(epA, nil, 0)
-	set.End(epA, 0)
+	first := hold(t, set, epA, nil, 0)
+	hold(t, set, epA, nil, 0).End(Released)
 	require.Equal(t, 1, set.InFlight(epA))
 	require.Equal(t, 0, set.InFlight(epB))
-	set.Begin(endpoint.Endpoint{Address: "10.0.0.1:1"}, nil, 0) // not the set's: ignored
+	hold(t, set, epB, nil, 0).Move(endpoint.Endpoint{Address: "10.0.0.1:1"}) // not the set's: counted nowhere
+	require.Equal(t, 0, set.InFlight(epB))
 	next := NewSet(abc, Options{Inherit: set})
-	require.Equal(t, 1, next.InFlight(epA), "a rebuilt set shares the counts, so that an End after a reload finds its Begin")
-	next.End(epA, 0)
+	require.Equal(t, 1, next.InFlight(epA), "a rebuilt set shares the counts, so that an End after a reload finds its lease")
+	first.End(Released)
+	require.Equal(t, 0, next.InFlight(epA))
 	require.Equal(t, 0, set.InFlight(epA))
 }
 
@@ -149,11 +151,11 @@ func TestSaturation(t *testing.T) {
 				}
 			}
 			for range tc.inFlight {
-				set.Begin(epA, nil, 0)
+				hold(t, set, epA, nil, 0)
 			}
 			clk.Advance(tc.age)
 			require.Equal(t, tc.saturated, set.Saturated(""))
-			require.Equal(t, tc.pick, must(NewRoundRobin(set).Pick(Request{})), "picks pass over saturated endpoints while some are not")
+			require.Equal(t, tc.pick, must(choose(set, new(RoundRobin), Request{})), "picks pass over saturated endpoints while some are not")
 		})
 	}
 	require.False(t, NewSet(abc, Options{}).Saturated(""), "no thresholds, never saturated")
@@ -169,13 +171,14 @@ func TestPrefixAffinity(t *testing.T) {
 		return blocksOf(ids...)
 	}
 	// Two replicas: sets and policies of their own, the same endpoints.
-	one, two := NewPrefixAffinity(NewSet(eps, Options{}), 0), NewPrefixAffinity(NewSet(eps, Options{}), 0)
+	one := newLeg(NewSet(eps, Options{}), newPrefixAffinity(0), RolePrefill)
+	two := newLeg(NewSet(eps, Options{}), newPrefixAffinity(0), RolePrefill)
 	spread := map[endpoint.Endpoint]int{}
 	for c := range 200 {
-		first := must(one.Pick(Request{Blocks: conversation(c, 0)}))
-		require.Equal(t, first, must(two.Pick(Request{Blocks: conversation(c, 0)})), "replicas agree without sharing state")
+		first := must(one.peek(Request{Blocks: conversation(c, 0)}))
+		require.Equal(t, first, must(two.peek(Request{Blocks: conversation(c, 0)})), "replicas agree without sharing state")
 		for turn := 1; turn < 4; turn++ {
-			require.Equal(t, first, must(one.Pick(Request{Blocks: conversation(c, turn)})), "a conversation's turns stay together")
+			require.Equal(t, first, must(one.peek(Request{Blocks: conversation(c, turn)})), "a conversation's turns stay together")
 		}
 		spread[first]++
 	}
@@ -188,14 +191,14 @@ func TestPrefixAffinity(t *testing.T) {
 func TestPrefixAffinityBoundsLoad(t *testing.T) {
 	eps := endpoints(4)
 	set := NewSet(eps, Options{})
-	p := NewPrefixAffinity(set, 1.25)
+	p := newLeg(set, newPrefixAffinity(1.25), RolePrefill)
 	b := blocksOf(1, 2, 3)
-	home := must(p.Pick(Request{Blocks: b}))
+	home := must(p.peek(Request{Blocks: b}))
 	// The same prompt again and again, each still running: the home
 	// endpoint takes at most 1.25 times the mean, then others help.
 	for range 40 {
-		ep := must(p.Pick(Request{Blocks: b}))
-		set.Begin(ep, nil, 0)
+		_, ok := p.Pick(Request{Blocks: b})
+		require.True(t, ok)
 	}
 	total := 0
 	for _, ep := range eps {
@@ -207,12 +210,13 @@ func TestPrefixAffinityBoundsLoad(t *testing.T) {
 }
 
 func TestPrefixAffinityMovesFewKeysOnResize(t *testing.T) {
-	before, after := NewPrefixAffinity(NewSet(endpoints(8), Options{}), 0), NewPrefixAffinity(NewSet(endpoints(9), Options{}), 0)
+	before := newLeg(NewSet(endpoints(8), Options{}), newPrefixAffinity(0), RolePrefill)
+	after := newLeg(NewSet(endpoints(9), Options{}), newPrefixAffinity(0), RolePrefill)
 	moved := 0
 	const n = 900
 	for c := range n {
 		b := blocksOf(c)
-		if must(before.Pick(Request{Blocks: b})) != must(after.Pick(Request{Blocks: b})) {
+		if must(before.peek(Request{Blocks: b})) != must(after.peek(Request{Blocks: b})) {
 			moved++
 		}
 	}
@@ -222,9 +226,9 @@ func TestPrefixAffinityMovesFewKeysOnResize(t *testing.T) {
 
 func TestPrefixAffinityWithoutPromptIsLeastRequest(t *testing.T) {
 	set := NewSet(abc, Options{})
-	set.Begin(epA, nil, 0)
-	set.Begin(epC, nil, 0)
-	require.Equal(t, epB, must(NewPrefixAffinity(set, 0).Pick(Request{})))
+	hold(t, set, epA, nil, 0)
+	hold(t, set, epC, nil, 0)
+	require.Equal(t, epB, must(choose(set, newPrefixAffinity(0), Request{})))
 }
 
 func TestLoadAware(t *testing.T) {
@@ -254,12 +258,11 @@ func TestLoadAware(t *testing.T) {
 			clk := newFakeClock()
 			set := NewSet(eps, Options{Now: clk.Now})
 			for i, b := range tc.sent {
-				set.Begin(eps[i], b, 0)
-				set.End(eps[i], 0)
+				hold(t, set, eps[i], b, 0).End(Released)
 			}
 			for i, n := range tc.inFlight {
 				for range n {
-					set.Begin(eps[i], nil, 0)
+					hold(t, set, eps[i], nil, 0)
 				}
 			}
 			for i, l := range tc.loads {
@@ -268,36 +271,27 @@ func TestLoadAware(t *testing.T) {
 					set.Observe(eps[i].Address, *l)
 				}
 			}
-			require.Equal(t, eps[tc.want], must(NewLoadAware(set, tc.w).Pick(Request{Blocks: tc.blocks})))
+			require.Equal(t, eps[tc.want], must(choose(set, &LoadAware{w: tc.w}, Request{Blocks: tc.blocks})))
 		})
 	}
 }
 
-func TestMatched(t *testing.T) {
+// A lease tells how much of its prompt the endpoint had cached, in blocks
+// here (BlockTokens 1).
+func TestLeaseCached(t *testing.T) {
 	set := NewSet(abc, Options{})
-	set.Begin(epB, blocksOf(1, 2, 3), 0)
-	require.Equal(t, 2, set.Matched(epB, blocksOf(1, 2, 9)))
-	require.Equal(t, 0, set.Matched(epA, blocksOf(1, 2, 9)))
-	set.SetEndpoints([]endpoint.Endpoint{epB, epA})
-	require.Equal(t, 0, set.Matched(epB, blocksOf(1, 2, 9)), "other endpoints, positions and index start afresh")
-}
-
-func TestPoliciesDoNotAllocate(t *testing.T) {
-	eps := endpoints(64)
-	b := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
-	for _, policy := range []string{RoundRobinPolicy, LeastRequestPolicy, LeastWorkPolicy, LoadAwarePolicy} {
-		t.Run(policy, func(t *testing.T) {
-			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
-			for i, ep := range eps {
-				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: time.Now()})
-			}
-			set.Begin(eps[3], b, 0)
-			p, err := New(policy, set, Params{})
-			require.NoError(t, err)
-			allocs := testing.AllocsPerRun(200, func() { p.Pick(Request{Blocks: b}) })
-			require.Zero(t, allocs)
-		})
+	hold(t, set, epB, blocksOf(1, 2, 3), 0)
+	matched := func(ep endpoint.Endpoint) int {
+		l := newLeg(set, new(RoundRobin), RolePrefill)
+		lease, ok := l.Pick(Request{Subset: []string{ep.Address}, Blocks: blocksOf(1, 2, 9), BlockTokens: 1})
+		require.True(t, ok)
+		lease.End(Released)
+		return lease.Cached()
 	}
+	require.Equal(t, 2, matched(epB))
+	require.Equal(t, 0, matched(epA))
+	set.SetEndpoints([]endpoint.Endpoint{epB, epA})
+	require.Equal(t, 0, matched(epB), "other endpoints, positions and index start afresh")
 }
 
 // BenchmarkPolicies is a pick at 64 endpoints with fresh engine metrics
@@ -317,15 +311,15 @@ func BenchmarkPolicies(b *testing.B) {
 			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
 			for i, ep := range eps {
 				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: time.Now()})
-				set.Begin(ep, prompts[i], 0)
+				hold(b, set, ep, prompts[i], 0)
 			}
-			p, err := New(policy, set, Params{})
+			l, err := NewLeg(set, &configv1.Picker{Policy: policy}, RolePrefill)
 			require.NoError(b, err)
 			b.ReportAllocs()
 			b.ResetTimer()
 			i := 0
 			for b.Loop() {
-				p.Pick(Request{Blocks: prompts[i%len(prompts)]})
+				l.peek(Request{Blocks: prompts[i%len(prompts)]})
 				i++
 			}
 		})
@@ -362,11 +356,10 @@ func TestLeastWork(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			set := NewSet(eps, Options{})
 			for i, ids := range tc.sent {
-				set.Begin(eps[i], blocksOf(ids...), 0)
-				set.End(eps[i], 0)
+				hold(t, set, eps[i], blocksOf(ids...), 0).End(Released)
 			}
 			for i, n := range tc.tokens {
-				set.Begin(eps[i], nil, n)
+				hold(t, set, eps[i], nil, n)
 			}
 			for i, l := range tc.loads {
 				if l != nil {
@@ -375,7 +368,7 @@ func TestLeastWork(t *testing.T) {
 				}
 			}
 			req := Request{Blocks: blocksOf(tc.prompt...), BlockTokens: 64, Tokens: 64 * len(tc.prompt)}
-			require.Equal(t, eps[tc.want], must(NewLeastWork(set).Pick(req)))
+			require.Equal(t, eps[tc.want], must(choose(set, LeastWork{}, req)))
 		})
 	}
 }

@@ -140,23 +140,6 @@ func (x *index) bits(b uint64) []uint64 {
 	return nil
 }
 
-// depths returns, by position in v, how many leading blocks of blocks this
-// pdx sent each endpoint (in buf when it is long enough); nil when there
-// are no blocks.
-func (v *view) depths(blocks []uint64, buf []int32) []int32 {
-	if len(blocks) == 0 {
-		return nil
-	}
-	depth := buf[:0]
-	if len(v.endpoints) <= len(buf) {
-		depth = buf[:len(v.endpoints)]
-	} else {
-		depth = make([]int32, len(v.endpoints))
-	}
-	v.index.matches(blocks, depth)
-	return depth
-}
-
 // matched returns how many leading blocks the endpoint at pos was sent.
 func (x *index) matched(pos int, blocks []uint64) int {
 	if pos < 0 || pos >= x.words*64 {

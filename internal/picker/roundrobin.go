@@ -4,21 +4,26 @@ import (
 	"sync"
 	"sync/atomic"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 )
 
 // RoundRobinPolicy names RoundRobin in the config.
 const RoundRobinPolicy = "round_robin"
 
-// RoundRobin hands out a Set's endpoints in turn, passing over those the
-// Set's health has ejected and those the request has tried. A request with a
-// group takes turns among that group's endpoints, each group with a turn
-// counter of its own.
+func roundRobinSpec() Spec {
+	return Spec{
+		Name: RoundRobinPolicy,
+		New:  func(*configv1.Picker, Role) Policy { return new(RoundRobin) },
+	}
+}
+
+// RoundRobin hands out the candidates in turn, passing over those that are
+// not usable. A request with a group takes turns among that group's
+// endpoints, each group with a turn counter of its own.
 //
 // It is safe for concurrent use and holds no per-request state: the turn
 // counters belong to no request.
 type RoundRobin struct {
-	set *Set
 	// mu serializes growing groups.
 	mu sync.Mutex
 	// groups are the groups' turn counters, indexed by the Set's group
@@ -26,7 +31,7 @@ type RoundRobin struct {
 	// counter; the counters themselves are kept, so no turn is lost.
 	groups atomic.Pointer[[]*atomic.Uint64]
 
-	// next is the turn counter of requests without a group. Every Pick adds
+	// next is the turn counter of requests without a group. Every pick adds
 	// to it, from every goroutine; the padding keeps that write traffic off
 	// the cache line holding the read-only fields above.
 	_    [64]byte
@@ -34,83 +39,39 @@ type RoundRobin struct {
 	_    [56]byte
 }
 
-var _ Picker = (*RoundRobin)(nil)
+var (
+	_ Policy    = (*RoundRobin)(nil)
+	_ Successor = (*RoundRobin)(nil)
+)
 
-// NewRoundRobin returns a round robin over set.
-func NewRoundRobin(set *Set) *RoundRobin {
-	return &RoundRobin{set: set}
-}
-
-// Pick returns the next admitted endpoint in turn that the request has not
-// tried.
-//
-// When every endpoint not tried is ejected, Pick returns the one whose
-// cool-down ends first rather than failing (see view.soonest). Only when
-// every endpoint is tried, or the request's group has none, does it return
-// ok=false.
-//
-// Pick does not allocate, and takes no lock once the request's group has a
-// counter.
-func (r *RoundRobin) Pick(req Request) (endpoint.Endpoint, bool) {
-	v := r.set.view.Load()
-	members, id, ok := v.candidates(req.Group)
-	n := v.count(members)
-	if !ok || n == 0 {
-		return endpoint.Endpoint{}, false
-	}
+// Choose implements [Policy]: the next usable candidate in turn. It reads
+// only the candidates it passes over, and takes no lock once the request's
+// group has a counter.
+func (r *RoundRobin) Choose(c *Candidates) int {
 	counter := &r.next
-	if id >= 0 {
-		counter = r.groupCounter(id)
+	if c.group >= 0 {
+		counter = r.groupCounter(c.group)
 	}
-	now := r.set.clock()
+	n := uint64(c.Len())
 	var turn uint64
-	// Each endpoint passed over uses up a turn rather than handing its turn
-	// to its successor in the list: otherwise the endpoint after an ejected
-	// one would get twice the share of the others.
+	// Each candidate passed over uses up a turn rather than handing its
+	// turn to its successor in the list: otherwise the endpoint after an
+	// ejected one would get twice the share of the others.
 	for range n {
 		turn = counter.Add(1) - 1
-		i := position(members, int(turn%uint64(n)))
-		if !req.skips(v.endpoints[i]) && now.usable(v.states[i]) {
-			return v.endpoints[i], true
+		if k := int(turn % n); c.Usable(k) {
+			return k
 		}
 	}
-	// The n turns drawn above need not be n different positions when other
-	// goroutines draw turns concurrently, so look at every position, from
-	// the one after the last turn, before going into panic mode.
-	return v.soonest(members, int((turn+1)%uint64(n)), req, &now)
+	// The n turns drawn above need not be n different candidates when
+	// other goroutines draw turns concurrently, so look at every one, from
+	// the one after the last turn.
+	return c.next(int((turn + 1) % n))
 }
 
-var _ Successor = (*RoundRobin)(nil)
-
-// Next implements [Successor]: the first admitted endpoint after the last
-// one req tried, in the Set's order, that req has not tried; the
-// cool-down that ends first when all are ejected.
-func (r *RoundRobin) Next(req Request) (endpoint.Endpoint, bool) {
-	v := r.set.view.Load()
-	members, _, ok := v.candidates(req.Group)
-	n := v.count(members)
-	if !ok || n == 0 {
-		return endpoint.Endpoint{}, false
-	}
-	start := 0
-	if len(req.Tried) > 0 {
-		last := req.Tried[len(req.Tried)-1]
-		for k := range n {
-			if v.endpoints[position(members, k)] == last {
-				start = k + 1
-				break
-			}
-		}
-	}
-	now := r.set.clock()
-	for k := range n {
-		i := position(members, (start+k)%n)
-		if !tried(v.endpoints[i], req.Tried) && now.usable(v.states[i]) {
-			return v.endpoints[i], true
-		}
-	}
-	return v.soonest(members, start%n, req, &now)
-}
+// Next implements [Successor]: the first usable candidate after the last
+// one the request tried, in the Set's order.
+func (r *RoundRobin) Next(c *Candidates) int { return c.next(c.after) }
 
 // groupCounter returns the turn counter of group number id.
 func (r *RoundRobin) groupCounter(id int) *atomic.Uint64 {
@@ -134,7 +95,3 @@ func (r *RoundRobin) groupCounter(id int) *atomic.Uint64 {
 	r.groups.Store(&grown)
 	return grown[id]
 }
-
-// Report does nothing: taking turns learns nothing from outcomes, and the
-// Set's health has counted them.
-func (r *RoundRobin) Report(endpoint.Endpoint, bool) {}

@@ -35,8 +35,8 @@ type Pool struct {
 	Default bool
 	// Prefill and Decode are the pool's two legs. Requests pick through
 	// PickDecode and PickPrefill, which pair them.
-	Prefill Leg
-	Decode  Leg
+	Prefill picker.Leg
+	Decode  picker.Leg
 	// PrefillTimeout bounds all prefill attempts of a request together;
 	// AttemptTimeout bounds each.
 	PrefillTimeout time.Duration
@@ -90,47 +90,24 @@ type Shedding struct {
 	MaxWait time.Duration
 }
 
-// Leg is one side of a pool, prefill or decode: its endpoints with their
-// passive health, and the policy that picks among them.
-type Leg struct {
-	Set    *picker.Set
-	Picker picker.Picker
-}
-
-// NewLeg returns a leg of endpoints picked by policy ("" is the default of
-// params' role), whose health opts configure.
-func NewLeg(policy string, params picker.Params, endpoints []endpoint.Endpoint, opts picker.Options) (Leg, error) {
-	set := picker.NewSet(endpoints, opts)
-	p, err := picker.New(policy, set, params)
-	if err != nil {
-		return Leg{}, err
-	}
-	return Leg{Set: set, Picker: p}, nil
-}
-
-// Report tells the outcome of a call to ep to the leg's health and to its
-// policy.
-func (l Leg) Report(ep endpoint.Endpoint, ok bool) {
-	l.Set.Report(ep, ok)
-	l.Picker.Report(ep, ok)
-}
-
-// PickDecode picks the decode endpoint of a request (req.Group and Tried
+// PickDecode leases the decode endpoint of a request (req.Group and Tried
 // are not used: a decode is picked first, once), within req.Subset when
-// the gateway gave one. It fails, wrapping ErrNoEndpoint, when the pool has
-// none at the moment (a discovered pool whose decode pods are all gone or
-// not ready, or none in the subset).
-func (p *Pool) PickDecode(req picker.Request) (endpoint.Endpoint, error) {
+// the gateway gave one; the lease tells what the endpoint had cached when
+// the pool's decider needs it. It fails, wrapping ErrNoEndpoint, when the
+// pool has none at the moment (a discovered pool whose decode pods are all
+// gone or not ready, or none in the subset).
+func (p *Pool) PickDecode(req picker.Request) (picker.Lease, error) {
 	req.Group, req.Tried = "", nil
-	ep, ok := p.Decode.Picker.Pick(req)
+	req.NeedCached = p.Decider.MinUncachedTokens > 0
+	lease, ok := p.Decode.Pick(req)
 	switch {
 	case ok:
-		return ep, nil
+		return lease, nil
 	case req.Subset != nil:
-		return endpoint.Endpoint{}, fmt.Errorf("%w: none of the %d endpoints of the gateway's subset hint is a decode endpoint of pool %s",
+		return picker.Lease{}, fmt.Errorf("%w: none of the %d endpoints of the gateway's subset hint is a decode endpoint of pool %s",
 			ErrNoEndpoint, len(req.Subset), p.Name)
 	}
-	return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
+	return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
 }
 
 // PickFallbacks appends to out up to DecodeFallbacks decode endpoints other
@@ -145,12 +122,8 @@ func (p *Pool) PickFallbacks(out []endpoint.Endpoint, req picker.Request, first 
 	}
 	req.Group = first.Group
 	req.Tried = append(make([]endpoint.Endpoint, 0, 1+p.DecodeFallbacks), first)
-	pick := p.Decode.Picker.Pick
-	if s, ok := p.Decode.Picker.(picker.Successor); ok {
-		pick = s.Next
-	}
 	for range p.DecodeFallbacks {
-		ep, ok := pick(req)
+		ep, ok := p.Decode.Next(req)
 		if !ok {
 			break
 		}
@@ -160,27 +133,27 @@ func (p *Pool) PickFallbacks(out []endpoint.Endpoint, req picker.Request, first 
 	return out
 }
 
-// PickPrefill picks a prefill endpoint for a request (req: its prompt)
+// PickPrefill leases a prefill endpoint for a request (req: its prompt)
 // whose decode endpoint is decode, other than those in tried. A decode
 // endpoint with a Group pairs only with the prefill endpoints of that group;
 // when none is left the pick fails rather than use another group's, whose
 // engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint, when no
 // endpoint is left to try.
-func (p *Pool) PickPrefill(decode endpoint.Endpoint, req picker.Request, tried ...endpoint.Endpoint) (endpoint.Endpoint, error) {
+func (p *Pool) PickPrefill(decode endpoint.Endpoint, req picker.Request, tried ...endpoint.Endpoint) (picker.Lease, error) {
 	// The subset hint names where the gateway may send the request: the
 	// decode. pdx calls the prefill itself.
 	req.Group, req.Tried, req.Subset = decode.Group, tried, nil
-	ep, ok := p.Prefill.Picker.Pick(req)
+	lease, ok := p.Prefill.Pick(req)
 	switch {
 	case ok:
-		return ep, nil
+		return lease, nil
 	case len(tried) > 0:
-		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
+		return picker.Lease{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
 	case decode.Group != "":
-		return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
+		return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
 			ErrNoEndpoint, p.Name, decode.Group, decode.Address)
 	}
-	return endpoint.Endpoint{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint", ErrNoEndpoint, p.Name)
+	return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint", ErrNoEndpoint, p.Name)
 }
 
 // SetEndpoints replaces the pool's endpoints (Kubernetes discovery calls it
@@ -315,15 +288,6 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	return NewTable(limits, pools...), nil
 }
 
-// pickerParams are the policy parameters a leg's config gives.
-func pickerParams(pc *configv1.Picker, role picker.Role) picker.Params {
-	params := picker.Params{Role: role, LoadFactor: pc.GetLoadFactor()}
-	if w := pc.GetWeights(); w != nil {
-		params.Weights = &picker.Weights{Prefix: w.GetPrefix(), Queue: w.GetQueue(), KVUsage: w.GetKvUsage(), InFlight: w.GetInFlight()}
-	}
-	return params
-}
-
 // newPool builds the pool of pc; old, when not nil, is its predecessor in
 // the table being replaced; samples older than staleAfter do not count.
 // Errors name the field at fault.
@@ -384,10 +348,10 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 	if p.BlockTokens <= 0 { // a config not through config.Parse
 		p.BlockTokens = config.DefaultPrefixBlockTokens
 	}
-	if p.Prefill, err = NewLeg(pc.GetPrefillPicker().GetPolicy(), pickerParams(pc.GetPrefillPicker(), picker.RolePrefill), prefill, prefillHealth); err != nil {
+	if p.Prefill, err = picker.NewLeg(picker.NewSet(prefill, prefillHealth), pc.GetPrefillPicker(), picker.RolePrefill); err != nil {
 		return nil, fmt.Errorf("prefill_picker.policy: %w", err)
 	}
-	if p.Decode, err = NewLeg(pc.GetDecodePicker().GetPolicy(), pickerParams(pc.GetDecodePicker(), picker.RoleDecode), decode, decodeHealth); err != nil {
+	if p.Decode, err = picker.NewLeg(picker.NewSet(decode, decodeHealth), pc.GetDecodePicker(), picker.RoleDecode); err != nil {
 		return nil, fmt.Errorf("decode_picker.policy: %w", err)
 	}
 	if p.AttemptTimeout <= 0 { // a config not through config.Parse

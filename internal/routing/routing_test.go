@@ -34,10 +34,12 @@ pools:
 	p, ok := table.Lookup("big-model")
 	require.True(t, ok)
 	require.Equal(t, "big", p.Name)
-	prefill, _ := p.Prefill.Picker.Pick(picker.Request{})
-	decode, _ := p.Decode.Picker.Pick(picker.Request{})
-	require.Equal(t, "127.0.0.1:1", prefill.Address)
-	require.Equal(t, "127.0.0.1:2", decode.Address)
+	prefill, _ := p.Prefill.Pick(picker.Request{})
+	decode, _ := p.Decode.Pick(picker.Request{})
+	prefill.End(picker.Released)
+	decode.End(picker.Released)
+	require.Equal(t, "127.0.0.1:1", prefill.Endpoint().Address)
+	require.Equal(t, "127.0.0.1:2", decode.Endpoint().Address)
 	require.Equal(t, config.DefaultPrefillTimeout, p.PrefillTimeout)
 	require.Equal(t, config.DefaultPrefillTimeout, p.AttemptTimeout)
 	require.Equal(t, config.DefaultPrefillAttempts, p.Attempts)
@@ -125,15 +127,18 @@ func TestPick(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			p := &Pool{Name: "p", Prefill: leg(t, nil, picker.Options{}), Decode: leg(t, nil, picker.Options{})}
 			p.SetEndpoints(tc.prefill, tc.decode)
-			d, err := p.PickDecode(picker.Request{})
+			lease, err := p.PickDecode(picker.Request{})
+			d := lease.Endpoint()
+			lease.End(picker.Released)
 			if err == nil {
 				var got []endpoint.Endpoint
 				for range max(1, len(tc.wantPrefill)) {
-					var pf endpoint.Endpoint
+					var pf picker.Lease
 					if pf, err = p.PickPrefill(d, picker.Request{}, tc.exclude...); err != nil {
 						break
 					}
-					got = append(got, pf)
+					pf.End(picker.Released)
+					got = append(got, pf.Endpoint())
 				}
 				if err == nil {
 					require.Equal(t, tc.wantDecode, d)
@@ -221,9 +226,9 @@ pools:
 }
 
 // leg is a round-robin leg over eps.
-func leg(t *testing.T, eps []endpoint.Endpoint, opts picker.Options) Leg {
+func leg(t *testing.T, eps []endpoint.Endpoint, opts picker.Options) picker.Leg {
 	t.Helper()
-	l, err := NewLeg(picker.RoundRobinPolicy, picker.Params{}, eps, opts)
+	l, err := picker.NewLeg(picker.NewSet(eps, opts), &configv1.Picker{Policy: picker.RoundRobinPolicy}, picker.RoleDecode)
 	require.NoError(t, err)
 	return l
 }
@@ -281,12 +286,15 @@ pools:
 			}
 			for addr, n := range tc.busy {
 				for range n {
-					p.Decode.Set.Begin(endpoint.Endpoint{Address: addr}, nil, 0)
+					_, err := p.PickDecode(picker.Request{Subset: []string{addr}}) // still running
+					require.NoError(t, err)
 				}
 			}
 			for i, want := range tc.want {
-				first, err := p.PickDecode(picker.Request{})
+				lease, err := p.PickDecode(picker.Request{})
 				require.NoError(t, err)
+				lease.End(picker.Released)
+				first := lease.Endpoint()
 				got := p.PickFallbacks([]endpoint.Endpoint{first}, picker.Request{}, first)
 				require.Equal(t, want, addrs(got), "request %d", i)
 			}

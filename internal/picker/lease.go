@@ -1,0 +1,152 @@
+package picker
+
+import "github.com/pdx-router/pdx/internal/endpoint"
+
+// Outcome is how a leased call went, as the endpoint's passive health
+// hears it.
+type Outcome int
+
+const (
+	// Released says nothing of the endpoint: the client went away, the
+	// engine refused the request as such, or a decode stream simply ended.
+	Released Outcome = iota
+	// Succeeded re-admits the endpoint and clears its failures.
+	Succeeded
+	// Failed counts against the endpoint: its fault (see Set.Report).
+	Failed
+)
+
+// Lease is a request counted on the endpoint a pick chose, from the pick
+// until End: in the endpoint's in-flight count (with the tokens it is to
+// compute there), on a DP rank of it when it serves several, and in the
+// Set's prefix index (the prompt is taken to be cached there from now on).
+//
+// A Lease is a plain value that its request keeps and ends once, whatever
+// the way out: End after the first does nothing. The zero Lease is ended.
+// It belongs to one request, on one goroutine at a time.
+type Lease struct {
+	// set is nil once the lease has ended; h is nil when the endpoint is
+	// not the set's (see Move).
+	set *Set
+	h   *health
+	ep  endpoint.Endpoint
+	// rank is the DP rank counted, none without one.
+	rank           endpoint.Rank
+	tokens, cached int
+	// blocks are the prompt's, for Move to index them where it moves.
+	blocks []uint64
+}
+
+// lease counts a request of role on the endpoint at position i of v (see
+// Lease).
+func (s *Set) lease(v *view, i int, req *Request, role Role) Lease {
+	h, pos := v.states[i], v.first[i]
+	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, blocks: req.Blocks}
+	// What the endpoint has cached is read before this prompt counts as
+	// sent there.
+	if role == RolePrefill || req.NeedCached {
+		l.cached = v.index.matched(pos, req.Blocks) * req.BlockTokens
+	}
+	if role == RolePrefill {
+		// The engine computes the prompt but what it has cached.
+		l.tokens = max(req.Tokens-l.cached, 0)
+	}
+	h.inFlight.Add(1)
+	h.inFlightTokens.Add(int64(l.tokens))
+	if len(req.Blocks) > 0 {
+		v.index.add(pos, req.Blocks)
+	}
+	if h.ranks != nil && !req.NoRank {
+		l.rank = h.ranks.begin()
+	}
+	return l
+}
+
+// Endpoint is the leased endpoint.
+func (l *Lease) Endpoint() endpoint.Endpoint { return l.ep }
+
+// Rank is the DP rank of the endpoint that is to serve the request, the
+// one with the fewest of pdx's requests in flight (ties go round robin);
+// none for an endpoint without DP ranks (Endpoint.DPSize <= 1), for a
+// request that names none (Request.NoRank, DropRank), or after a Move.
+func (l *Lease) Rank() endpoint.Rank { return l.rank }
+
+// Tokens is how many tokens the lease counts on the endpoint: a prefill's
+// uncached prompt tokens, a decode's whole prompt.
+func (l *Lease) Tokens() int { return l.tokens }
+
+// Cached is how many of the prompt's tokens the endpoint had cached at the
+// pick, as far as this pdx knows (what it sent there): a prefill lease
+// always tells, a decode lease when the request asked (NeedCached).
+func (l *Lease) Cached() int { return l.cached }
+
+// Open reports whether the lease has not ended.
+func (l *Lease) Open() bool { return l.set != nil }
+
+// End ends the lease: the endpoint and its rank count the request no more,
+// and its passive health hears the outcome. Later Ends do nothing.
+func (l *Lease) End(o Outcome) {
+	s := l.set
+	if s == nil {
+		return
+	}
+	l.set = nil
+	if h := l.h; h != nil {
+		l.uncount()
+		if o != Released {
+			s.report(h, o == Succeeded)
+		}
+	}
+	s.room.wake()
+}
+
+// DropRank ends the count on the lease's rank alone: the request goes to
+// the endpoint naming no rank, and the engine places it itself.
+func (l *Lease) DropRank() {
+	if l.set != nil && l.h != nil && l.h.ranks != nil {
+		l.h.ranks.end(l.rank)
+	}
+	l.rank = endpoint.Rank{}
+}
+
+// Move moves an open lease to ep, the endpoint that served the request in
+// the end (a decode fallback): ep counts it from now on, with the lease's
+// tokens and prompt, on none of its ranks. An endpoint the Set does not
+// have counts nothing.
+func (l *Lease) Move(ep endpoint.Endpoint) {
+	s := l.set
+	if s == nil {
+		return
+	}
+	if l.h != nil {
+		l.uncount()
+	}
+	v := s.view.Load()
+	l.ep, l.h, l.rank = ep, nil, endpoint.Rank{}
+	if i := v.position(ep); i >= 0 {
+		l.h = v.states[i]
+		l.h.inFlight.Add(1)
+		l.h.inFlightTokens.Add(int64(l.tokens))
+		if len(l.blocks) > 0 {
+			v.index.add(i, l.blocks)
+		}
+	}
+	s.room.wake()
+}
+
+// uncount takes the lease off its endpoint and rank.
+func (l *Lease) uncount() {
+	if l.h.ranks != nil {
+		l.h.ranks.end(l.rank)
+	}
+	l.h.inFlight.Add(-1)
+	l.h.inFlightTokens.Add(-int64(l.tokens))
+}
+
+// InFlight returns how many of the requests leased ep have not ended.
+func (s *Set) InFlight(ep endpoint.Endpoint) int {
+	if h := s.view.Load().lookup(ep); h != nil {
+		return int(h.inFlight.Load())
+	}
+	return 0
+}

@@ -1,0 +1,117 @@
+package picker
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
+
+// What a lease counts, by role: a prefill the prompt's uncached tokens, a
+// decode the whole prompt; both take the prompt as cached there from then
+// on, and Cached is what was cached before.
+func TestLeaseCounts(t *testing.T) {
+	sent := blocksOf(1, 2, 3) // what pdx sent epA before
+	for _, tc := range []struct {
+		name       string
+		role       Role
+		prompt     []uint64
+		needCached bool
+		// wantTokens is what the lease counts, wantCached what it tells.
+		wantTokens, wantCached int
+	}{
+		{name: "prefill: the uncached part", role: RolePrefill, prompt: blocksOf(1, 2, 9, 9), wantTokens: 256 - 128, wantCached: 128},
+		{name: "prefill: all cached", role: RolePrefill, prompt: blocksOf(1, 2, 3), wantTokens: 0, wantCached: 192},
+		{name: "prefill: nothing cached", role: RolePrefill, prompt: blocksOf(7, 8, 9, 9), wantTokens: 256},
+		{name: "decode: the whole prompt", role: RoleDecode, prompt: blocksOf(1, 2, 9, 9), wantTokens: 256},
+		{name: "decode: cached when asked", role: RoleDecode, prompt: blocksOf(1, 2, 9, 9), needCached: true, wantTokens: 256, wantCached: 128},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			set := NewSet(abc, Options{})
+			hold(t, set, epA, sent, 0).End(Released)
+			l := newLeg(set, new(RoundRobin), tc.role)
+			req := Request{Subset: []string{epA.Address}, Blocks: tc.prompt, BlockTokens: 64, Tokens: 64 * len(tc.prompt), NeedCached: tc.needCached}
+			lease, ok := l.Pick(req)
+			require.True(t, ok)
+			require.Equal(t, epA, lease.Endpoint())
+			require.Equal(t, tc.wantTokens, lease.Tokens())
+			require.Equal(t, tc.wantCached, lease.Cached())
+			require.Equal(t, 1, set.InFlight(epA))
+			require.EqualValues(t, tc.wantTokens, set.view.Load().lookup(epA).inFlightTokens.Load())
+
+			req.NeedCached = true
+			again, _ := l.Pick(req)
+			require.Equal(t, 64*len(tc.prompt), again.Cached(), "the first lease's prompt counts as cached on epA")
+			again.End(Released)
+			lease.End(Released)
+			require.Zero(t, set.InFlight(epA))
+			require.Zero(t, set.view.Load().lookup(epA).inFlightTokens.Load())
+		})
+	}
+}
+
+// A lease ends once whatever calls End, and its outcome is what the
+// endpoint's passive health hears.
+func TestLeaseEnd(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		outcomes    []Outcome
+		wantHealthy bool
+	}{
+		{name: "released says nothing", outcomes: []Outcome{Released}, wantHealthy: true},
+		{name: "failed ejects (threshold 1)", outcomes: []Outcome{Failed}, wantHealthy: false},
+		{name: "succeeded re-admits", outcomes: []Outcome{Failed, Succeeded}, wantHealthy: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			set := NewSet(abc, Options{FailureThreshold: 1})
+			for _, o := range tc.outcomes {
+				lease := hold(t, set, epB, nil, 10)
+				lease.End(o)
+				require.False(t, lease.Open())
+				lease.End(Failed) // a second End does nothing
+			}
+			require.Equal(t, tc.wantHealthy, set.Healthy(epB))
+			require.Zero(t, set.InFlight(epB))
+		})
+	}
+	var zero Lease
+	require.False(t, zero.Open())
+	zero.End(Failed) // the zero lease is ended
+	zero.DropRank()
+	zero.Move(epA)
+}
+
+// DropRank ends the rank's count alone; Move takes the lease, but its
+// rank, to the endpoint that served, prompt and all.
+func TestLeaseDropRankAndMove(t *testing.T) {
+	a := endpoint.Endpoint{Address: "127.0.0.1:1", DPSize: 2}
+	b := endpoint.Endpoint{Address: "127.0.0.1:2", DPSize: 2}
+	set := NewSet([]endpoint.Endpoint{a, b}, Options{})
+	l := newLeg(set, new(RoundRobin), RoleDecode)
+	prompt := blocksOf(4, 5)
+	lease, ok := l.Pick(Request{Subset: []string{a.Address}, Blocks: prompt, BlockTokens: 64, Tokens: 128})
+	require.True(t, ok)
+	r, ok := lease.Rank().Get()
+	require.True(t, ok)
+	require.Equal(t, 1, set.RankInFlight(a, r))
+
+	lease.DropRank()
+	require.Zero(t, set.RankInFlight(a, r), "the rank's count ends")
+	require.Equal(t, 1, set.InFlight(a), "the endpoint's stays")
+	require.Equal(t, endpoint.Rank{}, lease.Rank())
+
+	lease.Move(b)
+	require.Equal(t, b, lease.Endpoint())
+	require.Zero(t, set.InFlight(a))
+	require.Equal(t, 1, set.InFlight(b))
+	require.EqualValues(t, 128, set.view.Load().lookup(b).inFlightTokens.Load())
+	require.Equal(t, []int{0, 0}, rankCounts(set, b), "on none of its ranks")
+	cached, _ := l.Pick(Request{Subset: []string{b.Address}, Blocks: prompt, BlockTokens: 64, NeedCached: true})
+	require.Equal(t, 128, cached.Cached(), "b holds the prompt now")
+	cached.End(Released)
+
+	lease.End(Released)
+	require.Zero(t, set.InFlight(b))
+	require.Zero(t, set.view.Load().lookup(b).inFlightTokens.Load())
+}

@@ -1,0 +1,107 @@
+package picker
+
+import (
+	"google.golang.org/protobuf/proto"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
+
+// Leg is one side of a pool, prefill or decode: its Set, and the policy
+// that picks among the Set's endpoints.
+type Leg struct {
+	*Set
+	policy Policy
+	// successor is policy's, when it has one.
+	successor Successor
+	role      Role
+}
+
+// NewLeg returns the leg of role over set picked by the policy p names (""
+// or nil p: DefaultPolicy of role), its fields' defaults applied. It fails
+// on a policy that is not registered.
+func NewLeg(set *Set, p *configv1.Picker, role Role) (Leg, error) {
+	name := p.GetPolicy()
+	if name == "" {
+		name = DefaultPolicy(role)
+	}
+	spec, err := Lookup(name)
+	if err != nil {
+		return Leg{}, err
+	}
+	pc := &configv1.Picker{}
+	if p != nil {
+		pc = proto.CloneOf(p)
+	}
+	pc.Policy = name
+	if spec.Defaults != nil {
+		spec.Defaults(pc, role)
+	}
+	return newLeg(set, spec.New(pc, role), role), nil
+}
+
+func newLeg(set *Set, p Policy, role Role) Leg {
+	s, _ := p.(Successor)
+	return Leg{Set: set, policy: p, successor: s, role: role}
+}
+
+// Pick leases the endpoint the request goes to: the policy's choice among
+// the usable candidates, else (panic mode) an admitted but saturated one,
+// else the one whose ejection ends first. It reports false only when the
+// request's group has no endpoint, or every one is tried or outside its
+// subset hint.
+//
+// Pick does not allocate when the request's slices are on the heap (its
+// Blocks stay with the lease).
+func (l *Leg) Pick(req Request) (Lease, bool) {
+	v, i, ok := l.pick(&req, false)
+	if !ok {
+		return Lease{}, false
+	}
+	return l.lease(v, i, &req, l.role), true
+}
+
+// Next returns the endpoint a decode fallback after the last of req.Tried
+// goes to, in the policy's order of preference (round robin: the Set's
+// order, its turns left as they are), with Pick's rules. It leases nothing:
+// a fallback that serves takes the request's lease (Lease.Move).
+func (l *Leg) Next(req Request) (endpoint.Endpoint, bool) {
+	v, i, ok := l.pick(&req, true)
+	if !ok {
+		return endpoint.Endpoint{}, false
+	}
+	return v.endpoints[i], true
+}
+
+// pick chooses req's endpoint (a fallback's when fallback) and returns its
+// position in the view it chose from.
+func (l *Leg) pick(req *Request, fallback bool) (*view, int, bool) {
+	c := l.candidates(req)
+	if c == nil {
+		return nil, 0, false
+	}
+	var k int
+	if fallback && l.successor != nil {
+		k = l.successor.Next(c)
+	} else {
+		k = l.policy.Choose(c)
+	}
+	if k < 0 || k >= c.n || !c.Usable(k) {
+		// None is usable, or the policy broke its contract: the shared
+		// rules hold all the same. A fallback's order goes on from the
+		// last endpoint tried.
+		from := c.after
+		if !fallback {
+			from = c.Start()
+		}
+		if k = c.next(from); k < 0 {
+			k = c.fallback(from)
+		}
+	}
+	v, i := c.v, 0
+	if k >= 0 {
+		i = position(c.members, k)
+	}
+	c.release()
+	return v, i, k >= 0
+}

@@ -1,0 +1,149 @@
+package picker
+
+import (
+	"math"
+	"slices"
+	"time"
+)
+
+// Saturation thresholds: an endpoint is saturated when its fresh Load has
+// at least QueueDepth requests waiting or KVUsage of its KV cache in use,
+// or when pdx has MaxInFlight requests on it. Zero fields do not count.
+//
+// Unlike the Gateway API Inference Extension's detector, a stale or absent
+// Load does not make an endpoint saturated: a metrics endpoint that fails
+// must degrade picking to in-flight counts, not stop traffic.
+type Saturation struct {
+	QueueDepth  int
+	KVUsage     float64
+	MaxInFlight int
+}
+
+// Load is what an engine says of its load (see Set.Observe).
+type Load struct {
+	// Waiting and Running are the engine's queued and running requests.
+	Waiting, Running int
+	// KVUsage is the share of its KV cache in use, 0–1; negative when the
+	// engine does not say.
+	KVUsage float64
+	// At is when the engine said so.
+	At time.Time
+}
+
+// load is a Load as picks read it: times in nanoseconds since Set.base.
+type load struct {
+	waiting, running int
+	kvUsage          float64
+	at               int64
+}
+
+// Observe stores what the engine at address said of its load, for every
+// endpoint of the set at that address. It is called off the request path
+// (the engine metrics scraper).
+func (s *Set) Observe(address string, l Load) {
+	v := s.view.Load()
+	ld := &load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base))}
+	for i, ep := range v.endpoints {
+		if ep.Address == address {
+			v.states[i].load.Store(ld)
+		}
+	}
+	s.room.wake() // a lighter load may make room
+}
+
+// Addresses returns the distinct addresses of the set's endpoints, for the
+// metrics scraper.
+func (s *Set) Addresses() []string {
+	var out []string
+	for _, ep := range s.view.Load().endpoints {
+		if !slices.Contains(out, ep.Address) {
+			out = append(out, ep.Address)
+		}
+	}
+	return out
+}
+
+// signal is what one pick reads of an endpoint: everything at once, so
+// that a policy touches each endpoint's state once.
+type signal struct {
+	inFlight, inFlightTokens int
+	// waiting, running and kvUsage are the engine's load when fresh; else
+	// 0, 0 and -1.
+	waiting, running int
+	kvUsage          float64
+	// gen is the pick that read it (see Candidates.signal).
+	gen uint32
+	// admitted: not ejected; usable: admitted and not saturated; fresh:
+	// the engine's load above is not stale; excluded: the request may not
+	// use the endpoint at all (tried, or outside its subset), and nothing
+	// else is read.
+	admitted, usable, saturated, fresh, excluded bool
+}
+
+// queue is the load least-request picking counts: the requests waiting or
+// running on the engine by its own fresh word, or pdx's in-flight count
+// when that is more (the engine's word is up to a scrape old) or the engine
+// has none.
+func (g *signal) queue() int { return max(g.inFlight, g.waiting+g.running) }
+
+// look reads h at t into g. It writes through a pointer: picks call it for
+// every candidate, and a returned signal is a copy.
+func (t *instant) look(h *health, g *signal) {
+	*g = signal{inFlight: int(h.inFlight.Load()), inFlightTokens: int(h.inFlightTokens.Load()), kvUsage: -1}
+	g.admitted = true
+	u, l := h.until.Load(), h.load.Load()
+	if u != 0 || l != nil {
+		now := t.read()
+		g.admitted = now >= u
+		if l != nil && now-l.at <= t.set.staleAfter {
+			g.fresh, g.waiting, g.running, g.kvUsage = true, l.waiting, l.running, l.kvUsage
+		}
+	}
+	if sat := &t.set.saturation; sat.MaxInFlight > 0 || g.fresh {
+		g.saturated = sat.MaxInFlight > 0 && g.inFlight >= sat.MaxInFlight ||
+			g.fresh && (sat.QueueDepth > 0 && g.waiting >= sat.QueueDepth || sat.KVUsage > 0 && g.kvUsage >= sat.KVUsage)
+	}
+	g.usable = g.admitted && !g.saturated
+}
+
+// Saturated reports whether every endpoint a request of group may use is
+// saturated (see Options.Saturation), ejected endpoints aside. It is false
+// when the group has no endpoint: the pick's error says that better.
+func (s *Set) Saturated(group string) bool {
+	saturated, _ := s.saturated(group)
+	return saturated
+}
+
+// saturated is Saturated, and, when true, the earliest time (since base)
+// at which the group may have room without anyone telling the Set: an
+// ejection ending or a saturating load going stale; math.MaxInt64 when
+// none is due.
+func (s *Set) saturated(group string) (bool, int64) {
+	if s.saturation == (Saturation{}) {
+		return false, 0
+	}
+	v := s.view.Load()
+	members, _, ok := v.members(group)
+	n := v.count(members)
+	if !ok || n == 0 {
+		return false, 0
+	}
+	now := s.clock()
+	some, next := false, int64(math.MaxInt64)
+	for k := range n {
+		h := v.states[position(members, k)]
+		var g signal
+		if now.look(h, &g); !g.admitted {
+			next = min(next, h.until.Load())
+			continue
+		}
+		if !g.saturated {
+			return false, 0
+		}
+		if l := h.load.Load(); g.fresh && l != nil {
+			next = min(next, l.at+s.staleAfter+1)
+		}
+		some = true
+	}
+	return some, next
+}
