@@ -30,8 +30,8 @@ func sglangSpec() Spec {
 	// No decode fallback: the prefill sends its KV to the decode that
 	// registered the bootstrap room, and a room serves one attempt.
 	traits, build := fixed(SGLang{}, Traits{Prefills: true, Concurrent: true})
-	// Not rid among the client keys: SGLang's connector replaces a
-	// client's, which other engines are left to read or ignore.
+	// rid is not among the client keys: this connector replaces a
+	// client's itself, and other pools' engines get it as sent.
 	return Spec{Names: []string{"sglang"}, Fields: []string{FieldDPSize}, Traits: traits, New: build,
 		ClientKeys: []string{keyBootstrapHost, keyBootstrapPort, keyBootstrapRoom, keyRoutedDPRank, keyDisaggPrefillDPRank, keyDataParallelRank}}
 }

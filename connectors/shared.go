@@ -41,10 +41,10 @@ const keySGLangRID = "rid"
 // set no protocol's keys.
 var clientKeyDeletes = deletes(specs())
 
-// deletes returns the edits deleting the ClientKeys of specs, each once.
-func deletes(specs []Spec) []jsonedit.Edit {
+// deletes returns the edits deleting the ClientKeys of all, each once.
+func deletes(all []Spec) []jsonedit.Edit {
 	var edits []jsonedit.Edit
-	for _, s := range specs {
+	for _, s := range all {
 		for _, key := range s.ClientKeys {
 			if !slices.ContainsFunc(edits, func(e jsonedit.Edit) bool { return e.Key == key }) {
 				edits = append(edits, jsonedit.Delete(key))
