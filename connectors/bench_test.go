@@ -47,7 +47,7 @@ func BenchmarkPrepare(b *testing.B) {
 						b.Fatal(err)
 					}
 					if d.Prefill != nil {
-						if err := <-d.Prefill; err != nil {
+						if err := <-d.Prefill.Done(); err != nil {
 							b.Fatal(err)
 						}
 					}

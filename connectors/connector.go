@@ -37,6 +37,26 @@ type Request struct {
 	KVHosts endpoint.HostSet
 }
 
+// Handoff is what Prepare hands the processor for one request: the decode
+// for Envoy (or the client's whole answer), the prefill if it still runs,
+// and what the engines hold for the request. It belongs to the request, not
+// the connector: the processor keeps it in the request's stream.
+type Handoff struct {
+	// Decode is what Envoy sends to the decode endpoint; unset with Answer.
+	Decode Decode
+	// Answer, when set, is the client's whole answer and no decode is sent:
+	// the prefill engine finished the request itself (a TensorRT-LLM context
+	// answer that ended on EOS or a stop string).
+	Answer *Answer
+	// Prefill is the prefill still running while Envoy sends the decode,
+	// set exactly by the connectors whose Traits are Concurrent (SGLang,
+	// upstream Mooncake); nil when the prefill ended within Prepare.
+	Prefill Pending
+	// Held, when set, is what the engines hold for the request and how to
+	// make them let go of it; nil when they hold nothing.
+	Held Held
+}
+
 // Decode is what Envoy sends to the decode endpoint.
 type Decode struct {
 	// Body replaces the client's body.
@@ -48,16 +68,6 @@ type Decode struct {
 	// X-data-parallel-rank header; none when the engine has no ranks or
 	// takes the rank in the body (SGLang).
 	Rank endpoint.Rank
-	// Prefill is set by concurrent connectors (SGLang, upstream Mooncake),
-	// whose prefill still runs while Envoy sends the decode. It delivers the
-	// prefill's outcome exactly once (nil on success) and is buffered, so the
-	// prefill never waits for a reader. The prefill runs under the ctx given
-	// to Prepare: cancelling it ends the prefill.
-	Prefill <-chan error
-	// Answer, when set, is the client's whole answer and no decode is sent:
-	// the prefill engine finished the request itself (a TensorRT-LLM context
-	// answer that ended on EOS or a stop string).
-	Answer *Answer
 }
 
 // Answer is an answer for the client that pdx sends itself.
@@ -66,21 +76,28 @@ type Answer struct {
 	Body        []byte
 }
 
+// Pending is a prefill that still runs when Prepare returns, under the ctx
+// given to Prepare: cancelling it ends the prefill.
+type Pending interface {
+	// Done delivers the prefill's outcome exactly once (nil on success).
+	// It is buffered, so the prefill never waits for a reader.
+	Done() <-chan error
+}
+
+// Held is what the engines hold for one prepared request (KV blocks kept
+// for a decode, a decode's reserved slot), with what telling them to let
+// go of it takes. pdx calls Release once it knows the decode will not be
+// sent or cannot succeed: the client went away after the prefill, or a
+// concurrent prefill failed after its decode was sent. It is best effort,
+// runs detached from the request, and returns once done or when ctx ends.
+type Held interface {
+	Release(ctx context.Context, env Env) error
+}
+
 // Connector prepares the decode leg of one request, calling the prefill engine
 // as its protocol requires.
 type Connector interface {
-	Prepare(ctx context.Context, env Env, req *Request) (Decode, error)
-}
-
-// Releaser is a connector whose engines can be told to let go of what they
-// hold for a request (KV blocks kept for a decode, a decode's reserved
-// slot). pdx calls Release with the request and what Prepare returned once
-// it knows the decode will not be sent or cannot succeed: the client went
-// away after the prefill, or a concurrent prefill failed after its decode
-// was sent. It is best effort, runs detached from the request, and returns
-// once done or when ctx ends.
-type Releaser interface {
-	Release(ctx context.Context, env Env, req *Request, d Decode) error
+	Prepare(ctx context.Context, env Env, req *Request) (Handoff, error)
 }
 
 // Env is what a connector works with besides the request: the client for

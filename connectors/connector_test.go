@@ -4,12 +4,15 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
+	"strings"
 	"sync"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
@@ -81,7 +84,9 @@ func TestTraits(t *testing.T) {
 	for name, p := range variants() {
 		_, traits, err := New(p)
 		require.NoError(t, err, name)
-		require.Equal(t, want[name], traits, name)
+		w, ok := want[name]
+		require.True(t, ok, "TestTraits has no traits for connector %s", name)
+		require.Equal(t, w, traits, name)
 	}
 }
 
@@ -162,7 +167,7 @@ func TestProtocolFieldsStripped(t *testing.T) {
 				if got.Prefill != nil {
 					require.NoError(t, prefillOutcome(t, got.Prefill))
 				}
-				legs := []string{string(got.Body)}
+				legs := []string{string(got.Decode.Body)}
 				for _, call := range eng.Calls() {
 					if call.Method == http.MethodPost {
 						legs = append(legs, call.Body)
@@ -203,7 +208,7 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 	for name, c := range registered(t) {
 		t.Run(name, func(t *testing.T) {
 			eng := echoEngine()
-			decodes := make([]Decode, n)
+			decodes := make([]Handoff, n)
 			errs := make([]error, n)
 			var wg sync.WaitGroup
 			for i := range n {
@@ -213,7 +218,7 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 					req.Path = "/v1/completions"
 					decodes[i], errs[i] = c.Prepare(t.Context(), Env{Engine: eng}, req)
 					if errs[i] == nil && decodes[i].Prefill != nil {
-						errs[i] = <-decodes[i].Prefill
+						errs[i] = <-decodes[i].Prefill.Done()
 					}
 				})
 			}
@@ -228,12 +233,12 @@ func TestConcurrentPrepareOnOneValue(t *testing.T) {
 			for i, d := range decodes {
 				require.NoError(t, errs[i])
 				prompt := fmt.Sprintf(`"p-%d"`, i)
-				body, err := jsonedit.Parse(d.Body)
+				body, err := jsonedit.Parse(d.Decode.Body)
 				require.NoError(t, err)
 				requireRaw(t, body, "prompt", prompt)
 				requireRaw(t, body, "max_tokens", fmt.Sprint(100+i))
 
-				id := d.RequestID
+				id := d.Decode.RequestID
 				if id == "" {
 					id = fmt.Sprintf("req-%d", i)
 				}
@@ -274,4 +279,121 @@ func requireRaw(t *testing.T, obj jsonedit.Object, key, want string) {
 	raw, ok := obj.Raw(key)
 	require.True(t, ok, "no %s", key)
 	require.Equal(t, want, string(raw), key)
+}
+
+// TestHandoffContract builds every connector variant and checks its
+// hand-off against its spec: a prefill still running when Prepare returns
+// exactly when the traits say Concurrent (routing asks Envoy for the
+// decode's response headers by the traits, the processor waits by the
+// hand-off), and, when the engines hold something, a release that tells
+// them to let go of this request's.
+func TestHandoffContract(t *testing.T) {
+	all := variants()
+	for _, s := range specs() {
+		require.Contains(t, all, s.Names[0], "variants() builds every spec")
+	}
+	for name, p := range all {
+		t.Run(name, func(t *testing.T) {
+			c, traits, err := New(p)
+			require.NoError(t, err)
+			req := newRequest(t, `{"model":"m","prompt":"contract","stream":true,"max_tokens":9}`)
+			req.Path = "/v1/completions"
+			eng := echoEngine().
+				On(http.MethodPost, testDecode.Address, req.Path, fakeengine.Reply{Body: `{}`}).
+				On(http.MethodPost, testPrefill.Address, "/abort_request", fakeengine.Reply{}).
+				On(http.MethodPost, testDecode.Address, "/abort_request", fakeengine.Reply{})
+			h, err := c.Prepare(t.Context(), Env{Engine: eng}, req)
+			require.NoError(t, err)
+			require.Equal(t, traits.Concurrent, h.Prefill != nil, "a prefill running past Prepare iff Traits.Concurrent")
+			if h.Prefill != nil {
+				require.NoError(t, prefillOutcome(t, h.Prefill))
+			}
+			if h.Held == nil {
+				return
+			}
+			before := len(eng.Calls())
+			require.NoError(t, h.Held.Release(t.Context(), Env{Engine: eng}))
+			require.Equal(t, wantRelease(t, req, h), eng.Calls()[before:])
+		})
+	}
+}
+
+// wantRelease is what releasing h must post, by the type of what the
+// engines hold: a connector whose engines hold something needs its case.
+func wantRelease(t *testing.T, req *Request, h Handoff) []fakeengine.Call {
+	t.Helper()
+	decode, err := jsonedit.Parse(h.Decode.Body)
+	require.NoError(t, err)
+	switch h.Held.(type) {
+	case *nixlHeld:
+		// A one-token decode carrying the blocks the decode would have read.
+		params, ok := decode.Raw("kv_transfer_params")
+		require.True(t, ok, "the decode names the blocks held")
+		return []fakeengine.Call{{Method: http.MethodPost, Endpoint: req.Decode, Path: req.Path, RequestID: req.ID,
+			Body: `{"model":"m","prompt":"contract","stream":false,"max_tokens":1,"kv_transfer_params":` + string(params) + `}`}}
+	case *sglangHeld:
+		// Aborts of the decode's rid on both engines, twice.
+		rid, ok := decode.Raw("rid")
+		require.True(t, ok, "the decode names its rid")
+		abort := func(ep endpoint.Endpoint) fakeengine.Call {
+			return fakeengine.Call{Method: http.MethodPost, Endpoint: ep, Path: "/abort_request", RequestID: req.ID, Body: `{"rid":` + string(rid) + `}`}
+		}
+		return []fakeengine.Call{abort(req.Decode), abort(req.Prefill), abort(req.Decode), abort(req.Prefill)}
+	}
+	t.Fatalf("%T: TestHandoffContract does not know what its release posts; add its case to wantRelease", h.Held)
+	return nil
+}
+
+// TestClientKeysStripped checks that every key a spec lists in ClientKeys,
+// set by the client (plainly or with an escape in its name), reaches
+// neither leg of any connector with the client's value.
+func TestClientKeysStripped(t *testing.T) {
+	var keys []string
+	for _, s := range specs() {
+		keys = append(keys, s.ClientKeys...)
+	}
+	require.NotEmpty(t, keys)
+	slices.Sort(keys)
+	keys = slices.Compact(keys) // connectors share protocols' keys
+	var plain, escaped strings.Builder
+	for _, key := range keys {
+		// The last letter escaped: jsonedit compares keys unescaped.
+		esc := fmt.Sprintf(`%s\u%04x`, key[:len(key)-1], key[len(key)-1])
+		fmt.Fprintf(&plain, `,%q:"client-%s"`, key, key)
+		fmt.Fprintf(&escaped, `,"%s":"client-%s"`, esc, key)
+	}
+	clients := map[string]string{
+		"plain":   `{"model":"m","prompt":"p"` + plain.String() + `}`,
+		"escaped": `{"model":"m","prompt":"p"` + escaped.String() + `}`,
+	}
+	for name, c := range registered(t) {
+		for spelling, client := range clients {
+			t.Run(name+"/"+spelling, func(t *testing.T) {
+				req := newRequest(t, client)
+				req.Path = "/v1/completions"
+				eng := echoEngine()
+				h, err := c.Prepare(t.Context(), Env{Engine: eng}, req)
+				require.NoError(t, err)
+				if h.Prefill != nil {
+					require.NoError(t, prefillOutcome(t, h.Prefill))
+				}
+				legs := map[string]string{"decode": string(h.Decode.Body)}
+				for _, call := range eng.Calls() {
+					if call.Method == http.MethodPost {
+						legs["prefill"] = call.Body
+					}
+				}
+				for leg, body := range legs {
+					obj, err := jsonedit.Parse([]byte(body))
+					require.NoError(t, err, leg)
+					for _, key := range keys {
+						if raw, ok := obj.Raw(key); ok {
+							require.NotContains(t, string(raw), "client-", "%s leg: the client's %s", leg, key)
+						}
+					}
+					require.NotContains(t, body, "client-", "%s leg", leg)
+				}
+			})
+		}
+	}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 
@@ -47,11 +48,13 @@ func TestDPRanks(t *testing.T) {
 	}
 	header := want{prefillHeader: 1, decodeHeader: 2, prefillRouted: -1, decodeRouted: -1, decodePrefill: -1}
 	nothing := want{-1, -1, -1, -1, -1}
-	for _, tc := range []struct {
+	type row struct {
 		connector string
 		ranked    want // with ranks 1 (prefill) and 2 (decode)
-	}{
+	}
+	cases := []row{
 		{"nixl", header},
+		{"mooncake", header},
 		{"mooncake/nixl", header},
 		{"mooncake/vllm", header},
 		{"http", header},
@@ -60,7 +63,12 @@ func TestDPRanks(t *testing.T) {
 		{"none", want{prefillHeader: -1, decodeHeader: 2, prefillRouted: -1, decodeRouted: -1, decodePrefill: -1}},
 		{"sglang", want{prefillHeader: -1, decodeHeader: -1, prefillRouted: 1, decodeRouted: 2, decodePrefill: 1}},
 		{"trtllm", nothing},
-	} {
+		{"trtllm/legacy", nothing},
+	}
+	for name := range variants() {
+		require.True(t, slices.ContainsFunc(cases, func(r row) bool { return r.connector == name }), "TestDPRanks has no row for connector %s", name)
+	}
+	for _, tc := range cases {
 		for _, ranked := range []bool{true, false} {
 			t.Run(fmt.Sprintf("%s/ranked=%v", tc.connector, ranked), func(t *testing.T) {
 				c := registered(t)[tc.connector]
@@ -82,14 +90,14 @@ func TestDPRanks(t *testing.T) {
 				if d.Prefill != nil {
 					require.NoError(t, prefillOutcome(t, d.Prefill))
 				}
-				require.Equal(t, w.decodeHeader, rankOf(d.Rank), "the decode's X-data-parallel-rank")
+				require.Equal(t, w.decodeHeader, rankOf(d.Decode.Rank), "the decode's X-data-parallel-rank")
 				var prefill *fakeengine.Call
 				for _, call := range eng.Calls() {
 					if call.Method == http.MethodPost {
 						prefill = &call
 					}
 				}
-				legs := []string{string(d.Body)}
+				legs := []string{string(d.Decode.Body)}
 				if prefill != nil {
 					require.Equal(t, w.prefillHeader, rankOf(prefill.Rank), "the prefill's X-data-parallel-rank")
 					legs = append(legs, prefill.Body)
@@ -109,8 +117,8 @@ func TestDPRanks(t *testing.T) {
 				for _, leg := range legs {
 					require.Equal(t, -1, field(leg, "data_parallel_rank"), "the client's data_parallel_rank")
 				}
-				require.Equal(t, w.decodeRouted, field(string(d.Body), "routed_dp_rank"))
-				require.Equal(t, w.decodePrefill, field(string(d.Body), "disagg_prefill_dp_rank"))
+				require.Equal(t, w.decodeRouted, field(string(d.Decode.Body), "routed_dp_rank"))
+				require.Equal(t, w.decodePrefill, field(string(d.Decode.Body), "disagg_prefill_dp_rank"))
 				if prefill != nil {
 					require.Equal(t, w.prefillRouted, field(prefill.Body, "routed_dp_rank"))
 					require.Equal(t, -1, field(prefill.Body, "disagg_prefill_dp_rank"))
@@ -120,10 +128,10 @@ func TestDPRanks(t *testing.T) {
 					if ranked {
 						want = `"remote_engine_id":"e-dp1"`
 					}
-					require.Contains(t, string(d.Body), want, "the decode pulls from the prefill rank's engine")
+					require.Contains(t, string(d.Decode.Body), want, "the decode pulls from the prefill rank's engine")
 				}
 				if tc.connector == "sglang" && ranked {
-					room := field(string(d.Body), "bootstrap_room")
+					room := field(string(d.Decode.Body), "bootstrap_room")
 					require.Equal(t, 1, room%4, "the room is aligned on the prefill's rank")
 				}
 			})

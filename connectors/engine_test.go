@@ -33,9 +33,10 @@ func newRequest(t *testing.T, client string) *Request {
 
 // prefillOutcome receives the one outcome of a concurrent prefill and checks
 // that no second one follows.
-func prefillOutcome(t *testing.T, ch <-chan error) error {
+func prefillOutcome(t *testing.T, p Pending) error {
 	t.Helper()
-	require.NotNil(t, ch, "a concurrent connector returns a prefill channel")
+	require.NotNil(t, p, "a concurrent connector returns its pending prefill")
+	ch := p.Done()
 	require.Equal(t, 1, cap(ch), "buffered: the prefill never waits for a reader")
 	var err error
 	select {

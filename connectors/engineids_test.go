@@ -138,17 +138,17 @@ func TestMooncakeEngineIDCached(t *testing.T) {
 	for range 5 {
 		d, err := MooncakeVLLMConnector{}.Prepare(t.Context(), env, req)
 		require.NoError(t, err)
-		require.NoError(t, <-d.Prefill)
+		require.NoError(t, <-d.Prefill.Done())
 	}
 	require.Equal(t, 1, queries())
 
 	eng.On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Err: &engines.Error{Status: 0, Message: "connection refused"}})
 	d, err := MooncakeVLLMConnector{}.Prepare(t.Context(), env, req)
 	require.NoError(t, err)
-	require.Error(t, <-d.Prefill)
+	require.Error(t, <-d.Prefill.Done())
 	eng.On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 	d, err = MooncakeVLLMConnector{}.Prepare(t.Context(), env, req)
 	require.NoError(t, err)
-	require.NoError(t, <-d.Prefill)
+	require.NoError(t, <-d.Prefill.Done())
 	require.Equal(t, 2, queries(), "asked again after the engine failed")
 }

@@ -139,13 +139,13 @@ func FuzzHTTP(f *testing.F) {
 		}
 		p := onePost(t, engine, req.ID)
 		checkLeg(t, "prefill", cm, []byte(p.Body), prefillOnlyWant(cm))
-		checkLeg(t, "decode", cm, d.Body, protocolAbsent(cm))
-		if d.RequestID != "" || d.Prefill != nil {
+		checkLeg(t, "decode", cm, d.Decode.Body, protocolAbsent(cm))
+		if d.Decode.RequestID != "" || d.Prefill != nil {
 			t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
 		}
 		// The fallback's body (no prefill) is the same stripped client body.
-		if plain := Plain(req.Body); !bytes.Equal(plain, d.Body) {
-			t.Fatalf("Plain %q, HTTP decode %q", plain, d.Body)
+		if plain := Plain(req.Body); !bytes.Equal(plain, d.Decode.Body) {
+			t.Fatalf("Plain %q, HTTP decode %q", plain, d.Decode.Body)
 		}
 	})
 }
@@ -162,12 +162,12 @@ func FuzzP2PNCCL(f *testing.F) {
 		if err != nil {
 			t.Fatalf("Prepare: %v", err)
 		}
-		if !p2pID.MatchString(d.RequestID) {
-			t.Fatalf("decode request id %q", d.RequestID)
+		if !p2pID.MatchString(d.Decode.RequestID) {
+			t.Fatalf("decode request id %q", d.Decode.RequestID)
 		}
-		p := onePost(t, engine, d.RequestID)
+		p := onePost(t, engine, d.Decode.RequestID)
 		checkLeg(t, "prefill", cm, []byte(p.Body), prefillOnlyWant(cm))
-		checkLeg(t, "decode", cm, d.Body, protocolAbsent(cm))
+		checkLeg(t, "decode", cm, d.Decode.Body, protocolAbsent(cm))
 	})
 }
 
@@ -192,14 +192,14 @@ func FuzzSGLang(f *testing.F) {
 			t.Fatalf("prefill: %v", err)
 		}
 		p := onePost(t, engine, req.ID)
-		if p.Body != string(d.Body) {
-			t.Fatalf("legs differ:\nprefill %q\n decode %q", p.Body, d.Body)
+		if p.Body != string(d.Decode.Body) {
+			t.Fatalf("legs differ:\nprefill %q\n decode %q", p.Body, d.Decode.Body)
 		}
-		room := memberRaw(t, d.Body, "bootstrap_room")
+		room := memberRaw(t, d.Decode.Body, "bootstrap_room")
 		if n, err := strconv.ParseInt(string(room), 10, 64); !sglangRoomText.Match(room) || err != nil || n < 0 {
 			t.Fatalf("bootstrap_room %q is not an integer in [0, 2^63)", room)
 		}
-		rid := memberRaw(t, d.Body, "rid")
+		rid := memberRaw(t, d.Decode.Body, "rid")
 		if !pdxRID.Match(rid) {
 			t.Fatalf("rid %q is not pdx's", rid)
 		}
@@ -208,7 +208,7 @@ func FuzzSGLang(f *testing.F) {
 		want["bootstrap_port"] = []byte(`8998`)
 		want["bootstrap_room"] = room
 		want["rid"] = rid
-		checkLeg(t, "decode", cm, d.Body, want)
+		checkLeg(t, "decode", cm, d.Decode.Body, want)
 	})
 }
 
@@ -243,11 +243,11 @@ func FuzzMooncakeVLLM(f *testing.F) {
 		if err := fuzzPrefillOutcome(t, d.Prefill); err != nil {
 			t.Fatalf("prefill: %v", err)
 		}
-		if !hex32.MatchString(d.RequestID) {
-			t.Fatalf("decode request id %q", d.RequestID)
+		if !hex32.MatchString(d.Decode.RequestID) {
+			t.Fatalf("decode request id %q", d.Decode.RequestID)
 		}
-		p := onePost(t, engine, d.RequestID)
-		transferID := `"xfer-` + d.RequestID + `"`
+		p := onePost(t, engine, d.Decode.RequestID)
+		transferID := `"xfer-` + d.Decode.RequestID + `"`
 		want := prefillOnlyWant(cm)
 		want["kv_transfer_params"] = []byte(`{"do_remote_decode":true,"do_remote_prefill":false,"transfer_id":` + transferID + `}`)
 		checkLeg(t, "prefill", cm, []byte(p.Body), want)
@@ -255,7 +255,7 @@ func FuzzMooncakeVLLM(f *testing.F) {
 		want["kv_transfer_params"] = []byte(`{"do_remote_decode":false,"do_remote_prefill":true,` +
 			`"remote_bootstrap_addr":"http://10.0.0.1:8998","remote_engine_id":` + string(engineID) +
 			`,"transfer_id":` + transferID + `}`)
-		checkLeg(t, "decode", cm, d.Body, want)
+		checkLeg(t, "decode", cm, d.Decode.Body, want)
 	})
 }
 
@@ -306,13 +306,13 @@ func fuzzTRTLLM(t *testing.T, legacy bool, client, answer []byte) {
 		t.Fatalf("Prepare with answer %q: %v", answer, err)
 	}
 	if finished {
-		if d.Body != nil || d.Answer == nil || d.Answer.ContentType == "" || len(d.Answer.Body) == 0 {
+		if d.Decode.Body != nil || d.Answer == nil || d.Answer.ContentType == "" || len(d.Answer.Body) == 0 {
 			t.Fatalf("a finished context answer is the client's answer, got %+v", d)
 		}
 		return
 	}
 	want = protocolAbsent(cm)
-	raw := memberRaw(t, d.Body, "disaggregated_params")
+	raw := memberRaw(t, d.Decode.Body, "disaggregated_params")
 	got, err := fuzzMembers(raw)
 	if err != nil || !slices.EqualFunc(got, params, equalMember) {
 		t.Fatalf("generation disaggregated_params %q (%v), want members %q", raw, err, params)
@@ -321,8 +321,8 @@ func fuzzTRTLLM(t *testing.T, legacy bool, client, answer []byte) {
 	for _, m := range extra {
 		want[m.key] = m.raw
 	}
-	checkLeg(t, "generation", cm, d.Body, want)
-	if d.RequestID != "" || d.Prefill != nil {
+	checkLeg(t, "generation", cm, d.Decode.Body, want)
+	if d.Decode.RequestID != "" || d.Prefill != nil {
 		t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
 	}
 }
@@ -357,8 +357,8 @@ func fuzzNIXL(t *testing.T, c Connector, client, answer []byte) {
 	if found && string(kv) != "null" {
 		want["kv_transfer_params"] = kv
 	}
-	checkLeg(t, "decode", cm, d.Body, want)
-	if d.RequestID != "" || d.Prefill != nil {
+	checkLeg(t, "decode", cm, d.Decode.Body, want)
+	if d.Decode.RequestID != "" || d.Prefill != nil {
 		t.Fatalf("decode %+v: a sequential connector keeps the request id", d)
 	}
 }
@@ -417,17 +417,20 @@ func onePost(t *testing.T, engine *fakeengine.Engine, requestID string) fakeengi
 }
 
 // fuzzPrefillOutcome waits for a concurrent prefill's outcome.
-func fuzzPrefillOutcome(t *testing.T, ch <-chan error) error {
+func fuzzPrefillOutcome(t *testing.T, p Pending) error {
 	t.Helper()
-	if ch == nil || cap(ch) != 1 {
+	if p == nil {
+		t.Fatal("a concurrent connector returns its pending prefill")
+	}
+	if ch := p.Done(); ch == nil || cap(ch) != 1 {
 		t.Fatal("a concurrent connector returns a buffered prefill channel")
 	}
 	timer := time.NewTimer(10 * time.Second)
 	defer timer.Stop()
 	select {
-	case err := <-ch:
+	case err := <-p.Done():
 		select {
-		case again := <-ch:
+		case again := <-p.Done():
 			t.Fatalf("a second prefill outcome: %v", again)
 		default:
 		}
@@ -440,7 +443,7 @@ func fuzzPrefillOutcome(t *testing.T, ch <-chan error) error {
 
 // requireBadAnswer checks Prepare's result for an engine answer the
 // protocol does not allow.
-func requireBadAnswer(t *testing.T, err error, d Decode, answer []byte) {
+func requireBadAnswer(t *testing.T, err error, d Handoff, answer []byte) {
 	t.Helper()
 	ee, ok := errors.AsType[*engines.Error](err)
 	if !ok {
@@ -449,7 +452,7 @@ func requireBadAnswer(t *testing.T, err error, d Decode, answer []byte) {
 	if ee.Endpoint != testPrefill || !errors.Is(err, engines.ErrBadAnswer) {
 		t.Fatalf("Prepare with bad answer %q: %v (endpoint %+v), want engines.ErrBadAnswer from %+v", answer, err, ee.Endpoint, testPrefill)
 	}
-	if d.Body != nil || d.RequestID != "" || d.Prefill != nil {
+	if d.Decode.Body != nil || d.Decode.RequestID != "" || d.Prefill != nil {
 		t.Fatalf("Prepare failed but returned a decode: %+v", d)
 	}
 }

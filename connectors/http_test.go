@@ -54,8 +54,8 @@ func TestHTTPPrepare(t *testing.T) {
 			got, err := HTTP{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: testPrefill, Path: req.Path, RequestID: "req-1", Body: tc.prefill}}, eng.Calls())
-			require.Equal(t, tc.decode, string(got.Body))
-			require.Equal(t, Decode{Body: got.Body}, got, "no request id override, no concurrent prefill")
+			require.Equal(t, tc.decode, string(got.Decode.Body))
+			require.Equal(t, Handoff{Decode: Decode{Body: got.Decode.Body}}, got, "no request id override, no concurrent prefill")
 		})
 	}
 }
@@ -83,7 +83,7 @@ func TestHTTPPrepareErrors(t *testing.T) {
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
 			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
 			got, err := HTTP{}.Prepare(ctx, Env{Engine: eng}, req)
-			require.Equal(t, Decode{}, got)
+			require.Equal(t, Handoff{}, got)
 			requireEngineError(t, err, testPrefill)
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)

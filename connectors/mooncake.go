@@ -25,8 +25,9 @@ var _ Connector = MooncakeVLLMConnector{}
 
 func mooncakeSpec() Spec {
 	return Spec{
-		Names:  []string{"mooncake"},
-		Fields: []string{FieldMooncakeProtocol, FieldKVAddress, FieldDPSize},
+		Names:      []string{"mooncake"},
+		Fields:     []string{FieldMooncakeProtocol, FieldKVAddress, FieldDPSize},
+		ClientKeys: []string{keyKVTransferParams},
 		Defaults: func(p *configv1.Pool) {
 			if p.MooncakeProtocol == "" {
 				p.MooncakeProtocol = MooncakeNIXL
@@ -85,10 +86,10 @@ func mooncakeValidate(p *configv1.Pool, path string) []error {
 type MooncakeVLLMConnector struct{}
 
 // Prepare implements [Connector].
-func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
+func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
 	host := req.Prefill.Host()
 	if host == "" {
-		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
+		return Handoff{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	bootstrap := net.JoinHostPort(host, strconv.Itoa(req.Prefill.Bootstrap()))
 	// The bootstrap server lists an engine per DP rank: the decode pulls
@@ -101,7 +102,7 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request)
 		return queryEngineID(ctx, env.Engine, req.Prefill, bootstrap, rank)
 	})
 	if err != nil {
-		return Decode{}, err
+		return Handoff{}, err
 	}
 	// As upstream's proxy does, both legs carry a fresh request id and the
 	// transfer id "xfer-<id>", under which both engines name the KV. Fresh
@@ -110,12 +111,12 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request)
 	id := uuidHex()
 	transferID := appendJSONString(nil, "xfer-"+id)
 	var buf [maxEdits]jsonedit.Edit
-	prefill := enginePieces(req.Body, append(prefillOnlyEdits(buf[:0], req.Body),
+	prefill := enginePieces(nil, req.Body, append(prefillOnlyEdits(buf[:0], req.Body),
 		jsonedit.Set(keyKVTransferParams, mooncakePrefillParams(transferID)))...)
 	decode := engineBody(req.Body,
 		jsonedit.Set(keyKVTransferParams, mooncakeDecodeParams(transferID, "http://"+bootstrap, engineID)))
 	failed := func() { env.EngineIDs.forget(key, engineID) } // the engine may have restarted
-	return Decode{Body: decode, RequestID: id, Rank: req.DecodeRank,
+	return Handoff{Decode: Decode{Body: decode, RequestID: id, Rank: req.DecodeRank},
 		Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, id, req.PrefillRank, prefill, failed)}, nil
 }
 

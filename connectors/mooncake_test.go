@@ -97,14 +97,14 @@ func TestMooncakeVLLMPrepare(t *testing.T) {
 			require.NoError(t, prefillOutcome(t, got.Prefill))
 			calls := eng.Calls()
 			require.Len(t, calls, 2)
-			id := transferID(t, string(got.Body))
+			id := transferID(t, string(got.Decode.Body))
 			require.Equal(t, id, transferID(t, calls[1].Body), "both legs meet on one transfer id")
-			require.Equal(t, "xfer-"+got.RequestID, id, "the transfer id is xfer-<request id>")
-			require.Equal(t, tc.decode, strings.ReplaceAll(string(got.Body), id, "xfer-ID"))
+			require.Equal(t, "xfer-"+got.Decode.RequestID, id, "the transfer id is xfer-<request id>")
+			require.Equal(t, tc.decode, strings.ReplaceAll(string(got.Decode.Body), id, "xfer-ID"))
 			calls[1].Body = strings.ReplaceAll(calls[1].Body, id, "xfer-ID")
 			require.Equal(t, []fakeengine.Call{
 				{Method: http.MethodGet, Endpoint: endpoint.Endpoint{Address: tc.bootstrap}, Path: "/query"},
-				{Method: http.MethodPost, Endpoint: req.Prefill, Path: req.Path, RequestID: got.RequestID, Body: tc.prefill},
+				{Method: http.MethodPost, Endpoint: req.Prefill, Path: req.Path, RequestID: got.Decode.RequestID, Body: tc.prefill},
 			}, calls, "one fresh request id on both legs")
 		})
 	}
@@ -134,7 +134,7 @@ func TestMooncakeVLLMTransferIDIsFresh(t *testing.T) {
 		got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
 		require.NoError(t, err)
 		require.NoError(t, prefillOutcome(t, got.Prefill))
-		id := transferID(t, string(got.Body))
+		id := transferID(t, string(got.Decode.Body))
 		require.False(t, seen[id], "transfer id %s reused", id)
 		seen[id] = true
 	}
@@ -163,7 +163,7 @@ func TestMooncakeVLLMQueryErrors(t *testing.T) {
 				On(http.MethodGet, "10.0.0.1:8998", "/query", tc.reply).
 				On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{}`})
 			got, err := MooncakeVLLMConnector{}.Prepare(t.Context(), Env{Engine: eng}, req)
-			require.Equal(t, Decode{}, got)
+			require.Equal(t, Handoff{}, got)
 			ee := requireEngineError(t, err, testPrefill)
 			require.Zero(t, ee.Status, "the client's request is not at fault")
 			if tc.wantErr != "" {

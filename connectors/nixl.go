@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -15,10 +16,10 @@ import (
 // vllm-ascend) is this connector too.
 type NIXL struct{}
 
-var _ interface {
-	Connector
-	Releaser
-} = NIXL{}
+var (
+	_ Connector = NIXL{}
+	_ Held      = (*nixlHeld)(nil)
+)
 
 func nixlSpec() Spec {
 	traits, build := fixed(NIXL{}, Traits{Prefills: true,
@@ -28,7 +29,7 @@ func nixlSpec() Spec {
 		// one nothing to read (the prefill frees blocks once read): vLLM's
 		// kv_load_failure_policy says whether that one recomputes or fails.
 		DecodeFallback: true})
-	return Spec{Names: []string{"nixl"}, Fields: []string{FieldKVAddress, FieldDPSize}, Traits: traits, New: build}
+	return Spec{Names: []string{"nixl"}, Fields: []string{FieldKVAddress, FieldDPSize}, ClientKeys: []string{keyKVTransferParams}, Traits: traits, New: build}
 }
 
 // nixlPrefillParams asks the prefill engine to keep the KV for a remote
@@ -37,22 +38,30 @@ var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":fal
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
 // Prepare implements [Connector].
-func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
-	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, nixlPrefillBody(req.Body))
+func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
+	held := &nixlHeld{decode: req.Decode, path: req.Path, id: req.ID, rank: req.DecodeRank, client: req.Body}
+	prefill := nixlPrefillBody(held.pieces[:0], req.Body, nixlPrefillParams)
+	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, prefill)
 	if err != nil {
-		return Decode{}, engineFailure(req.Prefill, err)
+		return Handoff{}, engineFailure(req.Prefill, err)
 	}
 	params, err := kvTransferParams(answer)
 	if err == nil && params != nil {
 		err = nixlKVSource(req, params)
 	}
 	if err != nil {
-		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "reading kv_transfer_params", Err: err}
+		return Handoff{}, &engines.Error{Endpoint: req.Prefill, Message: "reading kv_transfer_params", Err: err}
 	}
 	// params == nil (the prefill ended on EOS/stop) deletes the key: the
-	// decode engine then recomputes from the plain client body. Either way a
-	// client-sent kv_transfer_params never reaches the decode engine.
-	return Decode{Body: nixlDecodeBody(req.Body, params), Rank: req.DecodeRank}, nil
+	// decode engine then recomputes from the plain client body, and the
+	// prefill keeps nothing. Either way a client-sent kv_transfer_params
+	// never reaches the decode engine.
+	h := Handoff{Decode: Decode{Body: nixlDecodeBody(req.Body, params), Rank: req.DecodeRank}}
+	if params != nil {
+		held.params = params
+		h.Held = held
+	}
+	return h, nil
 }
 
 // nixlKVSource checks the NIXL side channel that params name, the one the
@@ -77,26 +86,36 @@ func nixlKVSource(req *Request, params []byte) error {
 	return checkKVSource(req, host, port)
 }
 
-// Release implements [Releaser]. It makes the prefill engine free the KV
-// blocks it keeps for a decode that pdx will not send. vLLM offers no call
-// for that (an abort that reaches a finished prefill is ignored, vLLM PR
+// nixlPieces is how many pieces of a prefill body nixlHeld has room for:
+// enough for a client body of up to 12 members, as many as jsonedit parses
+// without allocating (EditedPieces' bound: 3 per member, 2 braces, 5 per
+// value set).
+const nixlPieces = 3*12 + 2 + 5*4
+
+// nixlHeld is the KV blocks a NIXL prefill engine keeps for a decode: what
+// the decode engine must be sent to free them. Prepare allocates it first,
+// with room for the prefill body's pieces, so that a request costs one
+// allocation besides its decode body.
+type nixlHeld struct {
+	decode endpoint.Endpoint
+	path   string
+	id     string
+	rank   endpoint.Rank
+	client jsonedit.Object
+	params []byte // the prefill answer's kv_transfer_params
+	pieces [nixlPieces][]byte
+}
+
+// Release implements [Held]. It makes the prefill engine free the KV blocks
+// it keeps for a decode that pdx will not send. vLLM offers no call for
+// that (an abort that reaches a finished prefill is ignored, vLLM PR
 // #25067); what frees them is a decode that reads them, or one aborted
 // before it was scheduled (the decode then notifies the prefill, PR
 // #19223). So the decode engine gets a one-token decode carrying the
 // blocks, whose answer is thrown away. Left alone, the blocks stay until
 // VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s), or the 30 s lease of newer vLLM.
-func (NIXL) Release(ctx context.Context, env Env, req *Request, d Decode) error {
-	decode, err := jsonedit.Parse(d.Body)
-	if err != nil {
-		return err
-	}
-	params, ok := decode.Raw(keyKVTransferParams)
-	if !ok {
-		return nil // the prefill ended on EOS: it keeps nothing
-	}
-	var buf [maxEdits]jsonedit.Edit
-	edits := append(prefillOnlyEdits(buf[:0], req.Body), jsonedit.Set(keyKVTransferParams, params))
-	_, err = env.Engine.Post(ctx, req.Decode, req.Path, req.ID, d.Rank, enginePieces(req.Body, edits...))
+func (h *nixlHeld) Release(ctx context.Context, env Env) error {
+	_, err := env.Engine.Post(ctx, h.decode, h.path, h.id, h.rank, nixlPrefillBody(nil, h.client, h.params))
 	return err
 }
 
@@ -108,10 +127,12 @@ func orAbsent(raw []byte) []byte {
 	return raw
 }
 
-func nixlPrefillBody(client jsonedit.Object) net.Buffers {
+// nixlPrefillBody appends to dst the pieces of a one-token request carrying
+// params: the prefill's (nixlPrefillParams), or a release's (the blocks).
+func nixlPrefillBody(dst net.Buffers, client jsonedit.Object, params []byte) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
 	edits := prefillOnlyEdits(buf[:0], client)
-	return enginePieces(client, append(edits, jsonedit.Set(keyKVTransferParams, nixlPrefillParams))...)
+	return enginePieces(dst, client, append(edits, jsonedit.Set(keyKVTransferParams, params))...)
 }
 
 // nixlDecodeBody sets the prefill's kv_transfer_params; nil params leave the

@@ -75,8 +75,8 @@ func TestNIXLPrefillBody(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			obj, err := jsonedit.Parse([]byte(tc.client))
 			require.NoError(t, err)
-			require.JSONEq(t, tc.want, string(bytes.Join(nixlPrefillBody(obj), nil)))
-			require.Equal(t, tc.want, string(bytes.Join(nixlPrefillBody(obj), nil)), "byte-exact")
+			require.JSONEq(t, tc.want, string(bytes.Join(nixlPrefillBody(nil, obj, nixlPrefillParams), nil)))
+			require.Equal(t, tc.want, string(bytes.Join(nixlPrefillBody(nil, obj, nixlPrefillParams), nil)), "byte-exact")
 		})
 	}
 }
@@ -158,7 +158,7 @@ func TestNIXLPrepare(t *testing.T) {
 			got, err := NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.Equal(t, []fakeengine.Call{{
 				Method: http.MethodPost, Endpoint: testPrefill, Path: "/v1/completions",
-				RequestID: "req-1", Body: string(bytes.Join(nixlPrefillBody(req.Body), nil)),
+				RequestID: "req-1", Body: string(bytes.Join(nixlPrefillBody(nil, req.Body, nixlPrefillParams), nil)),
 			}}, eng.Calls())
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)
@@ -169,8 +169,8 @@ func TestNIXLPrepare(t *testing.T) {
 				return
 			}
 			require.NoError(t, err)
-			require.Equal(t, tc.want, string(got.Body))
-			require.Empty(t, got.RequestID)
+			require.Equal(t, tc.want, string(got.Decode.Body))
+			require.Empty(t, got.Decode.RequestID)
 			require.Nil(t, got.Prefill)
 		})
 	}
@@ -233,7 +233,8 @@ func TestNIXLRelease(t *testing.T) {
 		On(http.MethodPost, testDecode.Address, req.Path, fakeengine.Reply{Body: `{}`})
 	got, err := NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	require.NoError(t, err)
-	require.NoError(t, NIXL{}.Release(t.Context(), Env{Engine: eng}, req, got))
+	require.NotNil(t, got.Held, "the prefill keeps its blocks for the decode")
+	require.NoError(t, got.Held.Release(t.Context(), Env{Engine: eng}))
 	calls := eng.Calls()
 	require.Len(t, calls, 2)
 	require.Equal(t, fakeengine.Call{Method: http.MethodPost, Endpoint: testDecode, Path: req.Path, RequestID: "req-1",
@@ -243,6 +244,6 @@ func TestNIXLRelease(t *testing.T) {
 	eng = fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{"kv_transfer_params":null}`})
 	got, err = NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	require.NoError(t, err)
-	require.NoError(t, NIXL{}.Release(t.Context(), Env{Engine: eng}, req, got))
+	require.Nil(t, got.Held, "nothing to release")
 	require.Len(t, eng.Calls(), 1)
 }

@@ -9,8 +9,8 @@ import "context"
 type None struct{}
 
 // Prepare returns the plain client body; no engine is called.
-func (None) Prepare(_ context.Context, _ Env, req *Request) (Decode, error) {
-	return Decode{Body: engineBody(req.Body), Rank: req.DecodeRank}, nil
+func (None) Prepare(_ context.Context, _ Env, req *Request) (Handoff, error) {
+	return Handoff{Decode: Decode{Body: engineBody(req.Body), Rank: req.DecodeRank}}, nil
 }
 
 var _ Connector = None{}

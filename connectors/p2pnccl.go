@@ -47,18 +47,18 @@ func p2pNCCLValidate(p *configv1.Pool, path string) []error {
 }
 
 // Prepare implements [Connector].
-func (P2PNCCL) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
+func (P2PNCCL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
 	if req.Prefill.KVAddress == "" || req.Decode.KVAddress == "" {
 		// Config validation requires kv_address with p2p-nccl; this is a
 		// configuration error, not an engine failure.
-		return Decode{}, fmt.Errorf("p2p-nccl: prefill %s or decode %s has no kv_address", req.Prefill.Address, req.Decode.Address)
+		return Handoff{}, fmt.Errorf("p2p-nccl: prefill %s or decode %s has no kv_address", req.Prefill.Address, req.Decode.Address)
 	}
 	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
 	var buf [maxEdits]jsonedit.Edit
-	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, endpoint.Rank{}, enginePieces(req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
-		return Decode{}, engineFailure(req.Prefill, err)
+	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, endpoint.Rank{}, enginePieces(nil, req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
+		return Handoff{}, engineFailure(req.Prefill, err)
 	}
-	return Decode{Body: engineBody(req.Body), RequestID: id}, nil
+	return Handoff{Decode: Decode{Body: engineBody(req.Body), RequestID: id}}, nil
 }
 
 // p2pRequestID returns

@@ -40,10 +40,10 @@ func TestP2PNCCLPrepare(t *testing.T) {
 			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: `{"id":"x"}`})
 			got, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
-			require.Regexp(t, p2pID, got.RequestID)
-			require.Equal(t, tc.decode, string(got.Body))
+			require.Regexp(t, p2pID, got.Decode.RequestID)
+			require.Equal(t, tc.decode, string(got.Decode.Body))
 			require.Nil(t, got.Prefill)
-			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: testPrefill, Path: req.Path, RequestID: got.RequestID, Body: tc.prefill}},
+			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: testPrefill, Path: req.Path, RequestID: got.Decode.RequestID, Body: tc.prefill}},
 				eng.Calls(), "the prefill is sent with the encoded id")
 		})
 	}
@@ -56,9 +56,9 @@ func TestP2PNCCLRequestIDFresh(t *testing.T) {
 	for range 500 {
 		got, err := P2PNCCL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 		require.NoError(t, err)
-		require.Regexp(t, p2pID, got.RequestID)
-		require.False(t, seen[got.RequestID], "id %s reused", got.RequestID)
-		seen[got.RequestID] = true
+		require.Regexp(t, p2pID, got.Decode.RequestID)
+		require.False(t, seen[got.Decode.RequestID], "id %s reused", got.Decode.RequestID)
+		seen[got.Decode.RequestID] = true
 	}
 }
 
@@ -91,7 +91,7 @@ func TestP2PNCCLErrors(t *testing.T) {
 			req.Prefill, req.Decode = tc.prefill, tc.decode
 			eng := fakeengine.New().On(http.MethodPost, tc.prefill.Address, req.Path, tc.reply)
 			got, err := P2PNCCL{}.Prepare(ctx, Env{Engine: eng}, req)
-			require.Equal(t, Decode{}, got)
+			require.Equal(t, Handoff{}, got)
 			require.Error(t, err)
 			if tc.noEngine {
 				require.Empty(t, eng.Calls())

@@ -21,23 +21,26 @@ import (
 // edits: the SGLang prefill server stops after the first token itself).
 type SGLang struct{}
 
-var _ interface {
-	Connector
-	Releaser
-} = SGLang{}
+var (
+	_ Connector = SGLang{}
+	_ Held      = (*sglangHeld)(nil)
+)
 
 func sglangSpec() Spec {
 	// No decode fallback: the prefill sends its KV to the decode that
 	// registered the bootstrap room, and a room serves one attempt.
 	traits, build := fixed(SGLang{}, Traits{Prefills: true, Concurrent: true})
-	return Spec{Names: []string{"sglang"}, Fields: []string{FieldDPSize}, Traits: traits, New: build}
+	// rid is not among the client keys: this connector replaces a
+	// client's itself, and other pools' engines get it as sent.
+	return Spec{Names: []string{"sglang"}, Fields: []string{FieldDPSize}, Traits: traits, New: build,
+		ClientKeys: []string{keyBootstrapHost, keyBootstrapPort, keyBootstrapRoom, keyRoutedDPRank, keyDisaggPrefillDPRank, keyDataParallelRank}}
 }
 
 // Prepare implements [Connector].
-func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
+func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
 	host := req.Prefill.Host()
 	if host == "" {
-		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
+		return Handoff{}, &engines.Error{Endpoint: req.Prefill, Message: "address is not ip:port"}
 	}
 	rid := sglangRID()
 	room := alignRoom(sglangRoom(), req.Prefill.DPSize, req.PrefillRank)
@@ -47,7 +50,11 @@ func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Decode, error
 	if req.PrefillRank != (endpoint.Rank{}) || req.DecodeRank != (endpoint.Rank{}) {
 		decode = sglangBody(req.Body, b, req.DecodeRank, req.PrefillRank)
 	}
-	return Decode{Body: decode, Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, req.ID, endpoint.Rank{}, net.Buffers{prefill}, nil)}, nil
+	return Handoff{
+		Decode:  Decode{Body: decode},
+		Prefill: startPrefill(ctx, env.Engine, req.Prefill, req.Path, req.ID, endpoint.Rank{}, net.Buffers{prefill}, nil),
+		Held:    &sglangHeld{rid: rid, id: req.ID, decode: req.Decode, prefill: req.Prefill},
+	}, nil
 }
 
 // alignRoom returns room, in [0, 2^63-1], moved within its block of size
@@ -79,7 +86,10 @@ func sglangRoom() uint64 { return uint64(rand.Int64()) }
 // request's id from the body's "rid" (it ignores X-Request-Id), and its
 // /abort_request matches ids by prefix: pdx's ids all have one length, so
 // none is a prefix of another, and a client's rid is replaced.
-func sglangRID() string { return "pdx-" + uuidHex() }
+func sglangRID() string {
+	var b [4 + 32]byte
+	return string(appendUUIDHex(append(b[:0], "pdx-"...)))
+}
 
 // sglangBootstrap is where and under which ids the two legs meet.
 type sglangBootstrap struct {
@@ -120,22 +130,23 @@ func sglangBody(client jsonedit.Object, b sglangBootstrap, routed, prefill endpo
 // decode may still be on its way through Envoy when pdx gives up on it.
 const sglangAbortRetry = 500 * time.Millisecond
 
-// Release implements [Releaser]: it asks both engines to abort the request
-// by its rid (SGLang's /abort_request). A decode waiting for KV that will
-// not come frees its pre-allocated KV pages at once instead of after
+// sglangHeld is a request both SGLang engines hold: a decode waiting for
+// its KV holds pre-allocated KV pages, a prefill waiting for its decode
+// holds the KV. Both let go of it when aborted by its rid.
+type sglangHeld struct {
+	rid             string
+	id              string // X-Request-Id of the aborts
+	decode, prefill endpoint.Endpoint
+}
+
+// Release implements [Held]: it asks both engines to abort the request by
+// its rid (SGLang's /abort_request). A decode waiting for KV that will not
+// come frees its pre-allocated KV pages at once instead of after
 // SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s), or when SGLang notices that
 // its client went away (it checks every 4 s); a prefill waiting for its
 // decode frees its KV. Aborting a request that already ended is a no-op.
-func (SGLang) Release(ctx context.Context, env Env, req *Request, d Decode) error {
-	body, err := jsonedit.Parse(d.Body)
-	if err != nil {
-		return err
-	}
-	rid, ok := body.Raw(keySGLangRID)
-	if !ok {
-		return nil
-	}
-	abort := append(append([]byte(`{"rid":`), rid...), '}')
+func (h *sglangHeld) Release(ctx context.Context, env Env) error {
+	abort := append(appendJSONString([]byte(`{"rid":`), h.rid), '}')
 	var errs []error
 	for i := range 2 {
 		if i > 0 {
@@ -146,8 +157,8 @@ func (SGLang) Release(ctx context.Context, env Env, req *Request, d Decode) erro
 			}
 		}
 		errs = errs[:0]
-		for _, ep := range []endpoint.Endpoint{req.Decode, req.Prefill} {
-			if _, err := env.Engine.Post(ctx, ep, "/abort_request", req.ID, endpoint.Rank{}, net.Buffers{abort}); err != nil {
+		for _, ep := range []endpoint.Endpoint{h.decode, h.prefill} {
+			if _, err := env.Engine.Post(ctx, ep, "/abort_request", h.id, endpoint.Rank{}, net.Buffers{abort}); err != nil {
 				errs = append(errs, engineFailure(ep, err))
 			}
 		}

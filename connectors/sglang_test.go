@@ -136,13 +136,13 @@ func TestSGLangPrepare(t *testing.T) {
 			got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
 			require.NoError(t, prefillOutcome(t, got.Prefill))
-			require.Empty(t, got.RequestID)
-			room, rid := roomOf(t, got.Body), ridOf(t, got.Body)
+			require.Empty(t, got.Decode.RequestID)
+			room, rid := roomOf(t, got.Decode.Body), ridOf(t, got.Decode.Body)
 			require.Regexp(t, `^[0-9]+$`, room)
 			require.Regexp(t, `^pdx-[0-9a-f]{32}$`, rid)
 			want := strings.NewReplacer("ROOM", room, "RID", rid).Replace(tc.wantBody)
-			require.Equal(t, want, string(got.Body))
-			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: tc.prefill, Path: req.Path, RequestID: "req-1", Body: string(got.Body)}},
+			require.Equal(t, want, string(got.Decode.Body))
+			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: tc.prefill, Path: req.Path, RequestID: "req-1", Body: string(got.Decode.Body)}},
 				eng.Calls(), "both legs get the same body, the room included")
 		})
 	}
@@ -159,8 +159,8 @@ func TestSGLangRoom(t *testing.T) {
 	for range calls {
 		got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 		require.NoError(t, err)
-		require.NoError(t, <-got.Prefill)
-		text := roomOf(t, got.Body)
+		require.NoError(t, <-got.Prefill.Done())
+		text := roomOf(t, got.Decode.Body)
 		require.Regexp(t, `^(0|[1-9][0-9]*)$`, text, "integer text, no sign, exponent or fraction")
 		room, err := strconv.ParseUint(text, 10, 64)
 		require.NoError(t, err)
@@ -194,7 +194,7 @@ func TestSGLangPrefillOutcome(t *testing.T) {
 			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
 			got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err, "prefill failures arrive on the channel")
-			require.NotEmpty(t, got.Body)
+			require.NotEmpty(t, got.Decode.Body)
 			err = prefillOutcome(t, got.Prefill)
 			if tc.wantErr == "" {
 				require.NoError(t, err)
@@ -240,10 +240,11 @@ func TestSGLangRelease(t *testing.T) {
 		On(http.MethodPost, testDecode.Address, "/abort_request", fakeengine.Reply{Err: &engines.Error{Status: 500, Message: "down"}})
 	got, err := SGLang{}.Prepare(t.Context(), Env{Engine: eng}, req)
 	require.NoError(t, err)
-	require.NoError(t, <-got.Prefill)
-	err = SGLang{}.Release(t.Context(), Env{Engine: eng}, req, got)
+	require.NoError(t, <-got.Prefill.Done())
+	require.NotNil(t, got.Held)
+	err = got.Held.Release(t.Context(), Env{Engine: eng})
 	requireEngineError(t, err, testDecode)
-	abort := `{"rid":"` + ridOf(t, got.Body) + `"}`
+	abort := `{"rid":"` + ridOf(t, got.Decode.Body) + `"}`
 	var aborts []fakeengine.Call
 	for _, c := range eng.Calls() {
 		if c.Path == "/abort_request" {

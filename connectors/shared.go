@@ -7,15 +7,15 @@ import (
 	"encoding/json"
 	"errors"
 	"net"
+	"slices"
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
 
-// The members through which engines take KV transfer instructions. A client
-// must never be able to set them: a kv_transfer_params or bootstrap_* of its
-// choosing would make an engine pull (or push) another request's KV blocks.
+// The members through which engines take KV transfer instructions, as the
+// specs list them in ClientKeys.
 const (
 	keyKVTransferParams    = "kv_transfer_params"   // vLLM (NIXL, Mooncake)
 	keyBootstrapHost       = "bootstrap_host"       // SGLang
@@ -36,6 +36,24 @@ const (
 // another request's or be aborted with it; pdx's replaces it.
 const keySGLangRID = "rid"
 
+// clientKeyDeletes are the edits that remove every connector's ClientKeys,
+// built once from the specs: whatever the pool's connector, a client can
+// set no protocol's keys.
+var clientKeyDeletes = deletes(specs())
+
+// deletes returns the edits deleting the ClientKeys of all, each once.
+func deletes(all []Spec) []jsonedit.Edit {
+	var edits []jsonedit.Edit
+	for _, s := range all {
+		for _, key := range s.ClientKeys {
+			if !slices.ContainsFunc(edits, func(e jsonedit.Edit) bool { return e.Key == key }) {
+				edits = append(edits, jsonedit.Delete(key))
+			}
+		}
+	}
+	return edits
+}
+
 // stripped appends to dst the edits that remove every client-sent protocol
 // field and every null optional member pdx reads, followed by edits. Since
 // the last edit of a key wins, a connector's own value for one of those keys
@@ -43,16 +61,7 @@ const keySGLangRID = "rid"
 // removed. jsonedit compares keys unescaped, so "kv_transfer_param\u0073" is
 // removed (or replaced) too.
 func stripped(dst []jsonedit.Edit, client jsonedit.Object, edits ...jsonedit.Edit) []jsonedit.Edit {
-	dst = append(dst,
-		jsonedit.Delete(keyKVTransferParams),
-		jsonedit.Delete(keyBootstrapHost),
-		jsonedit.Delete(keyBootstrapPort),
-		jsonedit.Delete(keyBootstrapRoom),
-		jsonedit.Delete(keyDisaggregatedParams),
-		jsonedit.Delete(keyRoutedDPRank),
-		jsonedit.Delete(keyDisaggPrefillDPRank),
-		jsonedit.Delete(keyDataParallelRank),
-	)
+	dst = append(dst, clientKeyDeletes...)
 	// OpenAI clients send null for options they leave unset, and pdx reads
 	// null as absent. Engines do not all agree (SGLang's "stream" is a
 	// plain bool, vLLM's completions "n" a plain int): they get such
@@ -83,14 +92,14 @@ func engineBody(client jsonedit.Object, edits ...jsonedit.Edit) []byte {
 	return client.Edited(stripped(buf[:0], client, edits...)...)
 }
 
-// enginePieces is engineBody as pieces of the client body and the edits, for
-// a prefill: the engine client sends them one after another, so the prefill
-// body costs no copy of the prompt (a request in flight holds its prompt
-// once, not twice). The pieces refer to edits' values, which must stay
-// unchanged until the prefill is sent.
-func enginePieces(client jsonedit.Object, edits ...jsonedit.Edit) net.Buffers {
+// enginePieces appends to dst engineBody as pieces of the client body and
+// the edits, for a prefill: the engine client sends them one after another,
+// so the prefill body costs no copy of the prompt (a request in flight holds
+// its prompt once, not twice). The pieces refer to edits' values, which must
+// stay unchanged until the prefill is sent.
+func enginePieces(dst net.Buffers, client jsonedit.Object, edits ...jsonedit.Edit) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
-	return client.EditedPieces(nil, stripped(buf[:0], client, edits...)...)
+	return client.EditedPieces(dst, stripped(buf[:0], client, edits...)...)
 }
 
 // Fixed JSON values of prefill edits. They are only ever read (see
@@ -126,13 +135,13 @@ func engineFailure(ep endpoint.Endpoint, err error) error {
 	return &engines.Error{Endpoint: ep, Err: err}
 }
 
-// startPrefill posts the prefill in a goroutine of its own and returns the
-// channel that receives its outcome: exactly one value, nil on success. The
-// channel is buffered, so the goroutine never waits for a reader; it ends
-// when Post returns, which an [Engine] does once ctx is done. The answer's
-// body is discarded (the engine client has read it to the end). failed, if
-// not nil, is called before a failure is delivered.
-func startPrefill(ctx context.Context, engine Engine, ep endpoint.Endpoint, path, requestID string, rank endpoint.Rank, body net.Buffers, failed func()) <-chan error {
+// startPrefill posts the prefill in a goroutine of its own and returns it as
+// Pending: its channel receives exactly one value, nil on success, and is
+// buffered, so the goroutine never waits for a reader; it ends when Post
+// returns, which an [Engine] does once ctx is done. The answer's body is
+// discarded (the engine client has read it to the end). failed, if not nil,
+// is called before a failure is delivered.
+func startPrefill(ctx context.Context, engine Engine, ep endpoint.Endpoint, path, requestID string, rank endpoint.Rank, body net.Buffers, failed func()) Pending {
 	done := make(chan error, 1)
 	go func() {
 		_, err := engine.Post(ctx, ep, path, requestID, rank, body)
@@ -144,16 +153,29 @@ func startPrefill(ctx context.Context, engine Engine, ep endpoint.Endpoint, path
 		}
 		done <- err
 	}()
-	return done
+	return running(done)
 }
+
+// running is a prefill's outcome channel as [Pending]; a channel is a
+// pointer, so the conversion allocates nothing.
+type running <-chan error
+
+// Done implements [Pending].
+func (r running) Done() <-chan error { return r }
 
 // uuidHex returns a random UUID (version 4) as 32 hex digits, as Python's
 // uuid4().hex spells it. Ids that engines key KV by are made fresh per
 // attempt, never taken from the client, whose X-Request-Id may repeat.
 func uuidHex() string {
+	var b [32]byte
+	return string(appendUUIDHex(b[:0]))
+}
+
+// appendUUIDHex appends uuidHex's digits to dst.
+func appendUUIDHex(dst []byte) []byte {
 	var u [16]byte
 	_, _ = rand.Read(u[:])  // never fails (crypto/rand since Go 1.24)
 	u[6] = u[6]&0x0f | 0x40 // version 4
 	u[8] = u[8]&0x3f | 0x80 // RFC 4122 variant
-	return hex.EncodeToString(u[:])
+	return hex.AppendEncode(dst, u[:])
 }

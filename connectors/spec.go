@@ -26,6 +26,13 @@ type Spec struct {
 	// path is the pool's field path, e.g. "pools[0]". The generic fields
 	// are config's to check.
 	Validate func(p *configv1.Pool, path string) []error
+	// ClientKeys are the body members through which the protocol's
+	// engines take KV transfer instructions or pdx's choices (a DP rank).
+	// A client must never set them: a kv_transfer_params or bootstrap_*
+	// of its choosing would make an engine pull (or push) another
+	// request's KV blocks. Every connector removes every connector's
+	// ClientKeys from both legs, then writes its own.
+	ClientKeys []string
 	// Traits are the protocol's properties for a pool that passed
 	// Validate.
 	Traits func(p *configv1.Pool) Traits
@@ -40,8 +47,9 @@ type Traits struct {
 	// pool lists no prefill endpoints and its pods have no roles.
 	Prefills bool
 	// Concurrent reports that the prefill still runs when Prepare returns
-	// (see Decode.Prefill): the processor holds the decode's response
-	// headers until it is done.
+	// (Handoff.Prefill is set): the processor holds the decode's response
+	// headers until it is done. Routing needs it before a body arrives,
+	// to ask Envoy for those headers.
 	Concurrent bool
 	// MultipleChoices reports that requests may ask for n > 1: the decode
 	// recomputes or shares the prefix rather than taking the KV of one

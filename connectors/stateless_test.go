@@ -122,6 +122,9 @@ var packageVars = map[string]string{
 	// like the fragments above, only ever passed as jsonedit.Edit values.
 	"jsonFalse": "fixed JSON fragment",
 	"jsonOne":   "fixed JSON fragment",
+	// Built from the specs at package initialization; stripped only copies
+	// its edits out.
+	"clientKeyDeletes": "the specs' client keys",
 }
 
 // TestNoMutablePackageState parses the package's non-test files and fails on

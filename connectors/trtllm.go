@@ -32,8 +32,9 @@ var _ Connector = TRTLLM{}
 
 func trtllmSpec() Spec {
 	return Spec{
-		Names:  []string{"trtllm"},
-		Fields: []string{FieldTRTLLMProtocol},
+		Names:      []string{"trtllm"},
+		Fields:     []string{FieldTRTLLMProtocol},
+		ClientKeys: []string{keyDisaggregatedParams},
 		Defaults: func(p *configv1.Pool) {
 			if p.TrtllmProtocol == "" {
 				p.TrtllmProtocol = TRTLLMCurrent
@@ -76,29 +77,29 @@ type TRTLLM struct {
 var trtllmGenerationOnly = []byte(`"generation_only"`)
 
 // Prepare implements [Connector].
-func (c TRTLLM) Prepare(ctx context.Context, env Env, req *Request) (Decode, error) {
+func (c TRTLLM) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
 	var disaggID uint64
 	if !c.Legacy {
 		disaggID = trtllmDisaggRequestID()
 	}
 	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, endpoint.Rank{}, trtllmContextBody(req.Body, disaggID))
 	if err != nil {
-		return Decode{}, engineFailure(req.Prefill, err)
+		return Handoff{}, engineFailure(req.Prefill, err)
 	}
 	ca, err := parseTRTLLMContext(answer)
 	if err == nil && !ca.finished {
 		err = trtllmCheckSource(req, ca.params)
 	}
 	if err != nil {
-		return Decode{}, &engines.Error{Endpoint: req.Prefill, Message: "reading the context answer", Err: err}
+		return Handoff{}, &engines.Error{Endpoint: req.Prefill, Message: "reading the context answer", Err: err}
 	}
 	if ca.finished {
 		// The context server finished the request (EOS or a stop string on
 		// the first token): as upstream's disagg server does, the client
 		// gets the context's answer, and no generation server is asked.
-		return Decode{Answer: trtllmFinalAnswer(req.Body, req.Path, ca)}, nil
+		return Handoff{Answer: trtllmFinalAnswer(req.Body, req.Path, ca)}, nil
 	}
-	return Decode{Body: trtllmGenerationBody(req, ca, c.Legacy, disaggID)}, nil
+	return Handoff{Decode: Decode{Body: trtllmGenerationBody(req, ca, c.Legacy, disaggID)}}, nil
 }
 
 // trtllmDisaggRequestID returns a fresh id in [2^40, 2^63-1), the range of
@@ -118,7 +119,7 @@ func trtllmContextBody(client jsonedit.Object, disaggID uint64) net.Buffers {
 		params = strconv.AppendUint(append(params, `,"disagg_request_id":`...), disaggID, 10)
 	}
 	params = append(params, '}')
-	return enginePieces(client,
+	return enginePieces(nil, client,
 		jsonedit.Set("stream", jsonFalse),
 		jsonedit.Delete("stream_options"),
 		jsonedit.Set(keyDisaggregatedParams, params))

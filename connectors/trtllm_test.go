@@ -146,8 +146,8 @@ func TestTRTLLMPrepare(t *testing.T) {
 			if !tc.legacy {
 				disaggID = disaggIDOf(t, calls[0].Body)
 			}
-			require.Equal(t, strings.ReplaceAll(tc.decode, "DISAGG", strconv.FormatUint(disaggID, 10)), string(got.Body))
-			require.Equal(t, Decode{Body: got.Body}, got, "no request id override, no concurrent prefill, no answer")
+			require.Equal(t, strings.ReplaceAll(tc.decode, "DISAGG", strconv.FormatUint(disaggID, 10)), string(got.Decode.Body))
+			require.Equal(t, Handoff{Decode: Decode{Body: got.Decode.Body}}, got, "no request id override, no concurrent prefill, no answer")
 			require.Equal(t, []fakeengine.Call{{Method: http.MethodPost, Endpoint: testPrefill, Path: req.Path, RequestID: "req-1", Body: string(bytes.Join(trtllmContextBody(req.Body, disaggID), nil))}}, calls)
 		})
 	}
@@ -214,7 +214,7 @@ func TestTRTLLMFinishedContext(t *testing.T) {
 			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, fakeengine.Reply{Body: tc.answer})
 			got, err := TRTLLM{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.NoError(t, err)
-			require.Nil(t, got.Body, "no generation leg")
+			require.Nil(t, got.Decode.Body, "no generation leg")
 			require.NotNil(t, got.Answer)
 			require.Equal(t, tc.want.ContentType, got.Answer.ContentType)
 			require.Equal(t, string(tc.want.Body), string(got.Answer.Body))
@@ -260,7 +260,7 @@ func TestTRTLLMPrepareErrors(t *testing.T) {
 			req := newRequest(t, `{"model":"m","prompt":"p"}`)
 			eng := fakeengine.New().On(http.MethodPost, testPrefill.Address, req.Path, tc.reply)
 			got, err := TRTLLM{}.Prepare(ctx, Env{Engine: eng}, req)
-			require.Equal(t, Decode{}, got)
+			require.Equal(t, Handoff{}, got)
 			requireEngineError(t, err, testPrefill)
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)

@@ -18,6 +18,7 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/picker"
 )
 
@@ -255,4 +256,39 @@ func TestFolderMapMatchesTree(t *testing.T) {
 	})
 	require.NoError(t, err)
 	require.Empty(t, missing, "directories of Go code that the folder map of architecture.md does not name")
+}
+
+// TestConnectorsDocumented: every registered connector has its row in the
+// connectors page's table (aliases are named there too), and the
+// configuration page names it among the values of pools[].connector.
+func TestConnectorsDocumented(t *testing.T) {
+	table := tableAt(t, "connectors.md", "| connector | protocol |")
+	field, _, _ := strings.Cut(tableAt(t, "configuration.md", "| `pools[].connector` |"), "\n")
+	for _, name := range connectors.Names() {
+		spec, err := connectors.Lookup(name)
+		require.NoError(t, err)
+		code := "`" + name + "`"
+		if spec.Names[0] == name {
+			require.Regexp(t, `(?m)^\| `+regexp.QuoteMeta(code), table, "connectors.md's table has no row for connector %s", name)
+		}
+		require.Contains(t, table, code, "connectors.md's table does not name connector %s", name)
+		require.Contains(t, field, code, "configuration.md's pools[].connector row does not name connector %s", name)
+	}
+}
+
+// tableAt returns the table rows of page from the line that starts with
+// start to the end of that table.
+func tableAt(t *testing.T, page, start string) string {
+	t.Helper()
+	text := prose(t, page)
+	i := strings.Index(text, "\n"+start)
+	require.GreaterOrEqual(t, i, 0, "%s has no line starting %q", page, start)
+	var rows []string
+	for line := range strings.Lines(text[i+1:]) {
+		if !strings.HasPrefix(line, "|") {
+			break
+		}
+		rows = append(rows, line)
+	}
+	return strings.Join(rows, "")
 }

@@ -17,6 +17,8 @@ import (
 	"github.com/stretchr/testify/require"
 	"go.uber.org/goleak"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
@@ -61,19 +63,51 @@ func newRequestID(t *testing.T) string {
 	return fmt.Sprintf("%s-%d", t.Name(), ids.Add(1))
 }
 
-// connectorCases are the connectors every end-to-end behaviour is checked
-// with, each against engines speaking its protocol.
-var connectorCases = []struct {
+// connectorCase is a connector protocol every end-to-end behaviour is
+// checked with, against engines speaking it.
+type connectorCase struct {
 	name string
 	opts stack.Options
-}{
-	{"nixl", stack.Options{Connector: "nixl"}},
-	{"http", stack.Options{Connector: "http"}},
-	{"mooncake-nixl", stack.Options{Connector: "mooncake"}},
-	{"mooncake-vllm", stack.Options{Connector: "mooncake", MooncakeProtocol: "vllm"}},
-	{"sglang", stack.Options{Connector: "sglang"}},
-	{"p2p-nccl", stack.Options{Connector: "p2p-nccl"}},
-	{"trtllm", stack.Options{Connector: "trtllm"}},
+}
+
+// protocolCases are the connectors checked once per protocol, by name;
+// every other connector is checked once, with its defaults.
+var protocolCases = map[string][]connectorCase{
+	"mooncake": {
+		{"mooncake-nixl", stack.Options{Connector: "mooncake"}},
+		{"mooncake-vllm", stack.Options{Connector: "mooncake", MooncakeProtocol: "vllm"}},
+	},
+}
+
+// connectorCases are every registered connector with a prefill leg (one
+// without has no KV hand-off to check), from the connectors' registry: a
+// new connector runs here as soon as the simulator speaks its protocol.
+func connectorCases(t *testing.T) []connectorCase {
+	t.Helper()
+	for name := range protocolCases {
+		_, err := connectors.Lookup(name)
+		require.NoError(t, err, "protocolCases")
+	}
+	var cases []connectorCase
+	for _, name := range connectors.Names() {
+		spec, err := connectors.Lookup(name)
+		require.NoError(t, err)
+		pool := &configv1.Pool{Connector: name}
+		if spec.Defaults != nil {
+			spec.Defaults(pool)
+		}
+		if spec.Names[0] != name || !spec.Traits(pool).Prefills {
+			continue // an alias, or aggregated engines
+		}
+		require.Contains(t, enginesim.Connectors(), name,
+			"connector %q has no engine simulator protocol: add its file and its line in protocols (internal/testbed/enginesim/protocol.go)", name)
+		if pc, ok := protocolCases[name]; ok {
+			cases = append(cases, pc...)
+			continue
+		}
+		cases = append(cases, connectorCase{name, stack.Options{Connector: name}})
+	}
+	return cases
 }
 
 func recordsWhere(st *stack.Stack, keep func(enginesim.Record) bool) map[string][]recordAt {

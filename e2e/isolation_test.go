@@ -25,7 +25,7 @@ const isolationRequests = 1000
 // another prompt's answer. The engines' latency keeps all of them in flight
 // together.
 func TestIsolation(t *testing.T) {
-	for _, cc := range connectorCases {
+	for _, cc := range connectorCases(t) {
 		t.Run(cc.name, func(t *testing.T) {
 			opts := cc.opts
 			opts.Prefill, opts.Decode = 3, 3
@@ -42,7 +42,7 @@ func TestIsolation(t *testing.T) {
 // translation: both bodies stream through pdx in FULL_DUPLEX_STREAMED
 // mode, over TLS, for the sequential and the concurrent protocol.
 func TestIsolationEndpointPicker(t *testing.T) {
-	for _, cc := range connectorCases {
+	for _, cc := range connectorCases(t) {
 		if cc.name != "nixl" && cc.name != "sglang" {
 			continue
 		}

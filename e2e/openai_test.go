@@ -14,7 +14,7 @@ import (
 // The official OpenAI client, through Envoy and pdx, against engines of
 // every connector; each engine checks its own side of the KV hand-off.
 func TestOpenAIClient(t *testing.T) {
-	for _, cc := range connectorCases {
+	for _, cc := range connectorCases(t) {
 		t.Run(cc.name, func(t *testing.T) {
 			st := startStack(t, cc.opts)
 			client, _ := newClient(t, st)

@@ -201,7 +201,7 @@ func TestPrefillFailures(t *testing.T) {
 // fails. The client must get pdx's error at once, not wait on a decode that
 // waits for KV that will never come.
 func TestConcurrentPrefillFailures(t *testing.T) {
-	for _, cc := range connectorCases {
+	for _, cc := range connectorCases(t) {
 		spec, err := connectors.Lookup(cc.opts.Connector)
 		require.NoError(t, err)
 		if !spec.Traits(&configv1.Pool{Connector: cc.opts.Connector, MooncakeProtocol: cc.opts.MooncakeProtocol}).Concurrent {

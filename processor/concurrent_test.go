@@ -25,14 +25,22 @@ type concurrentConnector struct {
 	released chan struct{} // one value per Release call
 }
 
-func (c concurrentConnector) Release(context.Context, connectors.Env, *connectors.Request, connectors.Decode) error {
-	if c.released != nil {
-		c.released <- struct{}{}
+// releaseCounter counts Release calls, one value each.
+type releaseCounter chan struct{}
+
+func (r releaseCounter) Release(context.Context, connectors.Env) error {
+	if r != nil {
+		r <- struct{}{}
 	}
 	return nil
 }
 
-func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Env, _ *connectors.Request) (connectors.Decode, error) {
+// outcome is a prefill's outcome channel as connectors.Pending.
+type outcome <-chan error
+
+func (o outcome) Done() <-chan error { return o }
+
+func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Env, _ *connectors.Request) (connectors.Handoff, error) {
 	done := make(chan error, 1)
 	go func() {
 		select {
@@ -43,7 +51,8 @@ func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Env, _ *c
 			done <- &engines.Error{Err: ctx.Err()}
 		}
 	}()
-	return connectors.Decode{Body: []byte(`{"model":"m","bootstrap_room":7}`), Prefill: done}, nil
+	return connectors.Handoff{Decode: connectors.Decode{Body: []byte(`{"model":"m","bootstrap_room":7}`)},
+		Prefill: outcome(done), Held: releaseCounter(c.released)}, nil
 }
 
 // concurrentTraits are SGLang's.

@@ -48,12 +48,11 @@ type prefillRun struct {
 	answeredAt time.Time
 }
 
-// prepared is a decode that a connector whose engines hold work for it
-// prepared: what Release needs should the decode never come.
+// prepared is a decode for which the engines hold work: what they hold,
+// to release should the decode never come.
 type prepared struct {
-	releaser connectors.Releaser
-	req      *connectors.Request
-	decode   connectors.Decode
+	held connectors.Held
+	req  *connectors.Request // for the log
 }
 
 // errAttemptTimeout ends one prefill attempt that ran past the pool's
@@ -70,7 +69,7 @@ func retryBackoff(n int) time.Duration { return time.Duration(n) * 20 * time.Mil
 // has reached the client or the decode engine while this runs, so a retry is
 // always safe; a concurrent connector's prefill that fails after its decode
 // was sent is not retried (see prefillDone).
-func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
+func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Handoff, error) {
 	// The context of all attempts. A concurrent prefill outlives this call,
 	// so the request cancels it (close); a sequential one ends here.
 	pf := &r.prefill
@@ -97,14 +96,14 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 		ep := lease.Endpoint()
 		tried = append(tried, ep)
 		creq.Prefill = ep
-		decode, err := r.attempt(ctx, pool, creq)
+		h, err := r.attempt(ctx, pool, creq)
 		if err == nil {
-			if decode.Prefill == nil {
+			if h.Prefill == nil {
 				pf.cancel()
 			} else {
 				pf.on = ep
 			}
-			return decode, nil
+			return h, nil
 		}
 		if last != nil {
 			earlier = append(earlier, last.Error())
@@ -124,31 +123,31 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 		}
 		last = fmt.Errorf("pool %s: %w after %s", pool.Name, errPrefillTimeout, pool.PrefillTimeout)
 	case last == nil:
-		return connectors.Decode{}, fmt.Errorf("%w: pool %s has no prefill endpoint to try", errNoEndpoint, pool.Name)
+		return connectors.Handoff{}, fmt.Errorf("%w: pool %s has no prefill endpoint to try", errNoEndpoint, pool.Name)
 	}
-	return connectors.Decode{}, withEarlier(last, earlier)
+	return connectors.Handoff{}, withEarlier(last, earlier)
 }
 
 // attempt is one prefill on creq.Prefill, whose lease is r.prefill.counted.
 // Its outcome feeds the endpoint's passive health; that of a concurrent
 // prefill still running is reported when it arrives (prefillDone).
-func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Decode, error) {
+func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Handoff, error) {
 	creq.PrefillRank = r.prefill.counted.Rank()
 	if pool.Traits.Concurrent {
-		decode, err := pool.Connector.Prepare(r.obs.attemptStarted(r.prefill.ctx, pool, creq.Prefill), r.env, creq)
-		if err != nil || decode.Prefill == nil {
+		h, err := pool.Connector.Prepare(r.obs.attemptStarted(r.prefill.ctx, pool, creq.Prefill), r.env, creq)
+		if err != nil || h.Prefill == nil {
 			r.report(ctx, pool, creq.Prefill, err)
 		}
-		return decode, err
+		return h, err
 	}
 	actx, cancel := context.WithTimeoutCause(r.prefill.ctx, pool.AttemptTimeout, errAttemptTimeout)
 	defer cancel()
-	decode, err := pool.Connector.Prepare(r.obs.attemptStarted(actx, pool, creq.Prefill), r.env, creq)
+	h, err := pool.Connector.Prepare(r.obs.attemptStarted(actx, pool, creq.Prefill), r.env, creq)
 	if err != nil && context.Cause(actx) == errAttemptTimeout && r.prefill.ctx.Err() == nil {
 		err = fmt.Errorf("%w after %s", errAttemptTimeout, pool.AttemptTimeout)
 	}
 	r.report(ctx, pool, creq.Prefill, err)
-	return decode, err
+	return h, err
 }
 
 // report ends the attempt's lease on ep with whether ep served the
@@ -220,14 +219,14 @@ const releaseTimeout = 5 * time.Second
 func (r *request) release(why string) {
 	p := r.prefill.prepared
 	r.prefill.prepared = nil
-	if p == nil || p.releaser == nil {
+	if p == nil {
 		return
 	}
 	log, env := r.log, r.env
 	r.bg.Go(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), releaseTimeout)
 		defer cancel()
-		if err := p.releaser.Release(ctx, env, p.req, p.decode); err != nil {
+		if err := p.held.Release(ctx, env); err != nil {
 			log.LogAttrs(ctx, slog.LevelWarn, "releasing the engines' work failed", slog.String("why", why), slog.String("error", err.Error()))
 			return
 		}

@@ -207,15 +207,15 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 	if err != nil {
 		return decision{}, nil, err
 	}
-	var decode connectors.Decode
+	var h connectors.Handoff
 	switch reason {
 	case reasonDisaggregated:
-		decode, err = r.prefillWithRetries(ctx, pool, creq)
+		h, err = r.prefillWithRetries(ctx, pool, creq)
 	case "":
-		decode, err = pool.Connector.Prepare(ctx, r.env, creq)
+		h, err = pool.Connector.Prepare(ctx, r.env, creq)
 	default:
 		// The decode engine computes the prompt, as after a failed prefill.
-		decode = connectors.Decode{Body: connectors.Plain(body)}
+		h = connectors.Handoff{Decode: connectors.Decode{Body: connectors.Plain(body)}}
 		r.decode.DropRank() // a plain body names no rank
 	}
 	r.obs.decided(pool, reason)
@@ -225,34 +225,37 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		// client gets an answer.
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
 			slog.String("pool", pool.Name), slog.String("error", err.Error()))
-		decode = connectors.Decode{Body: connectors.Plain(body)}
+		h = connectors.Handoff{Decode: connectors.Decode{Body: connectors.Plain(body)}}
 		r.decode.DropRank() // a plain body names no rank
 		r.fallback = true
 	case err != nil:
 		return decision{}, nil, err
 	}
-	if rel, ok := pool.Connector.(connectors.Releaser); ok && !r.fallback {
-		r.prefill.prepared = &prepared{releaser: rel, req: creq, decode: decode}
+	if h.Held != nil {
+		r.prefill.prepared = &prepared{held: h.Held, req: creq}
 	}
 	if ctx.Err() != nil {
 		// The client went away while the prefill ran; its KV is released
 		// when Process ends.
 		return decision{}, nil, ctx.Err()
 	}
-	if decode.Answer != nil {
+	if h.Answer != nil {
 		r.log.LogAttrs(ctx, slog.LevelDebug, "answered by the prefill", slog.String("pool", pool.Name),
 			slog.String("prefill", creq.Prefill.Address), slog.Duration("elapsed", time.Since(r.start)))
-		return decision{}, decode.Answer, nil
+		return decision{}, h.Answer, nil
 	}
-	r.prefill.pending = decode.Prefill
-	if decode.RequestID != "" {
-		r.id = decode.RequestID
+	if h.Prefill != nil {
+		r.prefill.pending = h.Prefill.Done()
+	}
+	d := h.Decode
+	if d.RequestID != "" {
+		r.id = d.RequestID
 	}
 	r.log.LogAttrs(ctx, slog.LevelDebug, "routed",
 		slog.String("model", model), slog.String("pool", pool.Name), slog.String("engine_request_id", r.id),
 		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
 		slog.Duration("elapsed", time.Since(r.start)))
-	return decision{decode: creq.Decode, rank: decode.Rank, body: decode.Body, unchanged: bytes.Equal(decode.Body, raw), pool: pool}, nil, nil
+	return decision{decode: creq.Decode, rank: d.Rank, body: d.Body, unchanged: bytes.Equal(d.Body, raw), pool: pool}, nil, nil
 }
 
 // passHeaders routes a request on a pass-through path that has no body,

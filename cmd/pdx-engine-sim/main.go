@@ -13,6 +13,7 @@ import (
 	"log/slog"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
@@ -41,7 +42,7 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.DecodePerToken, "decode-per-token", 0, "time per further output token")
 	fs.DurationVar(&cfg.KVTTL, "kv-ttl", 0, "how long unpulled KV is kept (default 2m)")
 	fs.StringVar(&cfg.Connector, "connector", enginesim.ConnectorNIXL,
-		"KV connector protocol: nixl, http (alias lmcache), mooncake, sglang, p2p-nccl or trtllm")
+		"KV connector protocol: "+strings.Join(enginesim.Connectors(), ", "))
 	fs.StringVar(&cfg.MooncakeProtocol, "mooncake-protocol", enginesim.MooncakeNIXL, "protocol of --connector mooncake: nixl or vllm")
 	fs.StringVar(&cfg.BootstrapAddr, "bootstrap-addr", "127.0.0.1:0", "bootstrap server address (sglang, mooncake vllm; prefill and both roles)")
 	fs.StringVar(&cfg.KVAddr, "kv-addr", "127.0.0.1:0", "KV listener address (p2p-nccl)")

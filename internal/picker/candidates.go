@@ -1,7 +1,5 @@
 package picker
 
-import "sync"
-
 // Candidates are the endpoints one pick may return: the members of the
 // request's group (every endpoint when it has none), in the Set's order,
 // as the Set reads them for the pick. A candidate is usable when the
@@ -40,10 +38,13 @@ type Candidates struct {
 	start int
 }
 
-// candidatesPool keeps Candidates and their buffers between picks: a
+// freeCandidates keeps Candidates and their buffers between picks: a
 // Candidates goes through the Policy interface, so it cannot live on the
-// picking goroutine's stack.
-var candidatesPool = sync.Pool{New: func() any { return new(Candidates) }}
+// picking goroutine's stack. It is a buffered channel rather than a
+// sync.Pool, which drops what it holds at every other GC (and at random
+// under the race detector): a pick must not allocate. Picks beyond its
+// size at once allocate, and their Candidates go to the garbage.
+var freeCandidates = make(chan *Candidates, 1024)
 
 // candidates returns the candidates of a pick for req, nil when req's group
 // has no endpoint; the pick releases them. The request's tried endpoints
@@ -55,7 +56,12 @@ func (s *Set) candidates(req *Request) *Candidates {
 	if !ok || n == 0 {
 		return nil
 	}
-	c := candidatesPool.Get().(*Candidates)
+	var c *Candidates
+	select {
+	case c = <-freeCandidates:
+	default:
+		c = new(Candidates)
+	}
 	c.v, c.members, c.group, c.n, c.now = v, members, id, n, s.clock()
 	c.blocks, c.blockTokens, c.tokens = req.Blocks, req.BlockTokens, req.Tokens
 	c.after, c.depthsRead, c.start = 0, false, -1
@@ -87,7 +93,10 @@ func (s *Set) candidates(req *Request) *Candidates {
 // release returns c to the pool, keeping no view or prompt alive.
 func (c *Candidates) release() {
 	c.v, c.members, c.blocks = nil, nil, nil
-	candidatesPool.Put(c)
+	select {
+	case freeCandidates <- c:
+	default:
+	}
 }
 
 // Len is the number of candidates; they are indexed from 0.

@@ -32,9 +32,36 @@ const (
 	MooncakeVLLM = "vllm"
 )
 
-var connectorNames = []string{
-	ConnectorNIXL, ConnectorHTTP, ConnectorLMCache, ConnectorMooncake,
-	ConnectorSGLang, ConnectorP2PNCCL, ConnectorTRTLLM,
+// protocols are the connector protocols the simulator speaks, by
+// Config.Connector: a protocol is its file and a line here.
+var protocols = []struct {
+	connector string
+	start     func(context.Context, *Server) (protocol, error)
+}{
+	{ConnectorNIXL, startNIXL},
+	{ConnectorHTTP, startLMCache},
+	{ConnectorLMCache, startLMCache},
+	{ConnectorMooncake, func(ctx context.Context, s *Server) (protocol, error) {
+		if s.cfg.MooncakeProtocol == MooncakeVLLM {
+			return newMooncakeProtocol(ctx, s)
+		}
+		return startNIXL(ctx, s)
+	}},
+	{ConnectorSGLang, func(ctx context.Context, s *Server) (protocol, error) { return newSGLangProtocol(ctx, s) }},
+	{ConnectorP2PNCCL, func(ctx context.Context, s *Server) (protocol, error) { return newP2PProtocol(ctx, s) }},
+	{ConnectorTRTLLM, func(_ context.Context, s *Server) (protocol, error) { return newTRTLLMProtocol(s), nil }},
+}
+
+func startNIXL(_ context.Context, s *Server) (protocol, error)    { return nixlProtocol{s: s}, nil }
+func startLMCache(_ context.Context, s *Server) (protocol, error) { return &lmcacheProtocol{s: s}, nil }
+
+// Connectors lists the values of Config.Connector the simulator speaks.
+func Connectors() []string {
+	names := make([]string, len(protocols))
+	for i, p := range protocols {
+		names[i] = p.connector
+	}
+	return names
 }
 
 // UsesStore reports whether engines of connector share a KV store
@@ -63,20 +90,10 @@ type protocol interface {
 // newProtocol returns the protocol of s.cfg.Connector, with its listeners
 // opened (but not yet served).
 func newProtocol(ctx context.Context, s *Server) (protocol, error) {
-	switch s.cfg.Connector {
-	case ConnectorHTTP, ConnectorLMCache:
-		return &lmcacheProtocol{s: s}, nil
-	case ConnectorMooncake:
-		if s.cfg.MooncakeProtocol == MooncakeVLLM {
-			return newMooncakeProtocol(ctx, s)
+	for _, p := range protocols {
+		if p.connector == s.cfg.Connector {
+			return p.start(ctx, s)
 		}
-		return nixlProtocol{s: s}, nil
-	case ConnectorSGLang:
-		return newSGLangProtocol(ctx, s)
-	case ConnectorP2PNCCL:
-		return newP2PProtocol(ctx, s)
-	case ConnectorTRTLLM:
-		return newTRTLLMProtocol(s), nil
 	}
 	return nixlProtocol{s: s}, nil
 }

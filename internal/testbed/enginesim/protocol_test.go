@@ -9,6 +9,9 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 )
 
 func TestStartProtocolConfig(t *testing.T) {
@@ -230,5 +233,23 @@ func TestPrefillEditProblems(t *testing.T) {
 			require.NoError(t, err)
 			require.Equal(t, tt.want, prefillEditProblems(req))
 		})
+	}
+}
+
+// TestSpeaksEveryConnector: every pdx connector with a prefill leg has a
+// protocol here, so that the end-to-end tests run it against engines that
+// check its hand-off. (Aggregated engines speak none.)
+func TestSpeaksEveryConnector(t *testing.T) {
+	for _, name := range connectors.Names() {
+		spec, err := connectors.Lookup(name)
+		require.NoError(t, err)
+		pool := &configv1.Pool{Connector: name}
+		if spec.Defaults != nil {
+			spec.Defaults(pool)
+		}
+		if !spec.Traits(pool).Prefills {
+			continue
+		}
+		require.Contains(t, Connectors(), name, "pdx connector %q has no simulator protocol: add its file here and its line in protocols (protocol.go)", name)
 	}
 }

@@ -217,8 +217,8 @@ func (c Config) withDefaults() (Config, error) {
 	if c.Connector == "" {
 		c.Connector = ConnectorNIXL
 	}
-	if !slices.Contains(connectorNames, c.Connector) {
-		return c, fmt.Errorf("enginesim: unknown connector %q (want %s)", c.Connector, strings.Join(connectorNames, ", "))
+	if !slices.Contains(Connectors(), c.Connector) {
+		return c, fmt.Errorf("enginesim: unknown connector %q (want %s)", c.Connector, strings.Join(Connectors(), ", "))
 	}
 	switch c.MooncakeProtocol {
 	case "":
