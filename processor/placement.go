@@ -43,8 +43,8 @@ func prompt(body jsonedit.Object) []byte {
 // place picks the decode endpoint of a request and decides whether it takes
 // the prefill leg, waiting while the pool's legs are saturated. It returns
 // the reason of the decision (reasonDisaggregated: take it).
-func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connectors.Request, body jsonedit.Object) (string, error) {
-	text := prompt(body)
+func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (string, error) {
+	text := prompt(creq.Body)
 	r.blocks = picker.Blocks(r.blocks[:0], text, pool.BlockTokens)
 	r.blockTokens = pool.BlockTokens
 	r.tokens = len(text) / picker.BytesPerToken

@@ -15,7 +15,6 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/jsonedit"
-	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -182,53 +181,13 @@ func (r *request) bodyDone(ctx context.Context, raw []byte) (*extprocv3.Processi
 // routeBody parses a complete request body, runs the prefill and decides
 // the decode request, or the answer a connector had from the prefill alone.
 func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connectors.Answer, error) {
-	body, err := jsonedit.Parse(raw)
+	body, model, pool, err := r.parseBody(raw)
 	if err != nil {
-		return decision{}, nil, bodyError(err)
-	}
-	model, err := modelOf(body)
-	if err != nil {
-		return decision{}, nil, err
-	}
-	if model == "" {
-		return decision{}, nil, badRequest("missing_model", `the request has no "model"`)
-	}
-	pool, ok := r.table.Lookup(model)
-	if !ok {
-		return decision{}, nil, modelNotFound(model)
-	}
-	r.obs.pool(pool)
-	if err := validate(body, r.path, pool); err != nil {
 		return decision{}, nil, err
 	}
 	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body, KVHosts: pool.KVHosts}
-	// A discovered pool may have no decode endpoint at the moment: 503.
-	reason, err := r.place(ctx, pool, creq, body)
+	h, err := r.handoff(ctx, pool, creq)
 	if err != nil {
-		return decision{}, nil, err
-	}
-	var h connectors.Handoff
-	switch reason {
-	case reasonDisaggregated:
-		h, err = r.prefillWithRetries(ctx, pool, creq)
-	case "":
-		h, err = pool.Connector.Prepare(ctx, r.env, creq)
-	default:
-		// The decode engine computes the prompt, as after a failed prefill.
-		h = connectors.Handoff{Decode: connectors.Decode{Body: connectors.Plain(body)}}
-		r.decode.DropRank() // a plain body names no rank
-	}
-	r.obs.decided(pool, reason)
-	switch {
-	case err != nil && pool.Fallback && fallbackable(ctx, err):
-		// The decode engine can compute the prompt itself: slower, but the
-		// client gets an answer.
-		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
-			slog.String("pool", pool.Name), slog.String("error", err.Error()))
-		h = connectors.Handoff{Decode: connectors.Decode{Body: connectors.Plain(body)}}
-		r.decode.DropRank() // a plain body names no rank
-		r.fallback = true
-	case err != nil:
 		return decision{}, nil, err
 	}
 	if h.Held != nil {
@@ -258,74 +217,67 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 	return decision{decode: creq.Decode, rank: d.Rank, body: d.Body, unchanged: bytes.Equal(d.Body, raw), pool: pool}, nil, nil
 }
 
-// passHeaders routes a request on a pass-through path that has no body,
-// at its headers.
-func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse, error) {
-	r.obs.pool(pool)
-	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true})
+// parseBody parses a routed request's body, and finds and checks it
+// against the pool of its model.
+func (r *request) parseBody(raw []byte) (jsonedit.Object, string, *routing.Pool, error) {
+	body, err := jsonedit.Parse(raw)
 	if err != nil {
-		return nil, err
+		return jsonedit.Object{}, "", nil, bodyError(err)
 	}
-	r.decode = lease
-	r.named(pool, lease.Endpoint())
-	r.enter(statePassThrough)
-	return r.answer(decision{decode: lease.Endpoint(), atHeaders: true}), nil
-}
-
-// passBody decides where a request on a pass-through path goes once its
-// body is in: to the pool of the model it names, with protocol fields
-// stripped from a JSON body. Bodies that are not JSON (a form, an audio
-// file) carry no protocol fields an engine reads and pass unchanged; one
-// that looks like JSON but does not parse could hide them, and is refused.
-func (r *request) passBody(raw []byte) (decision, error) {
-	body, model := raw, ""
-	if t := bytes.TrimLeft(raw, " \t\r\n"); len(t) > 0 && (t[0] == '{' || t[0] == '[') {
-		obj, err := jsonedit.Parse(raw)
-		if err != nil {
-			return decision{}, bodyError(err)
-		}
-		if model, err = modelOf(obj); err != nil {
-			return decision{}, err
-		}
-		body = connectors.Plain(obj)
+	model, err := modelOf(body)
+	if err != nil {
+		return jsonedit.Object{}, "", nil, err
 	}
-	pool, ok := r.table.PassThrough(r.path, model)
-	switch {
-	case !ok && model != "" && pool == nil:
-		return decision{}, modelNotFound(model)
-	case !ok:
-		return decision{}, &apiError{status: 404, typ: typeInvalidRequest, code: "not_found",
-			msg: fmt.Sprintf("no API at %s for model %q", r.path, model)}
+	if model == "" {
+		return jsonedit.Object{}, "", nil, badRequest("missing_model", `the request has no "model"`)
+	}
+	pool, ok := r.table.Lookup(model)
+	if !ok {
+		return jsonedit.Object{}, "", nil, modelNotFound(model)
 	}
 	r.obs.pool(pool)
-	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true})
-	if err != nil {
-		return decision{}, err
+	if err := validate(body, r.path, pool); err != nil {
+		return jsonedit.Object{}, "", nil, err
 	}
-	r.decode = lease
-	r.named(pool, lease.Endpoint())
-	return decision{decode: lease.Endpoint(), body: body, unchanged: bytes.Equal(body, raw)}, nil
+	return body, model, pool, nil
 }
 
-// models answers GET /v1/models with the models the pools serve.
-func (r *request) models() *extprocv3.ProcessingResponse {
-	names, created := r.table.Models()
-	type model struct {
-		ID      string `json:"id"`
-		Object  string `json:"object"`
-		Created int64  `json:"created"`
-		OwnedBy string `json:"owned_by"`
+// handoff places the request and hands it over to its decode: after its
+// prefill, or to compute the prompt itself when the decider says so or the
+// prefill failed on a pool that falls back.
+func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Handoff, error) {
+	// A discovered pool may have no decode endpoint at the moment: 503.
+	reason, err := r.place(ctx, pool, creq)
+	if err != nil {
+		return connectors.Handoff{}, err
 	}
-	list := struct {
-		Object string  `json:"object"`
-		Data   []model `json:"data"`
-	}{Object: "list", Data: make([]model, len(names))}
-	for i, n := range names {
-		list.Data[i] = model{ID: n, Object: "model", Created: created.Unix(), OwnedBy: "pdx"}
+	var h connectors.Handoff
+	switch reason {
+	case reasonDisaggregated:
+		h, err = r.prefillWithRetries(ctx, pool, creq)
+	case "":
+		h, err = pool.Connector.Prepare(ctx, r.env, creq)
+	default:
+		h = r.decodeAlone(creq)
 	}
-	body, _ := json.Marshal(list) // strings and numbers only
-	r.enter(stateAnswered)
-	return immediate(200, "application/json", body, "pdx_models", r.clientID)
+	r.obs.decided(pool, reason)
+	if err != nil && pool.Fallback && fallbackable(ctx, err) {
+		// The decode engine can compute the prompt itself: slower, but the
+		// client gets an answer.
+		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
+			slog.String("pool", pool.Name), slog.String("error", err.Error()))
+		r.fallback = true
+		return r.decodeAlone(creq), nil
+	}
+	return h, err
+}
+
+// decodeAlone is the hand-off of a request whose decode engine computes
+// the prompt itself: the client's body, protocol fields stripped, naming
+// no DP rank.
+func (r *request) decodeAlone(creq *connectors.Request) connectors.Handoff {
+	r.decode.DropRank()
+	return connectors.Handoff{Decode: connectors.Decode{Body: connectors.Plain(creq.Body)}}
 }
 
 func modelNotFound(model string) *apiError {
