@@ -90,6 +90,8 @@ type Pending interface {
 // sent or cannot succeed: the client went away after the prefill, or a
 // concurrent prefill failed after its decode was sent. It is best effort,
 // runs detached from the request, and returns once done or when ctx ends.
+// It may keep the Request it was prepared for: pdx does not change a
+// Request once Prepare has returned its hand-off.
 type Held interface {
 	Release(ctx context.Context, env Env) error
 }

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"net"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 )
@@ -39,7 +38,7 @@ var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":fal
 
 // Prepare implements [Connector].
 func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
-	held := &nixlHeld{decode: req.Decode, path: req.Path, id: req.ID, rank: req.DecodeRank, client: req.Body}
+	held := &nixlHeld{req: req}
 	prefill := nixlPrefillBody(held.pieces[:0], req.Body, nixlPrefillParams)
 	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, prefill)
 	if err != nil {
@@ -96,12 +95,10 @@ const nixlPieces = 3*12 + 2 + 5*4
 // the decode engine must be sent to free them. Prepare allocates it first,
 // with room for the prefill body's pieces, so that a request costs one
 // allocation besides its decode body.
+// It keeps the request (the decode endpoint and rank, the path, the id and
+// the client's body), which its stream keeps unchanged until the release.
 type nixlHeld struct {
-	decode endpoint.Endpoint
-	path   string
-	id     string
-	rank   endpoint.Rank
-	client jsonedit.Object
+	req    *Request
 	params []byte // the prefill answer's kv_transfer_params
 	pieces [nixlPieces][]byte
 }
@@ -115,7 +112,8 @@ type nixlHeld struct {
 // blocks, whose answer is thrown away. Left alone, the blocks stay until
 // VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s), or the 30 s lease of newer vLLM.
 func (h *nixlHeld) Release(ctx context.Context, env Env) error {
-	_, err := env.Engine.Post(ctx, h.decode, h.path, h.id, h.rank, nixlPrefillBody(nil, h.client, h.params))
+	r := h.req
+	_, err := env.Engine.Post(ctx, r.Decode, r.Path, r.ID, r.DecodeRank, nixlPrefillBody(nil, r.Body, h.params))
 	return err
 }
 
