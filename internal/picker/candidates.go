@@ -1,5 +1,7 @@
 package picker
 
+import "sync/atomic"
+
 // Candidates are the endpoints one pick may return: the members of the
 // request's group (every endpoint when it has none), in the Set's order,
 // as the Set reads them for the pick. A candidate is usable when the
@@ -40,11 +42,30 @@ type Candidates struct {
 
 // freeCandidates keeps Candidates and their buffers between picks: a
 // Candidates goes through the Policy interface, so it cannot live on the
-// picking goroutine's stack. It is a buffered channel rather than a
-// sync.Pool, which drops what it holds at every other GC (and at random
-// under the race detector): a pick must not allocate. Picks beyond its
-// size at once allocate, and their Candidates go to the garbage.
-var freeCandidates = make(chan *Candidates, 1024)
+// picking goroutine's stack. It is a few slots rather than a sync.Pool,
+// which drops what it holds at every other GC (and at random under the
+// race detector): a pick must not allocate. Picks beyond its size at once
+// allocate, and their Candidates go to the garbage.
+var freeCandidates [64]atomic.Pointer[Candidates]
+
+// getCandidates takes a kept Candidates, or a new one.
+func getCandidates() *Candidates {
+	for i := range freeCandidates {
+		if c := freeCandidates[i].Swap(nil); c != nil {
+			return c
+		}
+	}
+	return new(Candidates)
+}
+
+// putCandidates keeps c for a later pick, if a slot is free.
+func putCandidates(c *Candidates) {
+	for i := range freeCandidates {
+		if freeCandidates[i].CompareAndSwap(nil, c) {
+			return
+		}
+	}
+}
 
 // candidates returns the candidates of a pick for req, nil when req's group
 // has no endpoint; the pick releases them. The request's tried endpoints
@@ -56,12 +77,7 @@ func (s *Set) candidates(req *Request) *Candidates {
 	if !ok || n == 0 {
 		return nil
 	}
-	var c *Candidates
-	select {
-	case c = <-freeCandidates:
-	default:
-		c = new(Candidates)
-	}
+	c := getCandidates()
 	c.v, c.members, c.group, c.n, c.now = v, members, id, n, s.clock()
 	c.blocks, c.blockTokens, c.tokens = req.Blocks, req.BlockTokens, req.Tokens
 	c.after, c.depthsRead, c.start = 0, false, -1
@@ -93,10 +109,7 @@ func (s *Set) candidates(req *Request) *Candidates {
 // release returns c to the pool, keeping no view or prompt alive.
 func (c *Candidates) release() {
 	c.v, c.members, c.blocks = nil, nil, nil
-	select {
-	case freeCandidates <- c:
-	default:
-	}
+	putCandidates(c)
 }
 
 // Len is the number of candidates; they are indexed from 0.
