@@ -15,6 +15,8 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/picker"
 )
 
 // pool renders a valid pool list item. Each override is a "key: value" line
@@ -331,7 +333,7 @@ func TestDecodeFallbacksAndXDS(t *testing.T) {
 func TestUnknownConnector(t *testing.T) {
 	_, err := Parse([]byte(pools(pool(), pool("name: q", "models: [x]", "connector: nixel"))))
 	require.EqualError(t, err,
-		`config: pools[1].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`)
+		`config: pools[1].connector: unknown connector "nixel" (known: `+knownConnectors+`)`)
 }
 
 func TestLoad(t *testing.T) {
@@ -449,9 +451,9 @@ func TestPickers(t *testing.T) {
 		{name: "every policy", pool: disagg + "\n  prefill_picker: {policy: least_request}\n  decode_picker: {policy: prefix_affinity, load_factor: 2}", want: [2]string{"least_request", "prefix_affinity"}},
 		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "load_aware"}},
 		{name: "unknown prefill policy", pool: disagg + "\n  prefill_picker: {policy: least_loaded}",
-			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "least_loaded" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
+			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "least_loaded" (known: ` + knownPolicies + `)`},
 		{name: "unknown decode policy", pool: disagg + "\n  decode_picker: {policy: random}",
-			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
+			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: ` + knownPolicies + `)`},
 		{name: "weights of another policy", pool: disagg + "\n  decode_picker: {policy: round_robin, weights: {queue: 1}}",
 			wantErr: `pools[0].decode_picker.weights: only for policy "load_aware"`},
 		{name: "negative weight", pool: disagg + "\n  decode_picker: {policy: load_aware, weights: {queue: -1}}",
@@ -681,3 +683,10 @@ pools:
 	require.Equal(t, configv1.PrefillFailure_PREFILL_FAILURE_FAIL, cfg.GetPools()[0].GetOnPrefillFailure(), "the default")
 	require.Equal(t, configv1.SaturationAction_SATURATION_ACTION_QUEUE, cfg.GetPools()[0].GetSaturation().GetAction(), "the default")
 }
+
+// The registries' names, as the unknown-name messages list them: the
+// registries' own tests hold the lists themselves.
+var (
+	knownConnectors = strings.Join(connectors.Names(), ", ")
+	knownPolicies   = strings.Join(picker.Policies(), ", ")
+)

@@ -2,11 +2,13 @@ package routing
 
 import (
 	"fmt"
+	"strings"
 	"testing"
 
 	"github.com/stretchr/testify/require"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
@@ -65,11 +67,11 @@ func TestUnknownNames(t *testing.T) {
 		wantErr string
 	}{
 		{name: "connector", pool: func(p *configv1.Pool) { p.Connector = "nixel" },
-			wantErr: `pools[0].connector: unknown connector "nixel" (known: http, lmcache, mooncake, nixl, none, p2p-nccl, sglang, trtllm)`},
+			wantErr: `pools[0].connector: unknown connector "nixel" (known: ` + knownConnectors + `)`},
 		{name: "prefill policy", pool: func(p *configv1.Pool) { p.PrefillPicker = &configv1.Picker{Policy: "random"} },
-			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
+			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "random" (known: ` + knownPolicies + `)`},
 		{name: "decode policy", pool: func(p *configv1.Pool) { p.DecodePicker = &configv1.Picker{Policy: "random"} },
-			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
+			wantErr: `pools[0].decode_picker.policy: unknown picking policy "random" (known: ` + knownPolicies + `)`},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			p := &configv1.Pool{Name: "p", Default: true, Connector: "nixl",
@@ -339,3 +341,10 @@ func TestChanges(t *testing.T) {
 	default:
 	}
 }
+
+// The registries' names, as the unknown-name messages list them: the
+// registries' own tests hold the lists themselves.
+var (
+	knownConnectors = strings.Join(connectors.Names(), ", ")
+	knownPolicies   = strings.Join(picker.Policies(), ", ")
+)
