@@ -133,7 +133,7 @@ func foreignFields(req *inferenceRequest, name string, own ...string) error {
 
 // prefillEditProblems lists how a prefill request departs from the
 // prefill-only edits of a client request: stream false, no stream_options,
-// min_tokens or min_completion_tokens, and an output limit of 1 as vLLM
+// a minimum no larger than the limit, and an output limit of 1 as vLLM
 // reads it on the request's endpoint. Both limit keys may be present (vLLM's
 // toy_proxy_server.py sets max_tokens to 1 always and max_completion_tokens
 // to 1 when the client used it); only the key vLLM reads must be 1.
@@ -142,12 +142,18 @@ func prefillEditProblems(req *inferenceRequest) []string {
 	if req.stream {
 		problems = append(problems, "stream must be false on a prefill request")
 	}
-	for _, name := range []string{"stream_options", "min_tokens", "min_completion_tokens"} {
-		if req.has(name) {
-			problems = append(problems, name+" must be absent on a prefill request")
-		}
+	if req.has("stream_options") {
+		problems = append(problems, "stream_options must be absent on a prefill request")
 	}
 	read, _ := req.readLimit() // parseRequest already checked the keys are integers
+	// vLLM accepts a minimum up to the limit (SamplingParams._verify_args:
+	// min_tokens <= max_tokens); vllm-router sends min_tokens 1 with
+	// max_tokens 1.
+	for _, name := range []string{"min_tokens", "min_completion_tokens"} {
+		if n, err := req.intField(name); err == nil && req.has(name) && read.set && n > read.n {
+			problems = append(problems, fmt.Sprintf("%s must be at most %s=%d, got %d", name, read.key, read.n, n))
+		}
+	}
 	switch {
 	case !read.set:
 		problems = append(problems, missingLimit(req))
