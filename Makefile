@@ -15,7 +15,14 @@ GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -
 
 include mk/proto.mk
 
-.PHONY: all build envoy demo test vet fmt-check unit bench-compile fuzz bench k8s-translate clean
+# vLLM's own router, the peer `make bench` and `make replay` measure
+# (and its test runs): a Rust library in a Python launcher, pip-installed
+# with its dependencies into .tools/vllm-router. VLLM_ROUTER_DIR overrides.
+VLLM_ROUTER_VERSION := 0.1.17
+VLLM_ROUTER_DIR ?= $(TOOLS)/vllm-router
+export VLLM_ROUTER_DIR
+
+.PHONY: all build envoy vllm-router demo test vet fmt-check unit bench-compile fuzz bench k8s-translate clean
 
 all: build
 
@@ -32,12 +39,21 @@ envoy:
 	@"$(ENVOY_BIN)" --version | grep -q "/$(ENVOY_VERSION)/" || \
 	  echo "note: $(ENVOY_BIN) is not Envoy $(ENVOY_VERSION)"
 
+## vllm-router: install the pinned vllm-router (skipped when it is there).
+vllm-router:
+	@if [ "$$(sed -n 's/^__version__ = "\(.*\)"/\1/p' "$(VLLM_ROUTER_DIR)/vllm_router/version.py" 2>/dev/null)" != "$(VLLM_ROUTER_VERSION)" ]; then \
+	  echo "installing vllm-router==$(VLLM_ROUTER_VERSION) into $(VLLM_ROUTER_DIR)"; \
+	  rm -rf "$(VLLM_ROUTER_DIR)"; \
+	  $(PYTHON) -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+	    --target "$(VLLM_ROUTER_DIR)" "vllm-router==$(VLLM_ROUTER_VERSION)"; \
+	fi
+
 ## demo: Envoy + pdx + simulated engines, a batch of real requests, a table.
 demo: envoy
 	$(GO) run ./cmd/pdx-demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
-test: envoy fmt-check vet proto-check unit bench-compile fuzz k8s-translate
+test: envoy vllm-router fmt-check vet proto-check unit bench-compile fuzz k8s-translate
 
 fmt-check:
 	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -55,7 +71,7 @@ bench-compile:
 ## bench: the load harness (Envoy alone vs Envoy + pdx, ~10 minutes) and
 ## the Go benchmarks; results, charts and profiles go to bench/.
 ## BENCH_ARGS adds pdx-bench flags, e.g. BENCH_ARGS="--profiles zero".
-bench: envoy
+bench: envoy vllm-router
 	$(GO) build -o $(TOOLS)/bin/pdx ./cmd/pdx
 	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)
 	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics | tee bench/go-bench.txt
@@ -65,7 +81,7 @@ bench: envoy
 ## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
 ## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
 .PHONY: replay
-replay: envoy
+replay: envoy vllm-router
 	$(GO) run ./cmd/pdx-replay --out bench/replay $(REPLAY_ARGS)
 
 ## k8s-translate: Envoy Gateway's own translator (egctl, the go.mod's version

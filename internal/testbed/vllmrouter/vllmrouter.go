@@ -1,0 +1,234 @@
+// Package vllmrouter runs vLLM's own router (vllm-router, from the Python
+// package index) in P/D mode over simulated engines, as the peer pdx's
+// benchmarks measure against. The Makefile installs the pinned version into
+// .tools/vllm-router; the router is a Rust library in one Python process, so
+// that process's CPU is the router's.
+package vllmrouter
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/testbed/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
+)
+
+// Version is the vllm-router the Makefile installs (VLLM_ROUTER_VERSION).
+const Version = "0.1.17"
+
+// DirEnv names the directory holding the vllm_router package (a pip
+// --target install); the default is the repository's .tools/vllm-router.
+const DirEnv = "VLLM_ROUTER_DIR"
+
+// toolsDir is the default install, relative to the repository root.
+const toolsDir = ".tools/vllm-router"
+
+// ErrNotInstalled is returned when no vllm-router install is found.
+var ErrNotInstalled = errors.New("vllm-router not found: run `make vllm-router` (installs vllm-router==" + Version + " into .tools/vllm-router) or set " + DirEnv)
+
+// Dir finds the install: $VLLM_ROUTER_DIR, else .tools/vllm-router of the
+// repository around the working directory.
+func Dir() (string, error) {
+	if dir := os.Getenv(DirEnv); dir != "" {
+		if _, err := os.Stat(filepath.Join(dir, "vllm_router")); err != nil {
+			return "", fmt.Errorf("%s=%s: %w", DirEnv, dir, err)
+		}
+		return dir, nil
+	}
+	wd, err := os.Getwd()
+	if err != nil {
+		return "", err
+	}
+	for dir := wd; ; dir = filepath.Dir(dir) {
+		if _, err := os.Stat(filepath.Join(dir, "go.mod")); err == nil {
+			d := filepath.Join(dir, toolsDir)
+			if _, err := os.Stat(filepath.Join(d, "vllm_router")); err == nil {
+				return d, nil
+			}
+			return "", ErrNotInstalled
+		}
+		if filepath.Dir(dir) == dir {
+			return "", ErrNotInstalled
+		}
+	}
+}
+
+var versionLine = regexp.MustCompile(`__version__\s*=\s*["']([^"']+)["']`)
+
+// InstalledVersion reads the version of the install in dir.
+func InstalledVersion(dir string) (string, error) {
+	b, err := os.ReadFile(filepath.Join(dir, "vllm_router", "version.py"))
+	if err != nil {
+		return "", err
+	}
+	m := versionLine.FindSubmatch(b)
+	if m == nil {
+		return "", fmt.Errorf("no __version__ in %s", filepath.Join(dir, "vllm_router", "version.py"))
+	}
+	return string(m[1]), nil
+}
+
+// Options is one router: its engines (http://host:port) and policy.
+type Options struct {
+	// Dir is the install (default: Dir()).
+	Dir string
+	// Python runs the launcher (default python3).
+	Python          string
+	Prefill, Decode []string
+	// Policy is vllm-router's --policy for both legs: round_robin,
+	// cache_aware, power_of_two, ...
+	Policy string
+	// Args are more flags, after the ones Start sets.
+	Args []string
+}
+
+// Process is a running vllm-router.
+type Process struct {
+	cmd     *exec.Cmd
+	log     *logbuf.Buffer
+	done    chan struct{}
+	addr    string
+	version string
+}
+
+// Start runs vllm-router in NIXL P/D mode on a free loopback port and
+// returns once it answers /readiness (all engines healthy).
+func Start(ctx context.Context, o Options) (*Process, error) {
+	if len(o.Prefill) == 0 || len(o.Decode) == 0 {
+		return nil, errors.New("vllmrouter: at least one prefill and one decode engine")
+	}
+	if o.Dir == "" {
+		var err error
+		if o.Dir, err = Dir(); err != nil {
+			return nil, err
+		}
+	}
+	if o.Python == "" {
+		o.Python = "python3"
+	}
+	if o.Policy == "" {
+		o.Policy = "cache_aware" // vllm-router's default
+	}
+	version, err := InstalledVersion(o.Dir)
+	if err != nil {
+		return nil, err
+	}
+	addrs, err := loopback.FreeAddrs(2)
+	if err != nil {
+		return nil, err
+	}
+	host, port := splitAddr(addrs[0])
+	_, promPort := splitAddr(addrs[1])
+	args := []string{"-m", "vllm_router.launch_router",
+		"--host", host, "--port", port,
+		// Its default Prometheus port (29000) is fixed: two routers would
+		// collide.
+		"--prometheus-host", host, "--prometheus-port", promPort,
+		"--vllm-pd-disaggregation", "--kv-connector", "nixl",
+		"--policy", o.Policy,
+		"--log-level", "warning",
+	}
+	for _, u := range o.Prefill {
+		args = append(args, "--prefill", u)
+	}
+	for _, u := range o.Decode {
+		args = append(args, "--decode", u)
+	}
+	args = append(args, o.Args...)
+
+	p := &Process{log: &logbuf.Buffer{}, done: make(chan struct{}), addr: addrs[0], version: version}
+	p.cmd = exec.Command(o.Python, args...)
+	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+o.Dir, "PYTHONDONTWRITEBYTECODE=1", "NO_COLOR=1")
+	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
+	p.cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
+	if err := p.cmd.Start(); err != nil {
+		return nil, fmt.Errorf("starting vllm-router: %w", err)
+	}
+	go func() {
+		_ = p.cmd.Wait()
+		close(p.done)
+	}()
+	if err := p.waitReady(ctx); err != nil {
+		_ = p.Stop()
+		return nil, fmt.Errorf("vllm-router: %w\nits log:\n%s", err, tail(p.log.String(), 40))
+	}
+	return p, nil
+}
+
+func splitAddr(addr string) (host, port string) {
+	i := strings.LastIndexByte(addr, ':')
+	return addr[:i], addr[i+1:]
+}
+
+// waitReady polls /readiness, which answers 200 once the router has
+// checked its engines.
+func (p *Process) waitReady(ctx context.Context) error {
+	client := &http.Client{Timeout: time.Second}
+	defer client.CloseIdleConnections()
+	deadline := time.Now().Add(60 * time.Second)
+	for {
+		resp, err := client.Get(p.URL() + "/readiness")
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		select {
+		case <-p.done:
+			return errors.New("exited before it was ready")
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			return errors.New("not ready after 60s")
+		}
+	}
+}
+
+// URL is where clients send requests.
+func (p *Process) URL() string { return "http://" + p.addr }
+
+// Pid is the router's process: its CPU is the router's.
+func (p *Process) Pid() int { return p.cmd.Process.Pid }
+
+// Version is the running vllm-router's version.
+func (p *Process) Version() string { return p.version }
+
+// Log is what the router printed.
+func (p *Process) Log() string { return p.log.String() }
+
+// Stop ends the router: SIGTERM, then SIGKILL after 5 s.
+func (p *Process) Stop() error {
+	select {
+	case <-p.done:
+		return nil
+	default:
+	}
+	_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(5 * time.Second):
+		_ = syscall.Kill(-p.cmd.Process.Pid, syscall.SIGKILL)
+		<-p.done
+	}
+	return nil
+}
+
+func tail(s string, n int) string {
+	lines := strings.Split(strings.TrimRight(s, "\n"), "\n")
+	if len(lines) > n {
+		lines = lines[len(lines)-n:]
+	}
+	return strings.Join(lines, "\n")
+}
