@@ -105,3 +105,61 @@ func TestNullOptionals(t *testing.T) {
 		})
 	}
 }
+
+// vllm-router's request shape: the bodies vLLM's own router sends engines
+// (its defaults such as no_stop_trim and return_hidden_states, min_tokens 1,
+// and on its prefill leg kv_transfer_params) come through Envoy and pdx as
+// a client's, on every connector whose engines are vLLM's. The engines
+// accept them, the hand-off is pdx's own (a client's kv_transfer_params are
+// stripped), the prefill never gets a minimum above its limit of 1 (vLLM
+// refuses min_tokens > max_tokens), and the decode gets the client's
+// fields.
+func TestVLLMRouterRequestShape(t *testing.T) {
+	const routerFields = `"logprobs":false,"no_stop_trim":false,"ignore_eos":false,"skip_special_tokens":true,` +
+		`"separate_reasoning":true,"stream_reasoning":true,"return_hidden_states":false,"include_reasoning":true`
+	const prefillKV = `"kv_transfer_params":{"do_remote_decode":true,"do_remote_prefill":false,` +
+		`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`
+	for _, cc := range connectorCases(t) {
+		if cc.opts.Connector == "sglang" || cc.opts.Connector == "trtllm" {
+			continue // not vLLM's engines
+		}
+		t.Run(cc.name, func(t *testing.T) {
+			opts := cc.opts
+			opts.Prefill, opts.Decode = 1, 1
+			st := startStack(t, opts)
+			_, hc := newClient(t, st)
+			for _, tc := range []struct {
+				name, path, body, prompt string
+				minTokens                int
+			}{
+				{"decode leg, chat", "/v1/chat/completions",
+					`{"model":"demo-model","messages":[{"role":"user","content":"router decode"}],"stream":false,"max_tokens":5,"continue_final_message":false,` + routerFields + `,"min_tokens":1}`,
+					chatPrompt("router decode"), 1},
+				{"prefill leg, chat", "/v1/chat/completions",
+					`{"model":"demo-model","messages":[{"role":"user","content":"router prefill"}],"stream":false,"max_tokens":1,"continue_final_message":false,` + routerFields + `,"min_tokens":1,` + prefillKV + `}`,
+					chatPrompt("router prefill"), 1},
+				{"streamed completion, minimum above the prefill's limit", "/v1/completions",
+					`{"model":"demo-model","prompt":"router stream","stream":true,"max_tokens":6,` + routerFields + `,"min_tokens":3}`,
+					"router stream", 3},
+			} {
+				a := post(t, hc, st.URL()+tc.path, tc.body)
+				require.Equal(t, 200, a.status, "%s: %s", tc.name, a.body)
+				require.Contains(t, a.body, wantPrefix(tc.prompt), tc.name)
+				requireHandoff(t, st, tc.prompt)
+
+				recs := recordsWhere(st, func(r enginesim.Record) bool { return r.Fingerprint == enginesim.Fingerprint(tc.prompt) })
+				var prefill, decode map[string]any
+				require.NoError(t, json.Unmarshal(recs["prefill"][0].Body, &prefill), tc.name)
+				require.NoError(t, json.Unmarshal(recs["decode"][0].Body, &decode), tc.name)
+				if m, ok := prefill["min_tokens"]; ok {
+					require.LessOrEqual(t, m.(float64), 1.0, "%s: prefill min_tokens above its limit", tc.name)
+				}
+				require.Equal(t, float64(tc.minTokens), decode["min_tokens"], tc.name)
+				require.Equal(t, false, decode["no_stop_trim"], "%s: the decode gets the client's fields", tc.name)
+				if kv, ok := decode["kv_transfer_params"].(map[string]any); ok {
+					require.NotEqual(t, true, kv["do_remote_decode"], "%s: the client's kv_transfer_params reached the decode", tc.name)
+				}
+			}
+		})
+	}
+}
