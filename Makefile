@@ -77,7 +77,8 @@ bench: envoy vllm-router
 	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics | tee bench/go-bench.txt
 
 ## replay: the Mooncake FAST'25 traces through Envoy + pdx and simulated
-## engines, once per placement policy at three loads (a few minutes);
+## engines, once per placement policy at three loads, and through
+## vllm-router over the same engines (a few minutes);
 ## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
 ## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
 .PHONY: replay

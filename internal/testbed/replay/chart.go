@@ -14,14 +14,22 @@ import (
 	"gonum.org/v1/plot/vg/draw"
 )
 
-// policyColors are assigned to policies in the report's order.
-var policyColors = []color.Color{
-	color.RGBA{R: 0x55, G: 0x55, B: 0x55, A: 0xff},
-	color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
-	color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff},
-	color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
-	color.RGBA{R: 0x94, G: 0x67, B: 0xbd, A: 0xff},
-}
+// policyColors are assigned to pdx's policies in the report's order;
+// peerColors to the peer's, which also get a dashed line and triangles so
+// that they stand apart from every pdx line.
+var (
+	policyColors = []color.Color{
+		color.RGBA{R: 0x55, G: 0x55, B: 0x55, A: 0xff},
+		color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
+		color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff},
+		color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
+		color.RGBA{R: 0x94, G: 0x67, B: 0xbd, A: 0xff},
+	}
+	peerColors = []color.Color{
+		color.RGBA{R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
+		color.RGBA{R: 0x8c, G: 0x56, B: 0x4b, A: 0xff},
+	}
+)
 
 // Charts draws, per trace, TTFT p90 and goodput against the load point
 // (round robin's measured busy share), one line per policy.
@@ -67,7 +75,8 @@ func (rep *Report) chart(path, title, yLabel string, yMax float64, trace string,
 	if lo <= hi {
 		p.X.Min, p.X.Max = lo-5, hi+5
 	}
-	for i, name := range rep.policyOrder() {
+	var pdxLines, peerLines int
+	for _, name := range rep.policyOrder() {
 		var xys plotter.XYs
 		for _, r := range rep.Runs {
 			if r.Trace == trace && r.Policy == name {
@@ -82,14 +91,28 @@ func (rep *Report) chart(path, title, yLabel string, yMax float64, trace string,
 		if err != nil {
 			return err
 		}
-		c := policyColors[i%len(policyColors)]
-		line.Color, points.Color = c, c
 		line.Width = vg.Points(1.5)
-		points.Shape = draw.CircleGlyph{}
+		if rep.isPeer(name) {
+			c := peerColors[peerLines%len(peerColors)]
+			peerLines++
+			line.Color, points.Color = c, c
+			line.Dashes = []vg.Length{vg.Points(6), vg.Points(3)}
+			points.Shape, points.Radius = draw.PyramidGlyph{}, vg.Points(4)
+		} else {
+			c := policyColors[pdxLines%len(policyColors)]
+			pdxLines++
+			line.Color, points.Color = c, c
+			points.Shape = draw.CircleGlyph{}
+		}
 		p.Add(line, points)
 		p.Legend.Add(name, line, points)
 	}
 	return p.Save(8*vg.Inch, 5*vg.Inch, path)
+}
+
+// isPeer reports whether a policy's runs were a peer router's.
+func (rep *Report) isPeer(policy string) bool {
+	return slices.ContainsFunc(rep.Runs, func(r RunResult) bool { return r.Policy == policy && r.VLLMRouter != "" })
 }
 
 // policyOrder is the policies in the order they first ran.

@@ -12,27 +12,32 @@ import (
 )
 
 // CPUUse is the cores each part of the rig used on average over a run: is
-// the router, not the simulated engines' capacity, the bottleneck? pdx runs
-// in this process with the simulators and the load client, so Harness is
-// their sum; Machine is every process on the host.
+// the router, not the simulated engines' capacity, the bottleneck? Router
+// is the process in front of the engines: Envoy for pdx's profiles, whose
+// pdx runs in this process with the simulators and the load client (so
+// Harness is their sum), and vllm-router for a peer (Harness then has no
+// router in it). Machine is every process on the host.
 type CPUUse struct {
-	Envoy   float64 `json:"envoy_cores"`
+	Router  float64 `json:"router_cores"`
 	Harness float64 `json:"harness_cores"`
 	Machine float64 `json:"machine_cores"`
 	Cores   int     `json:"machine_cpus"`
+	// RouterMsPerRequest is Router's CPU time per request: all of a
+	// peer's routing, only Envoy's share of pdx's.
+	RouterMsPerRequest float64 `json:"router_cpu_ms_per_request"`
 }
 
 // cpuMeter holds the counters at a run's start.
 type cpuMeter struct {
-	envoyPid             int
-	start                time.Time
-	envoy, self, machine float64
-	envoyOK, machineOK   bool
+	routerPid             int
+	start                 time.Time
+	router, self, machine float64
+	routerOK, machineOK   bool
 }
 
-func startCPU(envoyPid int) *cpuMeter {
-	m := &cpuMeter{envoyPid: envoyPid, start: time.Now(), self: selfCPU()}
-	m.envoy, m.envoyOK = procCPU(envoyPid)
+func startCPU(routerPid int) *cpuMeter {
+	m := &cpuMeter{routerPid: routerPid, start: time.Now(), self: selfCPU()}
+	m.router, m.routerOK = procCPU(routerPid)
 	m.machine, m.machineOK = machineCPU()
 	return m
 }
@@ -40,8 +45,8 @@ func startCPU(envoyPid int) *cpuMeter {
 func (m *cpuMeter) stop() CPUUse {
 	wall := time.Since(m.start).Seconds()
 	u := CPUUse{Harness: (selfCPU() - m.self) / wall, Cores: runtime.NumCPU()}
-	if e, ok := procCPU(m.envoyPid); ok && m.envoyOK {
-		u.Envoy = (e - m.envoy) / wall
+	if e, ok := procCPU(m.routerPid); ok && m.routerOK {
+		u.Router = (e - m.router) / wall
 	}
 	if c, ok := machineCPU(); ok && m.machineOK {
 		u.Machine = (c - m.machine) / wall

@@ -1,7 +1,8 @@
 // Package replay replays the Mooncake FAST'25 traces through a real Envoy
 // and pdx against simulated engines, once per placement policy at each
 // load point, and reports latency, goodput, prefix-cache hits and load
-// spread. See cmd/pdx-replay and `make replay`.
+// spread; a peer profile puts vLLM's own router in front of the same
+// engines instead. See cmd/pdx-replay and `make replay`.
 //
 // Scaling: token counts are divided by a token scale (a 512-token block of
 // the trace becomes 512/scale simulated tokens of 4 bytes), and the
@@ -47,8 +48,9 @@ type Plan struct {
 	// Requests is the trace window: its first Requests requests.
 	Requests int
 	// ReplicaCounts are the pdx replica counts of the affinity experiment
-	// (conversation trace, middle load, pdx-default and round robin);
-	// empty skips it. Every other run has one replica.
+	// (conversation trace, middle load, round robin, pdx-default and
+	// prefix-affinity; never a peer, which has no pdx); empty skips it.
+	// Every other run has one replica.
 	ReplicaCounts []int
 	// TTFTFactor and TPOTFactor set the SLOs as multiples of an idle
 	// engine's uncached TTFT and TPOT for the trace's median request.
@@ -60,9 +62,9 @@ type Plan struct {
 	// the outcomes (default 1): near saturation one replay's tail latency
 	// varies by tens of percent.
 	Repeats int
-	// ExtraPoolYAML is added to every profile's pool config, round robin's
-	// too (e.g. "saturation: {disabled: true}"): an experiment's knob that
-	// leaves the profile table alone.
+	// ExtraPoolYAML is added to every pdx profile's pool config, round
+	// robin's too (e.g. "saturation: {disabled: true}"): an experiment's
+	// knob that leaves the profile table alone.
 	ExtraPoolYAML string
 	Progress      io.Writer
 }
@@ -82,10 +84,14 @@ type Report struct {
 	TTFTFactor float64 `json:"ttft_slo_factor"`
 	TPOTFactor float64 `json:"tpot_slo_factor"`
 	Repeats    int     `json:"repeats"`
-	// ExtraPoolYAML was added to every policy's pool (Plan.ExtraPoolYAML).
-	ExtraPoolYAML string        `json:"extra_pool_yaml,omitempty"`
-	Traces        []TraceReport `json:"traces"`
-	Runs          []RunResult   `json:"runs"`
+	// ExtraPoolYAML was added to every pdx policy's pool
+	// (Plan.ExtraPoolYAML).
+	ExtraPoolYAML string `json:"extra_pool_yaml,omitempty"`
+	// VLLMRouter is the version of the vllm-router that served the peer
+	// profiles' runs; empty when none ran.
+	VLLMRouter string        `json:"vllm_router,omitempty"`
+	Traces     []TraceReport `json:"traces"`
+	Runs       []RunResult   `json:"runs"`
 	// ReplicaRuns are the affinity experiment's runs (the one-replica
 	// ones are also in Runs).
 	ReplicaRuns []RunResult `json:"replica_runs,omitempty"`
@@ -122,7 +128,9 @@ func Run(ctx context.Context, p Plan) (*Report, error) {
 	began := time.Now()
 	profiles := withRoundRobin(p.Profiles, Profiles(p.Rig.Scale))
 	for i := range profiles {
-		profiles[i].PoolYAML = lines(strings.TrimSpace(profiles[i].PoolYAML), p.ExtraPoolYAML)
+		if profiles[i].Peer == "" {
+			profiles[i].PoolYAML = lines(strings.TrimSpace(profiles[i].PoolYAML), p.ExtraPoolYAML)
+		}
 	}
 	if err := p.Rig.CheckProfiles(profiles); err != nil {
 		return nil, err
@@ -135,7 +143,7 @@ func Run(ctx context.Context, p Plan) (*Report, error) {
 		Repeats: max(p.Repeats, 1), ExtraPoolYAML: p.ExtraPoolYAML,
 	}
 	for _, pr := range profiles {
-		rep.Policies[pr.Name] = pr.PoolYAML + pr.ConfigYAML
+		rep.Policies[pr.Name] = pr.Config()
 	}
 	defer func() { rep.WallSec = time.Since(began).Seconds() }()
 	for _, tf := range p.Traces {
@@ -197,6 +205,9 @@ func (p Plan) runTrace(ctx context.Context, tf TraceFile, profiles []Profile, re
 		}
 		for i := range point {
 			point[i].TargetLoad, point[i].RRBusyShare = load, rr.BusyShare
+			if v := point[i].VLLMRouter; v != "" {
+				rep.VLLMRouter = v
+			}
 		}
 		rep.Runs = append(rep.Runs, point...)
 	}
@@ -265,7 +276,8 @@ func (p Plan) steer(ctx context.Context, trace string, rr Profile, load, rate fl
 
 // replicaRuns measures prefix affinity as pdx replicas are added, for round
 // robin, pdx's default and prefix_affinity: the conversation trace (the
-// first trace without it) at the middle load.
+// first trace without it) at the middle load. A peer has no pdx replicas
+// and is not in it.
 func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile, reqs []Request, tr TraceReport, rep *Report) error {
 	if len(p.ReplicaCounts) == 0 || len(p.Loads) == 0 || tf.Name != p.replicaTrace() {
 		return nil
@@ -329,9 +341,9 @@ func (p Plan) runOne(ctx context.Context, trace string, pr Profile, replicas int
 		samples = append(samples, s)
 	}
 	res := summarizeRun(r, samples, slo)
-	p.logf("  %-13s x%d %6.2f req/s: busy %3.0f%%  TTFT p50/p90 %6.0f/%6.0f ms  TPOT p50 %5.1f ms  goodput %3.0f%%  hit %3.0f%%  429 %d  broken %d  mix-ups %d  rejected %d  %.1fs  cpu envoy %.2f harness %.2f",
+	p.logf("  %-23s x%d %6.2f req/s: busy %3.0f%%  TTFT p50/p90 %6.0f/%6.0f ms  TPOT p50 %5.1f ms  goodput %3.0f%%  hit %3.0f%%  429 %d  broken %d  mix-ups %d  rejected %d  %.1fs  cpu router %.2f (%.2f ms/req) harness %.2f",
 		pr.Name, replicas, rate, 100*res.BusyShare, res.TTFT.P50, res.TTFT.P90, res.TPOT.P50, 100*res.Goodput,
-		100*res.PrefixHitRate, res.Shed, res.Broken, res.MixUps, res.Engines.Rejected, res.DurationSec, res.CPU.Envoy, res.CPU.Harness)
+		100*res.PrefixHitRate, res.Shed, res.Broken, res.MixUps, res.Engines.Rejected, res.DurationSec, res.CPU.Router, res.CPU.RouterMsPerRequest, res.CPU.Harness)
 	return res, nil
 }
 

@@ -6,12 +6,26 @@ import (
 )
 
 // Profile is a placement policy as pdx's config states it: lines added to
-// the stack's pool and to the top level of the config.
+// the stack's pool and to the top level of the config. A peer profile is
+// another router instead, over the same engines.
 type Profile struct {
 	Name string
 	// PoolYAML goes into the pool (stack.Options.PoolYAML), ConfigYAML at
 	// the top level (stack.Options.ConfigYAML).
 	PoolYAML, ConfigYAML string
+	// Peer, when set, is a vllm-router --policy: the profile runs vLLM's
+	// own router (package vllmrouter) in front of the engines instead of
+	// Envoy and pdx, and has no pdx config.
+	Peer string
+}
+
+// Config is what the report lists of p: its pdx YAML, or the peer's
+// policy.
+func (p Profile) Config() string {
+	if p.Peer != "" {
+		return "vllm-router in NIXL P/D mode, --policy " + p.Peer
+	}
+	return p.PoolYAML + p.ConfigYAML
 }
 
 // PdxDefaultDecider is the disaggregation line of the "pdx-default"
@@ -25,6 +39,7 @@ const llmdDeciderTokens = 16
 
 // Profiles is the table of placement policies at a token scale: edit it
 // here. The decider thresholds are real token counts scaled like prompts.
+// The peers come last.
 func Profiles(s Scale) []Profile {
 	return []Profile{
 		{Name: "round-robin", PoolYAML: lines(
@@ -42,6 +57,10 @@ func Profiles(s Scale) []Profile {
 		{Name: "pdx-default", PoolYAML: lines(PdxDefaultDecider)},
 		// pdx's stateless prefix placement: every replica picks alike.
 		{Name: "prefix-affinity", PoolYAML: lines("prefill_picker: {policy: prefix_affinity}")},
+		// vLLM's own router: cache_aware is its default, the one users
+		// compare against; round_robin is its plain baseline.
+		{Name: "vllm-router-cache-aware", Peer: "cache_aware"},
+		{Name: "vllm-router-round-robin", Peer: "round_robin"},
 	}
 }
 

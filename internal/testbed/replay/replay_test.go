@@ -1,11 +1,16 @@
 package replay
 
 import (
+	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"testing"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/testbed/vllmrouter"
 )
 
 func TestProfiles(t *testing.T) {
@@ -17,7 +22,14 @@ func TestProfiles(t *testing.T) {
 		return out
 	}
 	all := Profiles(Scale{TokenScale: 16})
-	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "prefix-affinity"}, names(all))
+	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "prefix-affinity",
+		"vllm-router-cache-aware", "vllm-router-round-robin"}, names(all))
+	for _, p := range all[5:] {
+		require.NotEmpty(t, p.Peer, p.Name)
+		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
+		require.Contains(t, p.Config(), "--policy "+p.Peer)
+	}
+	require.Equal(t, all[2].PoolYAML, all[2].Config(), "a pdx profile's config is its YAML")
 	require.Contains(t, all[2].PoolYAML, "disaggregation: {min_uncached_tokens: 1}", "llm-d's 16 tokens at scale 16")
 	require.Contains(t, Profiles(Scale{TokenScale: 4})[2].PoolYAML, "min_uncached_tokens: 4")
 
@@ -29,26 +41,69 @@ func TestProfiles(t *testing.T) {
 	require.Equal(t, []string{"round-robin", "pdx-default"}, names(withRoundRobin(got[:1], all)), "round robin runs first, always")
 }
 
-// TestCheckProfiles fails a bad policy config before anything starts,
-// naming the policy.
+// TestCheckProfiles fails a bad policy config, or a peer profile without
+// vllm-router installed, before anything starts, naming the policy; a
+// peer's empty pdx config is not parsed.
 func TestCheckProfiles(t *testing.T) {
 	rig := Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.1}
-	require.NoError(t, rig.CheckProfiles(Profiles(rig.Scale)[:1]))
+	all := Profiles(rig.Scale)
+	require.NoError(t, rig.CheckProfiles(all), "every profile, the peers with vllm-router installed")
 	err := rig.CheckProfiles([]Profile{{Name: "broken", PoolYAML: "prefill_picker: {policy: no_such_policy}\n"}})
 	require.ErrorContains(t, err, "policy broken")
+
+	t.Setenv(vllmrouter.DirEnv, t.TempDir())
+	require.NoError(t, rig.CheckProfiles(all[:5]), "pdx's profiles need no vllm-router")
+	err = rig.CheckProfiles(all[5:6])
+	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
+	require.ErrorContains(t, err, "policy vllm-router-cache-aware")
+}
+
+// TestSendMixUp: the client takes an answer as its own only when it
+// starts with its prompt's fingerprint, whatever the stream's id (a
+// router may rewrite it, as vllm-router does).
+func TestSendMixUp(t *testing.T) {
+	mine, other := Request{Index: 1, Prompt: "block one", MaxTokens: 2}, Request{Prompt: "block two"}
+	for _, tc := range []struct {
+		name   string
+		answer Request
+		mixed  bool
+	}{
+		{name: "own answer", answer: mine},
+		{name: "another prompt's answer", answer: other, mixed: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+				w.Header().Set("Content-Type", "text/event-stream")
+				for _, c := range []string{wantPrefix(tc.answer), " t1"} {
+					fmt.Fprintf(w, "data: {\"id\":\"chatcmpl-rewritten\",\"choices\":[{\"delta\":{\"content\":%q}}]}\n\n", c)
+				}
+				fmt.Fprint(w, "data: [DONE]\n\n")
+			}))
+			defer srv.Close()
+			o := send(t.Context(), srv.Client(), srv.URL, mine)
+			require.Empty(t, o.Err)
+			require.Equal(t, 2, o.Tokens)
+			require.Equal(t, tc.mixed, o.MixedUp)
+			require.Equal(t, !tc.mixed, o.OK())
+		})
+	}
 }
 
 // TestReplay replays a few dozen requests of the conversation trace through
 // the real Envoy, pdx (two replicas in the affinity run) and simulated
-// engines with round robin at one load point: every answer whole and its
-// own, no KV hand-off refused, the engines' prefix caches counting, the
-// report written.
+// engines with round robin at one load point, and through vllm-router
+// (cache_aware) over the same engines: every answer whole and its own, no
+// KV hand-off refused, the engines' prefix caches counting (every request
+// of the trace starts with the same block), the router's CPU measured,
+// the peer kept out of the replica runs, the report written.
 func TestReplay(t *testing.T) {
 	out := t.TempDir()
+	profiles, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{"round-robin", "vllm-router-cache-aware"})
+	require.NoError(t, err)
 	plan := Plan{
 		Rig:           Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625},
 		Traces:        []TraceFile{{Name: "conversation", Path: filepath.Join("testdata", "conversation-head.jsonl")}},
-		Profiles:      Profiles(Scale{TokenScale: 16})[:1],
+		Profiles:      profiles,
 		Loads:         []float64{0.5},
 		Requests:      40,
 		ReplicaCounts: []int{1, 2},
@@ -59,8 +114,12 @@ func TestReplay(t *testing.T) {
 	}
 	rep, err := Run(t.Context(), plan)
 	require.NoError(t, err)
-	require.Len(t, rep.Runs, 1)
-	require.Len(t, rep.ReplicaRuns, 2)
+	require.Len(t, rep.Runs, 2)
+	require.Equal(t, []string{"round-robin", "vllm-router-cache-aware"}, []string{rep.Runs[0].Policy, rep.Runs[1].Policy})
+	require.Empty(t, rep.Runs[0].VLLMRouter)
+	require.Equal(t, vllmrouter.Version, rep.Runs[1].VLLMRouter)
+	require.Equal(t, vllmrouter.Version, rep.VLLMRouter)
+	require.Len(t, rep.ReplicaRuns, 2, "round robin at 1 and 2 replicas; no peer")
 	require.Equal(t, 2, rep.ReplicaRuns[1].Replicas)
 	for _, r := range append(rep.Runs, rep.ReplicaRuns...) {
 		require.Equal(t, 40, r.Requests)
@@ -72,8 +131,10 @@ func TestReplay(t *testing.T) {
 		require.Positive(t, r.Engines.PrefillHitTokens, "the trace's shared first block is a hit")
 		require.Positive(t, r.BusyShare)
 		require.Positive(t, r.TTFT.P50)
-		require.Equal(t, 40, sum(r.Engines.PrefillRequests), "every request prefilled once under round robin")
+		require.Equal(t, 40, sum(r.Engines.PrefillRequests), "every request prefilled once")
 		require.Equal(t, 40, sum(r.Engines.DecodeRequests))
+		require.Positive(t, r.CPU.Router, "%s: the router's cores", r.Policy)
+		require.Positive(t, r.CPU.RouterMsPerRequest)
 	}
 	require.NoError(t, rep.Violations())
 	require.Equal(t, "saturation: {disabled: true}", rep.ExtraPoolYAML)
@@ -89,6 +150,8 @@ func TestReplay(t *testing.T) {
 	summary, err := os.ReadFile(filepath.Join(out, "summary.md"))
 	require.NoError(t, err)
 	require.Contains(t, string(summary), "| round-robin |")
+	require.Contains(t, string(summary), "| vllm-router-cache-aware |")
+	require.Contains(t, string(summary), "vllm-router "+vllmrouter.Version)
 }
 
 func sum(xs []int) int {

@@ -38,9 +38,16 @@ func (rep *Report) Summary() string {
 	if rep.Machine != "" {
 		fmt.Fprintf(&b, " on %s", rep.Machine)
 	}
-	fmt.Fprintf(&b, ".\n\nEngine capacity: `%s`\n\n", compactJSON(rep.Capacity))
+	b.WriteString(".\n\n")
+	if rep.VLLMRouter != "" {
+		fmt.Fprintf(&b, "**Peer: vllm-router %s.** The `vllm-router-*` rows put vLLM's own router (NIXL P/D mode, the `--policy` "+
+			"under Policies) in front of the engines instead of Envoy + pdx: the same engines (same capacity and counts, fresh per run), "+
+			"the same requests at the same schedule. Their prefix hits, request spread and KV rejections are the engines' counters, "+
+			"as for pdx's rows. They are not in the replica experiment, whose replicas are pdx's.\n\n", rep.VLLMRouter)
+	}
+	fmt.Fprintf(&b, "Engine capacity: `%s`\n\n", compactJSON(rep.Capacity))
 	if rep.ExtraPoolYAML != "" {
-		fmt.Fprintf(&b, "Added to every policy's pool: `%s`\n\n", strings.TrimSpace(strings.ReplaceAll(rep.ExtraPoolYAML, "\n", "; ")))
+		fmt.Fprintf(&b, "Added to every pdx policy's pool: `%s`\n\n", strings.TrimSpace(strings.ReplaceAll(rep.ExtraPoolYAML, "\n", "; ")))
 	}
 	fmt.Fprintf(&b, "Engine times are the reference engine's (enginesim.ReferenceCapacity: Llama-3-8B on one H100) "+
 		"multiplied by the time scale, with token counts divided by the token scale: a simulated millisecond of TTFT "+
@@ -50,13 +57,19 @@ func (rep *Report) Summary() string {
 		"(engines × the run's prefill window, from the first send to the last first token). "+
 		"Goodput = share of requests with TTFT and TPOT both within the SLO: TTFT ≤ %g × and TPOT ≤ %g × "+
 		"those of the trace's median request (median prompt, median output) sent alone to an idle rig, uncached. "+
-		"Cores: Envoy's, and this process's (pdx, the simulators and the load client run in it).\n\n",
+		"Cores: the router's, and this process's (the simulators and the load client, and pdx in pdx's rows, run in it). "+
+		"The router is the process in front of the engines: Envoy in pdx's rows (pdx itself runs in this process), vllm-router's "+
+		"process in the peer's. Router CPU per request is its core-seconds over the requests: all of vllm-router's routing, but only "+
+		"Envoy's share of pdx's, whose own CPU is not separable here (`make bench` measures it).\n\n",
 		rep.TTFTFactor, rep.TPOTFactor)
 	for _, tr := range rep.Traces {
 		rep.traceSummary(&b, tr)
 	}
 	if len(rep.ReplicaRuns) > 0 {
 		fmt.Fprintf(&b, "## Prefix affinity vs pdx replicas (%s, load %.0f%%)\n\n", rep.ReplicaRuns[0].Trace, 100*rep.ReplicaRuns[0].TargetLoad)
+		if rep.VLLMRouter != "" {
+			b.WriteString("pdx's profiles only: vllm-router has no pdx replicas.\n\n")
+		}
 		fmt.Fprintf(&b, "| policy | replicas | prefix hit (prefill) | prefix hit (all) | TTFT p90 ms | goodput |\n|---|---:|---:|---:|---:|---:|\n")
 		for _, r := range rep.ReplicaRuns {
 			fmt.Fprintf(&b, "| %s | %d | %.1f%% | %.1f%% | %.0f | %.1f%% |\n", r.Policy, r.Replicas,
@@ -66,7 +79,7 @@ func (rep *Report) Summary() string {
 	}
 	fmt.Fprintf(&b, "## Policies\n\n")
 	for _, name := range slices.Sorted(maps.Keys(rep.Policies)) {
-		yaml := strings.TrimSpace(strings.ReplaceAll(rep.Policies[name], "\n", "; "))
+		yaml := strings.TrimSpace(strings.ReplaceAll(rep.Policies[name], "\n", "; ")) // a peer's is its policy
 		if yaml == "" {
 			fmt.Fprintf(&b, "- **%s**: pdx's defaults (no picker lines)\n", name)
 			continue
@@ -85,16 +98,16 @@ func (rep *Report) traceSummary(b *strings.Builder, tr TraceReport) {
 		tr.Requests, tr.NativeRate, tr.MedianInput, tr.MeanInput, tr.MedianOutput,
 		ms(tr.Probe.TTFT), ms(tr.Probe.TPOT), ms(tr.SLO.TTFT), ms(tr.SLO.TPOT),
 		tr.SLO.TTFT.Seconds()/rep.TimeScale, ms(tr.SLO.TPOT)/(rep.TimeScale*float64(rep.TokenScale)), tr.GuessRate, 100*tr.GuessBusy)
-	fmt.Fprintf(b, "| load: target → RR busy | rate req/s | policy | TTFT p50/p90/p99 ms | E2E p50/p90/p99 ms | TPOT p50/p90/p99 ms | goodput | prefix hit (prefill / all) | req/prefill (CV) | req/decode (CV) | errors: 429 / broken | mix-ups | KV rejected | envoy / harness cores |\n")
-	fmt.Fprintf(b, "|---|---:|---|---|---|---|---:|---|---|---|---|---:|---:|---|\n")
+	fmt.Fprintf(b, "| load: target → RR busy | rate req/s | policy | TTFT p50/p90/p99 ms | E2E p50/p90/p99 ms | TPOT p50/p90/p99 ms | goodput | prefix hit (prefill / all) | req/prefill (CV) | req/decode (CV) | errors: 429 / broken | mix-ups | KV rejected | router / harness cores | router CPU ms/req |\n")
+	fmt.Fprintf(b, "|---|---:|---|---|---|---|---:|---|---|---|---|---:|---:|---|---:|\n")
 	for _, r := range rep.Runs {
 		if r.Trace != tr.Name {
 			continue
 		}
-		fmt.Fprintf(b, "| %.0f%% → %.0f%% | %.2f | %s | %s | %s | %s | %.1f%% | %.1f%% / %.1f%% | %s (%.2f) | %s (%.2f) | %d / %d | %d | %d | %.2f / %.2f |\n",
+		fmt.Fprintf(b, "| %.0f%% → %.0f%% | %.2f | %s | %s | %s | %s | %.1f%% | %.1f%% / %.1f%% | %s (%.2f) | %s (%.2f) | %d / %d | %d | %d | %.2f / %.2f | %.2f |\n",
 			100*r.TargetLoad, 100*r.RRBusyShare, r.Rate, r.Policy, pct(r.TTFT, 0), pct(r.E2E, 0), pct(r.TPOT, 1), 100*r.Goodput,
 			100*r.PrefixHitRate, 100*r.PrefixHitRateAll, intList(r.Engines.PrefillRequests), r.PrefillCV,
-			intList(r.Engines.DecodeRequests), r.DecodeCV, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected, r.CPU.Envoy, r.CPU.Harness)
+			intList(r.Engines.DecodeRequests), r.DecodeCV, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected, r.CPU.Router, r.CPU.Harness, r.CPU.RouterMsPerRequest)
 	}
 	b.WriteString("\n")
 	for _, r := range rep.Runs {

@@ -2,6 +2,7 @@ package replay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net/http"
@@ -10,10 +11,12 @@ import (
 
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
+	"github.com/pdx-router/pdx/internal/testbed/vllmrouter"
 )
 
 // Rig is the deployment every run starts afresh (fresh engines, fresh
-// caches): N prefill and M decode NIXL simulators behind pdx and Envoy.
+// caches): N prefill and M decode NIXL simulators behind pdx and Envoy, or
+// behind a peer router for a peer profile.
 type Rig struct {
 	Prefill, Decode int
 	Scale           Scale
@@ -47,8 +50,8 @@ type RunResult struct {
 	BusyShare float64 `json:"busy_share"`
 	Requests  int     `json:"requests"`
 	// Errors counts failed requests: Shed of them were refused with 429
-	// (pdx's saturation), Broken got a 5xx, no answer or a stream cut
-	// short.
+	// (pdx's saturation, or a peer's own queue), Broken got a 5xx, no
+	// answer or a stream cut short.
 	Errors int `json:"errors"`
 	Shed   int `json:"shed_429"`
 	Broken int `json:"broken"`
@@ -72,6 +75,9 @@ type RunResult struct {
 	// running: from the first send to the last first token.
 	PrefillWindowSec float64 `json:"prefill_window_s"`
 	CPU              CPUUse  `json:"cpu"`
+	// VLLMRouter is the version of the vllm-router that served a peer
+	// profile's run; empty when Envoy and pdx did.
+	VLLMRouter string `json:"vllm_router,omitempty"`
 }
 
 // perRequestTimeout bounds one request, far above any SLO.
@@ -83,33 +89,101 @@ type sample struct {
 	engines EngineStats
 	elapsed time.Duration
 	cpu     CPUUse
+	// vllmRouter is the peer's version; "" for pdx.
+	vllmRouter string
 }
 
-// replay starts a fresh stack for r, sends every request at its scheduled
+// replay starts a fresh deployment for r, sends every request at its scheduled
 // offset (open loop: late answers never delay later sends), waits for all
 // and reads the engines' counters.
 func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
-	st, err := rig.start(ctx, r.profile, r.replicas)
+	d, err := rig.start(ctx, r.profile, r.replicas)
 	if err != nil {
 		return sample{}, fmt.Errorf("policy %s: %w", r.profile.Name, err)
 	}
-	defer st.Close()
+	defer d.Close()
 	client := newClient()
 	defer client.CloseIdleConnections()
 
-	cpu := startCPU(st.Envoy.Pid())
-	outs, elapsed := sendAll(ctx, client, st.URL(), r.reqs, r.at)
+	cpu := startCPU(d.routerPid())
+	outs, elapsed := sendAll(ctx, client, d.URL(), r.reqs, r.at)
 	use := cpu.stop()
 	if err := ctx.Err(); err != nil {
 		return sample{}, err
 	}
-	return sample{outs: outs, engines: engineStats(st), elapsed: elapsed, cpu: use}, nil
+	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use}
+	if d.peer != nil {
+		s.vllmRouter = d.peer.Version()
+	}
+	return s, nil
 }
 
-// start brings up the rig with a profile's config.
-func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*stack.Stack, error) {
+// deployment is a started rig: its engines, and in front of them Envoy
+// with pdx (st has them), or a peer router.
+type deployment struct {
+	st   *stack.Stack
+	peer *vllmrouter.Process
+}
+
+// URL is where the client sends requests.
+func (d *deployment) URL() string {
+	if d.peer != nil {
+		return d.peer.URL()
+	}
+	return d.st.URL()
+}
+
+// routerPid is the process in front of the engines: Envoy (pdx runs in
+// this process), or the peer.
+func (d *deployment) routerPid() int {
+	if d.peer != nil {
+		return d.peer.Pid()
+	}
+	return d.st.Envoy.Pid()
+}
+
+// Close stops the router first, so that no request is cut by an engine
+// going away.
+func (d *deployment) Close() error {
+	var errs []error
+	if d.peer != nil {
+		errs = append(errs, d.peer.Stop())
+	}
+	return errors.Join(append(errs, d.st.Close())...)
+}
+
+// start brings up the rig with a profile's config: the whole stack, or for
+// a peer the stack's engines alone (the same engines, started by the same
+// code) with the peer in front.
+func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment, error) {
 	opts, _ := rig.options(p, replicas)
-	return stack.Start(ctx, opts)
+	if p.Peer == "" {
+		st, err := stack.Start(ctx, opts)
+		if err != nil {
+			return nil, err
+		}
+		return &deployment{st: st}, nil
+	}
+	if replicas != 1 {
+		return nil, fmt.Errorf("%d pdx replicas asked of a peer router", replicas)
+	}
+	st, err := stack.StartEngines(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
+	peer, err := vllmrouter.Start(ctx, vllmrouter.Options{Prefill: engineURLs(st.Prefill), Decode: engineURLs(st.Decode), Policy: p.Peer})
+	if err != nil {
+		return nil, errors.Join(err, st.Close())
+	}
+	return &deployment{st: st, peer: peer}, nil
+}
+
+func engineURLs(sims []*enginesim.Server) []string {
+	out := make([]string, len(sims))
+	for i, s := range sims {
+		out[i] = "http://" + s.Addr()
+	}
+	return out
 }
 
 // options are the stack options of a profile; the engine capacity too.
@@ -130,10 +204,17 @@ func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capaci
 	}, capacity
 }
 
-// CheckProfiles parses every profile's pdx config before anything starts,
-// so that a typo fails the run at once, naming the policy.
+// CheckProfiles parses every profile's pdx config, and finds the peer's
+// install for a peer profile, before anything starts, so that a typo or a
+// missing vllm-router fails the run at once, naming the policy.
 func (rig Rig) CheckProfiles(ps []Profile) error {
 	for _, p := range ps {
+		if p.Peer != "" {
+			if _, err := vllmrouter.Dir(); err != nil {
+				return fmt.Errorf("policy %s: %w", p.Name, err)
+			}
+			continue
+		}
 		opts, _ := rig.options(p, 1)
 		if err := stack.CheckConfig(opts); err != nil {
 			return fmt.Errorf("policy %s (pool YAML %q, top-level YAML %q): %w", p.Name, p.PoolYAML, p.ConfigYAML, err)
@@ -176,7 +257,8 @@ const maxErrorSamples = 5
 
 // summarizeRun turns the samples of a run (its repeats) into a result:
 // outcomes pooled, engine counters summed, busy share over the summed
-// prefill windows, cores averaged over time.
+// prefill windows, cores averaged over time, the router's CPU per request
+// from its core-seconds.
 func summarizeRun(r run, samples []sample, slo SLO) RunResult {
 	var (
 		outs            []Outcome
@@ -190,10 +272,13 @@ func summarizeRun(r run, samples []sample, slo SLO) RunResult {
 		elapsed += s.elapsed
 		window += prefillWindow(s.outs, s.elapsed)
 		w := s.elapsed.Seconds()
-		cpu.Envoy, cpu.Harness, cpu.Machine, cpu.Cores = cpu.Envoy+w*s.cpu.Envoy, cpu.Harness+w*s.cpu.Harness, cpu.Machine+w*s.cpu.Machine, s.cpu.Cores
+		cpu.Router, cpu.Harness, cpu.Machine, cpu.Cores = cpu.Router+w*s.cpu.Router, cpu.Harness+w*s.cpu.Harness, cpu.Machine+w*s.cpu.Machine, s.cpu.Cores
+	}
+	if len(outs) > 0 {
+		cpu.RouterMsPerRequest = 1000 * cpu.Router / float64(len(outs))
 	}
 	if t := elapsed.Seconds(); t > 0 {
-		cpu.Envoy, cpu.Harness, cpu.Machine = cpu.Envoy/t, cpu.Harness/t, cpu.Machine/t
+		cpu.Router, cpu.Harness, cpu.Machine = cpu.Router/t, cpu.Harness/t, cpu.Machine/t
 	}
 	res := RunResult{
 		Trace: r.trace, Policy: r.profile.Name, Replicas: r.replicas, Rate: r.rate, Repeats: len(samples),
@@ -203,6 +288,9 @@ func summarizeRun(r run, samples []sample, slo SLO) RunResult {
 		PrefixHitRateAll: ratio(float64(es.AllHitTokens), float64(es.AllQueryTokens)),
 		PrefillCV:        cv(es.PrefillRequests),
 		DecodeCV:         cv(es.DecodeRequests),
+	}
+	if len(samples) > 0 {
+		res.VLLMRouter = samples[0].vllmRouter
 	}
 	res.PrefillWindowSec = window.Seconds()
 	res.BusyShare = busyShare(es.PrefillBusy, window, len(es.PrefillRequests))

@@ -92,19 +92,21 @@ func TestBusyShare(t *testing.T) {
 }
 
 // TestSummarizeRepeats pools the outcomes and sums the engines' counters
-// of a run's repeats.
+// of a run's repeats; the router's cores average over time and its CPU per
+// request comes from its core-seconds.
 func TestSummarizeRepeats(t *testing.T) {
 	s := time.Second
-	one := func(ttft time.Duration, busy time.Duration) sample {
+	one := func(ttft, busy, elapsed time.Duration, router float64) sample {
 		return sample{
-			outs:    []Outcome{{Status: 200, TTFT: ttft, E2E: ttft + s, Tokens: 2, Want: 2}},
-			engines: EngineStats{PrefillRequests: []int{1, 0}, DecodeRequests: []int{0, 1}, PrefillBusy: busy, PrefillQueryTokens: 10, PrefillHitTokens: 5},
-			elapsed: 4 * s,
-			cpu:     CPUUse{Envoy: 0.1, Harness: 0.3},
+			outs:       []Outcome{{Status: 200, TTFT: ttft, E2E: ttft + s, Tokens: 2, Want: 2}},
+			engines:    EngineStats{PrefillRequests: []int{1, 0}, DecodeRequests: []int{0, 1}, PrefillBusy: busy, PrefillQueryTokens: 10, PrefillHitTokens: 5},
+			elapsed:    elapsed,
+			cpu:        CPUUse{Router: router, Harness: 0.3},
+			vllmRouter: "9.9.9",
 		}
 	}
-	res := summarizeRun(run{trace: "t", profile: Profile{Name: "p"}, replicas: 1, rate: 3},
-		[]sample{one(s, s), one(2*s, 3*s)}, SLO{TTFT: 1500 * time.Millisecond, TPOT: s})
+	res := summarizeRun(run{trace: "t", profile: Profile{Name: "p", Peer: "cache_aware"}, replicas: 1, rate: 3},
+		[]sample{one(s, s, 4*s, 0.1), one(2*s, 3*s, 6*s, 0.6)}, SLO{TTFT: 1500 * time.Millisecond, TPOT: s})
 	require.Equal(t, 2, res.Requests)
 	require.Equal(t, 2, res.Repeats)
 	require.Equal(t, []int{2, 0}, res.Engines.PrefillRequests)
@@ -114,6 +116,11 @@ func TestSummarizeRepeats(t *testing.T) {
 	// Busy 4 s over 2 engines × (1 s + 2 s) of prefill windows.
 	require.InDelta(t, 4.0/6.0, res.BusyShare, 1e-9)
 	require.InDelta(t, 0.3, res.CPU.Harness, 1e-9)
+	// 0.1 cores for 4 s and 0.6 for 6 s: 4 core-seconds over 10 s and 2
+	// requests.
+	require.InDelta(t, 0.4, res.CPU.Router, 1e-9)
+	require.InDelta(t, 2000, res.CPU.RouterMsPerRequest, 1e-6)
+	require.Equal(t, "9.9.9", res.VLLMRouter)
 	require.Equal(t, Percentiles{P50: 1000, P90: 2000, P99: 2000}, res.TTFT)
 }
 

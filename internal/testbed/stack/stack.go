@@ -110,56 +110,22 @@ type Stack struct {
 
 // Start brings the stack up and returns once Envoy routes to pdx.
 func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
-	if opts.Prefill == 0 {
-		opts.Prefill = 2
-	}
-	if opts.Decode == 0 {
-		opts.Decode = 2
-	}
-	if opts.Connector == "" {
-		opts.Connector = "nixl"
-	}
-	if opts.PrefillTimeout == 0 {
-		opts.PrefillTimeout = 30 * time.Second
-	}
-	if opts.PdxReplicas == 0 {
-		opts.PdxReplicas = 1
-	}
+	opts = opts.withDefaults()
 	bin := opts.EnvoyBin
 	if bin == "" {
 		if bin, err = envoyproc.Binary(); err != nil {
 			return nil, err
 		}
 	}
-	s := &Stack{pdxLog: &logbuf.Buffer{}}
+	s, err := StartEngines(ctx, opts)
+	if err != nil {
+		return nil, err
+	}
 	defer func() {
 		if err != nil {
 			s.Close()
 		}
 	}()
-	engine := opts.Engine
-	engine.Connector = opts.Connector
-	engine.MooncakeProtocol = opts.MooncakeProtocol
-	if enginesim.UsesStore(opts.Connector) {
-		if s.Store, err = enginesim.StartStore(ctx, "127.0.0.1:0"); err != nil {
-			return nil, err
-		}
-		engine.StoreAddr = s.Store.Addr()
-	}
-	for i := range opts.Prefill {
-		sim, err := startSim(ctx, engine, enginesim.RolePrefill, i, opts.Tune)
-		if err != nil {
-			return nil, err
-		}
-		s.Prefill = append(s.Prefill, sim)
-	}
-	for i := range opts.Decode {
-		sim, err := startSim(ctx, engine, enginesim.RoleDecode, i, opts.Tune)
-		if err != nil {
-			return nil, err
-		}
-		s.Decode = append(s.Decode, sim)
-	}
 
 	if opts.Profile == envoy.ProfileAIGateway {
 		opts.ConfigYAML = "tls: {self_signed: true}\n" + opts.ConfigYAML
@@ -212,6 +178,64 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		if err := s.waitReplicasReached(ctx); err != nil {
 			return nil, err
 		}
+	}
+	return s, nil
+}
+
+// withDefaults fills in the zero fields Options documents.
+func (opts Options) withDefaults() Options {
+	if opts.Prefill == 0 {
+		opts.Prefill = 2
+	}
+	if opts.Decode == 0 {
+		opts.Decode = 2
+	}
+	if opts.Connector == "" {
+		opts.Connector = "nixl"
+	}
+	if opts.PrefillTimeout == 0 {
+		opts.PrefillTimeout = 30 * time.Second
+	}
+	if opts.PdxReplicas == 0 {
+		opts.PdxReplicas = 1
+	}
+	return opts
+}
+
+// StartEngines starts only the simulated engines of a stack of opts (and
+// the KV store of a store connector), exactly as Start would, for another
+// router to front: a peer measured on the same engines as pdx. Envoy and
+// Pdx stay nil, so URL must not be called; Close stops the engines.
+func StartEngines(ctx context.Context, opts Options) (_ *Stack, err error) {
+	opts = opts.withDefaults()
+	s := &Stack{pdxLog: &logbuf.Buffer{}}
+	defer func() {
+		if err != nil {
+			s.Close()
+		}
+	}()
+	engine := opts.Engine
+	engine.Connector = opts.Connector
+	engine.MooncakeProtocol = opts.MooncakeProtocol
+	if enginesim.UsesStore(opts.Connector) {
+		if s.Store, err = enginesim.StartStore(ctx, "127.0.0.1:0"); err != nil {
+			return nil, err
+		}
+		engine.StoreAddr = s.Store.Addr()
+	}
+	for i := range opts.Prefill {
+		sim, err := startSim(ctx, engine, enginesim.RolePrefill, i, opts.Tune)
+		if err != nil {
+			return nil, err
+		}
+		s.Prefill = append(s.Prefill, sim)
+	}
+	for i := range opts.Decode {
+		sim, err := startSim(ctx, engine, enginesim.RoleDecode, i, opts.Tune)
+		if err != nil {
+			return nil, err
+		}
+		s.Decode = append(s.Decode, sim)
 	}
 	return s, nil
 }

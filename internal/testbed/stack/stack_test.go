@@ -37,6 +37,22 @@ func requestsTotal(t *testing.T, url string) float64 {
 	return n
 }
 
+// TestStartEngines starts the engines alone, as Start's own, for another
+// router to front: no Envoy, no pdx, every engine serving.
+func TestStartEngines(t *testing.T) {
+	st, err := StartEngines(t.Context(), Options{Prefill: 1, Decode: 3})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = st.Close() })
+	require.Nil(t, st.Envoy)
+	require.Nil(t, st.Pdx)
+	require.Empty(t, st.Replicas)
+	require.Len(t, st.Prefill, 1)
+	require.Len(t, st.Decode, 3)
+	for _, e := range st.Engines() {
+		require.NoError(t, get(t.Context(), http.DefaultClient, "http://"+e.Addr()+"/health", nil))
+	}
+}
+
 // TestCheckConfig refuses a bad pool config without starting anything.
 func TestCheckConfig(t *testing.T) {
 	require.NoError(t, CheckConfig(Options{PoolYAML: "prefill_picker: {policy: round_robin}"}))

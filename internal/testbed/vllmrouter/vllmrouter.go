@@ -40,7 +40,7 @@ var ErrNotInstalled = errors.New("vllm-router not found: run `make vllm-router` 
 func Dir() (string, error) {
 	if dir := os.Getenv(DirEnv); dir != "" {
 		if _, err := os.Stat(filepath.Join(dir, "vllm_router")); err != nil {
-			return "", fmt.Errorf("%s=%s: %w", DirEnv, dir, err)
+			return "", fmt.Errorf("%s=%s holds no vllm_router: %w", DirEnv, dir, ErrNotInstalled)
 		}
 		return dir, nil
 	}
