@@ -68,9 +68,10 @@ unit:
 bench-compile:
 	$(GO) test -run '^$$' -bench . -benchtime 1x ./...
 
-## bench: the load harness (Envoy alone vs Envoy + pdx, ~10 minutes) and
-## the Go benchmarks; results, charts and profiles go to bench/.
-## BENCH_ARGS adds pdx-bench flags, e.g. BENCH_ARGS="--profiles zero".
+## bench: the load harness (Envoy alone vs Envoy + pdx vs vllm-router,
+## ~25 minutes) and the Go benchmarks; results, charts and profiles go to
+## bench/. BENCH_ARGS adds pdx-bench flags, e.g. BENCH_ARGS="--profiles zero"
+## or "--vllm-router=false".
 bench: envoy vllm-router
 	$(GO) build -o $(TOOLS)/bin/pdx ./cmd/pdx
 	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)

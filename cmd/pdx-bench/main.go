@@ -1,7 +1,7 @@
 // Command pdx-bench is pdx's load harness: it starts a real Envoy, pdx (the
-// binary given) and simulated engines, drives closed-loop load through them
-// with Envoy alone as the floor, and writes results.json, summary.md and
-// charts. See `make bench`.
+// binary given), vLLM's own router as the peer and simulated engines, drives
+// closed-loop load through them with Envoy alone as the floor, and writes
+// results.json, summary.md and charts. See `make bench`.
 package main
 
 import (
@@ -22,6 +22,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/internal/testbed/loadtest"
+	"github.com/pdx-router/pdx/internal/testbed/vllmrouter"
 )
 
 func main() {
@@ -48,6 +49,7 @@ func run(ctx context.Context, args []string) error {
 	)
 	fs.StringVar(&plan.PdxBin, "pdx-bin", "", "the pdx binary to measure (required)")
 	fs.BoolVar(&plan.Observer, "observer", false, "add the observability pass to Envoy's config")
+	fs.BoolVar(&plan.VLLMRouter, "vllm-router", true, "measure vllm-router (round_robin and cache_aware) as the peer (make vllm-router installs it; "+vllmrouter.DirEnv+" overrides)")
 	fs.StringVar(&plan.EnvoyBin, "envoy-bin", "", "Envoy binary (default: $ENVOY_BIN or the one `make envoy` installs)")
 	fs.IntVar(&plan.SweepBody, "sweep-body", 32768, "body size of the concurrency sweep")
 	fs.IntVar(&plan.SizeConcurrency, "size-concurrency", 64, "concurrency of the size sweep")
@@ -67,6 +69,12 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 		plan.EnvoyBin = bin
+	}
+	if plan.VLLMRouter {
+		// Before Run, whose failure would still write its empty report.
+		if _, err := vllmrouter.Dir(); err != nil {
+			return fmt.Errorf("%w (--vllm-router=false leaves the peer out)", err)
+		}
 	}
 	var err error
 	for name := range strings.SplitSeq(*profiles, ",") {

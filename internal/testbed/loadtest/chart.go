@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"fmt"
 	"image/color"
+	"os"
 	"path/filepath"
 	"slices"
 
@@ -18,6 +19,8 @@ var scenarioColor = map[Scenario]color.Color{
 	NoPrefill:       color.RGBA{R: 0x1f, G: 0x77, B: 0xb4, A: 0xff},
 	NoPrefillDuplex: color.RGBA{R: 0x2c, G: 0xa0, B: 0x2c, A: 0xff},
 	PD:              color.RGBA{R: 0xd6, G: 0x27, B: 0x28, A: 0xff},
+	PeerRoundRobin:  color.RGBA{R: 0x94, G: 0x67, B: 0xbd, A: 0xff},
+	PeerCacheAware:  color.RGBA{R: 0xff, G: 0x7f, B: 0x0e, A: 0xff},
 }
 
 // Charts draws latency against concurrency and overhead against body size
@@ -48,18 +51,18 @@ func (rep *Report) Charts(dir string) error {
 	lat.Y.Label.Text = "latency (ms)"
 	lat.X.Scale, lat.Y.Scale = plot.LogScale{}, plot.LogScale{}
 	lat.Y.Tick.Marker = plot.LogTicks{Prec: -1}
-	lat.Legend.Top, lat.Legend.Left = true, true
+	leg := newLegend()
 	var all []Point
 	for _, sc := range Scenarios {
 		pts := pick(func(p Point) bool { return p.Scenario == sc && p.BodyBytes == rep.SweepBody }, byConc)
 		all = append(all, pts...)
-		if err := addLines(lat, sc, pts, byConc, func(p Point) (float64, float64) { return max(p.P50Ms, 0.01), max(p.P99Ms, 0.01) }); err != nil {
+		if err := addLines(lat, &leg, sc, pts, byConc, func(p Point) (float64, float64) { return max(p.P50Ms, 0.01), max(p.P99Ms, 0.01) }); err != nil {
 			return err
 		}
 	}
 	if drawable(all, byConc) {
 		lat.X.Tick.Marker = ticks(all, func(p Point) (float64, string) { return float64(p.Concurrency), fmt.Sprint(p.Concurrency) })
-		if err := lat.Save(8*vg.Inch, 5*vg.Inch, filepath.Join(dir, "latency-vs-concurrency.png")); err != nil {
+		if err := save(lat, leg, filepath.Join(dir, "latency-vs-concurrency.png")); err != nil {
 			return err
 		}
 	}
@@ -69,12 +72,15 @@ func (rep *Report) Charts(dir string) error {
 	over.X.Label.Text = "request body (bytes)"
 	over.Y.Label.Text = "added latency (ms)"
 	over.X.Scale = plot.LogScale{}
-	over.Legend.Top, over.Legend.Left = true, true
+	leg = newLegend()
 	all = nil
-	for _, sc := range []Scenario{NoPrefill, NoPrefillDuplex, PD} {
+	for _, sc := range Scenarios {
+		if sc == Floor {
+			continue // the zero line
+		}
 		pts := pick(func(p Point) bool { return p.Scenario == sc && p.Concurrency == rep.SizeConcurrency }, bySize)
 		all = append(all, pts...)
-		if err := addLines(over, sc, pts, bySize, func(p Point) (float64, float64) { return p.AddedP50Ms, p.AddedP99Ms }); err != nil {
+		if err := addLines(over, &leg, sc, pts, bySize, func(p Point) (float64, float64) { return p.AddedP50Ms, p.AddedP99Ms }); err != nil {
 			return err
 		}
 	}
@@ -83,11 +89,56 @@ func (rep *Report) Charts(dir string) error {
 	}
 	over.X.Tick.Marker = ticks(all, func(p Point) (float64, string) { return float64(p.BodyBytes), size(p.BodyBytes) })
 	over.Add(plotter.NewGrid())
-	return over.Save(8*vg.Inch, 5*vg.Inch, filepath.Join(dir, "overhead-vs-size.png"))
+	return save(over, leg, filepath.Join(dir, "overhead-vs-size.png"))
 }
 
-// addLines draws p50 (solid) and p99 (dashed) of pts against x.
-func addLines(p *plot.Plot, sc Scenario, pts []Point, x func(Point) float64, y func(Point) (p50, p99 float64)) error {
+// p99Dashes is the p99 lines' style; p50's are solid.
+var p99Dashes = []vg.Length{vg.Points(4), vg.Points(3)}
+
+// newLegend is a legend keyed first by the lines' styles; addLines adds
+// the scenarios' colours.
+func newLegend() plot.Legend {
+	leg := plot.NewLegend()
+	leg.Top, leg.Left = true, true
+	for _, k := range []struct {
+		name string
+		dash []vg.Length
+	}{{"p50", nil}, {"p99", p99Dashes}} {
+		l := &plotter.Line{LineStyle: draw.LineStyle{Color: color.Black, Width: vg.Points(1.5), Dashes: k.dash}}
+		leg.Add(k.name, l)
+	}
+	return leg
+}
+
+// legendWidth is the strip right of the plot that holds the legend, so that
+// it hides no line.
+const legendWidth = 2.4 * vg.Inch
+
+// save writes p as a PNG with leg beside it.
+func save(p *plot.Plot, leg plot.Legend, path string) error {
+	const w, h = 8*vg.Inch + legendWidth, 5 * vg.Inch
+	c, err := draw.NewFormattedCanvas(w, h, "png")
+	if err != nil {
+		return err
+	}
+	dc := draw.New(c)
+	p.Draw(draw.Crop(dc, 0, -legendWidth, 0, 0))
+	// Level with the top of the plot's data, below its title.
+	leg.Draw(draw.Crop(dc, w-legendWidth+vg.Points(8), 0, 0, -p.Title.TextStyle.Height(p.Title.Text)-p.Title.Padding-vg.Points(8)))
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	if _, err := c.WriteTo(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// addLines draws p50 (solid) and p99 (dashed) of pts against x, and keys
+// the scenario's colour in leg.
+func addLines(p *plot.Plot, leg *plot.Legend, sc Scenario, pts []Point, x func(Point) float64, y func(Point) (p50, p99 float64)) error {
 	if len(pts) == 0 {
 		return nil
 	}
@@ -100,7 +151,7 @@ func addLines(p *plot.Plot, sc Scenario, pts []Point, x func(Point) float64, y f
 		name string
 		xys  plotter.XYs
 		dash []vg.Length
-	}{{"p50", p50, nil}, {"p99", p99, []vg.Length{vg.Points(4), vg.Points(3)}}} {
+	}{{"p50", p50, nil}, {"p99", p99, p99Dashes}} {
 		line, points, err := plotter.NewLinePoints(l.xys)
 		if err != nil {
 			return err
@@ -110,7 +161,9 @@ func addLines(p *plot.Plot, sc Scenario, pts []Point, x func(Point) float64, y f
 		line.Width = vg.Points(1.5)
 		points.Shape = draw.CircleGlyph{}
 		p.Add(line, points)
-		p.Legend.Add(fmt.Sprintf("%s %s", sc, l.name), line, points)
+		if l.dash == nil {
+			leg.Add(string(sc), line, points)
+		}
 	}
 	return nil
 }

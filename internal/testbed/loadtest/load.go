@@ -30,10 +30,27 @@ const (
 	// PD is the whole disaggregated path: pdx calls a prefill engine (NIXL),
 	// and the decode engine pulls the KV from it.
 	PD Scenario = "pdx"
+	// PeerRoundRobin and PeerCacheAware are vLLM's own router, vllm-router,
+	// in NIXL P/D mode over the same engines with its round_robin and
+	// cache_aware policies: the peer pdx is compared with. It has no Envoy:
+	// the client sends to it directly.
+	PeerRoundRobin Scenario = "vllm-router-round-robin"
+	PeerCacheAware Scenario = "vllm-router-cache-aware"
 )
 
-// Scenarios in the order each point runs them.
-var Scenarios = []Scenario{Floor, NoPrefill, NoPrefillDuplex, PD}
+// Scenarios in the order each point runs them (the peers only when the
+// plan has them).
+var Scenarios = []Scenario{Floor, NoPrefill, NoPrefillDuplex, PD, PeerRoundRobin, PeerCacheAware}
+
+// peerPolicy is the vllm-router --policy of each peer scenario.
+var peerPolicy = map[Scenario]string{PeerRoundRobin: "round_robin", PeerCacheAware: "cache_aware"}
+
+// Peer reports whether s is vllm-router's.
+func (s Scenario) Peer() bool { return peerPolicy[s] != "" }
+
+// Disaggregated reports whether s calls a prefill engine for every request,
+// whose decode must then pull the KV.
+func (s Scenario) Disaggregated() bool { return s == PD || s.Peer() }
 
 // target is where and how a scenario's requests are sent.
 type target struct {
@@ -54,6 +71,9 @@ func (r *rig) target(s Scenario) target {
 		return target{url: r.envoy.URL(), model: modelAgg}
 	case NoPrefillDuplex:
 		return target{url: r.duplex.URL(), model: modelAgg}
+	case PeerRoundRobin, PeerCacheAware:
+		// The engines take any model name; the body is pdx's.
+		return target{url: r.peers[s].URL(), model: modelPD}
 	default:
 		return target{url: r.envoy.URL(), model: modelPD}
 	}
@@ -72,6 +92,7 @@ func requestBody(model string, size int, stream bool) []byte {
 // loadResult is what one closed-loop run measured.
 type loadResult struct {
 	requests   int // completed within the window, successfully
+	answered   int // completed successfully, warm-up and tail included
 	errors     int
 	firstError string
 	window     time.Duration
@@ -155,7 +176,7 @@ func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte
 			ttfb = append(ttfb, s.ttfb)
 		}
 	}
-	r := loadResult{requests: len(lat), errors: int(errs.Load()), window: window, warmup: from.Sub(start), lat: summarize(lat), ttfb: summarize(ttfb)}
+	r := loadResult{requests: len(lat), answered: len(samples), errors: int(errs.Load()), window: window, warmup: from.Sub(start), lat: summarize(lat), ttfb: summarize(ttfb)}
 	if e, ok := firstErr.Load().(string); ok {
 		r.firstError = e
 	}

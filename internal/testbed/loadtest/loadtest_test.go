@@ -12,22 +12,26 @@ import (
 	"go.uber.org/goleak"
 
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
+	"github.com/pdx-router/pdx/internal/testbed/vllmrouter"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// TestRunSmall runs the harness end to end on a small plan: every scenario
-// answers without errors, the pdx scenario really hands KV from prefill to
-// decode engines, the others call no prefill, and the report is written.
+// TestRunSmall runs the harness end to end on a small plan: every scenario,
+// the vllm-router peers too, answers without errors, pdx's P/D scenario and
+// the peers really hand every request's KV from prefill to decode engines,
+// the others call no prefill, and the report is written.
 func TestRunSmall(t *testing.T) {
 	envoyBin, err := envoyproc.Binary()
 	require.NoError(t, err, "run `make envoy` or set ENVOY_BIN")
+	_, err = vllmrouter.Dir()
+	require.NoError(t, err)
 	pdxBin := filepath.Join(t.TempDir(), "pdx")
 	out, err := exec.Command("go", "build", "-o", pdxBin, "github.com/pdx-router/pdx/cmd/pdx").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 
 	plan := Plan{
-		PdxBin: pdxBin, EnvoyBin: envoyBin,
+		PdxBin: pdxBin, EnvoyBin: envoyBin, VLLMRouter: true,
 		Profiles:    []Profile{ZeroLatency},
 		Concurrency: []int{1, 4}, SweepBody: 2048,
 		Bodies: []int{512}, SizeConcurrency: 4,
@@ -36,26 +40,39 @@ func TestRunSmall(t *testing.T) {
 		MemoryConcurrency: 8, MemoryBodies: []int{64 << 10},
 		ParkedPrefill: time.Second,
 		OpenStreams:   300,
+		Progress:      t.Output(), // in the log of a failure
 	}
 	rep, err := Run(t.Context(), plan)
 	require.NoError(t, err)
 
+	require.Equal(t, vllmrouter.Version, rep.VLLMRouter)
 	require.Len(t, rep.Points, 3*len(Scenarios)) // (1, 2K), (4, 2K), (4, 512)
 	for _, p := range rep.Points {
 		require.Zero(t, p.Errors, "%+v", p)
 		require.Positive(t, p.Requests, "%+v", p)
+		// Warm-up requests count at the engines, not in the window.
+		require.GreaterOrEqual(t, p.Answered, p.Requests, "%+v", p)
 		require.Zero(t, p.EngineRejected, "%+v", p)
-		require.Positive(t, p.EnvoyCPUPer1k, "%+v", p)
-		if p.Scenario == PD {
-			// Warm-up requests count at the engines, not in the window.
-			require.GreaterOrEqual(t, p.KVPulled, p.Requests, "every pdx request's decode pulled its KV: %+v", p)
+		require.Positive(t, p.RouterCPUPer1k, "%+v", p)
+		require.Positive(t, p.RouterPeakRSSMiB, "%+v", p)
+		if p.Scenario.Disaggregated() {
+			require.Equal(t, p.Answered, p.KVPulled, "every answer's decode pulled its KV: %+v", p)
 		} else {
 			require.Zero(t, p.KVPulled, "%+v", p)
 		}
-		if p.Scenario == Floor {
+		switch {
+		case p.Scenario == Floor:
 			require.Zero(t, p.AddedP50Ms)
-		} else {
+			require.Zero(t, p.PdxCPUPer1k, "%+v", p)
+			require.Equal(t, p.EnvoyCPUPer1k, p.RouterCPUPer1k, "%+v", p)
+		case p.Scenario.Peer():
+			require.Zero(t, p.PdxCPUPer1k+p.EnvoyCPUPer1k, "%+v", p)
+			require.Zero(t, p.PdxPeakRSSMiB, "%+v", p)
+		default:
 			require.Positive(t, p.PdxCPUPer1k, "%+v", p)
+			require.Positive(t, p.EnvoyCPUPer1k, "%+v", p)
+			require.InDelta(t, p.PdxCPUPer1k+p.EnvoyCPUPer1k, p.RouterCPUPer1k, 1e-9, "%+v", p)
+			require.Greater(t, p.RouterPeakRSSMiB, p.PdxPeakRSSMiB, "pdx and its Envoy: %+v", p)
 		}
 	}
 	require.Len(t, rep.Memory, 1)

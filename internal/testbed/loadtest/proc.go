@@ -96,20 +96,37 @@ func heapAlloc(ctx context.Context, pprofAddr string) (int64, error) {
 	return 0, fmt.Errorf("pprof heap: no HeapAlloc in %d bytes", len(b))
 }
 
-// peakRSS samples pid's RSS every interval until ctx ends and returns the
-// largest value seen.
-func peakRSS(ctx context.Context, pid int, interval time.Duration) int64 {
-	var peak int64
+// peakRSS samples the RSS of pids (0s are skipped) every interval until ctx
+// ends and returns each one's largest value and the largest of their sum.
+func peakRSS(ctx context.Context, interval time.Duration, pids ...int) (each []int64, sum int64) {
+	each = make([]int64, len(pids))
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
-		if rss, err := rssBytes(pid); err == nil {
-			peak = max(peak, rss)
+		var total int64
+		for i, pid := range pids {
+			if pid == 0 {
+				continue
+			}
+			if rss, err := rssBytes(pid); err == nil {
+				each[i] = max(each[i], rss)
+				total += rss
+			}
 		}
+		sum = max(sum, total)
 		select {
 		case <-ctx.Done():
-			return peak
+			return each, sum
 		case <-t.C:
 		}
 	}
+}
+
+// cpuOf is pid's CPU seconds so far, 0 for no process (or one gone).
+func cpuOf(pid int) float64 {
+	if pid == 0 {
+		return 0
+	}
+	s, _ := cpuSeconds(pid)
+	return s
 }

@@ -17,6 +17,7 @@ import (
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 	"github.com/pdx-router/pdx/internal/testbed/loopback"
+	"github.com/pdx-router/pdx/internal/testbed/vllmrouter"
 )
 
 // Models of the pdx config the rig runs: one pool per way of serving.
@@ -25,15 +26,18 @@ const (
 	modelAgg = "bench-agg" // connector none: decode only, no prefill
 )
 
-// rig is one deployment under load: simulated engines in this process, pdx
-// and three Envoys as processes of their own, so that each one's CPU and
-// memory can be read apart.
+// rig is one deployment under load: simulated engines in this process, pdx,
+// three Envoys and the peer routers as processes of their own, so that each
+// one's CPU and memory can be read apart.
 type rig struct {
 	prefill, decode []*enginesim.Server
 	pdx             *pdxProcess
 	envoy           *envoyproc.Process // with ext_proc, to pdx
 	duplex          *envoyproc.Process // the same in FULL_DUPLEX_STREAMED body mode
 	floor           *envoyproc.Process // without: the client names the engine
+	// peers are the vllm-routers of the peer scenarios, on the same
+	// engines; none unless rigOptions.peers.
+	peers map[Scenario]*vllmrouter.Process
 }
 
 type rigOptions struct {
@@ -42,6 +46,7 @@ type rigOptions struct {
 	prefill, decode  int
 	prefillTimeout   time.Duration
 	observer         bool
+	peers            bool // start the vllm-routers
 }
 
 func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
@@ -97,7 +102,50 @@ func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
 	if r.floor, err = envoyproc.Start(ctx, o.envoyBin, ecfg, nil); err != nil {
 		return nil, fmt.Errorf("floor envoy: %w", err)
 	}
+	if o.peers {
+		if err := r.startPeers(ctx); err != nil {
+			return nil, err
+		}
+	}
 	return r, nil
+}
+
+// startPeers starts a vllm-router per peer scenario.
+func (r *rig) startPeers(ctx context.Context) error {
+	url := func(ss []*enginesim.Server) []string {
+		var out []string
+		for _, s := range ss {
+			out = append(out, "http://"+s.Addr())
+		}
+		return out
+	}
+	r.peers = map[Scenario]*vllmrouter.Process{}
+	for _, sc := range Scenarios {
+		if !sc.Peer() {
+			continue
+		}
+		p, err := vllmrouter.Start(ctx, vllmrouter.Options{Prefill: url(r.prefill), Decode: url(r.decode), Policy: peerPolicy[sc]})
+		if err != nil {
+			return fmt.Errorf("%s: %w", sc, err)
+		}
+		r.peers[sc] = p
+	}
+	return nil
+}
+
+// servers are the processes that serve sc's requests (0: none), whose CPU
+// and memory are the scenario's.
+func (r *rig) servers(sc Scenario) (pdx, envoy, peer int) {
+	switch sc {
+	case Floor:
+		return 0, r.floor.Pid(), 0
+	case NoPrefillDuplex:
+		return r.pdx.pid(), r.duplex.Pid(), 0
+	case PeerRoundRobin, PeerCacheAware:
+		return 0, 0, r.peers[sc].Pid()
+	default:
+		return r.pdx.pid(), r.envoy.Pid(), 0
+	}
 }
 
 // maxBody is pdx's max_body_bytes in the rig: above every body measured.
@@ -144,6 +192,9 @@ func (r *rig) close() error {
 		if e != nil {
 			errs = append(errs, e.Stop())
 		}
+	}
+	for _, p := range r.peers {
+		errs = append(errs, p.Stop())
 	}
 	if r.pdx != nil {
 		errs = append(errs, r.pdx.stop())

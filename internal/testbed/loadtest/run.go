@@ -1,6 +1,7 @@
 // Package loadtest is pdx's load harness: closed-loop load through a real
 // Envoy, pdx (as its own process) and simulated engines, with Envoy alone
-// as the floor, reporting latency, throughput, CPU and memory per scenario.
+// as the floor and vLLM's own router as the peer, reporting latency,
+// throughput, CPU and memory per scenario.
 package loadtest
 
 import (
@@ -40,7 +41,10 @@ type Plan struct {
 	// Observer adds the observability pass (envoy.Config's Observer) to the
 	// Envoys with ext_proc.
 	Observer bool
-	Profiles []Profile
+	// VLLMRouter adds the peer scenarios: vllm-router (installed, see
+	// package vllmrouter) on the same engines and load.
+	VLLMRouter bool
+	Profiles   []Profile
 	// Each profile sweeps Concurrency at SweepBody bytes, and Bodies at
 	// SizeConcurrency, for every Streams value, every scenario.
 	Concurrency     []int
@@ -92,12 +96,22 @@ type Point struct {
 	AddedP50Ms float64 `json:"added_p50_ms"`
 	AddedP90Ms float64 `json:"added_p90_ms"`
 	AddedP99Ms float64 `json:"added_p99_ms"`
-	// CPU seconds per 1,000 requests, of the pdx and Envoy processes.
-	PdxCPUPer1k   float64 `json:"pdx_cpu_s_per_1k"`
-	EnvoyCPUPer1k float64 `json:"envoy_cpu_s_per_1k"`
-	PdxPeakRSSMiB float64 `json:"pdx_peak_rss_mib"`
+	// CPU seconds per 1,000 requests, of the pdx and Envoy processes that
+	// serve the scenario (0 for one that does not), and of the whole
+	// router: pdx and its Envoy, the floor's Envoy, or the peer's process.
+	PdxCPUPer1k    float64 `json:"pdx_cpu_s_per_1k"`
+	EnvoyCPUPer1k  float64 `json:"envoy_cpu_s_per_1k"`
+	RouterCPUPer1k float64 `json:"router_cpu_s_per_1k"`
+	// Peak RSS of pdx, and of the whole router (as for its CPU: sampled
+	// together, the peak of their sum).
+	PdxPeakRSSMiB    float64 `json:"pdx_peak_rss_mib"`
+	RouterPeakRSSMiB float64 `json:"router_peak_rss_mib"`
+	// Answered counts the point's successful requests, warm-up and the
+	// window's tail included: what the engines' counts are checked against.
+	Answered int `json:"answered"`
 	// Engines' counts over the point, warm-up included: decodes whose KV
-	// was pulled from a prefill, and refusals.
+	// was pulled from a prefill (one per answer of a disaggregated
+	// scenario), and refusals.
 	KVPulled       int `json:"kv_pulled"`
 	EngineRejected int `json:"engine_rejected"`
 }
@@ -117,10 +131,12 @@ type Memory struct {
 
 // Report is a run's results.
 type Report struct {
-	Started  time.Time `json:"started"`
-	Machine  string    `json:"machine"`
-	Envoy    string    `json:"envoy"`
-	Profiles []Profile `json:"profiles"`
+	Started time.Time `json:"started"`
+	Machine string    `json:"machine"`
+	Envoy   string    `json:"envoy"`
+	// VLLMRouter is the peer's version, when measured.
+	VLLMRouter string    `json:"vllm_router,omitempty"`
+	Profiles   []Profile `json:"profiles"`
 	// The body size of the concurrency sweep, the concurrency of the size
 	// sweep.
 	SweepBody       int      `json:"sweep_body_bytes"`
@@ -180,10 +196,22 @@ func (p Plan) shapes() []shape {
 	return out
 }
 
+// scenarios are the plan's, in order.
+func (p Plan) scenarios() []Scenario {
+	var out []Scenario
+	for _, sc := range Scenarios {
+		if p.VLLMRouter || !sc.Peer() {
+			out = append(out, sc)
+		}
+	}
+	return out
+}
+
 func runProfile(ctx context.Context, plan Plan, prof Profile, rep *Report) error {
 	r, err := startRig(ctx, rigOptions{
 		pdxBin: plan.PdxBin, envoyBin: plan.EnvoyBin, engine: prof.Engine,
 		prefill: 2, decode: 2, prefillTimeout: 60 * time.Second, observer: plan.Observer,
+		peers: plan.VLLMRouter,
 	})
 	if err != nil {
 		return err
@@ -192,9 +220,12 @@ func runProfile(ctx context.Context, plan Plan, prof Profile, rep *Report) error
 	if rep.Envoy == "" {
 		rep.Envoy = envoyVersion(r)
 	}
+	if p := r.peers[PeerRoundRobin]; p != nil {
+		rep.VLLMRouter = p.Version()
+	}
 	for _, sh := range plan.shapes() {
 		var floor Point
-		for _, sc := range Scenarios {
+		for _, sc := range plan.scenarios() {
 			pt, err := measure(ctx, plan, r, prof, sc, sh)
 			if err != nil {
 				return err
@@ -208,13 +239,22 @@ func runProfile(ctx context.Context, plan Plan, prof Profile, rep *Report) error
 			}
 			rep.Points = append(rep.Points, pt)
 			if plan.Progress != nil {
-				fmt.Fprintf(plan.Progress, "%-9s %-14s c=%-5d body=%-8d stream=%-5t %8.0f req/s  p50 %7.2fms p99 %8.2fms  +p50 %6.2fms +p99 %7.2fms  cpu/1k pdx %.3fs envoy %.3fs  errors %d %s\n",
+				fmt.Fprintf(plan.Progress, "%-9s %-26s c=%-5d body=%-8d stream=%-5t %8.0f req/s  p50 %7.2fms p99 %8.2fms  +p50 %6.2fms +p99 %7.2fms  cpu/1k pdx %.3fs envoy %.3fs router %.3fs  kv pulled %d of %d answered, rejected %d  errors %d %s%s\n",
 					pt.Profile, pt.Scenario, pt.Concurrency, pt.BodyBytes, pt.Stream, pt.Throughput, pt.P50Ms, pt.P99Ms,
-					pt.AddedP50Ms, pt.AddedP99Ms, pt.PdxCPUPer1k, pt.EnvoyCPUPer1k, pt.Errors, pt.FirstError)
+					pt.AddedP50Ms, pt.AddedP99Ms, pt.PdxCPUPer1k, pt.EnvoyCPUPer1k, pt.RouterCPUPer1k,
+					pt.KVPulled, pt.Answered, pt.EngineRejected, pt.Errors, pt.FirstError, mismatch(pt))
 			}
 		}
 	}
 	return nil
+}
+
+// mismatch flags a point the engines' counts disagree with.
+func mismatch(p Point) string {
+	if pr := p.handoffProblem(); pr != "" {
+		return "  ENGINES' CHECK FAILED: " + pr
+	}
+	return ""
 }
 
 // measure runs one scenario at one shape.
@@ -223,30 +263,30 @@ func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, 
 	body := requestBody(tg.model, sh.body, sh.stream)
 	client := newClient(sh.c)
 	defer client.CloseIdleConnections()
-	envoyPid := r.envoy.Pid()
-	switch sc {
-	case Floor:
-		envoyPid = r.floor.Pid()
-	case NoPrefillDuplex:
-		envoyPid = r.duplex.Pid()
-	}
+	pdxPid, envoyPid, peerPid := r.servers(sc)
 
 	// CPU is read at the window's edges; RSS is sampled, and pdx profiled,
 	// during the window.
 	tallyBefore := r.tally()
-	var cpu0, cpu1 [2]float64
+	var cpu0, cpu1 [3]float64
+	read := func(cpu *[3]float64) { *cpu = [3]float64{cpuOf(pdxPid), cpuOf(envoyPid), cpuOf(peerPid)} }
 	wctx, cancel := context.WithCancel(ctx)
 	defer cancel()
-	rssDone := make(chan int64, 1)
+	type peaks struct {
+		pdx, router int64
+	}
+	rssDone := make(chan peaks, 1)
 	profDone := make(chan error, 1)
-	profile := plan.SaveProfile != nil && sc != Floor && prof.Name == ZeroLatency.Name &&
+	profile := plan.SaveProfile != nil && pdxPid != 0 && prof.Name == ZeroLatency.Name &&
 		sh.c == plan.SizeConcurrency && sh.body == plan.SweepBody && !sh.stream
 	started := false // the window started (not when ctx ended first)
 	res := closedLoop(ctx, client, tg, body, sh.stream, sh.c, plan.Warmup, plan.Window, func() {
 		started = true
-		cpu0[0], _ = cpuSeconds(r.pdx.pid())
-		cpu0[1], _ = cpuSeconds(envoyPid)
-		go func() { rssDone <- peakRSS(wctx, r.pdx.pid(), 100*time.Millisecond) }()
+		read(&cpu0)
+		go func() {
+			each, sum := peakRSS(wctx, 100*time.Millisecond, pdxPid, envoyPid, peerPid)
+			rssDone <- peaks{each[0], sum}
+		}()
 		if !profile {
 			profDone <- nil
 			return
@@ -258,10 +298,9 @@ func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, 
 			})
 		}()
 	})
-	cpu1[0], _ = cpuSeconds(r.pdx.pid())
-	cpu1[1], _ = cpuSeconds(envoyPid)
+	read(&cpu1)
 	cancel()
-	var peak int64
+	var peak peaks
 	if started {
 		peak = <-rssDone
 		if err := <-profDone; err != nil {
@@ -272,23 +311,22 @@ func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, 
 
 	pt := Point{
 		Profile: prof.Name, Scenario: sc, Concurrency: sh.c, BodyBytes: sh.body, Stream: sh.stream,
-		Requests: res.requests, Errors: res.errors, FirstError: res.firstError,
+		Requests: res.requests, Answered: res.answered, Errors: res.errors, FirstError: res.firstError,
 		Seconds: res.window.Seconds(), WarmupSeconds: res.warmup.Seconds(),
 		Throughput: float64(res.requests) / res.window.Seconds(),
 		P50Ms:      ms(res.lat.P50), P90Ms: ms(res.lat.P90), P99Ms: ms(res.lat.P99),
 		MeanMs: ms(res.lat.Mean), MaxMs: ms(res.lat.Max), TTFBP50Ms: ms(res.ttfb.P50),
-		PdxPeakRSSMiB:  float64(peak) / (1 << 20),
-		KVPulled:       tally.Pulled - tallyBefore.Pulled,
-		EngineRejected: tally.Rejected - tallyBefore.Rejected,
+		PdxPeakRSSMiB:    float64(peak.pdx) / (1 << 20),
+		RouterPeakRSSMiB: float64(peak.router) / (1 << 20),
+		KVPulled:         tally.Pulled - tallyBefore.Pulled,
+		EngineRejected:   tally.Rejected - tallyBefore.Rejected,
 	}
 	if res.requests > 0 {
 		// The window's CPU over the window's requests (requests straddling
 		// its edges are few against thousands).
-		pt.PdxCPUPer1k = (cpu1[0] - cpu0[0]) / float64(res.requests) * 1000
-		pt.EnvoyCPUPer1k = (cpu1[1] - cpu0[1]) / float64(res.requests) * 1000
-	}
-	if sc == Floor {
-		pt.PdxCPUPer1k = 0 // pdx is idle (its health checks only)
+		per1k := func(i int) float64 { return (cpu1[i] - cpu0[i]) / float64(res.requests) * 1000 }
+		pt.PdxCPUPer1k, pt.EnvoyCPUPer1k = per1k(0), per1k(1)
+		pt.RouterCPUPer1k = per1k(0) + per1k(1) + per1k(2)
 	}
 	return pt, nil
 }

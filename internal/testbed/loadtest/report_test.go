@@ -1,0 +1,86 @@
+package loadtest
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+
+	"github.com/stretchr/testify/require"
+)
+
+func TestHandoffProblem(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		p    Point
+		want string
+	}{
+		{"pdx, a pull per answer", Point{Scenario: PD, Answered: 10, KVPulled: 10}, ""},
+		{"peer, a pull per answer", Point{Scenario: PeerCacheAware, Answered: 10, KVPulled: 10}, ""},
+		{"a failed request's decode pulled", Point{Scenario: PeerRoundRobin, Answered: 10, Errors: 2, KVPulled: 11}, ""},
+		{"an answer without a pull", Point{Scenario: PD, Answered: 10, KVPulled: 9}, "9 KV pulls for 10 answers"},
+		{"more pulls than requests", Point{Scenario: PeerRoundRobin, Answered: 10, Errors: 1, KVPulled: 12}, "12 KV pulls for 10 answers"},
+		{"the floor pulls none", Point{Scenario: Floor, Answered: 10}, ""},
+		{"a pull without a prefill", Point{Scenario: NoPrefill, Answered: 10, KVPulled: 1}, "1 KV pulls without a prefill"},
+		{"refusals", Point{Scenario: PD, Answered: 10, KVPulled: 10, EngineRejected: 3}, "3 refused by the engines"},
+		{"both", Point{Scenario: NoPrefillDuplex, Answered: 10, KVPulled: 2, EngineRejected: 1}, "2 KV pulls without a prefill, 1 refused by the engines"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.Equal(t, tc.want, tc.p.handoffProblem())
+		})
+	}
+}
+
+// TestMarkdownPeer checks the peer section's rows and ratios, and the
+// engines' check in the header.
+func TestMarkdownPeer(t *testing.T) {
+	pt := func(sc Scenario, rps, cpu float64) Point {
+		return Point{Profile: ZeroLatency.Name, Scenario: sc, Concurrency: 64, BodyBytes: 1024,
+			Throughput: rps, P50Ms: 10, P99Ms: 20, RouterCPUPer1k: cpu, Answered: 5, KVPulled: 5}
+	}
+	pd := pt(PD, 900, 1.2)
+	rr := pt(PeerRoundRobin, 1200, 0.6)
+	ca := pt(PeerCacheAware, 0, 0) // nothing answered in its window
+	for _, tc := range []struct {
+		name   string
+		points []Point
+		want   []string // lines of the output
+		absent []string
+	}{
+		{
+			name:   "pdx and both peers",
+			points: []Point{pd, rr, ca},
+			want: []string{
+				"| 64 | 1K | false | pdx + Envoy | 900 | 10.00 | 20.00 | 1.200 | | |",
+				fmt.Sprintf("| | | | vllm-router round_robin | 1200 | 10.00 | 20.00 | 0.600 | %.2f | %.2f |", 1.2/0.6, 900.0/1200),
+				"| | | | vllm-router cache_aware | 0 | 10.00 | 20.00 | 0.000 | - | - |",
+				"The engines' check: every answer of pdx and the peers had its KV pulled, the other scenarios pulled none, and no engine refused anything.",
+			},
+		},
+		{
+			name:   "without the peer",
+			points: []Point{pd},
+			absent: []string{"## Peer", "vllm-router"},
+		},
+		{
+			name:   "a peer's answer without a pull",
+			points: []Point{pd, func() Point { p := rr; p.KVPulled = 4; return p }()},
+			want:   []string{"**The engines' check failed** at 1 points: zero vllm-router-round-robin c=64 body=1K stream=false: 4 KV pulls for 5 answers."},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rep := &Report{Profiles: []Profile{ZeroLatency}, Points: tc.points}
+			if len(tc.points) > 1 {
+				rep.VLLMRouter = "0.1.17"
+			}
+			var b strings.Builder
+			rep.Markdown(&b)
+			lines := strings.Split(b.String(), "\n")
+			for _, w := range tc.want {
+				require.Contains(t, lines, w, b.String())
+			}
+			for _, a := range tc.absent {
+				require.NotContains(t, b.String(), a)
+			}
+		})
+	}
+}
