@@ -149,6 +149,15 @@ func requireOneHandoff(t *testing.T, st *stack.Stack, fp string, recs map[string
 	require.Equal(t, p.Engine, d.KVSource, "decode of %s got the KV of the prefill that ran it", fp)
 	require.True(t, isEngine(st.Prefill, p.Engine), "prefill ran on a prefill engine")
 	require.True(t, isEngine(st.Decode, d.Engine), "decode ran on a decode engine")
+	// vLLM serves a prefill with a limit other than 1, or streamed, so the
+	// simulator does too and only counts it: pdx must send neither.
+	for _, e := range st.Prefill {
+		if e.Addr() == p.Engine {
+			state := e.State()
+			require.Zero(t, state.LongPrefills, "prefill engine %s generated more than one token on a prefill", p.Engine)
+			require.Zero(t, state.StreamedPrefills, "prefill engine %s streamed a prefill", p.Engine)
+		}
+	}
 }
 
 func isEngine(engines []*enginesim.Server, addr string) bool {

@@ -178,14 +178,20 @@ func (s *Server) servePrefill(x *exchange) {
 		s.abandon(x, err)
 		return
 	}
-	first := outputTokens(x.rec.Fingerprint, 1)
-	if strings.Contains(x.req.prompt, eosMarker) {
-		// The prefill finished the request: nothing is left for a decode.
-		x.rec.Status = http.StatusOK
-		s.commit(x.seq, x.rec)
-		writeJSON(x.w, http.StatusOK, s.completion(x, first, "stop", json.RawMessage("null")))
+	toks, finish := prefillOutput(x, true)
+	if !s.awaitPrefillTokens(x, toks) {
 		return
 	}
+	if finish == "stop" {
+		// Finished on EOS: request_finished hands nothing off unless the
+		// request was length capped, and vLLM answers null params.
+		s.answerVLLMPrefill(x, toks, finish, json.RawMessage("null"))
+		return
+	}
+	// Length capped, whatever the limit: NixlConnectorScheduler
+	// .request_finished holds the blocks for a decode (nixl_connector.py).
+	// A streamed prefill holds them too, though its answer cannot carry
+	// the params: they expire unpulled after KVTTL.
 	id, blocks := s.kv.allocate(x.rec.Fingerprint, x.rec.RequestID, x.rank, promptTokens(x.req.prompt), time.Now())
 	params := s.tampered(mustJSON(issuedKVParams{
 		DoRemotePrefill: true,
@@ -196,9 +202,89 @@ func (s *Server) servePrefill(x *exchange) {
 		RemotePort:      s.port,
 		TPSize:          1,
 	}))
+	s.answerVLLMPrefill(x, toks, finish, params)
+}
+
+// prefillOutput is what a vLLM prefill leg generates. vLLM has no
+// prefill-only request: do_remote_decode only decides what becomes of the
+// KV when the request finishes (nixl_connector.py
+// NixlConnectorScheduler.request_finished), so a prefill generates up to
+// its limit like any request, min_tokens and ignore_eos included. With
+// eos, the prompt's eosMarker makes the model emit EOS at the first
+// position min_tokens allows (the simulator still renders that token, so
+// the text keeps its fingerprint), ending the output with "stop".
+func prefillOutput(x *exchange, eos bool) ([]string, string) {
+	n, finish := x.req.maxTokens, "length"
+	if eos && !x.req.ignoreEOS && strings.Contains(x.req.prompt, eosMarker) {
+		if at := x.req.minTokens + 1; at <= n {
+			n, finish = at, "stop"
+		}
+	}
+	return outputTokens(x.rec.Fingerprint, n), finish
+}
+
+// prefillTokenDelay is the wait before output token i of a prefill leg:
+// the first comes with the prompt's computation, the others are decode
+// steps.
+func (s *Server) prefillTokenDelay(i int) time.Duration {
+	switch {
+	case i == 0:
+		return 0
+	case s.load.capa != nil:
+		return s.load.step()
+	}
+	return s.cfg.DecodePerToken
+}
+
+// awaitPrefillTokens waits while a prefill leg that answers as JSON
+// generates toks; a stream paces its own chunks. It reports false, having
+// recorded the request as abandoned, when the client went away: vLLM then
+// aborts the request, and an aborted request hands off no KV.
+func (s *Server) awaitPrefillTokens(x *exchange, toks []string) bool {
+	if x.req.stream {
+		return true
+	}
+	var total time.Duration
+	for i := range toks {
+		total += s.prefillTokenDelay(i)
+	}
+	if err := sleep(x.runContext(), total); err != nil {
+		s.abandon(x, err)
+		return false
+	}
+	return true
+}
+
+// answerVLLMPrefill answers a vLLM prefill leg with toks, ending with
+// finish: as JSON carrying kvParams (nil leaves the member out), or as SSE
+// when the request streams. A stream carries no kv_transfer_params: vLLM's
+// stream generators build chunks without them (chat_completion/serving.py
+// chat_completion_stream_generator; ChatCompletionStreamResponse and
+// CompletionStreamResponse declare none), only the full generators set
+// kv_transfer_params=final_res.kv_transfer_params.
+func (s *Server) answerVLLMPrefill(x *exchange, toks []string, finish string, kvParams json.RawMessage) {
+	s.countPrefill(x, len(toks))
+	if x.req.stream {
+		s.stream(x, toks, s.prefillTokenDelay, finish)
+		return
+	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
-	writeJSON(x.w, http.StatusOK, s.completion(x, first, "length", params))
+	writeJSON(x.w, http.StatusOK, s.completion(x, toks, finish, kvParams))
+}
+
+// countPrefill counts what a router that derives prefills wrongly leaves
+// behind: prefill legs that generated more than one token (the client's
+// limit kept) and streamed ones (whose answer has no kv_transfer_params).
+func (s *Server) countPrefill(x *exchange, tokens int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if tokens > 1 {
+		s.longPrefills++
+	}
+	if x.req.stream {
+		s.streamedPrefills++
+	}
 }
 
 // tampered is params with Config.TamperKVParams' members put over them.
@@ -368,8 +454,9 @@ func (s *Server) tokensBy(elapsed time.Duration, n int) int {
 	return n
 }
 
-// answerPrefill answers a prefill leg at once with its one token, as SSE
-// when the request streams, and records it.
+// answerPrefill answers an SGLang prefill leg at once with its one token,
+// as SSE when the request streams, and records it. (vLLM-dialect prefills
+// generate up to their limit: answerVLLMPrefill.)
 func (s *Server) answerPrefill(x *exchange, finish string) {
 	first := outputTokens(x.rec.Fingerprint, 1)
 	if x.req.stream {

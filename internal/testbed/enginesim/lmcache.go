@@ -33,10 +33,6 @@ func (p *lmcacheProtocol) classify(x *exchange) (mode, error) {
 func (p *lmcacheProtocol) prefill(x *exchange) {
 	s := p.s
 	x.rec.Kind = KindPrefill
-	if err := validatePrefillEdits(x.req, ConnectorHTTP); err != nil {
-		s.reject(x, err)
-		return
-	}
 	ctx := x.r.Context()
 	if err := s.computePrompt(ctx, x.req); err != nil {
 		s.abandon(x, err)
@@ -56,7 +52,12 @@ func (p *lmcacheProtocol) prefill(x *exchange) {
 		s.reject(x, &apiError{status: http.StatusBadGateway, msg: asAPIError(err).msg})
 		return
 	}
-	s.answerPrefill(x, "length")
+	// LMCache saves the KV as the prompt is computed, whatever the request
+	// generates after it (or whether it streams).
+	toks, finish := prefillOutput(x, false)
+	if s.awaitPrefillTokens(x, toks) {
+		s.answerVLLMPrefill(x, toks, finish, nil)
+	}
 }
 
 func (p *lmcacheProtocol) decode(x *exchange) {

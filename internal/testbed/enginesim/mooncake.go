@@ -108,7 +108,6 @@ func (p *mooncakeProtocol) prefill(x *exchange) {
 	x.rec.Kind = KindPrefill
 	kv := x.leg.(mooncakeParams)
 	problems := checkTransferID(kv, x.rec.RequestID)
-	problems = append(problems, prefillEditProblems(x.req)...)
 	for name, isSet := range map[string]bool{
 		"remote_bootstrap_addr": kv.RemoteBootstrapAddr != nil,
 		"remote_engine_id":      kv.RemoteEngineID != nil,
@@ -126,12 +125,19 @@ func (p *mooncakeProtocol) prefill(x *exchange) {
 		s.abandon(x, err)
 		return
 	}
+	// MooncakeConnector's request_finished sends the KV of a length-capped
+	// request whatever its limit; the decode names the transfer itself, so
+	// a streamed prefill hands off too.
+	toks, finish := prefillOutput(x, false)
+	if !s.awaitPrefillTokens(x, toks) {
+		return
+	}
 	a := kvAnswer{Fingerprint: x.rec.Fingerprint, RequestID: x.rec.RequestID, Source: s.addr, Rank: x.rank}
 	if err := p.transfers.put(s.rankedKey(*kv.TransferID, x.rank), a, time.Now()); err != nil {
 		s.reject(x, err)
 		return
 	}
-	s.answerPrefill(x, "length")
+	s.answerVLLMPrefill(x, toks, finish, nil)
 }
 
 // mooncakeEngine is one data parallel rank in a bootstrap server's /query

@@ -268,8 +268,9 @@ func TestMooncakeVLLMPrefillFailures(t *testing.T) {
 		status  int
 		wantMsg string
 	}{
-		{name: "limit not 1", body: good.with("max_tokens", 5), status: 400, wantMsg: "max_tokens must be 1 on a prefill request, got 5"},
-		{name: "streams", body: good.with("stream", true), status: 400, wantMsg: "stream must be false"},
+		// A limit other than 1 and streaming are vLLM's to serve
+		// (TestVLLMPrefillLegs); min_tokens above the limit is vLLM's refusal.
+		{name: "min_tokens above the limit", body: good.with("min_tokens", 2), status: 400, wantMsg: "min_tokens must be less than or equal to max_tokens=1, got 2."},
 		{name: "no transfer id", body: kv("transfer_id", nil), status: 400, wantMsg: `transfer_id is missing (want "xfer-req-1")`},
 		{name: "foreign transfer id", body: kv("transfer_id", "xfer-other"), status: 400, wantMsg: `got "xfer-other"`},
 		{name: "missing request id", rid: "-", body: good, status: 400, wantMsg: "missing X-Request-Id"},

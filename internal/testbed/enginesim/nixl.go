@@ -46,15 +46,18 @@ type issuedKVParams struct {
 // has nothing to transfer and returns null kv_transfer_params.
 const eosMarker = "[sim:eos]"
 
-// validatePrefill checks that a request is a faithful derivation of a client
-// request into a NixlConnector prefill. It lists every problem, since each
-// one points at a bug in the router's derivation.
+// validatePrefill checks the hand-off fields of a NixlConnector prefill,
+// listing every problem. vLLM checks neither: these are the engine
+// detecting a wrong hand-off. The decode checks that it shares the
+// prefill's X-Request-Id, so a prefill needs one; remote_* members come
+// only from another hand-off's answer (vLLM's prefill ignores them,
+// NixlConnectorScheduler.update_state_after_alloc). What a prefill
+// generates (its limit, stream) is vLLM's business: see prefillOutput.
 func validatePrefill(req *inferenceRequest, requestID string) error {
 	var problems []string
 	if requestID == "" {
 		problems = append(problems, "missing X-Request-Id header (prefill and decode must share one)")
 	}
-	problems = append(problems, prefillEditProblems(req)...)
 	kv := req.kv
 	for name, isSet := range map[string]bool{
 		"remote_engine_id":  kv.RemoteEngineID != nil,

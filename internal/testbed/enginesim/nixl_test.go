@@ -5,6 +5,7 @@ import (
 	"net"
 	"net/http"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -237,25 +238,15 @@ func TestNixlPrefillDerivationErrors(t *testing.T) {
 		body      body
 		wantMsg   string
 	}{
-		{name: "stream", body: good.with("stream", true), wantMsg: "stream must be false"},
-		{name: "stream_options", body: good.with("stream", true, "stream_options", map[string]any{"include_usage": true}),
-			wantMsg: "stream_options must be absent"},
-		{name: "min_tokens above the limit", body: good.with("min_tokens", 2), wantMsg: "min_tokens must be at most max_tokens=1, got 2"},
-		{name: "min_completion_tokens above the limit", body: good.with("min_completion_tokens", 3), wantMsg: "min_completion_tokens must be at most max_tokens=1, got 3"},
-		{name: "limit not 1", body: good.with("max_tokens", 7), wantMsg: "max_tokens must be 1 on a prefill request, got 7"},
-		{name: "limit missing", body: good.with("max_tokens", nil), wantMsg: "output limit missing"},
-		{name: "max_completion_tokens read before max_tokens", body: good.with("max_completion_tokens", 5),
-			wantMsg: "max_completion_tokens must be 1 on a prefill request, got 5 (vLLM's /v1/chat/completions reads max_completion_tokens before max_tokens)"},
-		{name: "max_completion_tokens not 1", body: good.with("max_tokens", nil, "max_completion_tokens", 16),
-			wantMsg: "max_completion_tokens must be 1 on a prefill request, got 16"},
+		// vLLM's own check (SamplingParams._verify_args), not a prefill rule.
+		{name: "min_tokens above the limit", body: good.with("min_tokens", 2), wantMsg: "min_tokens must be less than or equal to max_tokens=1, got 2."},
+		{name: "stream_options without stream", body: good.with("stream_options", map[string]any{"include_usage": true}),
+			wantMsg: "Stream options can only be defined when `stream=True`."},
 		{name: "missing request id", requestID: "-", body: good, wantMsg: "missing X-Request-Id"},
 		{name: "remote fields set", body: good.with("kv_transfer_params", map[string]any(body(goodKV).with("remote_host", "127.0.0.1"))),
 			wantMsg: "kv_transfer_params.remote_host must be null"},
 		{name: "both directions", body: good.with("kv_transfer_params", map[string]any(body(goodKV).with("do_remote_prefill", true))),
 			wantMsg: "sets both do_remote_decode and do_remote_prefill"},
-		{name: "completions honours only max_tokens", path: "/v1/completions",
-			body:    completionBody("hi").asPrefill().with("max_tokens", nil, "max_completion_tokens", 1),
-			wantMsg: "output limit missing: max_tokens must be 1"},
 		{name: "decode role", role: RoleDecode, body: good, wantMsg: "engine is a KV consumer"},
 		{name: "prefill role gets decode", role: RolePrefill,
 			body:    chatBody("hi").with("kv_transfer_params", map[string]any{"do_remote_prefill": true}),
@@ -286,16 +277,118 @@ func TestNixlPrefillDerivationErrors(t *testing.T) {
 	}
 }
 
-func TestNixlPrefillFinishedOnEOS(t *testing.T) {
-	for _, b := range []body{chatBody("say nothing [sim:eos]"), completionBody("[sim:eos]")} {
-		t.Run(pathFor(b), func(t *testing.T) {
-			s := startSim(t, Config{Role: RolePrefill})
-			r := post(t, s, pathFor(b), "req-1", b.asPrefill())
+// TestNixlPrefillAsVLLM: what a router's prefill-only edits leave out
+// (stream false, the limit 1) vLLM does not refuse. A prefill generates up
+// to its limit and, finished by length, hands off its KV
+// (NixlConnectorScheduler.request_finished checks only
+// FINISHED_LENGTH_CAPPED); a streamed one streams, and its chunks carry no
+// kv_transfer_params (chat_completion_stream_generator), so its KV stays
+// held until KVTTL. The engine counts both (Tally, State).
+func TestNixlPrefillAsVLLM(t *testing.T) {
+	good := chatBody("hi").asPrefill()
+	tests := []struct {
+		name   string
+		body   body
+		tokens int
+		stream bool // else the answer carries kv_transfer_params
+	}{
+		{name: "limit 7", body: good.with("max_tokens", 7), tokens: 7},
+		{name: "limit missing: the simulator's chat default", body: good.with("max_tokens", nil), tokens: defaultMaxTokens},
+		{name: "max_completion_tokens read before max_tokens", body: good.with("max_completion_tokens", 5), tokens: 5},
+		{name: "completions read only max_tokens", body: completionBody("hi").asPrefill().with("max_tokens", nil, "max_completion_tokens", 1),
+			tokens: 16},
+		{name: "min_completion_tokens is not vLLM's", body: good.with("min_completion_tokens", 3), tokens: 1},
+		{name: "streamed", body: good.with("stream", true), tokens: 1, stream: true},
+		{name: "streamed with usage, limit 3", body: good.with("stream", true, "stream_options", map[string]any{"include_usage": true}, "max_tokens", 3),
+			tokens: 3, stream: true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			p := startSim(t, Config{Role: RolePrefill})
+			d := startSim(t, Config{Role: RoleDecode})
+			r := post(t, p, pathFor(tt.body), "req-1", tt.body)
+			want := outputTokens(Fingerprint(promptOf(t, tt.body)), tt.tokens)
+			rec := lastRecord(t, p)
+			require.Equal(t, KindPrefill, rec.Kind)
+			require.Equal(t, http.StatusOK, rec.Status)
+			require.Equal(t, Tally{LongPrefill: b2i(tt.tokens > 1), StreamedPrefill: b2i(tt.stream)}, p.Tally())
+			st := p.State()
+			require.Equal(t, b2i(tt.tokens > 1), st.LongPrefills)
+			require.Equal(t, b2i(tt.stream), st.StreamedPrefills)
+			require.Equal(t, 1, st.HeldKV, "length capped: the blocks are held for a decode")
+			if tt.stream {
+				text, finish := sseText(t, r)
+				require.Equal(t, strings.Join(want, ""), text)
+				require.Equal(t, "length", finish)
+				require.NotContains(t, string(r.body), "kv_transfer_params", "vLLM's chunks have no kv_transfer_params")
+				return
+			}
 			resp := r.decode(t)
-			require.Equal(t, "null", string(resp.KVTransferParams), "kv_transfer_params must be present and null")
-			require.Equal(t, "stop", resp.Choices[0].FinishReason)
-			require.Equal(t, "pdx-sim:"+Fingerprint(promptOf(t, b)), resp.text())
+			require.Equal(t, strings.Join(want, ""), resp.text())
+			require.Equal(t, "length", resp.Choices[0].FinishReason)
+			require.Equal(t, tt.tokens, resp.Usage.CompletionTokens)
+			var kv map[string]any
+			require.NoError(t, json.Unmarshal(resp.KVTransferParams, &kv))
+			require.Equal(t, true, kv["do_remote_prefill"])
+			// The KV is the prompt's: the decode of the client's body pulls it.
+			client := tt.body.with("kv_transfer_params", kv, "max_tokens", 2, "max_completion_tokens", nil, "stream", nil)
+			requireDecodePulled(t, d, p, post(t, d, pathFor(client), "req-1", client), client, false,
+				strings.Join(want[:1], "")+" t1")
+		})
+	}
+	t.Run("streamed prefill's KV expires unpulled; the decode recomputes", func(t *testing.T) {
+		p := startSim(t, Config{Role: RolePrefill, KVTTL: 20 * time.Millisecond})
+		d := startSim(t, Config{Role: RoleDecode})
+		sseText(t, post(t, p, "/v1/chat/completions", "req-1", good.with("stream", true)))
+		// A router left with no params sends the decode none.
+		r := post(t, d, "/v1/chat/completions", "req-1", chatBody("hi").with("max_tokens", 2))
+		require.Equal(t, KVRecomputed, r.header.Get(HeaderKV))
+		require.Equal(t, KindPlain, lastRecord(t, d).Kind)
+		require.Eventually(t, func() bool { return p.State().KVExpired == 1 }, 5*time.Second, 5*time.Millisecond)
+		require.Zero(t, p.State().HeldKV)
+	})
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// TestNixlPrefillFinishedOnEOS: a prefill whose model emits EOS finishes
+// with "stop", and request_finished hands nothing off: kv_transfer_params
+// is null. EOS comes at the first position min_tokens allows, and never
+// with ignore_eos, so vllm-router's min_tokens 1 with max_tokens 1 always
+// ends by length and hands off.
+func TestNixlPrefillFinishedOnEOS(t *testing.T) {
+	tests := []struct {
+		name   string
+		body   body
+		tokens int
+		finish string
+	}{
+		{name: "chat", body: chatBody("say nothing [sim:eos]").asPrefill(), tokens: 1, finish: "stop"},
+		{name: "completions", body: completionBody("[sim:eos]").asPrefill(), tokens: 1, finish: "stop"},
+		{name: "min_tokens 1 holds EOS back past the limit", body: chatBody("[sim:eos]").asPrefill().with("min_tokens", 1), tokens: 1, finish: "length"},
+		{name: "min_tokens 1, limit 3: EOS second", body: chatBody("[sim:eos]").asPrefill().with("min_tokens", 1, "max_tokens", 3), tokens: 2, finish: "stop"},
+		{name: "ignore_eos", body: chatBody("[sim:eos]").asPrefill().with("ignore_eos", true, "max_tokens", 3), tokens: 3, finish: "length"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := startSim(t, Config{Role: RolePrefill})
+			resp := post(t, s, pathFor(tt.body), "req-1", tt.body).decode(t)
+			require.Equal(t, tt.finish, resp.Choices[0].FinishReason)
+			require.Equal(t, tt.tokens, resp.Usage.CompletionTokens)
+			require.Equal(t, strings.Join(outputTokens(Fingerprint(promptOf(t, tt.body)), tt.tokens), ""), resp.text())
 			require.Equal(t, KindPrefill, lastRecord(t, s).Kind)
+			if tt.finish == "stop" {
+				require.Equal(t, "null", string(resp.KVTransferParams), "kv_transfer_params must be present and null")
+				require.Zero(t, s.HeldKV())
+				return
+			}
+			require.NotEqual(t, "null", string(resp.KVTransferParams))
+			require.Equal(t, 1, s.HeldKV())
 		})
 	}
 }

@@ -101,10 +101,6 @@ func (p *p2pProtocol) prefill(x *exchange) {
 		s.reject(x, badRequest("prefill_addr %s in the request id is not this prefill engine's KV address %s", leg.prefillAddr, p.listener.addr))
 		return
 	}
-	if err := validatePrefillEdits(x.req, ConnectorP2PNCCL); err != nil {
-		s.reject(x, err)
-		return
-	}
 	ctx := x.r.Context()
 	if err := s.computePrompt(ctx, x.req); err != nil {
 		s.abandon(x, err)
@@ -121,7 +117,12 @@ func (p *p2pProtocol) prefill(x *exchange) {
 		s.reject(x, &apiError{status: http.StatusBadGateway, msg: asAPIError(err).msg})
 		return
 	}
-	s.answerPrefill(x, "length")
+	// P2pNcclConnector sends the KV layer by layer as the prompt is
+	// computed, whatever the request generates after it.
+	toks, finish := prefillOutput(x, false)
+	if s.awaitPrefillTokens(x, toks) {
+		s.answerVLLMPrefill(x, toks, finish, nil)
+	}
 }
 
 // handleKV receives the KV a prefill sends to this engine.

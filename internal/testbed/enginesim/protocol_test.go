@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"net/http"
 	"strconv"
+	"strings"
 	"testing"
 	"time"
 
@@ -190,49 +191,95 @@ func TestHandoffs(t *testing.T) {
 	})
 }
 
-// TestPrefillEditProblems: a prefill's limit is 1 as vLLM reads it on its
-// endpoint; both keys may be present (vLLM's toy proxy sets both).
-func TestPrefillEditProblems(t *testing.T) {
-	const (
-		chatMCT    = "vLLM's /v1/chat/completions reads max_completion_tokens before max_tokens"
-		chatMT     = "vLLM's /v1/chat/completions reads max_tokens when max_completion_tokens is absent or null"
-		completion = "vLLM's /v1/completions reads only max_tokens"
-	)
+// TestPrefillLimit: a prefill leg generates up to its limit as vLLM reads
+// it on its endpoint, like any request (vLLM has no prefill-only limit):
+// chat reads max_completion_tokens, else max_tokens (a null one is absent);
+// completions read only max_tokens, 16 when absent. Both keys may be
+// present (vLLM's toy proxy sets both).
+func TestPrefillLimit(t *testing.T) {
 	chat, cmpl := chatBody("x"), completionBody("x")
 	tests := []struct {
 		name string
 		body body
-		want []string
+		want int
 	}{
-		{"chat, max_tokens 1", chat.with("max_tokens", 1), nil},
-		{"chat, max_completion_tokens 1", chat.with("max_completion_tokens", 1), nil},
-		{"chat, both 1", chat.with("max_tokens", 1, "max_completion_tokens", 1), nil},
-		{"chat reads max_completion_tokens first", chat.with("max_completion_tokens", 1, "max_tokens", 5), nil},
-		{"chat, max_completion_tokens 5 beats max_tokens 1", chat.with("max_completion_tokens", 5, "max_tokens", 1),
-			[]string{"max_completion_tokens must be 1 on a prefill request, got 5 (" + chatMCT + ")"}},
-		{"chat, null max_completion_tokens is absent", chat.with("max_completion_tokens", json.RawMessage("null"), "max_tokens", 2),
-			[]string{"max_tokens must be 1 on a prefill request, got 2 (" + chatMT + ")"}},
-		{"chat, no limit", chat, []string{"output limit missing: vLLM's /v1/chat/completions reads max_completion_tokens, else max_tokens; one of them must be 1 on a prefill request"}},
-		{"completions, max_tokens 1", cmpl.with("max_tokens", 1), nil},
-		{"completions, both 1", cmpl.with("max_tokens", 1, "max_completion_tokens", 1), nil},
-		{"completions ignore max_completion_tokens", cmpl.with("max_tokens", 1, "max_completion_tokens", 5), nil},
-		{"completions, max_tokens 2", cmpl.with("max_tokens", 2, "max_completion_tokens", 1),
-			[]string{"max_tokens must be 1 on a prefill request, got 2 (" + completion + ")"}},
-		{"completions, only max_completion_tokens", cmpl.with("max_completion_tokens", 1),
-			[]string{"output limit missing: max_tokens must be 1 on a prefill request (vLLM's /v1/completions reads only max_tokens and defaults it to 16; it ignores max_completion_tokens)"}},
-		{"completions, no limit", cmpl,
-			[]string{"output limit missing: max_tokens must be 1 on a prefill request (vLLM's /v1/completions reads only max_tokens and defaults it to 16)"}},
+		{"chat, max_tokens 1", chat.with("max_tokens", 1), 1},
+		{"chat, max_completion_tokens 1", chat.with("max_completion_tokens", 1), 1},
+		{"chat, both 1", chat.with("max_tokens", 1, "max_completion_tokens", 1), 1},
+		{"chat reads max_completion_tokens first", chat.with("max_completion_tokens", 1, "max_tokens", 5), 1},
+		{"chat, max_completion_tokens 5 beats max_tokens 1", chat.with("max_completion_tokens", 5, "max_tokens", 1), 5},
+		{"chat, null max_completion_tokens is absent", chat.with("max_completion_tokens", json.RawMessage("null"), "max_tokens", 2), 2},
+		{"chat, no limit: the simulator's short default", chat, defaultMaxTokens},
+		{"completions, max_tokens 1", cmpl.with("max_tokens", 1), 1},
+		{"completions, both 1", cmpl.with("max_tokens", 1, "max_completion_tokens", 1), 1},
+		{"completions ignore max_completion_tokens", cmpl.with("max_tokens", 1, "max_completion_tokens", 5), 1},
+		{"completions, max_tokens 2", cmpl.with("max_tokens", 2, "max_completion_tokens", 1), 2},
+		{"completions, only max_completion_tokens: 16", cmpl.with("max_completion_tokens", 1), 16},
+		{"completions, null max_tokens: 16", cmpl.with("max_tokens", json.RawMessage("null")), 16},
+		{"completions, no limit: 16", cmpl, 16},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			a := apiCompletions
-			if _, ok := tt.body["messages"]; ok {
-				a = apiChat
-			}
-			req, err := parseRequest(a, dialectVLLM, marshal(t, tt.body))
-			require.NoError(t, err)
-			require.Equal(t, tt.want, prefillEditProblems(req))
+			s := startSim(t, Config{Role: RolePrefill})
+			resp := post(t, s, pathFor(tt.body), "req-1", tt.body.asPrefill().with("max_tokens", tt.body["max_tokens"])).decode(t)
+			require.Equal(t, tt.want, resp.Usage.CompletionTokens)
+			require.Equal(t, "length", resp.Choices[0].FinishReason)
+			require.NotEqual(t, "null", string(resp.KVTransferParams), "a length-capped prefill hands off its KV")
+			require.Equal(t, tt.want > 1, s.Tally().LongPrefill == 1)
 		})
+	}
+}
+
+// TestVLLMPrefillLegs: the prefill legs of the other vLLM connectors
+// generate up to their limit and stream when asked, as vLLM does, and
+// still hand off: LMCache and P2P NCCL move the KV as the prompt is
+// computed, Mooncake's decode names the transfer itself. The engines count
+// such prefills (Tally).
+func TestVLLMPrefillLegs(t *testing.T) {
+	client := chatBody("a prefill as vLLM serves it").with("max_tokens", 3)
+	type legs struct {
+		p, d           *Server
+		rid            string
+		prefill, dbody body
+	}
+	connectors := []struct {
+		name string
+		make func(t *testing.T) legs
+	}{
+		{"http", func(t *testing.T) legs {
+			p, d := lmcachePair(t, ConnectorHTTP)
+			return legs{p, d, "req-1", client.prefillEdits(), client}
+		}},
+		{"mooncake (vllm)", func(t *testing.T) legs {
+			p, d := mooncakePair(t, Config{}, 5*time.Second)
+			return legs{p, d, "req-1", mooncakePrefill(client, "req-1"), mooncakeDecode(client, p, "req-1")}
+		}},
+		{"p2p-nccl", func(t *testing.T) legs {
+			p, d := p2pPair(t, 5*time.Second)
+			return legs{p, d, p2pID(p.KVAddr(), d.KVAddr()), client.prefillEdits(), client}
+		}},
+	}
+	edits := []struct {
+		name   string
+		edit   func(body) body
+		tokens int
+		stream bool
+	}{
+		{"limit 5", func(b body) body { return b.with("max_tokens", 5) }, 5, false},
+		{"streamed", func(b body) body { return b.with("stream", true) }, 1, true},
+		{"limit missing", func(b body) body { return b.with("max_tokens", nil) }, defaultMaxTokens, false},
+	}
+	for _, c := range connectors {
+		for _, e := range edits {
+			t.Run(c.name+", "+e.name, func(t *testing.T) {
+				l := c.make(t)
+				r := post(t, l.p, "/v1/chat/completions", l.rid, e.edit(l.prefill))
+				want := strings.Join(outputTokens(Fingerprint(promptOf(t, client)), e.tokens), "")
+				require.Equal(t, want, answerText(t, r, e.stream))
+				require.Equal(t, Tally{LongPrefill: b2i(e.tokens > 1), StreamedPrefill: b2i(e.stream)}, l.p.Tally())
+				requireDecodePulled(t, l.d, l.p, post(t, l.d, "/v1/chat/completions", l.rid, l.dbody), client, false, wantText(t, client))
+			})
+		}
 	}
 }
 

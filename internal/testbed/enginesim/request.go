@@ -105,7 +105,9 @@ type inferenceRequest struct {
 	promptTokens int // counted in usage (TensorRT-LLM's ctx_usage may override it)
 	stream       bool
 	includeUsage bool
-	maxTokens    int // resolved output length
+	maxTokens    int  // resolved output length
+	minTokens    int  // tokens generated before EOS may end the output (vLLM's min_tokens)
+	ignoreEOS    bool // vLLM's ignore_eos: EOS does not end the output
 	mode         mode
 	kv           kvTransferParams // meaningful unless mode is modePlain
 }
@@ -140,11 +142,9 @@ type notNull struct {
 	decl  string // the declaration, for the message
 }
 
-// nullRefused are the non-Optional fields of each dialect's request models.
+// nullRefused are the non-Optional fields of the SGLang and TensorRT-LLM
+// request models (vLLM's are in vllmChatFields and vllmCompletionFields).
 var nullRefused = map[dialect][]notNull{
-	// vllm/entrypoints/openai/completion/protocol.py: CompletionRequest
-	// declares n: int = 1 (ChatCompletionRequest: n: int | None = 1).
-	dialectVLLM: {{apiCompletions, "n", "vLLM's CompletionRequest.n: int = 1"}},
 	// sglang/srt/entrypoints/openai/protocol.py: stream: bool = False on
 	// both requests, CompletionRequest.max_tokens: int = 16 (the chat one
 	// is Optional[int]).
@@ -190,18 +190,13 @@ func parseRequest(a api, d dialect, body []byte) (*inferenceRequest, error) {
 	}
 	req.promptTokens = promptTokens(req.prompt)
 
-	if err := req.field("stream", &req.stream); err != nil {
+	if d == dialectVLLM {
+		if err := req.parseVLLM(); err != nil {
+			return nil, err
+		}
+	} else if err := req.parseSampling(); err != nil {
 		return nil, err
 	}
-	if err := req.parseStreamOptions(d); err != nil {
-		return nil, err
-	}
-
-	limit, err := req.outputLimit()
-	if err != nil {
-		return nil, err
-	}
-	req.maxTokens = min(limit, maxMaxTokens)
 
 	if req.has("kv_transfer_params") {
 		if err := req.field("kv_transfer_params", &req.kv); err != nil {
@@ -259,12 +254,26 @@ func (r *inferenceRequest) parsePrompt(d dialect) error {
 	return nil
 }
 
-// parseStreamOptions reads stream_options, which needs stream. vLLM's
-// validate_stream_options refuses `data.get("stream_options") and not
-// data.get("stream")`: a truthy stream_options, so {} (and null) pass
-// without stream, and stream null counts as false. The other dialects keep
-// the stricter rule: any stream_options needs stream true.
-func (r *inferenceRequest) parseStreamOptions(d dialect) error {
+// parseSampling reads stream, stream_options and the output limit of the
+// SGLang and TensorRT-LLM dialects (vLLM's are parseVLLM's).
+func (r *inferenceRequest) parseSampling() error {
+	if err := r.field("stream", &r.stream); err != nil {
+		return err
+	}
+	if err := r.parseStreamOptions(); err != nil {
+		return err
+	}
+	limit, err := r.outputLimit()
+	if err != nil {
+		return err
+	}
+	r.maxTokens = min(limit, maxMaxTokens)
+	return nil
+}
+
+// parseStreamOptions reads stream_options, which needs stream true (a
+// stricter rule than vLLM's validate_stream_options, see parseVLLM).
+func (r *inferenceRequest) parseStreamOptions() error {
 	if !r.has("stream_options") {
 		return nil
 	}
@@ -274,26 +283,17 @@ func (r *inferenceRequest) parseStreamOptions(d dialect) error {
 	if err := r.field("stream_options", &opts); err != nil {
 		return err
 	}
-	refused := !r.stream
-	if d == dialectVLLM {
-		refused = refused && !isEmptyObject(r.fields["stream_options"])
-	}
-	if refused {
+	if !r.stream {
 		return badRequest("stream_options can only be set when stream is true")
 	}
-	r.includeUsage = r.stream && opts.IncludeUsage
+	r.includeUsage = opts.IncludeUsage
 	return nil
 }
 
-// isEmptyObject reports whether raw is the JSON object {}.
-func isEmptyObject(raw json.RawMessage) bool {
-	var m map[string]json.RawMessage
-	return decodeJSON(raw, &m) == nil && m != nil && len(m) == 0
-}
-
-// limitFields are the fields that bound the output length on each endpoint,
-// in the order vLLM reads them. Chat takes max_completion_tokens when it is
-// set and not null, else max_tokens (chat_completion/serving.py,
+// limitFields are the fields that bound the output length on each endpoint
+// of the SGLang and TensorRT-LLM dialects, read in the order vLLM reads them
+// (vLLM's own reading is resolveLimit's). Chat takes max_completion_tokens
+// when it is set and not null, else max_tokens (chat_completion/serving.py,
 // build_tok_params in chat_completion/protocol.py); vLLM's CompletionRequest
 // has no max_completion_tokens (completion/protocol.py) and, allowing extra
 // fields, ignores it there.

@@ -147,6 +147,12 @@ type Tally struct {
 	// (vLLM NIXL, a decode aborted before it pulled); Abort counts SGLang
 	// /abort_request calls.
 	KVRelease, Abort int
+	// LongPrefill counts vLLM prefill legs that generated more than one
+	// token, StreamedPrefill those answered as a stream (a NIXL one then
+	// gives the router no kv_transfer_params): what a router that derives
+	// prefills wrongly leaves behind, since vLLM serves both. They are
+	// counted with or without TallyOnly (see State too).
+	LongPrefill, StreamedPrefill int
 }
 
 const (
@@ -289,6 +295,10 @@ type Server struct {
 	closing   bool
 	stopWatch func() bool // detaches Close from the Start context
 	inflight  sync.WaitGroup
+
+	// longPrefills and streamedPrefills count vLLM prefill legs
+	// (countPrefill), under mu.
+	longPrefills, streamedPrefills int
 
 	closeOnce sync.Once
 	closeErr  error
@@ -575,11 +585,14 @@ func (s *Server) count(rec Record) {
 	}
 }
 
-// Tally returns the counts of an engine started with TallyOnly.
+// Tally returns the counts of an engine started with TallyOnly (and, in
+// any mode, LongPrefill and StreamedPrefill).
 func (s *Server) Tally() Tally {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.tally
+	t := s.tally
+	t.LongPrefill, t.StreamedPrefill = s.longPrefills, s.streamedPrefills
+	return t
 }
 
 func compareUint(a, b uint64) int {

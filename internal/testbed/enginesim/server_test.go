@@ -104,14 +104,19 @@ func TestBadRequests(t *testing.T) {
 		{"missing prompt", "/v1/completions", completionBody("x").with("prompt", nil), "prompt is required"},
 		{"token prompt", "/v1/completions", completionBody("x").with("prompt", []int{1, 2}), "token-id prompts are not supported"},
 		{"zero max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", 0), "max_tokens must be at least 1"},
-		{"string max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", "5"), "max_tokens must be an integer"},
-		{"fractional max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", 1.5), "max_tokens must be an integer, got 1.5"},
-		{"stream_options without stream", "/v1/chat/completions", chatBody("x").with("stream_options", map[string]any{"include_usage": true}), "stream_options can only be set"},
+		// pydantic's lax int takes "5" (TestVLLMFieldRules), not "five".
+		{"string max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", "five"),
+			"max_tokens: Input should be a valid integer, unable to parse string as an integer"},
+		{"fractional max_tokens", "/v1/chat/completions", chatBody("x").with("max_tokens", 1.5),
+			"max_tokens: Input should be a valid integer, got a number with a fractional part"},
+		{"stream_options without stream", "/v1/chat/completions", chatBody("x").with("stream_options", map[string]any{"include_usage": true}),
+			"Stream options can only be defined when `stream=True`."},
 		{"stream_options with stream null", "/v1/chat/completions",
-			chatBody("x").with("stream", json.RawMessage("null"), "stream_options", map[string]any{"include_usage": false}), "stream_options can only be set"},
+			chatBody("x").with("stream", json.RawMessage("null"), "stream_options", map[string]any{"include_usage": false}),
+			"Stream options can only be defined when `stream=True`."},
 		{"completions n null", "/v1/completions", completionBody("x").with("n", json.RawMessage("null")),
-			"n must not be null (vLLM's CompletionRequest.n: int = 1 is not Optional)"},
-		{"kv params not an object", "/v1/chat/completions", chatBody("x").with("kv_transfer_params", "yes"), "invalid kv_transfer_params"},
+			"n: Input should be a valid integer, got null (vLLM's CompletionRequest.n: int = 1)"},
+		{"kv params not an object", "/v1/chat/completions", chatBody("x").with("kv_transfer_params", "yes"), "kv_transfer_params: Input should be a valid dictionary"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -141,11 +146,11 @@ func TestNulls(t *testing.T) {
 		{"vLLM chat nulls", ConnectorNIXL, chatBody("x").with("stream", null, "stream_options", null, "max_tokens", null,
 			"max_completion_tokens", null, "n", null, "temperature", null), ""},
 		{"vLLM completions nulls", ConnectorMooncake, completionBody("x").with("stream", null, "stream_options", null, "max_tokens", null), ""},
-		{"vLLM completions n null", ConnectorHTTP, completionBody("x").with("n", null), "n must not be null (vLLM's CompletionRequest.n: int = 1 is not Optional)"},
+		{"vLLM completions n null", ConnectorHTTP, completionBody("x").with("n", null), "n: Input should be a valid integer, got null (vLLM's CompletionRequest.n: int = 1)"},
 		// validate_stream_options refuses a truthy stream_options without stream.
 		{"vLLM empty stream_options without stream", ConnectorNIXL, chatBody("x").with("stream_options", map[string]any{}), ""},
 		{"vLLM stream_options with stream null", ConnectorMooncake, chatBody("x").with("stream", null, "stream_options", map[string]any{"include_usage": true}),
-			"stream_options can only be set when stream is true"},
+			"Stream options can only be defined when `stream=True`."},
 		{"SGLang chat stream null", ConnectorSGLang, chatBody("x").with("stream", null), "stream must not be null (SGLang's ChatCompletionRequest.stream: bool = False is not Optional)"},
 		{"SGLang completions stream null", ConnectorSGLang, completionBody("x").with("stream", null), "stream must not be null (SGLang's CompletionRequest.stream: bool = False"},
 		{"SGLang completions max_tokens null", ConnectorSGLang, completionBody("x").with("max_tokens", null), "max_tokens must not be null (SGLang's CompletionRequest.max_tokens: int = 16"},
@@ -209,13 +214,13 @@ func TestRoutes(t *testing.T) {
 func TestRecords(t *testing.T) {
 	s := startSim(t, Config{Role: RoleDecode})
 	// The raw body keeps integers beyond float64 precision and unknown fields.
-	raw := []byte(`{ "model": "m", "prompt": "p", "max_tokens": 2, "seed": 18446744073709551615, "x_unknown": {"a": [1, 2]} }`)
+	raw := []byte(`{ "model": "m", "prompt": "p", "max_tokens": 2, "x_big": 18446744073709551615, "x_unknown": {"a": [1, 2]} }`)
 	post(t, s, "/v1/completions", "req-1", raw).decode(t)
 	post(t, s, "/v1/chat/completions", "req-2", chatBody("x").with("model", nil))
 
 	want := []Record{
 		{RequestID: "req-1", Path: "/v1/completions", Kind: KindPlain, Fingerprint: Fingerprint("p"), KV: KVRecomputed, Status: 200,
-			Body: json.RawMessage(`{"model":"m","prompt":"p","max_tokens":2,"seed":18446744073709551615,"x_unknown":{"a":[1,2]}}`)},
+			Body: json.RawMessage(`{"model":"m","prompt":"p","max_tokens":2,"x_big":18446744073709551615,"x_unknown":{"a":[1,2]}}`)},
 		{RequestID: "req-2", Path: "/v1/chat/completions", Kind: KindRejected, Status: 400, Error: "model is required",
 			Body: json.RawMessage(`{"messages":[{"content":"x","role":"user"}]}`)},
 	}

@@ -35,6 +35,12 @@ type State struct {
 	// like upstream's, ask once per bootstrap server and cache the answer):
 	// the router's.
 	BootstrapQueries int `json:"bootstrap_queries"`
+	// LongPrefills counts vLLM prefill legs that generated more than one
+	// token, and StreamedPrefills those answered as a stream: vLLM serves
+	// both, so a router bug that sends them shows up here (and, for a
+	// streamed NIXL prefill, as KV that expires unpulled).
+	LongPrefills     int `json:"long_prefills"`
+	StreamedPrefills int `json:"streamed_prefills"`
 }
 
 // stateReporter is a protocol that holds KV or counts events of its own.
@@ -51,6 +57,7 @@ func (s *Server) State() State {
 	st.addFreed(freed)
 	s.mu.Lock()
 	st.HeldSlots, st.Waiting = s.slots, s.waiting
+	st.LongPrefills, st.StreamedPrefills = s.longPrefills, s.streamedPrefills
 	s.mu.Unlock()
 	if r, ok := s.proto.(stateReporter); ok {
 		r.report(&st, now)

@@ -182,6 +182,8 @@ func (r *rig) tally() enginesim.Tally {
 		t.KVPush += x.KVPush
 		t.Pulled += x.Pulled
 		t.Rejected += x.Rejected
+		t.LongPrefill += x.LongPrefill
+		t.StreamedPrefill += x.StreamedPrefill
 	}
 	return t
 }
