@@ -50,7 +50,7 @@ func (rep *Report) Markdown(w io.Writer) {
 		}
 	}
 	if len(problems) == 0 {
-		fmt.Fprintf(w, "The engines' check: every answer of %s had its KV pulled, the other scenarios pulled none, and no engine refused anything.\n", pd)
+		fmt.Fprintf(w, "The engines' check: every answer of %s had its KV pulled, the other scenarios pulled none, no engine refused anything, and every prefill generated one token, unstreamed.\n", pd)
 	} else {
 		fmt.Fprintf(w, "**The engines' check failed** at %d points: %s.\n", len(problems), strings.Join(problems, "; "))
 	}
@@ -110,7 +110,7 @@ func (rep *Report) Markdown(w io.Writer) {
 // handoffProblem says how the engines' counts over p disagree with its
 // answers, "" when they agree: in a disaggregated scenario each answer's
 // decode pulled its KV (a failed request's may have too), in the others
-// none did, and no engine refused anything.
+// none did, no engine refused anything, and every prefill was one unstreamed token.
 func (p Point) handoffProblem() string {
 	var out []string
 	switch {
@@ -121,6 +121,9 @@ func (p Point) handoffProblem() string {
 	}
 	if p.EngineRejected != 0 {
 		out = append(out, fmt.Sprintf("%d refused by the engines", p.EngineRejected))
+	}
+	if p.OddPrefills != 0 {
+		out = append(out, fmt.Sprintf("%d prefills that generated more than one token or streamed", p.OddPrefills))
 	}
 	return strings.Join(out, ", ")
 }

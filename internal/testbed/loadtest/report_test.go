@@ -22,6 +22,7 @@ func TestHandoffProblem(t *testing.T) {
 		{"the floor pulls none", Point{Scenario: Floor, Answered: 10}, ""},
 		{"a pull without a prefill", Point{Scenario: NoPrefill, Answered: 10, KVPulled: 1}, "1 KV pulls without a prefill"},
 		{"refusals", Point{Scenario: PD, Answered: 10, KVPulled: 10, EngineRejected: 3}, "3 refused by the engines"},
+		{"a prefill of more than one token", Point{Scenario: PeerRoundRobin, Answered: 10, KVPulled: 10, OddPrefills: 1}, "1 prefills that generated more than one token or streamed"},
 		{"both", Point{Scenario: NoPrefillDuplex, Answered: 10, KVPulled: 2, EngineRejected: 1}, "2 KV pulls without a prefill, 1 refused by the engines"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -53,7 +54,7 @@ func TestMarkdownPeer(t *testing.T) {
 				"| 64 | 1K | false | pdx + Envoy | 900 | 10.00 | 20.00 | 1.200 | | |",
 				fmt.Sprintf("| | | | vllm-router round_robin | 1200 | 10.00 | 20.00 | 0.600 | %.2f | %.2f |", 1.2/0.6, 900.0/1200),
 				"| | | | vllm-router cache_aware | 0 | 10.00 | 20.00 | 0.000 | - | - |",
-				"The engines' check: every answer of pdx and the peers had its KV pulled, the other scenarios pulled none, and no engine refused anything.",
+				"The engines' check: every answer of pdx and the peers had its KV pulled, the other scenarios pulled none, no engine refused anything, and every prefill generated one token, unstreamed.",
 			},
 		},
 		{

@@ -114,6 +114,10 @@ type Point struct {
 	// scenario), and refusals.
 	KVPulled       int `json:"kv_pulled"`
 	EngineRejected int `json:"engine_rejected"`
+	// OddPrefills counts prefill legs the engines served but a router
+	// should not send: more than one token generated, or streamed (vLLM
+	// serves both; a streamed NIXL prefill hands off nothing).
+	OddPrefills int `json:"odd_prefills"`
 }
 
 // Memory is pdx's memory with requests parked in it.
@@ -320,6 +324,7 @@ func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, 
 		RouterPeakRSSMiB: float64(peak.router) / (1 << 20),
 		KVPulled:         tally.Pulled - tallyBefore.Pulled,
 		EngineRejected:   tally.Rejected - tallyBefore.Rejected,
+		OddPrefills:      tally.LongPrefill + tally.StreamedPrefill - tallyBefore.LongPrefill - tallyBefore.StreamedPrefill,
 	}
 	if res.requests > 0 {
 		// The window's CPU over the window's requests (requests straddling
