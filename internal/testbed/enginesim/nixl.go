@@ -423,7 +423,11 @@ func newPullClient() *http.Client {
 	// leaves room for it, as an engine's own retries would.
 	dialer := &net.Dialer{Timeout: 10 * time.Second, KeepAlive: 30 * time.Second, Control: loopbackOnly}
 	return &http.Client{
-		Timeout: 10 * time.Second,
+		// A NIXL transfer has no short bound in vLLM (the prefill frees
+		// unpulled blocks after VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480 s); at
+		// 2,048 clients on two cores a pull's answer took over 10 s, and
+		// the decode's refusal then was the simulator's, not vLLM's.
+		Timeout: 60 * time.Second,
 		Transport: &http.Transport{
 			Proxy:               nil, // pulls are engine-to-engine, never via a proxy
 			DialContext:         dialer.DialContext,
