@@ -69,7 +69,7 @@ bench-compile:
 	$(GO) test -run '^$$' -bench . -benchtime 1x ./...
 
 ## bench: the load harness (Envoy alone vs Envoy + pdx vs vllm-router,
-## ~25 minutes) and the Go benchmarks; results, charts and profiles go to
+## ~30 minutes) and the Go benchmarks; results, charts and profiles go to
 ## bench/. BENCH_ARGS adds pdx-bench flags, e.g. BENCH_ARGS="--profiles zero"
 ## or "--vllm-router=false".
 bench: envoy vllm-router
