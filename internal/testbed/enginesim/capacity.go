@@ -239,7 +239,7 @@ func newEngineLoad(c *Capacity, pub *kvPublisher) *engineLoad {
 		m.cache = newPrefixCache(cp.KVBlocks)
 		if pub != nil {
 			m.kvpub = pub
-			m.cache.events = &kvEventLog{blockTokens: cp.BlockTokens}
+			m.cache.events = &kvEventLog{blockTokens: cp.BlockTokens, tokenScale: pub.cfg.TokenScale}
 		}
 	}
 	return m

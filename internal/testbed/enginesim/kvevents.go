@@ -50,6 +50,14 @@ type KVEvents struct {
 	// Encoding is the payload's msgpack shape: EventsMap (the default) or
 	// EventsArray.
 	Encoding string
+	// TokenScale, when above 1, publishes each simulated token as
+	// TokenScale token ids (the id repeated), and the Renderer APIs answer
+	// the same ids: an engine of ReferenceCapacity(tokenScale, ...), whose
+	// block is 16/tokenScale simulated tokens, then publishes blocks of the
+	// real 16 tokens. vllm-router reads --pd-kv-events sources with block
+	// size 16 and rejects other batches (BlockSizeMismatch); a replay
+	// divides token counts by its token scale.
+	TokenScale int
 }
 
 // The payload shapes. A batch is [ts, events, data_parallel_rank] in both
@@ -109,6 +117,12 @@ func (k *KVEvents) withDefaults(c *Config) error {
 	if k.BufferSteps == 0 {
 		k.BufferSteps = defaultKVEventsBufferSteps
 	}
+	if k.TokenScale == 0 {
+		k.TokenScale = 1
+	}
+	if k.TokenScale < 0 {
+		return fmt.Errorf("enginesim: KVEvents.TokenScale must not be negative, got %d", k.TokenScale)
+	}
 	if k.BufferSteps < 0 {
 		return fmt.Errorf("enginesim: KVEvents.BufferSteps must not be negative, got %d", k.BufferSteps)
 	}
@@ -138,6 +152,7 @@ type kvEvent struct {
 // kvEventLog collects a prefix cache's events until they are published.
 type kvEventLog struct {
 	blockTokens int
+	tokenScale  int // KVEvents.TokenScale
 	pending     []kvEvent
 }
 
@@ -146,7 +161,7 @@ type kvEventLog struct {
 // cache_full_blocks emits one event per run of newly full blocks.
 func (l *kvEventLog) stored(hashes []uint64, ids []uint32, i int) {
 	bt := l.blockTokens
-	tokens := ids[i*bt : (i+1)*bt]
+	tokens := scaleTokens(ids[i*bt:(i+1)*bt], l.tokenScale)
 	if n := len(l.pending); n > 0 {
 		last := &l.pending[n-1]
 		if last.kind == eventBlockStored && i > 0 && last.hashes[len(last.hashes)-1] == hashes[i-1] {
@@ -155,11 +170,23 @@ func (l *kvEventLog) stored(hashes []uint64, ids []uint32, i int) {
 			return
 		}
 	}
-	e := kvEvent{kind: eventBlockStored, hashes: []uint64{hashes[i]}, tokenIDs: append([]uint32(nil), tokens...), blockSize: bt}
+	e := kvEvent{kind: eventBlockStored, hashes: []uint64{hashes[i]}, tokenIDs: tokens, blockSize: bt * l.tokenScale}
 	if i > 0 {
 		e.hasParent, e.parentValue = true, hashes[i-1]
 	}
 	l.pending = append(l.pending, e)
+}
+
+// scaleTokens is ids with each id repeated scale times (KVEvents.TokenScale),
+// a new slice.
+func scaleTokens(ids []uint32, scale int) []uint32 {
+	out := make([]uint32, 0, len(ids)*scale)
+	for _, id := range ids {
+		for range scale {
+			out = append(out, id)
+		}
+	}
+	return out
 }
 
 // removed records an eviction: one BlockRemoved per block, as vLLM's

@@ -175,31 +175,39 @@ func TestKVEventsPublished(t *testing.T) {
 	c := strings.Repeat("b", 16) + strings.Repeat("c", 24) // shares b's first block
 	ha, hb, hc := blocksOf(a, 4).hashes, blocksOf(b, 4).hashes, blocksOf(c, 4).hashes
 	require.Equal(t, hb[0], hc[0])
-	stored := func(hashes []uint64, parent *uint64, prompt string, from int) eventView {
-		return eventView{Type: "BlockStored", Hashes: hashes, Parent: parent,
-			TokenIDs: tokenize(prompt)[from*4 : (from+len(hashes))*4], BlockSize: 4, Medium: "GPU"}
+	type blockFn func(scale int) eventView
+	stored := func(hashes []uint64, parent *uint64, prompt string, from int) blockFn {
+		return func(scale int) eventView {
+			return eventView{Type: "BlockStored", Hashes: hashes, Parent: parent,
+				TokenIDs: scaleTokens(tokenize(prompt)[from*4:(from+len(hashes))*4], scale), BlockSize: 4 * scale, Medium: "GPU"}
+		}
 	}
-	removed := func(h uint64) eventView {
-		return eventView{Type: "BlockRemoved", Hashes: []uint64{h}, Medium: "GPU"}
+	removed := func(h uint64) blockFn {
+		return func(int) eventView { return eventView{Type: "BlockRemoved", Hashes: []uint64{h}, Medium: "GPU"} }
 	}
+	cleared := func(int) eventView { return eventView{Type: "AllBlocksCleared"} }
 	steps := []struct {
 		name   string
 		prompt string // "" resets the cache
-		want   [][]eventView
+		want   [][]blockFn
 	}{
-		{"a's full blocks are stored", a, [][]eventView{{stored(ha, nil, a, 0)}}},
+		{"a's full blocks are stored", a, [][]blockFn{{stored(ha, nil, a, 0)}}},
 		// b's prefill needs 3 blocks: a's are evicted, tail first (vLLM
 		// frees a request's blocks in reverse), then b's stored.
-		{"b evicts a", b, [][]eventView{{removed(ha[1]), removed(ha[0])}, {stored(hb, nil, b, 0)}}},
+		{"b evicts a", b, [][]blockFn{{removed(ha[1]), removed(ha[0])}, {stored(hb, nil, b, 0)}}},
 		// c reuses b's first block and needs 2 more: b's second goes, and
 		// only c's new block is stored, its parent b's first.
-		{"c extends b's first block", c, [][]eventView{{removed(hb[1])}, {stored(hc[1:], &hb[0], c, 1)}}},
-		{"reset", "", [][]eventView{{{Type: "AllBlocksCleared"}}}},
+		{"c extends b's first block", c, [][]blockFn{{removed(hb[1])}, {stored(hc[1:], &hb[0], c, 1)}}},
+		{"reset", "", [][]blockFn{{cleared}}},
 	}
-	for _, encoding := range []string{EventsMap, EventsArray} {
-		t.Run(encoding, func(t *testing.T) {
+	for _, tc := range []struct {
+		encoding string
+		scale    int // KVEvents.TokenScale: each token published as that many
+	}{{EventsMap, 1}, {EventsArray, 1}, {EventsMap, 4}} {
+		encoding := tc.encoding
+		t.Run(fmt.Sprintf("%s/scale%d", encoding, tc.scale), func(t *testing.T) {
 			s := startSim(t, Config{Capacity: &capa, KVEvents: &KVEvents{Endpoint: "tcp://127.0.0.1:0",
-				ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv@" + encoding, Encoding: encoding}})
+				ReplayEndpoint: "tcp://127.0.0.1:0", Topic: "kv@" + encoding, Encoding: encoding, TokenScale: tc.scale}})
 			require.True(t, strings.HasPrefix(s.KVEventsEndpoint(), "tcp://127.0.0.1:"), s.KVEventsEndpoint())
 			frames := subscribe(t, s, "kv@"+encoding)
 			var got []frame
@@ -217,7 +225,11 @@ func TestKVEventsPublished(t *testing.T) {
 							require.Equal(t, got[len(got)-1].seq+1, f.seq, "%s: sequence numbers count batches", st.name)
 						}
 						got = append(got, f)
-						require.Equal(t, want, decodeBatch(t, f.payload, encoding), "%s: batch %d", st.name, i)
+						var wantEvents []eventView
+						for _, w := range want {
+							wantEvents = append(wantEvents, w(tc.scale))
+						}
+						require.Equal(t, wantEvents, decodeBatch(t, f.payload, encoding), "%s: batch %d", st.name, i)
 					case <-time.After(5 * time.Second):
 						require.Failf(t, "no batch", "%s: batch %d", st.name, i)
 					}
@@ -278,6 +290,14 @@ func TestKVEventsConfig(t *testing.T) {
 // TestRender is vLLM's Renderer APIs: the token ids the engine would run,
 // the simulator tokenizer's, as its KV events carry them.
 func TestRender(t *testing.T) {
+	capa := ReferenceCapacity(1, 1)
+	scaled := startSim(t, Config{Capacity: &capa, KVEvents: &KVEvents{Endpoint: "tcp://127.0.0.1:0", TokenScale: 3}})
+	r := post(t, scaled, "/v1/completions/render", "", map[string]any{"model": "m", "prompt": "hello there"})
+	require.Equal(t, http.StatusOK, r.status, "%s", r.body)
+	var gs []generateRequest
+	require.NoError(t, decodeJSON(r.body, &gs))
+	require.Equal(t, scaleTokens(tokenize("hello there"), 3), gs[0].TokenIDs, "ids as the KV events carry them")
+
 	s := startSim(t, Config{})
 	msgs := []map[string]string{{"role": "user", "content": "hello there"}}
 	chatIDs := tokenize(ChatPromptText([]Message{{Role: "user", Content: "hello there"}}))
@@ -311,6 +331,28 @@ func TestRender(t *testing.T) {
 			require.Empty(t, s.Records(), "a render runs nothing")
 		})
 	}
-	r := post(t, s, "/v1/completions/render", "", map[string]any{"prompt": "x"})
+	r = post(t, s, "/v1/completions/render", "", map[string]any{"prompt": "x"})
 	require.Equal(t, http.StatusBadRequest, r.status, "rendered requests are checked as served ones")
+}
+
+// TestServedModelName is vLLM's --served-model-name: what /v1/models lists
+// (vllm-router's kv_aware trusts an engine's KV events only for requests
+// naming it).
+func TestServedModelName(t *testing.T) {
+	for _, tt := range []struct{ name, served, want string }{
+		{"default", "", ModelName},
+		{"configured", "demo-model", "demo-model"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := startSim(t, Config{ServedModelName: tt.served})
+			r := get(t, s, "/v1/models")
+			require.Equal(t, http.StatusOK, r.status)
+			var list struct {
+				Data []struct{ ID string } `json:"data"`
+			}
+			require.NoError(t, decodeJSON(r.body, &list))
+			require.Len(t, list.Data, 1)
+			require.Equal(t, tt.want, list.Data[0].ID)
+		})
+	}
 }

@@ -55,7 +55,7 @@ func (s *Server) handleRender(a api) http.HandlerFunc {
 		}
 		g := generateRequest{
 			RequestID:      prefix + randomHex(16),
-			TokenIDs:       tokenize(req.prompt),
+			TokenIDs:       s.renderedTokens(req.prompt),
 			SamplingParams: samplingParams{N: 1, MaxTokens: req.maxTokens, MinTokens: req.minTokens},
 			Model:          req.model,
 		}
@@ -65,4 +65,14 @@ func (s *Server) handleRender(a api) http.HandlerFunc {
 		}
 		writeJSON(w, http.StatusOK, []generateRequest{g})
 	}
+}
+
+// renderedTokens is the token ids of prompt as the engine's KV events
+// carry them (scaled by KVEvents.TokenScale).
+func (s *Server) renderedTokens(prompt string) []uint32 {
+	ids := tokenize(prompt)
+	if k := s.cfg.KVEvents; k != nil && k.TokenScale > 1 {
+		return scaleTokens(ids, k.TokenScale)
+	}
+	return ids
 }

@@ -134,6 +134,9 @@ type Config struct {
 	// server, a decode batch, a prefix cache and KV pull times (see
 	// Capacity). GET /metrics reports its queues and cache either way.
 	Capacity *Capacity
+	// ServedModelName is the model GET /v1/models lists (vLLM's
+	// --served-model-name); default ModelName. Requests may name any.
+	ServedModelName string
 	// KVEvents, when set, publishes the prefix cache's changes (Capacity's)
 	// as vLLM's KV events over ZeroMQ (see KVEvents).
 	KVEvents *KVEvents
@@ -703,17 +706,22 @@ func (s *Server) guard(h http.Handler) http.Handler {
 }
 
 func (s *Server) handleModels(w http.ResponseWriter, _ *http.Request) {
+	name := s.cfg.ServedModelName
+	if name == "" {
+		name = ModelName
+	}
 	writeJSON(w, http.StatusOK, map[string]any{
 		"object": "list",
 		"data": []map[string]any{{
-			"id": ModelName, "object": "model", "created": time.Now().Unix(),
-			"owned_by": "pdx", "root": ModelName,
+			"id": name, "object": "model", "created": time.Now().Unix(),
+			"owned_by": "pdx", "root": name,
 		}},
 	})
 }
 
-// ModelName is the model /v1/models lists. Requests may name any model; the
-// simulator echoes it back.
+// ModelName is the model /v1/models lists by default
+// (Config.ServedModelName). Requests may name any model; the simulator
+// echoes it back.
 const ModelName = "pdx-sim"
 
 func randomHex(n int) string {

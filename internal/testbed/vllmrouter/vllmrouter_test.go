@@ -147,13 +147,32 @@ func urls(ss []*enginesim.Server) []string {
 func TestKVAwareConsumesEvents(t *testing.T) {
 	dir, err := Dir()
 	require.NoError(t, err)
-	// Real token counts (block size 16, what vllm-router assumes for
-	// --pd-kv-events), times scaled down so the test is quick.
-	capa := enginesim.ReferenceCapacity(1, 0.01)
+	// vllm-router reads --pd-kv-events with block size 16: real token
+	// counts, or a replay's scaled engines publishing each token as
+	// tokenScale (block 16/tokenScale tokens, published as 16). Times are
+	// scaled down so the test is quick. kv_aware uses an engine's events
+	// only for requests naming its served model.
+	for _, tt := range []struct {
+		name       string
+		tokenScale int
+		model      string
+	}{
+		{"real tokens", 1, ""},
+		{"replay scale", 16, "demo-model"},
+	} {
+		t.Run(tt.name, func(t *testing.T) { kvAwareRun(t, dir, tt.tokenScale, tt.model) })
+	}
+}
+
+func kvAwareRun(t *testing.T, dir string, tokenScale int, model string) {
+	capa := enginesim.ReferenceCapacity(float64(tokenScale), 0.01)
+	if model == "" {
+		model = enginesim.ModelName
+	}
 	start := func(role enginesim.Role, events bool) *enginesim.Server {
-		cfg := enginesim.Config{Role: role, Connector: enginesim.ConnectorNIXL, Capacity: &capa}
+		cfg := enginesim.Config{Role: role, Connector: enginesim.ConnectorNIXL, Capacity: &capa, ServedModelName: model}
 		if events {
-			cfg.KVEvents = &enginesim.KVEvents{Endpoint: "tcp://127.0.0.1:0"}
+			cfg.KVEvents = &enginesim.KVEvents{Endpoint: "tcp://127.0.0.1:0", TokenScale: tokenScale}
 		}
 		s, err := enginesim.Start(t.Context(), "127.0.0.1:0", cfg)
 		require.NoError(t, err)
@@ -189,7 +208,7 @@ func TestKVAwareConsumesEvents(t *testing.T) {
 		cases = append(cases, seeded{chat: i%2 == 1, seed: prefix + "first question?", follow: prefix + "second question?", engine: i % 2})
 	}
 	send := func(base string, c seeded, prompt string) {
-		body := map[string]any{"model": enginesim.ModelName, "max_tokens": 2}
+		body := map[string]any{"model": model, "max_tokens": 2}
 		path := "/v1/completions"
 		if c.chat {
 			path = "/v1/chat/completions"
