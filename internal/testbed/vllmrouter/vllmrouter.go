@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"maps"
 	"net/http"
 	"os"
@@ -16,6 +17,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -217,6 +219,42 @@ func (p *Process) URL() string { return "http://" + p.addr }
 
 // MetricsURL is the router's Prometheus endpoint (--prometheus-port).
 func (p *Process) MetricsURL() string { return "http://" + p.metrics + "/metrics" }
+
+// Metrics scrapes the router's Prometheus endpoint: each sample's value by
+// its name and labels as printed, e.g.
+// `vllm_router_kv_placement_lookups_total{result="hit"}`.
+func (p *Process) Metrics() (map[string]float64, error) {
+	client := &http.Client{Timeout: 5 * time.Second}
+	defer client.CloseIdleConnections()
+	resp, err := client.Get(p.MetricsURL())
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("vllm-router metrics: status %d", resp.StatusCode)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			return nil, fmt.Errorf("vllm-router metrics: not a sample: %q", line)
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
+			return nil, fmt.Errorf("vllm-router metrics: %q: %w", line, err)
+		}
+		out[line[:i]] = v
+	}
+	return out, nil
+}
 
 // Pid is the router's process: its CPU is the router's.
 func (p *Process) Pid() int { return p.cmd.Process.Pid }

@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net/http"
-	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -267,29 +266,9 @@ func kvAwareRun(t *testing.T, dir string, tokenScale int, model string) {
 	// The router's own account: every prefill choice looked up the blocks
 	// and found some (vllm_router_kv_placement_lookups_total{result="hit"}),
 	// and none fell back to load (vllm_router_pd_prefill_decisions_total).
-	m := scrape(t, r.MetricsURL())
+	m, err := r.Metrics()
+	require.NoError(t, err)
 	require.GreaterOrEqual(t, m[`vllm_router_kv_placement_lookups_total{result="hit"}`], float64(n), "metrics:\n%v", m)
 	require.Equal(t, float64(n), m[`vllm_router_pd_prefill_decisions_total{fallback="none"}`], "metrics:\n%v", m)
 	require.Equal(t, float64(n), m[`vllm_router_prefix_routing_decisions_total{policy="kv_aware",stage="prefill",outcome="prefix_cost"}`], "metrics:\n%v", m)
-}
-
-// scrape reads a Prometheus text endpoint's samples, by name and labels.
-func scrape(t *testing.T, url string) map[string]float64 {
-	t.Helper()
-	resp, err := http.Get(url)
-	require.NoError(t, err)
-	defer resp.Body.Close()
-	b, err := io.ReadAll(resp.Body)
-	require.NoError(t, err)
-	out := map[string]float64{}
-	for line := range strings.SplitSeq(string(b), "\n") {
-		if line == "" || strings.HasPrefix(line, "#") {
-			continue
-		}
-		i := strings.LastIndexByte(line, ' ')
-		v, err := strconv.ParseFloat(line[i+1:], 64)
-		require.NoError(t, err, line)
-		out[line[:i]] = v
-	}
-	return out
 }
