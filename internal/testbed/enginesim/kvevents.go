@@ -66,13 +66,14 @@ const (
 	// EventsMap encodes each event as a map tagged by "type"
 	// ({"type": "BlockStored", "block_hashes": [...], ...}): vLLM since
 	// PR #42892 ("[KV Events] Switch event structs from array to map
-	// encoding", released in 0.24; 0.26's wire is documented in
+	// encoding"; 0.23.0 still had arrays, a capture of 0.26.0's wire is in
 	// volcano-sh/kthena#1535), and what vllm-router 0.1.17 decodes
 	// (src/kv_index/decode.rs, decode_event: "KV event must be a tagged map").
 	EventsMap = "map"
 	// EventsArray encodes each event as a tagged array
 	// (["BlockStored", block_hashes, parent_block_hash, ...]): vLLM before
-	// PR #42892, whose KVCacheEvent had array_like=True.
+	// PR #42892, whose KVCacheEvent had array_like=True, with the fields
+	// it had by then (through kv_cache_spec_kind).
 	EventsArray = "array"
 )
 
