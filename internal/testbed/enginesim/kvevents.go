@@ -374,7 +374,10 @@ func (p *kvPublisher) close() {
 // encodeKVBatch is msgspec's encoding of vLLM's KVEventBatch: the batch is
 // array_like, so [ts, events, data_parallel_rank] (the rank, 0, is set by
 // the publisher and so not omitted); omit_defaults drops optional fields
-// left at their defaults.
+// left at their defaults. (A later vLLM main, kv_events.py at 0181ea31,
+// dropped array_like from EventBatch too, making the batch a map;
+// vllm-router 0.1.17 rejects that, "KV event batch must be an array", so
+// the array is kept.)
 func encodeKVBatch(b kvBatch, encoding string) ([]byte, error) {
 	var buf bytes.Buffer
 	enc := msgpack.NewEncoder(&buf)
