@@ -64,6 +64,7 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&kv.ReplayEndpoint, "kv-events-replay-endpoint", "", "ZMQ ROUTER endpoint answering replay requests for missed KV event batches")
 	fs.StringVar(&kv.Topic, "kv-events-topic", "", "topic frame of the KV event messages")
 	fs.StringVar(&kv.Encoding, "kv-events-encoding", enginesim.EventsMap, "KV events as tagged maps (map: vLLM since PR #42892) or tagged arrays (array: older vLLM)")
+	fs.IntVar(&kv.TokenScale, "kv-events-token-scale", 1, "publish (and render) each simulated token as this many token ids: with --token-scale N, N gives real-size blocks (vllm-router reads 16-token blocks)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
