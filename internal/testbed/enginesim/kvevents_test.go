@@ -34,7 +34,7 @@ type frame struct {
 // subscribe connects a SUB socket to s's publisher and returns its
 // messages. A PUB socket drops what it sends before a subscription
 // arrives, as ZeroMQ's does, so it resets the cache until an
-// AllBlocksCleared comes through, then drains those.
+// AllBlocksCleared comes through, then drains up to the last one.
 func subscribe(t *testing.T, s *Server, topic string) <-chan frame {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
@@ -59,28 +59,33 @@ func subscribe(t *testing.T, s *Server, topic string) <-chan frame {
 			out <- frame{seq: binary.BigEndian.Uint64(msg.Frames[1]), payload: msg.Frames[2]}
 		}
 	}()
+	// Each reset is one AllBlocksCleared batch, numbered from 0 whether a
+	// subscriber got it or not: after n resets, seq n-1 is the last.
 	client := testClient(t)
-	deadline := time.Now().Add(5 * time.Second)
-	for {
-		require.True(t, time.Now().Before(deadline), "the subscription never reached the publisher")
+	deadline := time.After(10 * time.Second)
+	var resets uint64
+	for got := false; !got; {
 		resp, err := client.Post("http://"+s.Addr()+"/reset_prefix_cache", "", nil)
 		require.NoError(t, err)
 		resp.Body.Close()
+		resets++
 		select {
-		case <-out:
+		case f := <-out:
+			got = f.seq == resets-1
+			for !got {
+				select {
+				case f = <-out:
+					got = f.seq == resets-1
+				case <-deadline:
+					require.FailNow(t, "the resets' batches never came")
+				}
+			}
 		case <-time.After(50 * time.Millisecond):
-			continue
+		case <-deadline:
+			require.FailNow(t, "the subscription never reached the publisher")
 		}
-		break
 	}
-	for {
-		select {
-		case <-out:
-			continue
-		case <-time.After(300 * time.Millisecond):
-		}
-		return out
-	}
+	return out
 }
 
 // uintOf is a decoded msgpack integer (of whichever width it came in).

@@ -227,7 +227,7 @@ func kvAwareRun(t *testing.T, dir string, tokenScale int, model string) {
 	}
 	// The events go out as the seeds finish; give the router's
 	// subscribers a moment to apply them.
-	time.Sleep(time.Second)
+	time.Sleep(2 * time.Second)
 	for _, c := range cases {
 		send(r.URL(), c, c.follow)
 	}
