@@ -59,6 +59,12 @@ func run(ctx context.Context, args []string) error {
 	capacity := fs.Bool("capacity", false, "model an engine under load: Llama-3-8B on one H100 (batch, queues, prefix cache, KV pulls; see docs/simulator.md)")
 	tokenScale := fs.Float64("token-scale", 1, "with --capacity: prompts and outputs have 1/this of the real tokens")
 	timeScale := fs.Float64("time-scale", 1, "with --capacity: the engine runs this many times the real time")
+	var kv enginesim.KVEvents
+	fs.StringVar(&kv.Endpoint, "kv-events-endpoint", "", "with --capacity: publish the prefix cache's changes as vLLM's KV events on this ZMQ PUB endpoint (e.g. tcp://127.0.0.1:5557; port 0: a free one)")
+	fs.StringVar(&kv.ReplayEndpoint, "kv-events-replay-endpoint", "", "ZMQ ROUTER endpoint answering replay requests for missed KV event batches")
+	fs.StringVar(&kv.Topic, "kv-events-topic", "", "topic frame of the KV event messages")
+	fs.StringVar(&kv.Encoding, "kv-events-encoding", enginesim.EventsMap, "KV events as tagged maps (map: vLLM since PR #42892) or tagged arrays (array: older vLLM)")
+	fs.IntVar(&kv.TokenScale, "kv-events-token-scale", 1, "publish (and render) each simulated token as this many token ids: with --token-scale N, N gives real-size blocks (vllm-router reads 16-token blocks)")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return nil
@@ -69,6 +75,9 @@ func run(ctx context.Context, args []string) error {
 	if *capacity {
 		c := enginesim.ReferenceCapacity(*tokenScale, *timeScale)
 		cfg.Capacity = &c
+	}
+	if kv.Endpoint != "" {
+		cfg.KVEvents = &kv
 	}
 	if *tamper != "" {
 		cfg.TamperKVParams = json.RawMessage(*tamper)
@@ -89,7 +98,8 @@ func run(ctx context.Context, args []string) error {
 	if err != nil {
 		return err
 	}
-	logger.Info("engine ready", "addr", srv.Addr(), "bootstrap_port", srv.BootstrapPort(), "kv_addr", srv.KVAddr())
+	logger.Info("engine ready", "addr", srv.Addr(), "bootstrap_port", srv.BootstrapPort(), "kv_addr", srv.KVAddr(),
+		"kv_events_endpoint", srv.KVEventsEndpoint(), "kv_events_replay_endpoint", srv.KVEventsReplayEndpoint())
 	<-ctx.Done()
 	return srv.Close()
 }

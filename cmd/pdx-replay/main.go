@@ -40,8 +40,8 @@ func run(ctx context.Context, args []string) error {
 		plan     replay.Plan
 		out      = fs.String("out", "bench/replay", "directory for results.json, summary.md and the charts")
 		traces   = fs.String("traces", "conversation="+traceDir+"/mooncake-conversation.jsonl,synthetic="+traceDir+"/mooncake-synthetic.jsonl", "name=path of each trace")
-		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,vllm-router-cache-aware",
-			"placement policies (round-robin always runs: it defines the load); vllm-router-cache-aware and vllm-router-round-robin are vLLM's own router over the same engines")
+		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,vllm-router-cache-aware,vllm-router-kv-aware",
+			"placement policies (round-robin always runs: it defines the load); vllm-router-cache-aware, vllm-router-kv-aware (placing by the engines' KV events) and vllm-router-round-robin are vLLM's own router over the same engines")
 		loads    = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
 		replicas = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
 		quick    = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")

@@ -228,14 +228,19 @@ type engineLoad struct {
 	// hitBlocks and queryBlocks count prefix-cache lookups in blocks, for
 	// TensorRT-LLM's reused/missed block counters.
 	hitBlocks, queryBlocks int64
+	kvpub                  *kvPublisher // Config.KVEvents, nil without
 }
 
-func newEngineLoad(c *Capacity) *engineLoad {
+func newEngineLoad(c *Capacity, pub *kvPublisher) *engineLoad {
 	m := &engineLoad{}
 	if c != nil {
 		cp := *c // the caller's Config may change; the model must not
 		m.capa = &cp
 		m.cache = newPrefixCache(cp.KVBlocks)
+		if pub != nil {
+			m.kvpub = pub
+			m.cache.events = &kvEventLog{blockTokens: cp.BlockTokens, tokenScale: pub.cfg.TokenScale}
+		}
 	}
 	return m
 }
@@ -247,6 +252,7 @@ type ticket struct {
 	// what a decode pins on admission: its prompt's full blocks and the
 	// rest of the blocks its sequence will fill
 	hashes  []uint64
+	ids     []uint32
 	private int
 }
 
@@ -301,6 +307,7 @@ func (m *engineLoad) kvUsage() float64 {
 type promptBlocks struct {
 	tokens int
 	hashes []uint64 // chained hashes of the full blocks
+	ids    []uint32 // the prompt's token ids (block i is ids[i×n:(i+1)×n])
 	blocks int      // blocks the prompt fills, the last one possibly partly
 }
 
@@ -311,7 +318,7 @@ type promptBlocks struct {
 func blocksOf(prompt string, n int) promptBlocks {
 	const offset64, prime64 = 14695981039346656037, 1099511628211
 	ids := tokenize(prompt)
-	p := promptBlocks{tokens: promptTokens(prompt)}
+	p := promptBlocks{tokens: promptTokens(prompt), ids: ids}
 	p.blocks = (p.tokens + n - 1) / n
 	var prev uint64
 	var word [8]byte
@@ -365,10 +372,11 @@ func (m *engineLoad) dispatch() {
 		}
 		m.decodeQ = m.decodeQ[1:]
 		m.decoding++
-		m.cache.pin(t.hashes, t.private)
+		m.cache.pin(t.hashes, t.ids, t.private)
 		t.granted = true
 		close(t.ready)
 	}
+	m.flushKV()
 	m.changed()
 }
 
@@ -432,7 +440,8 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks) error {
 	hit := m.lookup(p)
 	held := p.hashes[:hit]
 	computing := p.blocks - hit
-	m.cache.pin(held, computing)
+	m.cache.pin(held, p.ids, computing)
+	m.flushKV()
 	uncached := p.tokens - hit*m.capa.BlockTokens
 	m.usage.Prefills++
 	m.usage.PrefillTokens += int64(uncached)
@@ -445,7 +454,7 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks) error {
 	defer m.mu.Unlock()
 	m.cache.unpin(held, computing)
 	if err == nil {
-		m.cache.insert(p.hashes)
+		m.cache.insert(p.hashes, p.ids)
 	}
 	m.prefilling--
 	m.dispatch()
@@ -493,7 +502,7 @@ func (m *engineLoad) admit(ctx context.Context, req *inferenceRequest) (func(), 
 	bt := m.capa.BlockTokens
 	p := blocksOf(req.prompt, bt)
 	total := (p.tokens + req.maxTokens + bt - 1) / bt
-	t := &ticket{ready: make(chan struct{}), hashes: p.hashes, private: total - len(p.hashes)}
+	t := &ticket{ready: make(chan struct{}), hashes: p.hashes, ids: p.ids, private: total - len(p.hashes)}
 	release := func() {
 		m.decoding--
 		m.cache.unpin(t.hashes, t.private)
@@ -567,6 +576,9 @@ type prefixCache struct {
 	lru       *list.List // unpinned blocks, most recently used first
 	private   int
 	evictions int64
+	// events, when the engine publishes KV events, collects the blocks
+	// stored and evicted until the engine publishes them (flushKV).
+	events *kvEventLog
 }
 
 type cachedBlock struct {
@@ -616,19 +628,24 @@ func (c *prefixCache) makeRoom(n int) {
 		b := c.lru.Remove(c.lru.Back()).(*cachedBlock)
 		delete(c.blocks, b.hash)
 		c.evictions++
+		if c.events != nil {
+			c.events.removed(b.hash)
+		}
 	}
 }
 
 // pin holds the blocks of hashes (adding those missing) and private more.
 // Held blocks are never evicted; if they alone exceed capacity, the cache
-// goes over it.
-func (c *prefixCache) pin(hashes []uint64, private int) {
-	for _, h := range hashes {
+// goes over it. ids are the token ids of the prompt whose leading blocks
+// hashes are (for the events of blocks added).
+func (c *prefixCache) pin(hashes []uint64, ids []uint32, private int) {
+	for i, h := range hashes {
 		b, ok := c.blocks[h]
 		if !ok {
 			c.makeRoom(1)
 			b = &cachedBlock{hash: h}
 			c.blocks[h] = b
+			c.stored(hashes, ids, i)
 		}
 		if b.elem != nil {
 			c.lru.Remove(b.elem)
@@ -658,10 +675,10 @@ func (c *prefixCache) unpin(hashes []uint64, private int) {
 
 // insert caches computed blocks, unpinned, as most recently used (the
 // head last, as in unpin). When room runs out the rest is not cached: a
-// block is of use only after its predecessors.
-func (c *prefixCache) insert(hashes []uint64) {
+// block is of use only after its predecessors. ids are as for pin.
+func (c *prefixCache) insert(hashes []uint64, ids []uint32) {
 	n := 0
-	for _, h := range hashes {
+	for i, h := range hashes {
 		// Each block leaves the LRU list until the loop below puts it back
 		// in order, so that making room for its successors cannot evict it.
 		if b, ok := c.blocks[h]; ok {
@@ -675,6 +692,7 @@ func (c *prefixCache) insert(hashes []uint64) {
 				break
 			}
 			c.blocks[h] = &cachedBlock{hash: h}
+			c.stored(hashes, ids, i)
 		}
 		n++
 	}
@@ -683,4 +701,30 @@ func (c *prefixCache) insert(hashes []uint64) {
 			b.elem = c.lru.PushFront(b)
 		}
 	}
+}
+
+// stored notes that block i of hashes entered the cache.
+func (c *prefixCache) stored(hashes []uint64, ids []uint32, i int) {
+	if c.events != nil {
+		c.events.stored(hashes, ids, i)
+	}
+}
+
+// reset forgets every cached block; held ones (there must be none) too.
+func (c *prefixCache) reset() {
+	clear(c.blocks)
+	c.lru.Init()
+	c.private = 0
+	if c.events != nil {
+		c.events.cleared()
+	}
+}
+
+// flushKV publishes the cache's pending events as one batch, as vLLM's
+// scheduler publishes the events of a step. m.mu is held.
+func (m *engineLoad) flushKV() {
+	if m.kvpub == nil {
+		return
+	}
+	m.kvpub.publish(m.cache.events.take())
 }

@@ -207,9 +207,9 @@ func TestPrefixCacheLRU(t *testing.T) {
 			for i, st := range tt.steps {
 				switch st.op {
 				case "insert":
-					c.insert(st.hashes)
+					c.insert(st.hashes, nil)
 				case "pin":
-					c.pin(st.hashes, st.n)
+					c.pin(st.hashes, nil, st.n)
 				case "unpin":
 					c.unpin(st.hashes, st.n)
 				case "match":
@@ -577,7 +577,7 @@ func TestBlockHashesChain(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			x, y := blocksOf(tt.x, 4), blocksOf(tt.y, 4)
 			c := newPrefixCache(100)
-			c.insert(x.hashes)
+			c.insert(x.hashes, nil)
 			require.Equal(t, tt.wantShare, c.match(y.hashes))
 			require.Equal(t, x.hashes, blocksOf(tt.x, 4).hashes, "hashes are deterministic")
 		})

@@ -134,6 +134,12 @@ type Config struct {
 	// server, a decode batch, a prefix cache and KV pull times (see
 	// Capacity). GET /metrics reports its queues and cache either way.
 	Capacity *Capacity
+	// ServedModelName is the model GET /v1/models lists (vLLM's
+	// --served-model-name); default ModelName. Requests may name any.
+	ServedModelName string
+	// KVEvents, when set, publishes the prefix cache's changes (Capacity's)
+	// as vLLM's KV events over ZeroMQ (see KVEvents).
+	KVEvents *KVEvents
 }
 
 // Tally counts what an engine served, by outcome.
@@ -204,6 +210,13 @@ func (c Config) withDefaults() (Config, error) {
 		if err := c.Capacity.validate(); err != nil {
 			return c, err
 		}
+	}
+	if c.KVEvents != nil {
+		k := *c.KVEvents // the caller's may change; the engine's must not
+		if err := k.withDefaults(&c); err != nil {
+			return c, err
+		}
+		c.KVEvents = &k
 	}
 	if c.EngineID == "" {
 		c.EngineID = randomHex(8)
@@ -278,6 +291,7 @@ type Server struct {
 	proto     protocol
 	sides     []*sideServer // bootstrap servers and KV listeners of the protocol
 	load      *engineLoad   // queues and prefix cache (Config.Capacity), or in-flight counts
+	kvpub     *kvPublisher  // Config.KVEvents, or nil
 	metrics   http.Handler  // GET /metrics
 	// waitsDone is cancelled when Close starts, so that requests waiting for
 	// KV give up at once rather than holding Close for its grace period.
@@ -325,6 +339,13 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 		return nil, fmt.Errorf("enginesim: listen: %w", err)
 	}
 	host, port := advertised(ln)
+	var kvpub *kvPublisher
+	if cfg.KVEvents != nil {
+		if kvpub, err = startKVPublisher(*cfg.KVEvents); err != nil {
+			_ = ln.Close()
+			return nil, err
+		}
+	}
 	baseCtx, cancel := context.WithCancel(context.Background())
 	waitsDone, stopWaiting := context.WithCancel(context.Background())
 	s := &Server{
@@ -335,7 +356,8 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 		log:         cfg.Logger.With("engine_id", cfg.EngineID, "role", string(cfg.Role), "connector", cfg.Connector),
 		client:      cfg.Client,
 		kv:          newKVStore(cfg.KVTTL),
-		load:        newEngineLoad(cfg.Capacity),
+		load:        newEngineLoad(cfg.Capacity, kvpub),
+		kvpub:       kvpub,
 		served:      make(chan struct{}),
 		base:        baseCtx,
 		cancel:      cancel,
@@ -356,6 +378,9 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 		}
 		cancel()
 		stopWaiting()
+		if kvpub != nil {
+			kvpub.close()
+		}
 		return nil, err
 	}
 	mux := http.NewServeMux()
@@ -501,6 +526,9 @@ func (s *Server) Close() error {
 		if s.ownClient {
 			s.client.CloseIdleConnections()
 		}
+		if s.kvpub != nil {
+			s.kvpub.close()
+		}
 		s.log.Info("engine simulator closed")
 	})
 	return s.closeErr
@@ -632,8 +660,12 @@ func (s *Server) routes(mux *http.ServeMux) {
 	mux.HandleFunc("GET /sim/requests", func(w http.ResponseWriter, _ *http.Request) {
 		writeJSON(w, http.StatusOK, s.Records())
 	})
+	mux.HandleFunc("POST /reset_prefix_cache", s.handleResetPrefixCache)
+	mux.HandleFunc("POST /v1/chat/completions/render", s.handleRender(apiChat))
+	mux.HandleFunc("POST /v1/completions/render", s.handleRender(apiCompletions))
 	paths := []string{"/v1/chat/completions", "/v1/completions", "/sim/kv/pull", "/sim/kv/release", "/sim/state",
-		"/health", "/v1/models", "/sim/requests"}
+		"/health", "/v1/models", "/sim/requests", "/reset_prefix_cache",
+		"/v1/chat/completions/render", "/v1/completions/render"}
 	paths = append(paths, s.metricsRoutes(mux)...)
 	if r, ok := s.proto.(routeAdder); ok {
 		paths = append(paths, r.addRoutes(mux)...)
@@ -674,21 +706,37 @@ func (s *Server) guard(h http.Handler) http.Handler {
 }
 
 func (s *Server) handleModels(w http.ResponseWriter, _ *http.Request) {
+	name := s.cfg.ServedModelName
+	if name == "" {
+		name = ModelName
+	}
 	writeJSON(w, http.StatusOK, map[string]any{
 		"object": "list",
 		"data": []map[string]any{{
-			"id": ModelName, "object": "model", "created": time.Now().Unix(),
-			"owned_by": "pdx", "root": ModelName,
+			"id": name, "object": "model", "created": time.Now().Unix(),
+			"owned_by": "pdx", "root": name,
 		}},
 	})
 }
 
-// ModelName is the model /v1/models lists. Requests may name any model; the
-// simulator echoes it back.
+// ModelName is the model /v1/models lists by default
+// (Config.ServedModelName). Requests may name any model; the simulator
+// echoes it back.
 const ModelName = "pdx-sim"
 
 func randomHex(n int) string {
 	b := make([]byte, n)
 	_, _ = rand.Read(b) // crypto/rand.Read never fails
 	return hex.EncodeToString(b)
+}
+
+// handleResetPrefixCache is vLLM's POST /reset_prefix_cache (a dev-mode
+// route of its API server). A reset declined because requests hold blocks
+// gets 409 here.
+func (s *Server) handleResetPrefixCache(w http.ResponseWriter, _ *http.Request) {
+	if !s.ResetPrefixCache() {
+		writeError(w, &apiError{status: http.StatusConflict, msg: "prefix cache is in use by running requests; not reset"})
+		return
+	}
+	w.WriteHeader(http.StatusOK)
 }

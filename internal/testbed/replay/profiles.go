@@ -17,11 +17,20 @@ type Profile struct {
 	// own router (package vllmrouter) in front of the engines instead of
 	// Envoy and pdx, and has no pdx config.
 	Peer string
+	// KVEvents makes the engines publish vLLM's KV events and the peer
+	// subscribe to the prefill engines' (vllm-router --pd-kv-events), for
+	// its kv_aware policy. The engines are the same as for the other
+	// profiles otherwise (their served model is renamed the stack's, which
+	// kv_aware checks requests against).
+	KVEvents bool
 }
 
 // Config is what the report lists of p: its pdx YAML, or the peer's
 // policy.
 func (p Profile) Config() string {
+	if p.Peer != "" && p.KVEvents {
+		return "vllm-router in NIXL P/D mode, --policy " + p.Peer + ", --pd-kv-events from every prefill engine"
+	}
 	if p.Peer != "" {
 		return "vllm-router in NIXL P/D mode, --policy " + p.Peer
 	}
@@ -60,6 +69,9 @@ func Profiles(s Scale) []Profile {
 		// vLLM's own router: cache_aware is its default, the one users
 		// compare against; round_robin is its plain baseline.
 		{Name: "vllm-router-cache-aware", Peer: "cache_aware"},
+		// kv_aware places prefills by the KV events the engines publish
+		// (what each prefill engine caches) instead of its own guess.
+		{Name: "vllm-router-kv-aware", Peer: "kv_aware", KVEvents: true},
 		{Name: "vllm-router-round-robin", Peer: "round_robin"},
 	}
 }

@@ -23,11 +23,12 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "prefix-affinity",
-		"vllm-router-cache-aware", "vllm-router-round-robin"}, names(all))
+		"vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin"}, names(all))
 	for _, p := range all[5:] {
 		require.NotEmpty(t, p.Peer, p.Name)
 		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
 		require.Contains(t, p.Config(), "--policy "+p.Peer)
+		require.Equal(t, p.Peer == "kv_aware", p.KVEvents, "only kv_aware reads the engines' KV events")
 	}
 	require.Equal(t, all[2].PoolYAML, all[2].Config(), "a pdx profile's config is its YAML")
 	require.Contains(t, all[2].PoolYAML, "disaggregation: {min_uncached_tokens: 1}", "llm-d's 16 tokens at scale 16")
@@ -47,6 +48,7 @@ func TestProfiles(t *testing.T) {
 func TestCheckProfiles(t *testing.T) {
 	rig := Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.1}
 	all := Profiles(rig.Scale)
+	installed := os.Getenv(vllmrouter.DirEnv)
 	require.NoError(t, rig.CheckProfiles(all), "every profile, the peers with vllm-router installed")
 	err := rig.CheckProfiles([]Profile{{Name: "broken", PoolYAML: "prefill_picker: {policy: no_such_policy}\n"}})
 	require.ErrorContains(t, err, "policy broken")
@@ -56,6 +58,23 @@ func TestCheckProfiles(t *testing.T) {
 	err = rig.CheckProfiles(all[5:6])
 	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
 	require.ErrorContains(t, err, "policy vllm-router-cache-aware")
+	t.Setenv(vllmrouter.DirEnv, installed)
+
+	// kv_aware reads events in 16-token blocks: a token scale whose
+	// engines' blocks are not that is refused.
+	kv, err := SelectProfiles(all, []string{"vllm-router-kv-aware"})
+	require.NoError(t, err)
+	for _, tt := range []struct {
+		scale int
+		ok    bool
+	}{{1, true}, {4, true}, {16, true}, {32, false}} {
+		err := Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: tt.scale}, TimeScale: 0.1}.CheckProfiles(kv)
+		if tt.ok {
+			require.NoError(t, err, "token scale %d", tt.scale)
+		} else {
+			require.ErrorContains(t, err, "blocks of 16 tokens", "token scale %d", tt.scale)
+		}
+	}
 }
 
 // TestSendMixUp: the client takes an answer as its own only when it
@@ -98,7 +117,7 @@ func TestSendMixUp(t *testing.T) {
 // the peer kept out of the replica runs, the report written.
 func TestReplay(t *testing.T) {
 	out := t.TempDir()
-	profiles, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{"round-robin", "vllm-router-cache-aware"})
+	profiles, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{"round-robin", "vllm-router-cache-aware", "vllm-router-kv-aware"})
 	require.NoError(t, err)
 	plan := Plan{
 		Rig:           Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625},
@@ -114,10 +133,18 @@ func TestReplay(t *testing.T) {
 	}
 	rep, err := Run(t.Context(), plan)
 	require.NoError(t, err)
-	require.Len(t, rep.Runs, 2)
-	require.Equal(t, []string{"round-robin", "vllm-router-cache-aware"}, []string{rep.Runs[0].Policy, rep.Runs[1].Policy})
+	require.Len(t, rep.Runs, 3)
+	require.Equal(t, []string{"round-robin", "vllm-router-cache-aware", "vllm-router-kv-aware"},
+		[]string{rep.Runs[0].Policy, rep.Runs[1].Policy, rep.Runs[2].Policy})
 	require.Empty(t, rep.Runs[0].VLLMRouter)
 	require.Equal(t, vllmrouter.Version, rep.Runs[1].VLLMRouter)
+	require.Equal(t, vllmrouter.Version, rep.Runs[2].VLLMRouter)
+	// kv_aware placed by the engines' KV events: it looked up every
+	// prefill and found the trace's shared first block in some engine's.
+	require.Zero(t, rep.Runs[1].PeerKVLookups, "cache_aware reads no events")
+	require.GreaterOrEqual(t, rep.Runs[2].PeerKVLookups, 40)
+	require.Positive(t, rep.Runs[2].PeerKVHits)
+	t.Logf("kv_aware: %d of %d placement lookups hit", rep.Runs[2].PeerKVHits, rep.Runs[2].PeerKVLookups)
 	require.Equal(t, vllmrouter.Version, rep.VLLMRouter)
 	require.Len(t, rep.ReplicaRuns, 2, "round robin at 1 and 2 replicas; no peer")
 	require.Equal(t, 2, rep.ReplicaRuns[1].Replicas)
@@ -151,6 +178,7 @@ func TestReplay(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(summary), "| round-robin |")
 	require.Contains(t, string(summary), "| vllm-router-cache-aware |")
+	require.Contains(t, string(summary), "| vllm-router-kv-aware |")
 	require.Contains(t, string(summary), "vllm-router "+vllmrouter.Version)
 }
 

@@ -78,6 +78,13 @@ type RunResult struct {
 	// VLLMRouter is the version of the vllm-router that served a peer
 	// profile's run; empty when Envoy and pdx did.
 	VLLMRouter string `json:"vllm_router,omitempty"`
+	// PeerKVLookups and PeerKVHits are, for a peer reading the engines' KV
+	// events (Profile.KVEvents), its prefill placements that looked the
+	// prompt's blocks up in the events' index, and those that found some
+	// (vllm_router_kv_placement_lookups_total): the evidence that it
+	// placed by the events.
+	PeerKVLookups int `json:"peer_kv_lookups,omitempty"`
+	PeerKVHits    int `json:"peer_kv_hits,omitempty"`
 }
 
 // perRequestTimeout bounds one request, far above any SLO.
@@ -91,6 +98,9 @@ type sample struct {
 	cpu     CPUUse
 	// vllmRouter is the peer's version; "" for pdx.
 	vllmRouter string
+	// kvLookups and kvHits are the peer's KV-event placement lookups
+	// (Profile.KVEvents).
+	kvLookups, kvHits int
 }
 
 // replay starts a fresh deployment for r, sends every request at its scheduled
@@ -114,6 +124,15 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use}
 	if d.peer != nil {
 		s.vllmRouter = d.peer.Version()
+	}
+	if r.profile.KVEvents {
+		m, err := d.peer.Metrics()
+		if err != nil {
+			return sample{}, fmt.Errorf("policy %s: %w", r.profile.Name, err)
+		}
+		const lookups = "vllm_router_kv_placement_lookups_total"
+		s.kvHits = int(m[lookups+`{result="hit"}`])
+		s.kvLookups = s.kvHits + int(m[lookups+`{result="miss"}`])
 	}
 	return s, nil
 }
@@ -171,7 +190,14 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 	if err != nil {
 		return nil, err
 	}
-	peer, err := vllmrouter.Start(ctx, vllmrouter.Options{Prefill: engineURLs(st.Prefill), Decode: engineURLs(st.Decode), Policy: p.Peer})
+	po := vllmrouter.Options{Prefill: engineURLs(st.Prefill), Decode: engineURLs(st.Decode), Policy: p.Peer}
+	if p.KVEvents {
+		po.KVEvents = map[string]string{}
+		for _, s := range st.Prefill {
+			po.KVEvents["http://"+s.Addr()] = s.KVEventsEndpoint()
+		}
+	}
+	peer, err := vllmrouter.Start(ctx, po)
 	if err != nil {
 		return nil, errors.Join(err, st.Close())
 	}
@@ -189,6 +215,14 @@ func engineURLs(sims []*enginesim.Server) []string {
 // options are the stack options of a profile; the engine capacity too.
 func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capacity) {
 	engine, capacity := engineConfig(rig.Scale, rig.TimeScale)
+	if p.KVEvents {
+		// Each simulated token is published as TokenScale tokens, so that
+		// a block is the 16 real tokens vllm-router assumes
+		// (CheckProfiles); kv_aware trusts events only for requests naming
+		// the engine's served model.
+		engine.KVEvents = &enginesim.KVEvents{Endpoint: "tcp://127.0.0.1:0", TokenScale: rig.Scale.TokenScale}
+		engine.ServedModelName = stack.Model
+	}
 	return stack.Options{
 		Prefill:     rig.Prefill,
 		Decode:      rig.Decode,
@@ -204,6 +238,11 @@ func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capaci
 	}, capacity
 }
 
+// kvEventsBlockTokens is the block size vllm-router 0.1.17 reads
+// --pd-kv-events sources with (its --pd-kv-events help: "Block size is
+// 16"); batches of another are rejected (BlockSizeMismatch in its log).
+const kvEventsBlockTokens = 16
+
 // CheckProfiles parses every profile's pdx config, and finds the peer's
 // install for a peer profile, before anything starts, so that a typo or a
 // missing vllm-router fails the run at once, naming the policy.
@@ -212,6 +251,10 @@ func (rig Rig) CheckProfiles(ps []Profile) error {
 		if p.Peer != "" {
 			if _, err := vllmrouter.Dir(); err != nil {
 				return fmt.Errorf("policy %s: %w", p.Name, err)
+			}
+			if _, c := rig.options(p, 1); p.KVEvents && c.BlockTokens*rig.Scale.TokenScale != kvEventsBlockTokens {
+				return fmt.Errorf("policy %s: vllm-router reads KV events in blocks of %d tokens; token scale %d makes the engines' %d",
+					p.Name, kvEventsBlockTokens, rig.Scale.TokenScale, c.BlockTokens*rig.Scale.TokenScale)
 			}
 			continue
 		}
@@ -291,6 +334,10 @@ func summarizeRun(r run, samples []sample, slo SLO) RunResult {
 	}
 	if len(samples) > 0 {
 		res.VLLMRouter = samples[0].vllmRouter
+	}
+	for _, s := range samples {
+		res.PeerKVLookups += s.kvLookups
+		res.PeerKVHits += s.kvHits
 	}
 	res.PrefillWindowSec = window.Seconds()
 	res.BusyShare = busyShare(es.PrefillBusy, window, len(es.PrefillRequests))

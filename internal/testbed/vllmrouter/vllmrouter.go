@@ -9,11 +9,15 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"maps"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -87,6 +91,16 @@ type Options struct {
 	// Policy is vllm-router's --policy for both legs: round_robin,
 	// cache_aware, power_of_two, ...
 	Policy string
+	// KVEvents maps a prefill engine's URL to the ZMQ endpoint it
+	// publishes vLLM's KV events on (--pd-kv-events URL=ENDPOINT), for the
+	// kv_aware policy: its prefill choice then scores each engine by the
+	// request's prompt blocks that engine's events say it caches. It gets
+	// the prompt's token ids from the engine's /v1/*/render routes, and
+	// trusts an engine's events only for requests naming the model the
+	// engine serves (GET /v1/models; other models route by load,
+	// fallback "unverified_model"). vllm-router reads these sources with a
+	// block size of 16.
+	KVEvents map[string]string
 	// Args are more flags, after the ones Start sets.
 	Args []string
 }
@@ -97,6 +111,7 @@ type Process struct {
 	log     *logbuf.Buffer
 	done    chan struct{}
 	addr    string
+	metrics string // host:port of its Prometheus endpoint
 	version string
 }
 
@@ -143,9 +158,12 @@ func Start(ctx context.Context, o Options) (*Process, error) {
 	for _, u := range o.Decode {
 		args = append(args, "--decode", u)
 	}
+	for _, u := range slices.Sorted(maps.Keys(o.KVEvents)) {
+		args = append(args, "--pd-kv-events", u+"="+o.KVEvents[u])
+	}
 	args = append(args, o.Args...)
 
-	p := &Process{log: &logbuf.Buffer{}, done: make(chan struct{}), addr: addrs[0], version: version}
+	p := &Process{log: &logbuf.Buffer{}, done: make(chan struct{}), addr: addrs[0], metrics: addrs[1], version: version}
 	p.cmd = exec.Command(o.Python, args...)
 	p.cmd.Env = append(os.Environ(), "PYTHONPATH="+o.Dir, "PYTHONDONTWRITEBYTECODE=1", "NO_COLOR=1")
 	p.cmd.Stdout, p.cmd.Stderr = p.log, p.log
@@ -198,6 +216,45 @@ func (p *Process) waitReady(ctx context.Context) error {
 
 // URL is where clients send requests.
 func (p *Process) URL() string { return "http://" + p.addr }
+
+// MetricsURL is the router's Prometheus endpoint (--prometheus-port).
+func (p *Process) MetricsURL() string { return "http://" + p.metrics + "/metrics" }
+
+// Metrics scrapes the router's Prometheus endpoint: each sample's value by
+// its name and labels as printed, e.g.
+// `vllm_router_kv_placement_lookups_total{result="hit"}`.
+func (p *Process) Metrics() (map[string]float64, error) {
+	client := &http.Client{Timeout: 5 * time.Second}
+	defer client.CloseIdleConnections()
+	resp, err := client.Get(p.MetricsURL())
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("vllm-router metrics: status %d", resp.StatusCode)
+	}
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for line := range strings.SplitSeq(string(b), "\n") {
+		if line == "" || strings.HasPrefix(line, "#") {
+			continue
+		}
+		i := strings.LastIndexByte(line, ' ')
+		if i < 0 {
+			return nil, fmt.Errorf("vllm-router metrics: not a sample: %q", line)
+		}
+		v, err := strconv.ParseFloat(line[i+1:], 64)
+		if err != nil {
+			return nil, fmt.Errorf("vllm-router metrics: %q: %w", line, err)
+		}
+		out[line[:i]] = v
+	}
+	return out, nil
+}
 
 // Pid is the router's process: its CPU is the router's.
 func (p *Process) Pid() int { return p.cmd.Process.Pid }

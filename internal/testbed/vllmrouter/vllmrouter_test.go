@@ -9,6 +9,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -132,4 +133,142 @@ func urls(ss []*enginesim.Server) []string {
 		out = append(out, "http://"+s.Addr())
 	}
 	return out
+}
+
+// TestKVAwareConsumesEvents runs vllm-router's kv_aware policy over
+// simulated prefill engines that publish vLLM's KV events. Each prompt is
+// first prefilled on one engine directly, behind the router's back, so the
+// router can know that engine holds it only from that engine's events
+// (neither from its own routing history nor its speculative entries). Then
+// a request extending the prompt, through the router, must go to that
+// engine, the router counting the cached prefix; the hand-offs are checked
+// by the engines as in TestServesThroughSimulatedEngines.
+func TestKVAwareConsumesEvents(t *testing.T) {
+	dir, err := Dir()
+	require.NoError(t, err)
+	// vllm-router reads --pd-kv-events with block size 16: real token
+	// counts, or a replay's scaled engines publishing each token as
+	// tokenScale (block 16/tokenScale tokens, published as 16). Times are
+	// scaled down so the test is quick. kv_aware uses an engine's events
+	// only for requests naming its served model.
+	for _, tt := range []struct {
+		name       string
+		tokenScale int
+		model      string
+	}{
+		{"real tokens", 1, ""},
+		{"replay scale", 16, "demo-model"},
+	} {
+		t.Run(tt.name, func(t *testing.T) { kvAwareRun(t, dir, tt.tokenScale, tt.model) })
+	}
+}
+
+func kvAwareRun(t *testing.T, dir string, tokenScale int, model string) {
+	capa := enginesim.ReferenceCapacity(float64(tokenScale), 0.01)
+	if model == "" {
+		model = enginesim.ModelName
+	}
+	start := func(role enginesim.Role, events bool) *enginesim.Server {
+		cfg := enginesim.Config{Role: role, Connector: enginesim.ConnectorNIXL, Capacity: &capa, ServedModelName: model}
+		if events {
+			cfg.KVEvents = &enginesim.KVEvents{Endpoint: "tcp://127.0.0.1:0", TokenScale: tokenScale}
+		}
+		s, err := enginesim.Start(t.Context(), "127.0.0.1:0", cfg)
+		require.NoError(t, err)
+		t.Cleanup(func() { _ = s.Close() })
+		return s
+	}
+	prefill := []*enginesim.Server{start(enginesim.RolePrefill, true), start(enginesim.RolePrefill, true)}
+	decode := []*enginesim.Server{start(enginesim.RoleDecode, false), start(enginesim.RoleDecode, false)}
+	sources := map[string]string{}
+	for _, s := range prefill {
+		sources["http://"+s.Addr()] = s.KVEventsEndpoint()
+	}
+	r, err := Start(t.Context(), Options{Dir: dir, Prefill: urls(prefill), Decode: urls(decode), Policy: "kv_aware", KVEvents: sources})
+	require.NoError(t, err)
+	t.Cleanup(func() {
+		_ = r.Stop()
+		if t.Failed() {
+			t.Logf("vllm-router log:\n%s", r.Log())
+		}
+	})
+
+	// Prompts of 10 blocks or so; seeded alternately on either engine, so
+	// a router that ignores the events cannot get them all right.
+	const n = 6
+	type seeded struct {
+		chat         bool
+		seed, follow string
+		engine       int
+	}
+	var cases []seeded
+	for i := range n {
+		prefix := fmt.Sprintf("document %d: %s", i, strings.Repeat(fmt.Sprintf("paragraph %d of a long shared context. ", i), 16))
+		cases = append(cases, seeded{chat: i%2 == 1, seed: prefix + "first question?", follow: prefix + "second question?", engine: i % 2})
+	}
+	send := func(base string, c seeded, prompt string) {
+		body := map[string]any{"model": model, "max_tokens": 2}
+		path := "/v1/completions"
+		if c.chat {
+			path = "/v1/chat/completions"
+			body["messages"] = []map[string]string{{"role": "user", "content": prompt}}
+		} else {
+			body["prompt"] = prompt
+		}
+		b, _ := json.Marshal(body)
+		resp, err := http.Post(base+path, "application/json", bytes.NewReader(b))
+		require.NoError(t, err)
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode, "%s", got)
+	}
+	for _, c := range cases {
+		send("http://"+prefill[c.engine].Addr(), c, c.seed)
+	}
+	// The events go out as the seeds finish; give the router's
+	// subscribers a moment to apply them.
+	time.Sleep(2 * time.Second)
+	for _, c := range cases {
+		send(r.URL(), c, c.follow)
+	}
+
+	promptOf := func(c seeded, text string) string {
+		if c.chat {
+			return enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}})
+		}
+		return text
+	}
+	prefillOf := map[string]int{} // fingerprint of a routed prompt -> prefill engine
+	for i, s := range prefill {
+		for _, rec := range s.Records() {
+			require.NotEqual(t, enginesim.KindRejected, rec.Kind, "a prefill engine refused: %s", rec.Error)
+			if rec.Kind == enginesim.KindPrefill {
+				prefillOf[rec.Fingerprint] = i
+			}
+		}
+	}
+	for _, c := range cases {
+		fp := enginesim.Fingerprint(promptOf(c, c.follow))
+		engine, ok := prefillOf[fp]
+		require.True(t, ok, "no prefill leg for %q", c.follow[:20])
+		require.Equal(t, c.engine, engine, "%q went to the engine without its prefix", c.follow[:20])
+	}
+	var pulled int
+	for _, s := range decode {
+		for _, rec := range s.Records() {
+			require.Equal(t, enginesim.KindDecode, rec.Kind, "a decode engine refused: %s", rec.Error)
+			require.Equal(t, enginesim.KVPulled, rec.KV)
+			pulled++
+		}
+	}
+	require.Equal(t, n, pulled)
+
+	// The router's own account: every prefill choice looked up the blocks
+	// and found some (vllm_router_kv_placement_lookups_total{result="hit"}),
+	// and none fell back to load (vllm_router_pd_prefill_decisions_total).
+	m, err := r.Metrics()
+	require.NoError(t, err)
+	require.GreaterOrEqual(t, m[`vllm_router_kv_placement_lookups_total{result="hit"}`], float64(n), "metrics:\n%v", m)
+	require.Equal(t, float64(n), m[`vllm_router_pd_prefill_decisions_total{fallback="none"}`], "metrics:\n%v", m)
+	require.Equal(t, float64(n), m[`vllm_router_prefix_routing_decisions_total{policy="kv_aware",stage="prefill",outcome="prefix_cost"}`], "metrics:\n%v", m)
 }
