@@ -112,19 +112,12 @@ func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
 
 // startPeers starts a vllm-router per peer scenario.
 func (r *rig) startPeers(ctx context.Context) error {
-	url := func(ss []*enginesim.Server) []string {
-		var out []string
-		for _, s := range ss {
-			out = append(out, "http://"+s.Addr())
-		}
-		return out
-	}
 	r.peers = map[Scenario]*vllmrouter.Process{}
 	for _, sc := range Scenarios {
 		if !sc.Peer() {
 			continue
 		}
-		p, err := vllmrouter.Start(ctx, vllmrouter.Options{Prefill: url(r.prefill), Decode: url(r.decode), Policy: peerPolicy[sc]})
+		p, err := vllmrouter.Start(ctx, vllmrouter.Options{Prefill: vllmrouter.EngineURLs(r.prefill), Decode: vllmrouter.EngineURLs(r.decode), Policy: peerPolicy[sc]})
 		if err != nil {
 			return fmt.Errorf("%s: %w", sc, err)
 		}

@@ -190,7 +190,7 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 	if err != nil {
 		return nil, err
 	}
-	po := vllmrouter.Options{Prefill: engineURLs(st.Prefill), Decode: engineURLs(st.Decode), Policy: p.Peer}
+	po := vllmrouter.Options{Prefill: vllmrouter.EngineURLs(st.Prefill), Decode: vllmrouter.EngineURLs(st.Decode), Policy: p.Peer}
 	if p.KVEvents {
 		po.KVEvents = map[string]string{}
 		for _, s := range st.Prefill {
@@ -202,14 +202,6 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 		return nil, errors.Join(err, st.Close())
 	}
 	return &deployment{st: st, peer: peer}, nil
-}
-
-func engineURLs(sims []*enginesim.Server) []string {
-	out := make([]string, len(sims))
-	for i, s := range sims {
-		out[i] = "http://" + s.Addr()
-	}
-	return out
 }
 
 // options are the stack options of a profile; the engine capacity too.

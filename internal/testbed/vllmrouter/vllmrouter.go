@@ -22,6 +22,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/logbuf"
 	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
@@ -103,6 +104,16 @@ type Options struct {
 	KVEvents map[string]string
 	// Args are more flags, after the ones Start sets.
 	Args []string
+}
+
+// EngineURLs are the simulators' base URLs, as Options.Prefill and Decode
+// take them.
+func EngineURLs(ss []*enginesim.Server) []string {
+	out := make([]string, len(ss))
+	for i, s := range ss {
+		out[i] = "http://" + s.Addr()
+	}
+	return out
 }
 
 // Process is a running vllm-router.

@@ -30,7 +30,7 @@ func TestServesThroughSimulatedEngines(t *testing.T) {
 	for _, policy := range []string{"round_robin", "cache_aware"} {
 		t.Run(policy, func(t *testing.T) {
 			prefill, decode := engines(t, enginesim.RolePrefill, 2), engines(t, enginesim.RoleDecode, 2)
-			r, err := Start(t.Context(), Options{Dir: dir, Prefill: urls(prefill), Decode: urls(decode), Policy: policy})
+			r, err := Start(t.Context(), Options{Dir: dir, Prefill: EngineURLs(prefill), Decode: EngineURLs(decode), Policy: policy})
 			require.NoError(t, err)
 			t.Cleanup(func() {
 				_ = r.Stop()
@@ -127,14 +127,6 @@ func engines(t *testing.T, role enginesim.Role, n int) []*enginesim.Server {
 	return out
 }
 
-func urls(ss []*enginesim.Server) []string {
-	var out []string
-	for _, s := range ss {
-		out = append(out, "http://"+s.Addr())
-	}
-	return out
-}
-
 // TestKVAwareConsumesEvents runs vllm-router's kv_aware policy over
 // simulated prefill engines that publish vLLM's KV events. Each prompt is
 // first prefilled on one engine directly, behind the router's back, so the
@@ -184,7 +176,7 @@ func kvAwareRun(t *testing.T, dir string, tokenScale int, model string) {
 	for _, s := range prefill {
 		sources["http://"+s.Addr()] = s.KVEventsEndpoint()
 	}
-	r, err := Start(t.Context(), Options{Dir: dir, Prefill: urls(prefill), Decode: urls(decode), Policy: "kv_aware", KVEvents: sources})
+	r, err := Start(t.Context(), Options{Dir: dir, Prefill: EngineURLs(prefill), Decode: EngineURLs(decode), Policy: "kv_aware", KVEvents: sources})
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		_ = r.Stop()
