@@ -38,7 +38,10 @@ func TestRunSmall(t *testing.T) {
 		Streams: []bool{true},
 		Warmup:  100 * time.Millisecond, Window: 600 * time.Millisecond,
 		MemoryConcurrency: 8, MemoryBodies: []int{64 << 10},
-		ParkedPrefill: time.Second,
+		// Long enough that the 300 streams are all open before the first
+		// prefill answers, on two loaded cores under -race (at 1 s, one
+		// had already finished: 299 open at once).
+		ParkedPrefill: 3 * time.Second,
 		OpenStreams:   300,
 		Progress:      t.Output(), // in the log of a failure
 	}
