@@ -154,7 +154,7 @@ func StartStore(ctx context.Context, addr string) (*Store, error) {
 	mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
 		writeError(w, &apiError{status: http.StatusNotFound, msg: "no route for " + r.Method + " " + r.URL.Path})
 	})
-	st.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	st.srv = &http.Server{Handler: mux, ReadHeaderTimeout: headerTimeout}
 	go func() {
 		defer close(st.served)
 		_ = st.srv.Serve(ln)

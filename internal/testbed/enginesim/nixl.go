@@ -417,6 +417,15 @@ func orNoID(id string) string {
 // newPullClient is the default KV pull client. It only dials loopback
 // addresses: remote_host comes from the request, and a test fixture must not
 // be talked into sending traffic anywhere else.
+// headerTimeout bounds how long the simulator's servers wait for a request's
+// headers once a connection is open. The server starts that clock when it
+// accepts, so a peer whose goroutines a loaded machine starved for the
+// bound before it wrote the request got the connection closed unanswered
+// (a KV pull failed with a bare EOF under -race in CI at 10 s). Peers here
+// are loopback processes, not slow clients to shed: the bound matches the
+// pull client's.
+const headerTimeout = 60 * time.Second
+
 func newPullClient() *http.Client {
 	// Under a thousand concurrent hand-offs a loaded machine drops SYNs, and
 	// the kernel's retry comes after a second or three: the dial timeout

@@ -387,7 +387,7 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 	s.routes(mux)
 	s.srv = &http.Server{
 		Handler:           s.guard(mux),
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: headerTimeout,
 		// Close cancels this to abort simulated work that outlives the grace period.
 		BaseContext: func(net.Listener) context.Context { return baseCtx },
 		ErrorLog:    errorLog,
@@ -401,7 +401,7 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 	for _, side := range s.sides {
 		side.srv = &http.Server{
 			Handler:           s.guard(side.handler),
-			ReadHeaderTimeout: 10 * time.Second,
+			ReadHeaderTimeout: headerTimeout,
 			BaseContext:       func(net.Listener) context.Context { return baseCtx },
 			ErrorLog:          errorLog,
 		}
