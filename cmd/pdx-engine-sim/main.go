@@ -61,6 +61,7 @@ func run(ctx context.Context, args []string) error {
 	timeScale := fs.Float64("time-scale", 1, "with --capacity: the engine runs this many times the real time")
 	var kv enginesim.KVEvents
 	fs.StringVar(&kv.Endpoint, "kv-events-endpoint", "", "with --capacity: publish the prefix cache's changes as vLLM's KV events on this ZMQ PUB endpoint (e.g. tcp://127.0.0.1:5557; port 0: a free one)")
+	fs.BoolVar(&kv.Connect, "kv-events-connect", false, "dial --kv-events-endpoint (a subscriber that binds, e.g. pdx's or llm-d's central socket) instead of binding it")
 	fs.StringVar(&kv.ReplayEndpoint, "kv-events-replay-endpoint", "", "ZMQ ROUTER endpoint answering replay requests for missed KV event batches")
 	fs.StringVar(&kv.Topic, "kv-events-topic", "", "topic frame of the KV event messages")
 	fs.StringVar(&kv.Encoding, "kv-events-encoding", enginesim.EventsMap, "KV events as tagged maps (map: vLLM since PR #42892) or tagged arrays (array: older vLLM)")

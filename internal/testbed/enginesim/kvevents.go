@@ -36,9 +36,18 @@ import (
 type KVEvents struct {
 	// Endpoint is where the PUB socket listens, e.g. "tcp://127.0.0.1:0"
 	// (a free port; see Server.KVEventsEndpoint) or vLLM's default
-	// "tcp://*:5557". vLLM connects instead of binding when the address has
-	// no wildcard; the simulator always binds.
+	// "tcp://*:5557"; with Connect, the subscriber's socket it dials.
 	Endpoint string
+	// Connect makes the PUB socket dial Endpoint instead of binding it: the
+	// engines of a subscriber that binds one socket for all (llm-d's
+	// "central" mode). vLLM decides by the address
+	// (ZmqEventPublisher._socket_setup: bind when it contains "*" or "::"
+	// or is ipc:// or inproc://, else connect); the simulator binds unless
+	// Connect is set, so "tcp://127.0.0.1:0" keeps binding. Like pyzmq's
+	// connect it retries in the background, before the subscriber listens
+	// and after it goes away; batches sent while unconnected are dropped,
+	// as a PUB socket drops them.
+	Connect bool
 	// ReplayEndpoint, when set, is where the ROUTER socket that answers
 	// replay requests listens (vLLM's replay_endpoint).
 	ReplayEndpoint string
@@ -98,6 +107,9 @@ func (k *KVEvents) withDefaults(c *Config) error {
 		if ep != "" && !strings.HasPrefix(ep, "tcp://") {
 			return fmt.Errorf("enginesim: KV events endpoint %q: only tcp:// is simulated", ep)
 		}
+	}
+	if k.Connect && strings.HasSuffix(k.Endpoint, ":0") {
+		return fmt.Errorf("enginesim: KVEvents.Connect needs the port to dial, got %q", k.Endpoint)
 	}
 	if c.Capacity == nil {
 		return errors.New("enginesim: KVEvents needs Capacity: only its prefix cache has blocks to publish")
@@ -214,9 +226,14 @@ type kvPublisher struct {
 	replay   zmq4.Socket // nil without ReplayEndpoint
 	endpoint string      // tcp://host:port bound
 	replayEP string
-	queue    chan kvBatch
-	done     chan struct{}
-	cancel   context.CancelFunc
+	// listenEP is Endpoint with the port bound (Endpoint itself with
+	// Connect), and listenReplay ReplayEndpoint's: where a restarted
+	// publisher listens again.
+	listenEP, listenReplay string
+	queue                  chan kvBatch
+	done                   chan struct{}
+	dialed                 chan struct{} // with Connect: closed when the dialling gives up
+	cancel                 context.CancelFunc
 	// closing guards queue: publish sends under its read lock, close
 	// closes the queue under its write lock, so a late publish is dropped
 	// rather than a send on a closed channel.
@@ -242,33 +259,52 @@ type sentBatch struct {
 // (ZmqEventPublisher.END_SEQ).
 var endReplay = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 
+// kvDialRetry is the wait between a connecting publisher's dials.
+const kvDialRetry = 100 * time.Millisecond
+
 func startKVPublisher(cfg KVEvents) (*kvPublisher, error) {
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &kvPublisher{cfg: cfg, queue: make(chan kvBatch, kvEventsQueue), done: make(chan struct{}), cancel: cancel}
-	p.pub = zmq4.NewPub(ctx)
-	if err := p.pub.Listen(cfg.Endpoint); err != nil {
-		cancel()
-		return nil, fmt.Errorf("enginesim: KV events: %w", err)
-	}
+	p := &kvPublisher{cfg: cfg, queue: make(chan kvBatch, kvEventsQueue), done: make(chan struct{}), dialed: make(chan struct{}), cancel: cancel}
 	var err error
-	if p.endpoint, err = boundEndpoint(p.pub); err != nil {
-		_ = p.pub.Close()
-		cancel()
-		return nil, err
+	if cfg.Connect {
+		// zmq4's Dial blocks until it connects; retrying for ever it
+		// returns only when the socket closes.
+		p.pub = zmq4.NewPub(ctx, zmq4.WithDialerRetry(kvDialRetry), zmq4.WithDialerMaxRetries(-1), zmq4.WithAutomaticReconnect(true))
+		p.endpoint, p.listenEP = cfg.Endpoint, cfg.Endpoint
+		go func() {
+			defer close(p.dialed)
+			_ = p.pub.Dial(cfg.Endpoint)
+		}()
+	} else {
+		close(p.dialed)
+		p.pub = zmq4.NewPub(ctx)
+		if err := p.pub.Listen(cfg.Endpoint); err != nil {
+			cancel()
+			return nil, fmt.Errorf("enginesim: KV events: %w", err)
+		}
+		if p.endpoint, err = boundEndpoint(p.pub); err != nil {
+			_ = p.pub.Close()
+			cancel()
+			return nil, err
+		}
+		p.listenEP = withBoundPort(cfg.Endpoint, p.pub)
 	}
 	if cfg.ReplayEndpoint != "" {
 		p.replay = zmq4.NewRouter(ctx)
 		if err := p.replay.Listen(cfg.ReplayEndpoint); err != nil {
 			_ = p.pub.Close()
 			cancel()
+			<-p.dialed
 			return nil, fmt.Errorf("enginesim: KV events replay: %w", err)
 		}
 		if p.replayEP, err = boundEndpoint(p.replay); err != nil {
 			_ = p.pub.Close()
 			_ = p.replay.Close()
 			cancel()
+			<-p.dialed
 			return nil, err
 		}
+		p.listenReplay = withBoundPort(cfg.ReplayEndpoint, p.replay)
 		go p.serveReplay()
 	}
 	go p.run()
@@ -287,6 +323,17 @@ func boundEndpoint(s zmq4.Socket) (string, error) {
 		host = "127.0.0.1"
 	}
 	return "tcp://" + net.JoinHostPort(host, strconv.Itoa(tcp.Port)), nil
+}
+
+// withBoundPort is endpoint with the port s listens on (endpoint may ask
+// for port 0), its host as given.
+func withBoundPort(endpoint string, s zmq4.Socket) string {
+	tcp, ok := s.Addr().(*net.TCPAddr)
+	i := strings.LastIndexByte(endpoint, ':')
+	if !ok || i < 0 {
+		return endpoint
+	}
+	return endpoint[:i+1] + strconv.Itoa(tcp.Port)
 }
 
 // publish queues a batch; like vLLM's publish it blocks while the queue is
@@ -369,6 +416,7 @@ func (p *kvPublisher) close() {
 		_ = p.replay.Close()
 	}
 	p.cancel()
+	<-p.dialed
 }
 
 // encodeKVBatch is msgspec's encoding of vLLM's KVEventBatch: the batch is
@@ -525,21 +573,57 @@ func (w *msgWriter) eventArray(e kvEvent) {
 }
 
 // KVEventsEndpoint is the tcp:// endpoint the engine publishes its KV
-// events on (Config.KVEvents), or "" when it publishes none.
+// events on (Config.KVEvents; with Connect, the one it dials), or "" when
+// it publishes none.
 func (s *Server) KVEventsEndpoint() string {
-	if s.kvpub == nil {
+	p := s.kvPublisher()
+	if p == nil {
 		return ""
 	}
-	return s.kvpub.endpoint
+	return p.endpoint
 }
 
 // KVEventsReplayEndpoint is the tcp:// endpoint of the replay socket, or ""
 // when there is none.
 func (s *Server) KVEventsReplayEndpoint() string {
-	if s.kvpub == nil {
+	p := s.kvPublisher()
+	if p == nil {
 		return ""
 	}
-	return s.kvpub.replayEP
+	return p.replayEP
+}
+
+// kvPublisher is the current publisher (RestartKVEvents replaces it), or
+// nil.
+func (s *Server) kvPublisher() *kvPublisher {
+	s.load.mu.Lock()
+	defer s.load.mu.Unlock()
+	return s.kvpub
+}
+
+// RestartKVEvents replaces the KV events publisher with a new one, as a
+// restarted vLLM engine has: on the same endpoints (the ports first bound,
+// or the endpoint dialled), numbering batches from 0 again, with an empty
+// replay buffer. Subscribers see the sequence go back. The prefix cache is
+// kept; ResetPrefixCache empties it.
+func (s *Server) RestartKVEvents() error {
+	m := s.load
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	old := s.kvpub
+	if old == nil {
+		return errors.New("enginesim: RestartKVEvents: the engine publishes no KV events")
+	}
+	cfg := old.cfg
+	cfg.Endpoint, cfg.ReplayEndpoint = old.listenEP, old.listenReplay
+	old.close() // publish runs under m.mu: nothing is sent meanwhile
+	p, err := startKVPublisher(cfg)
+	if err != nil {
+		s.kvpub, m.kvpub = nil, nil
+		return fmt.Errorf("enginesim: RestartKVEvents: %w", err)
+	}
+	s.kvpub, m.kvpub = p, p
+	return nil
 }
 
 // ResetPrefixCache empties the prefix cache as vLLM's POST

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"fmt"
+	"net"
 	"net/http"
 	"reflect"
 	"strings"
@@ -283,6 +284,7 @@ func TestKVEventsConfig(t *testing.T) {
 		{"not tcp", Config{Capacity: &capa, KVEvents: &KVEvents{Endpoint: "ipc:///tmp/kv"}}, "only tcp://"},
 		{"bad encoding", Config{Capacity: &capa, KVEvents: &KVEvents{Endpoint: "tcp://127.0.0.1:0", Encoding: "json"}}, "unknown KVEvents.Encoding"},
 		{"DP", Config{Capacity: &capa, DPSize: 2, KVEvents: &KVEvents{Endpoint: "tcp://127.0.0.1:0"}}, "DPSize > 1"},
+		{"connect to port 0", Config{Capacity: &capa, KVEvents: &KVEvents{Endpoint: "tcp://127.0.0.1:0", Connect: true}}, "needs the port to dial"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -360,4 +362,120 @@ func TestServedModelName(t *testing.T) {
 			require.Equal(t, tt.want, list.Data[0].ID)
 		})
 	}
+}
+
+// listenSub is a SUB socket listening on ep, for publishers that dial
+// (KVEvents.Connect), and its messages.
+func listenSub(t *testing.T, ep string) <-chan frame {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	sub := zmq4.NewSub(ctx)
+	require.NoError(t, sub.SetOption(zmq4.OptionSubscribe, ""))
+	require.NoError(t, sub.Listen(ep))
+	out := make(chan frame, 64)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for {
+			msg, err := sub.Recv()
+			if ctx.Err() != nil {
+				return
+			}
+			if err != nil || len(msg.Frames) != 3 {
+				continue // a publisher's connection ended
+			}
+			select {
+			case out <- frame{seq: binary.BigEndian.Uint64(msg.Frames[1]), payload: msg.Frames[2]}:
+			case <-ctx.Done():
+				return
+			}
+		}
+	}()
+	t.Cleanup(func() {
+		cancel()
+		_ = sub.Close()
+		<-done
+	})
+	return out
+}
+
+// nextBatch resets s's prefix cache (one AllBlocksCleared batch) until a
+// batch comes out of frames, and returns it. A PUB socket drops what it
+// sends before a subscription reaches it, so the first resets may be lost.
+func nextBatch(t *testing.T, s *Server, frames <-chan frame) frame {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		require.True(t, s.ResetPrefixCache())
+		select {
+		case f := <-frames:
+			return f
+		case <-time.After(50 * time.Millisecond):
+		case <-deadline:
+			require.FailNow(t, "no batch came")
+		}
+	}
+}
+
+// TestKVEventsConnect is a publisher that dials its subscriber (vLLM's
+// connect, for an endpoint without a wildcard): started before the
+// subscriber listens, it is picked up once it does, and after a restart
+// it dials again and numbers from 0.
+func TestKVEventsConnect(t *testing.T) {
+	capa := Capacity{MaxRunning: 4, BlockTokens: 4, KVBlocks: 3, PrefillTokensPerSec: 1e9}
+	// A port nothing listens on yet: the publisher must keep dialling.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	port := ln.Addr().(*net.TCPAddr).Port
+	require.NoError(t, ln.Close())
+	ep := fmt.Sprintf("tcp://127.0.0.1:%d", port)
+	s := startSim(t, Config{Capacity: &capa, KVEvents: &KVEvents{Endpoint: ep, Connect: true}})
+	require.Equal(t, ep, s.KVEventsEndpoint())
+	require.True(t, s.ResetPrefixCache(), "a batch with nobody to take it is dropped")
+	time.Sleep(3 * kvDialRetry)
+
+	frames := listenSub(t, ep)
+	first := nextBatch(t, s, frames)
+	require.Positive(t, first.seq, "batch 0 went out before anyone listened")
+	require.Equal(t, []eventView{{Type: "AllBlocksCleared"}}, decodeBatch(t, first.payload, EventsMap))
+
+	require.NoError(t, s.RestartKVEvents())
+	require.Equal(t, ep, s.KVEventsEndpoint())
+	for {
+		f := nextBatch(t, s, frames)
+		if f.seq <= first.seq {
+			break // the new publisher's numbers
+		}
+	}
+}
+
+// TestKVEventsRestart is a bound publisher replaced by RestartKVEvents: on
+// the port it had, its batches numbered from 0 again, its replay buffer
+// empty.
+func TestKVEventsRestart(t *testing.T) {
+	capa := Capacity{MaxRunning: 4, BlockTokens: 4, KVBlocks: 3, PrefillTokensPerSec: 1e9}
+	s := startSim(t, Config{Capacity: &capa, KVEvents: &KVEvents{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0"}})
+	ep, replay := s.KVEventsEndpoint(), s.KVEventsReplayEndpoint()
+	frames := subscribe(t, s, "")
+	before := nextBatch(t, s, frames)
+	require.Positive(t, before.seq)
+
+	require.NoError(t, s.RestartKVEvents())
+	require.Equal(t, ep, s.KVEventsEndpoint(), "the same port")
+	require.Equal(t, replay, s.KVEventsReplayEndpoint())
+	subscribe(t, s, "") // counts its resets' batches from 0
+
+	// The new replay buffer holds only the new batches.
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	dealer := zmq4.NewDealer(ctx)
+	defer dealer.Close()
+	require.NoError(t, dealer.Dial(replay))
+	require.NoError(t, dealer.SendMulti(zmq4.NewMsgFrom(nil, make([]byte, 8))))
+	msg, err := dealer.Recv()
+	require.NoError(t, err)
+	require.Equal(t, uint64(0), binary.BigEndian.Uint64(msg.Frames[1]), "the first batch after the restart")
+
+	other := startSim(t, Config{Capacity: &capa})
+	require.ErrorContains(t, other.RestartKVEvents(), "publishes no KV events")
 }

@@ -526,8 +526,8 @@ func (s *Server) Close() error {
 		if s.ownClient {
 			s.client.CloseIdleConnections()
 		}
-		if s.kvpub != nil {
-			s.kvpub.close()
+		if p := s.kvPublisher(); p != nil {
+			p.close()
 		}
 		s.log.Info("engine simulator closed")
 	})
