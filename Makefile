@@ -75,7 +75,7 @@ bench-compile:
 bench: envoy vllm-router
 	$(GO) build -o $(TOOLS)/bin/pdx ./cmd/pdx
 	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)
-	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics | tee bench/go-bench.txt
+	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics ./internal/kvevents | tee bench/go-bench.txt
 
 ## replay: the Mooncake FAST'25 traces through Envoy + pdx and simulated
 ## engines, once per placement policy at three loads, and through
@@ -104,7 +104,7 @@ k8s-translate: envoy
 # Each fuzz target briefly (seed corpora also run in `unit`); FUZZTIME=1m
 # for a longer hunt. go test -fuzz takes one target of one package per run.
 FUZZTIME ?= 5s
-FUZZ_PKGS := ./connectors/ ./internal/jsonedit/
+FUZZ_PKGS := ./connectors/ ./internal/jsonedit/ ./internal/kvevents/
 fuzz:
 	@set -e; for pkg in $(FUZZ_PKGS); do \
 	  for fz in $$($(GO) test -list 'Fuzz.*' $$pkg | grep '^Fuzz'); do \

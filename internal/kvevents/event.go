@@ -30,13 +30,20 @@ func (k Kind) String() string {
 	return "unknown"
 }
 
-// Hash is an engine's block hash, an opaque key: vLLM sends it as an
-// integer (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default) or as bytes.
-// An integer is its 8 big-endian bytes... see Decode for the exact rule;
-// two hashes are the same block when their Hash values are equal.
+// Hash is an engine's block hash, an opaque key: two hashes are the same
+// block when their Hash values are equal. vLLM sends an integer
+// (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, its default: the hash's low 64
+// bits, vllm/v1/core/kv_cache_utils.py maybe_convert_block_hash) or the
+// hash's bytes (32 for sha256, 16 for xxhash); SGLang sends signed 64-bit
+// integers.
+//
+// An integer, signed or not, is Lo as its 64-bit two's complement
+// pattern, with Hi 0. Bytes are folded to 128 bits: Lo is their last 8
+// bytes as a big-endian integer (what vLLM would have sent as the integer)
+// and Hi is xxhash64 of all of them, never 0. So no bytes hash equals an
+// integer one, and two byte strings share a Hash only when their last 8
+// bytes agree and their xxhash64s collide (about 2^-64 for such a pair).
 type Hash struct {
-	// Lo and Hi are the hash's value: an integer hash in Lo (Hi 0), a
-	// bytes hash folded to 128 bits so that distinct hashes stay distinct.
 	Lo, Hi uint64
 }
 
@@ -57,9 +64,10 @@ type Event struct {
 	LoRAName string
 	// Medium is the tier: "GPU" (or "" when not sent), "CPU", ...
 	Medium string
-	// ExtraKeys is the msgpack encoding of extra_keys when present and
-	// not nil (cache salt, multimodal hashes): a block with extra keys is
-	// another block than one without.
+	// ExtraKeys is the msgpack encoding of extra_keys (one entry per
+	// block: multimodal hashes, LoRA name, cache salt) when some entry is
+	// not nil, else nil: vLLM sends [null, ...] for blocks without any. A
+	// block with extra keys is another block than one without.
 	ExtraKeys []byte
 	// GroupIdx is group_idx (0 when absent); SpecKind is
 	// kv_cache_spec_kind ("" when absent: a model with one full-attention
@@ -80,6 +88,9 @@ type Batch struct {
 	// DPRank is data_parallel_rank; HasDPRank is false when nil.
 	DPRank    int
 	HasDPRank bool
+	// Skipped counts the events of types this package does not know,
+	// left out of Events.
+	Skipped int
 }
 
 // Sink takes what subscriptions read. Subscriptions call it from their own
