@@ -1,7 +1,16 @@
 package kvevents
 
 import (
+	"context"
+	"encoding/binary"
+	"log/slog"
+	"sync/atomic"
+	"syscall"
 	"testing"
+	"time"
+
+	"github.com/go-zeromq/zmq4"
+	"github.com/stretchr/testify/require"
 )
 
 // benchBatch is a busy vLLM step in the map encoding: a 4-block prefill
@@ -43,4 +52,67 @@ func BenchmarkDecode(b *testing.B) {
 			b.ReportMetric(64*1000*perEvent/1e9*100, "%core@64k/s")
 		})
 	}
+}
+
+// countSink counts what it is given.
+type countSink struct{ batches, events atomic.Int64 }
+
+func (c *countSink) Apply(_ string, b *Batch) {
+	c.events.Add(int64(len(b.Events)))
+	c.batches.Add(1)
+}
+func (c *countSink) Reset(string, int, string) {}
+
+// BenchmarkSubscriber is the whole path, a ZMQ message to the Sink, over
+// loopback: cpu-ns/event is the process's CPU time (publisher included,
+// so an upper bound) per event.
+func BenchmarkSubscriber(b *testing.B) {
+	payload, events := benchBatch(b, false)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	pub := zmq4.NewPub(ctx)
+	defer pub.Close()
+	require.NoError(b, pub.Listen("tcp://127.0.0.1:0"))
+	ep, err := boundEndpoint(pub)
+	require.NoError(b, err)
+	sink := &countSink{}
+	sub, err := Start(ctx, Options{Sink: sink, Queue: 4096, Log: slog.New(slog.DiscardHandler)})
+	require.NoError(b, err)
+	defer sub.Close()
+	require.NoError(b, sub.SetEngines([]Engine{{Addr: "eng:8000", Endpoint: ep}}))
+	seq := uint64(0)
+	send := func() {
+		require.NoError(b, pub.SendMulti(zmq4.NewMsgFrom(nil, binary.BigEndian.AppendUint64(nil, seq), payload)))
+		seq++
+	}
+	for sink.batches.Load() == 0 { // subscribed
+		send()
+		time.Sleep(10 * time.Millisecond)
+	}
+	const chunk = 256 // sent before waiting, within the queue
+	b.ReportAllocs()
+	b.ResetTimer()
+	start, before := time.Now(), cpuTime()
+	done := sink.batches.Load()
+	for sent := 0; sent < b.N; {
+		n := min(chunk, b.N-sent)
+		for range n {
+			send()
+		}
+		sent += n
+		for sink.batches.Load() < done+int64(sent) {
+			time.Sleep(50 * time.Microsecond)
+		}
+	}
+	cpu, wall := cpuTime()-before, time.Since(start)
+	b.ReportMetric(float64(cpu.Nanoseconds())/float64(b.N*events), "cpu-ns/event")
+	b.ReportMetric(float64(wall.Nanoseconds())/float64(b.N*events), "wall-ns/event")
+	require.Zero(b, sub.Stats().Dropped)
+}
+
+// cpuTime is the process's user and system CPU time.
+func cpuTime() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
