@@ -77,9 +77,10 @@ bench: envoy vllm-router
 	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)
 	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics ./internal/kvevents | tee bench/go-bench.txt
 
-## replay: the Mooncake FAST'25 traces through Envoy + pdx and simulated
-## engines, once per placement policy at three loads, and through
-## vllm-router over the same engines (a few minutes);
+## replay: the Mooncake FAST'25 traces and the generated tenants workload
+## through Envoy + pdx and simulated engines, once per placement policy at
+## three loads, through vllm-router over the same engines, and through the
+## oracle that reads the simulators' state (tens of minutes);
 ## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
 ## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
 .PHONY: replay

@@ -1,7 +1,9 @@
-// Command pdx-replay replays the Mooncake FAST'25 traces through a real
-// Envoy and pdx against simulated engines, once per placement policy at
-// each load point (vLLM's own router over the same engines among them),
-// and writes results.json, summary.md and charts. See `make replay`.
+// Command pdx-replay replays the Mooncake FAST'25 traces, and a generated
+// cache-bound multi-tenant workload, through a real Envoy and pdx against
+// simulated engines, once per placement policy at each load point (vLLM's
+// own router over the same engines among them, and an oracle that reads
+// the simulators' state as the yardstick's limit), and writes
+// results.json, summary.md and charts. See `make replay`.
 package main
 
 import (
@@ -37,14 +39,17 @@ const traceDir = "../shared/traces"
 func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("pdx-replay", flag.ContinueOnError)
 	var (
-		plan     replay.Plan
-		out      = fs.String("out", "bench/replay", "directory for results.json, summary.md and the charts")
-		traces   = fs.String("traces", "conversation="+traceDir+"/mooncake-conversation.jsonl,synthetic="+traceDir+"/mooncake-synthetic.jsonl", "name=path of each trace")
-		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,vllm-router-cache-aware,vllm-router-kv-aware",
-			"placement policies (round-robin always runs: it defines the load); vllm-router-cache-aware, vllm-router-kv-aware (placing by the engines' KV events) and vllm-router-round-robin are vLLM's own router over the same engines")
-		loads    = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
-		replicas = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
-		quick    = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
+		plan   replay.Plan
+		out    = fs.String("out", "bench/replay", "directory for results.json, summary.md and the charts")
+		traces = fs.String("traces", "conversation="+traceDir+"/mooncake-conversation.jsonl,synthetic="+traceDir+"/mooncake-synthetic.jsonl,"+replay.TenantsTrace,
+			"name=path of each Mooncake trace, or "+replay.TenantsTrace+" for the generated multi-tenant workload (sized for the rig)")
+		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,vllm-router-cache-aware,vllm-router-kv-aware,"+replay.OracleProfile,
+			"placement policies (round-robin always runs: it defines the load); vllm-router-cache-aware, vllm-router-kv-aware (placing by the engines' KV events) and vllm-router-round-robin are vLLM's own router over the same engines; "+
+				replay.OracleProfile+" reads the simulators' true state, the yardstick's limit")
+		loads       = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
+		tenantLoads = fs.String("tenant-loads", "", "target loads of the "+replay.TenantsTrace+" trace (default: the middle of --loads; it costs as much per load as a Mooncake trace)")
+		replicas    = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
+		quick       = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
 	)
 	fs.IntVar(&plan.Requests, "requests", 500, "trace window: the first N requests of each trace")
 	fs.IntVar(&plan.Rig.Prefill, "prefill", 4, "prefill engines")
@@ -61,10 +66,19 @@ func run(ctx context.Context, args []string) error {
 		return err
 	}
 	var err error
-	if plan.Traces, err = traceFiles(*traces); err != nil {
+	if plan.Loads, err = floats("loads", *loads); err != nil {
 		return err
 	}
-	if plan.Loads, err = floats("loads", *loads); err != nil {
+	if *quick {
+		plan.Loads = plan.Loads[len(plan.Loads)/2:][:1]
+	}
+	perTenant := plan.Loads[len(plan.Loads)/2:][:1]
+	if *tenantLoads != "" {
+		if perTenant, err = floats("tenant-loads", *tenantLoads); err != nil {
+			return err
+		}
+	}
+	if plan.Traces, err = traceFiles(*traces, replay.TenantsFor(plan.Rig), perTenant); err != nil {
 		return err
 	}
 	if plan.ReplicaCounts, err = ints("replicas", *replicas); err != nil {
@@ -75,7 +89,6 @@ func run(ctx context.Context, args []string) error {
 	}
 	if *quick {
 		plan.Requests = 150
-		plan.Loads = plan.Loads[len(plan.Loads)/2:][:1]
 		plan.ReplicaCounts = nil
 	}
 	if plan.Rig.EnvoyBin == "" {
@@ -99,13 +112,18 @@ func run(ctx context.Context, args []string) error {
 	return err
 }
 
-// traceFiles parses name=path pairs.
-func traceFiles(list string) ([]replay.TraceFile, error) {
+// traceFiles parses name=path pairs and the tenants workload's name,
+// which runs at its own loads.
+func traceFiles(list string, tenants replay.Tenants, tenantLoads []float64) ([]replay.TraceFile, error) {
 	var out []replay.TraceFile
 	for _, s := range split(list) {
+		if s == replay.TenantsTrace {
+			out = append(out, replay.TraceFile{Name: s, Tenants: &tenants, Loads: tenantLoads})
+			continue
+		}
 		name, path, ok := strings.Cut(s, "=")
 		if !ok || name == "" || path == "" {
-			return nil, fmt.Errorf("--traces: %q is not name=path", s)
+			return nil, fmt.Errorf("--traces: %q is not name=path or %s", s, replay.TenantsTrace)
 		}
 		out = append(out, replay.TraceFile{Name: name, Path: path})
 	}

@@ -229,6 +229,7 @@ type engineLoad struct {
 	// TensorRT-LLM's reused/missed block counters.
 	hitBlocks, queryBlocks int64
 	kvpub                  *kvPublisher // Config.KVEvents, nil without
+	truth                  truth        // what the forecasts read (oracle.go)
 }
 
 func newEngineLoad(c *Capacity, pub *kvPublisher) *engineLoad {
@@ -254,6 +255,10 @@ type ticket struct {
 	hashes  []uint64
 	ids     []uint32
 	private int
+	// a prefill's prompt, and once it computes when it will be done: the
+	// forecasts' view of the queue (oracle.go)
+	prompt *promptBlocks
+	ends   time.Time
 }
 
 // busyClock accumulates the time a count was above zero.
@@ -362,6 +367,7 @@ func (m *engineLoad) dispatch() {
 		t := m.prefillQ[0]
 		m.prefillQ = m.prefillQ[1:]
 		m.prefilling++
+		m.truth.current = t
 		t.granted = true
 		close(t.ready)
 	}
@@ -425,9 +431,10 @@ func (s *Server) computePrompt(ctx context.Context, req *inferenceRequest) error
 
 // prefill computes p on the FIFO prefill server.
 func (m *engineLoad) prefill(ctx context.Context, p promptBlocks) error {
-	t := &ticket{ready: make(chan struct{})}
+	t := &ticket{ready: make(chan struct{}), prompt: &p}
 	m.mu.Lock()
 	m.prefillQ = append(m.prefillQ, t)
+	m.truth.queued()
 	m.dispatch()
 	m.mu.Unlock()
 	if err := m.await(ctx, t, &m.prefillQ, func() { m.prefilling-- }); err != nil {
@@ -445,7 +452,8 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks) error {
 	uncached := p.tokens - hit*m.capa.BlockTokens
 	m.usage.Prefills++
 	m.usage.PrefillTokens += int64(uncached)
-	d := m.capa.PrefillOverhead + time.Duration(float64(uncached)/m.capa.PrefillTokensPerSec*float64(time.Second))
+	d := m.prefillTime(uncached)
+	t.ends = time.Now().Add(d)
 	m.mu.Unlock()
 
 	err := sleep(ctx, d)

@@ -92,13 +92,19 @@ func (rep *Report) chart(path, title, yLabel string, yMax float64, trace string,
 			return err
 		}
 		line.Width = vg.Points(1.5)
-		if rep.isPeer(name) {
+		switch {
+		case rep.isOracle(name):
+			// The yardstick's limit: black, dotted, apart from every router.
+			line.Color, points.Color = color.Black, color.Black
+			line.Dashes = []vg.Length{vg.Points(2), vg.Points(2)}
+			points.Shape = draw.BoxGlyph{}
+		case rep.isPeer(name):
 			c := peerColors[peerLines%len(peerColors)]
 			peerLines++
 			line.Color, points.Color = c, c
 			line.Dashes = []vg.Length{vg.Points(6), vg.Points(3)}
 			points.Shape, points.Radius = draw.PyramidGlyph{}, vg.Points(4)
-		} else {
+		default:
 			c := policyColors[pdxLines%len(policyColors)]
 			pdxLines++
 			line.Color, points.Color = c, c
@@ -108,6 +114,11 @@ func (rep *Report) chart(path, title, yLabel string, yMax float64, trace string,
 		p.Legend.Add(name, line, points)
 	}
 	return p.Save(8*vg.Inch, 5*vg.Inch, path)
+}
+
+// isOracle reports whether a policy's runs were the oracle's.
+func (rep *Report) isOracle(policy string) bool {
+	return slices.ContainsFunc(rep.Runs, func(r RunResult) bool { return r.Policy == policy && r.Oracle })
 }
 
 // isPeer reports whether a policy's runs were a peer router's.

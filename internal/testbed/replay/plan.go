@@ -1,8 +1,18 @@
-// Package replay replays the Mooncake FAST'25 traces through a real Envoy
-// and pdx against simulated engines, once per placement policy at each
-// load point, and reports latency, goodput, prefix-cache hits and load
-// spread; a peer profile puts vLLM's own router in front of the same
-// engines instead. See cmd/pdx-replay and `make replay`.
+// Package replay replays the Mooncake FAST'25 traces, and a generated
+// cache-bound multi-tenant workload, through a real Envoy and pdx against
+// simulated engines, once per placement policy at each load point, and
+// reports latency, goodput, prefix-cache hits and load spread; a peer
+// profile puts vLLM's own router in front of the same engines instead, and
+// the oracle profile a router that reads the simulators' true state, the
+// yardstick's limit, which every other run is compared with. See
+// cmd/pdx-replay and `make replay`.
+//
+// Workloads: a Mooncake trace file, or the tenants workload (Tenants,
+// TenantsFor), generated in the same form: llm-d's 150 tenants, each
+// request its tenant's shared context and a question of its own, the
+// contexts together twice the prefill engines' KV, tenants uniform,
+// arrivals Poisson; it runs at fewer loads (TraceFile.Loads), as each
+// costs about a Mooncake trace's.
 //
 // Scaling: token counts are divided by a token scale (a 512-token block of
 // the trace becomes 512/scale simulated tokens of 4 bytes), and the
@@ -19,6 +29,13 @@
 //
 // SLOs: multiples of the TTFT and TPOT that the trace's median request
 // (uncached) gets from an idle rig, so they scale with both scales.
+//
+// Oracle: an in-process P/D router (oracle.go) that picks, per request,
+// the prefill engine with the least forecast TTFT and the decode engine
+// with the least pull plus two decode steps, from enginesim's forecasts of
+// the engines' true state. Greedy, with no Envoy hop in front; pdx never
+// ships it. Each run's VsOracle is its distance from the oracle's at the
+// same point.
 package replay
 
 import (
@@ -31,9 +48,31 @@ import (
 	"time"
 )
 
-// TraceFile is a named trace.
+// TraceFile is a named trace: a Mooncake file, or a generated workload.
 type TraceFile struct {
 	Name, Path string
+	// Tenants, when set, generates the trace (the tenants workload)
+	// instead of reading Path.
+	Tenants *Tenants
+	// Loads, when set, replace the plan's loads for this trace (a costly
+	// trace may run at fewer).
+	Loads []float64
+}
+
+// read is the trace's first n requests.
+func (tf TraceFile) read(n int) ([]TraceRequest, error) {
+	if tf.Tenants != nil {
+		return tf.Tenants.Trace(n)
+	}
+	return ReadTrace(tf.Path, n)
+}
+
+// loads are the trace's load points.
+func (tf TraceFile) loads(plan []float64) []float64 {
+	if len(tf.Loads) > 0 {
+		return tf.Loads
+	}
+	return plan
 }
 
 // Plan is a whole replay grid.
@@ -43,7 +82,8 @@ type Plan struct {
 	// Profiles are the policies compared; round robin, the load
 	// reference, runs first at every point whether listed or not.
 	Profiles []Profile
-	// Loads are the target round-robin prefill busy shares, e.g. 0.5.
+	// Loads are the target round-robin prefill busy shares, e.g. 0.5
+	// (a trace's own TraceFile.Loads replace them).
 	Loads []float64
 	// Requests is the trace window: its first Requests requests.
 	Requests int
@@ -102,9 +142,11 @@ type Report struct {
 // TraceReport is a trace's window, its reference request, SLOs and
 // calibration.
 type TraceReport struct {
-	Name     string `json:"name"`
-	Path     string `json:"path"`
-	Requests int    `json:"requests"`
+	Name string `json:"name"`
+	Path string `json:"path,omitempty"`
+	// Workload is a generated trace's parameters (the tenants workload).
+	Workload *Tenants `json:"workload,omitempty"`
+	Requests int      `json:"requests"`
 	// NativeRate is the window's own arrival rate.
 	NativeRate float64 `json:"native_rate_rps"`
 	// Median and mean scaled request, in simulated tokens.
@@ -114,7 +156,9 @@ type TraceReport struct {
 	// Calibration: round robin at GuessRate measured GuessBusy.
 	GuessRate float64 `json:"guess_rate_rps"`
 	GuessBusy float64 `json:"guess_busy_share"`
-	// Rates are the arrival rates of the load points, in Loads' order.
+	// Loads are the trace's target loads (the plan's, unless the trace
+	// has its own); Rates their arrival rates, in that order.
+	Loads []float64 `json:"target_loads"`
 	Rates []float64 `json:"rates_rps"`
 }
 
@@ -128,7 +172,7 @@ func Run(ctx context.Context, p Plan) (*Report, error) {
 	began := time.Now()
 	profiles := withRoundRobin(p.Profiles, Profiles(p.Rig.Scale))
 	for i := range profiles {
-		if profiles[i].Peer == "" {
+		if profiles[i].pdx() {
 			profiles[i].PoolYAML = lines(strings.TrimSpace(profiles[i].PoolYAML), p.ExtraPoolYAML)
 		}
 	}
@@ -189,7 +233,8 @@ func (p Plan) runTrace(ctx context.Context, tf TraceFile, profiles []Profile, re
 	if err != nil {
 		return err
 	}
-	for _, load := range p.Loads {
+	tr.Loads = tf.loads(p.Loads)
+	for _, load := range tr.Loads {
 		rr, err := p.steer(ctx, tf.Name, profiles[0], load, tr.GuessRate*load/tr.GuessBusy, reqs, tr.SLO)
 		if err != nil {
 			return err
@@ -209,6 +254,7 @@ func (p Plan) runTrace(ctx context.Context, tf TraceFile, profiles []Profile, re
 				rep.VLLMRouter = v
 			}
 		}
+		compareToOracle(point)
 		rep.Runs = append(rep.Runs, point...)
 	}
 	rep.Traces = append(rep.Traces, tr)
@@ -219,7 +265,7 @@ func (p Plan) runTrace(ctx context.Context, tf TraceFile, profiles []Profile, re
 // SLOs, and calibrates: round robin at a first guess of the rate says how
 // busy a rate keeps the prefill engines.
 func (p Plan) prepare(ctx context.Context, tf TraceFile, rr Profile) ([]Request, TraceReport, error) {
-	raw, err := ReadTrace(tf.Path, p.Requests)
+	raw, err := tf.read(p.Requests)
 	if err != nil {
 		return nil, TraceReport{}, err
 	}
@@ -279,11 +325,11 @@ func (p Plan) steer(ctx context.Context, trace string, rr Profile, load, rate fl
 // first trace without it) at the middle load. A peer has no pdx replicas
 // and is not in it.
 func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile, reqs []Request, tr TraceReport, rep *Report) error {
-	if len(p.ReplicaCounts) == 0 || len(p.Loads) == 0 || tf.Name != p.replicaTrace() {
+	if len(p.ReplicaCounts) == 0 || len(tr.Loads) == 0 || tf.Name != p.replicaTrace() {
 		return nil
 	}
-	mid := len(p.Loads) / 2
-	load, rate := p.Loads[mid], tr.Rates[mid]
+	mid := len(tr.Loads) / 2
+	load, rate := tr.Loads[mid], tr.Rates[mid]
 	for _, pr := range profiles {
 		if !slices.Contains([]string{"round-robin", "pdx-default", "prefix-affinity"}, pr.Name) {
 			continue
@@ -356,7 +402,7 @@ func (p Plan) logf(format string, args ...any) {
 // describe is a window's shape: size, native rate, median and mean
 // request.
 func describe(tf TraceFile, reqs []Request) TraceReport {
-	tr := TraceReport{Name: tf.Name, Path: tf.Path, Requests: len(reqs)}
+	tr := TraceReport{Name: tf.Name, Path: tf.Path, Workload: tf.Tenants, Requests: len(reqs)}
 	if span := reqs[len(reqs)-1].At; span > 0 {
 		tr.NativeRate = float64(len(reqs)-1) / span.Seconds()
 	}

@@ -23,11 +23,24 @@ type Profile struct {
 	// profiles otherwise (their served model is renamed the stack's, which
 	// kv_aware checks requests against).
 	KVEvents bool
+	// Oracle makes the profile the replay's yardstick instead of a router
+	// one can deploy: an in-process P/D router (oracle.go) that reads the
+	// simulators' true state and picks, per request, the least time to
+	// first token. Like a peer it has no pdx config and no Envoy.
+	Oracle bool
 }
+
+// pdx reports whether p runs Envoy and pdx.
+func (p Profile) pdx() bool { return p.Peer == "" && !p.Oracle }
 
 // Config is what the report lists of p: its pdx YAML, or the peer's
 // policy.
 func (p Profile) Config() string {
+	if p.Oracle {
+		return "in-process oracle over the simulators' true state (no Envoy): prefill on the least forecast TTFT " +
+			"(work queued ahead, then the uncached tokens over the prefill rate, plus the overhead), " +
+			"decode on the least KV pull + 2 decode steps at the batch it joins; NIXL P/D legs sent by itself"
+	}
 	if p.Peer != "" && p.KVEvents {
 		return "vllm-router in NIXL P/D mode, --policy " + p.Peer + ", --pd-kv-events from every prefill engine"
 	}
@@ -48,7 +61,7 @@ const llmdDeciderTokens = 16
 
 // Profiles is the table of placement policies at a token scale: edit it
 // here. The decider thresholds are real token counts scaled like prompts.
-// The peers come last.
+// The peers come next to last, the oracle last.
 func Profiles(s Scale) []Profile {
 	return []Profile{
 		{Name: "round-robin", PoolYAML: lines(
@@ -73,8 +86,14 @@ func Profiles(s Scale) []Profile {
 		// (what each prefill engine caches) instead of its own guess.
 		{Name: "vllm-router-kv-aware", Peer: "kv_aware", KVEvents: true},
 		{Name: "vllm-router-round-robin", Peer: "round_robin"},
+		// The yardstick's limit: what a router that knew every engine's
+		// cache and queue would get, request by request.
+		{Name: OracleProfile, Oracle: true},
 	}
 }
+
+// OracleProfile is the oracle's profile name.
+const OracleProfile = "oracle"
 
 // SelectProfiles picks profiles by name, in the order given.
 func SelectProfiles(all []Profile, names []string) ([]Profile, error) {

@@ -23,13 +23,18 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "prefix-affinity",
-		"vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin"}, names(all))
-	for _, p := range all[5:] {
+		"vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle"}, names(all))
+	for _, p := range all[5:8] {
 		require.NotEmpty(t, p.Peer, p.Name)
 		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
 		require.Contains(t, p.Config(), "--policy "+p.Peer)
 		require.Equal(t, p.Peer == "kv_aware", p.KVEvents, "only kv_aware reads the engines' KV events")
 	}
+	oracle := all[8]
+	require.True(t, oracle.Oracle)
+	require.Empty(t, oracle.Peer+oracle.PoolYAML+oracle.ConfigYAML, "the oracle is neither a peer nor pdx")
+	require.False(t, oracle.pdx())
+	require.Contains(t, oracle.Config(), "true state")
 	require.Equal(t, all[2].PoolYAML, all[2].Config(), "a pdx profile's config is its YAML")
 	require.Contains(t, all[2].PoolYAML, "disaggregation: {min_uncached_tokens: 1}", "llm-d's 16 tokens at scale 16")
 	require.Contains(t, Profiles(Scale{TokenScale: 4})[2].PoolYAML, "min_uncached_tokens: 4")
@@ -54,7 +59,7 @@ func TestCheckProfiles(t *testing.T) {
 	require.ErrorContains(t, err, "policy broken")
 
 	t.Setenv(vllmrouter.DirEnv, t.TempDir())
-	require.NoError(t, rig.CheckProfiles(all[:5]), "pdx's profiles need no vllm-router")
+	require.NoError(t, rig.CheckProfiles(append(all[:5:5], all[8])), "pdx's profiles and the oracle need no vllm-router")
 	err = rig.CheckProfiles(all[5:6])
 	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
 	require.ErrorContains(t, err, "policy vllm-router-cache-aware")

@@ -8,6 +8,8 @@ import (
 	"path/filepath"
 	"slices"
 	"strings"
+
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 )
 
 // Write saves results.json, summary.md and the charts in dir.
@@ -31,7 +33,7 @@ func (rep *Report) Write(dir string) error {
 // Summary is the Markdown report: parameters, then one table per trace.
 func (rep *Report) Summary() string {
 	var b strings.Builder
-	fmt.Fprintf(&b, "# Mooncake trace replay\n\n")
+	fmt.Fprintf(&b, "# Trace replay\n\n")
 	fmt.Fprintf(&b, "Real Envoy + pdx, %d prefill + %d decode simulated NIXL engines, fresh per run. "+
 		"Token scale %d (a 512-token block is %d bytes), time scale %g, %d replay(s) pooled per run. Wall time %.0f s",
 		rep.Prefill, rep.Decode, rep.TokenScale, rep.BlockBytes, rep.TimeScale, rep.Repeats, rep.WallSec)
@@ -44,6 +46,14 @@ func (rep *Report) Summary() string {
 			"under Policies) in front of the engines instead of Envoy + pdx: the same engines (same capacity and counts, fresh per run), "+
 			"the same requests at the same schedule. Their prefix hits, request spread and KV rejections are the engines' counters, "+
 			"as for pdx's rows. They are not in the replica experiment, whose replicas are pdx's.\n\n", rep.VLLMRouter)
+	}
+	if rep.hasOracle() {
+		b.WriteString("**Oracle.** The `oracle` rows are the yardstick's limit, not a router one can deploy: a P/D router in the harness " +
+			"process that reads the simulators' true state (what each engine caches, what it has queued) and sends each request's " +
+			"NIXL legs itself, to the prefill engine with the least forecast TTFT and the decode engine with the least KV pull plus " +
+			"two decode steps. It is greedy (least TTFT for each request, not the best placement for the whole trace) and has no " +
+			"Envoy hop in front, a small TTFT edge over pdx's rows; its CPU is the harness's (router cores 0). Each trace's " +
+			"second table is every policy's distance from it at the same point.\n\n")
 	}
 	fmt.Fprintf(&b, "Engine capacity: `%s`\n\n", compactJSON(rep.Capacity))
 	if rep.ExtraPoolYAML != "" {
@@ -90,7 +100,13 @@ func (rep *Report) Summary() string {
 }
 
 func (rep *Report) traceSummary(b *strings.Builder, tr TraceReport) {
-	fmt.Fprintf(b, "## %s (`%s`)\n\n", tr.Name, tr.Path)
+	if w := tr.Workload; w != nil {
+		fmt.Fprintf(b, "## %s (%s)\n\n", tr.Name, w)
+		fmt.Fprintf(b, "The contexts together are %d tokens, %.1f× the prefill engines' KV (%d engines × %d real tokens). ",
+			w.Tenants*w.ContextTokens(), w.KVRatio, rep.Prefill, rep.kvTokens())
+	} else {
+		fmt.Fprintf(b, "## %s (`%s`)\n\n", tr.Name, tr.Path)
+	}
 	fmt.Fprintf(b, "First %d requests (native %.2f req/s); median prompt %d tokens, mean %d, median output %d. "+
 		"Idle uncached median request: TTFT %.0f ms, TPOT %.1f ms. **SLO: TTFT ≤ %.0f ms, TPOT ≤ %.1f ms** "+
 		"(real: %.1f s, %.0f ms per token). "+
@@ -110,11 +126,50 @@ func (rep *Report) traceSummary(b *strings.Builder, tr TraceReport) {
 			intList(r.Engines.DecodeRequests), r.DecodeCV, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected, r.CPU.Router, r.CPU.Harness, r.CPU.RouterMsPerRequest)
 	}
 	b.WriteString("\n")
+	rep.oracleSummary(b, tr)
 	for _, r := range rep.Runs {
 		if r.Trace == tr.Name && len(r.ErrorSamples) > 0 {
 			fmt.Fprintf(b, "- %s at %.0f%%: %s\n", r.Policy, 100*r.TargetLoad, strings.Join(r.ErrorSamples, "; "))
 		}
 	}
+}
+
+// oracleSummary is the table of every policy's distance from the
+// oracle's run at the same point, when the oracle ran on the trace.
+func (rep *Report) oracleSummary(b *strings.Builder, tr TraceReport) {
+	var rows []RunResult
+	for _, r := range rep.Runs {
+		if r.Trace == tr.Name && r.VsOracle != nil {
+			rows = append(rows, r)
+		}
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintf(b, "Distance from the oracle at the same point: TTFT as a multiple of the oracle's (1 = as fast), goodput and prefix hit "+
+		"(prefill engines) in points above the oracle's (0 = as good, negative = worse).\n\n")
+	fmt.Fprintf(b, "| load: target → RR busy | policy | TTFT p50 × oracle | TTFT p90 × oracle | goodput − oracle | prefix hit − oracle |\n")
+	fmt.Fprintf(b, "|---|---|---:|---:|---:|---:|\n")
+	for _, r := range rows {
+		g := r.VsOracle
+		fmt.Fprintf(b, "| %.0f%% → %.0f%% | %s | %.2f | %.2f | %+.1f | %+.1f |\n",
+			100*r.TargetLoad, 100*r.RRBusyShare, r.Policy, g.TTFTP50, g.TTFTP90, g.GoodputPoints, g.PrefixHitPoints)
+	}
+	b.WriteString("\n")
+}
+
+// hasOracle reports whether the oracle ran.
+func (rep *Report) hasOracle() bool {
+	return slices.ContainsFunc(rep.Runs, func(r RunResult) bool { return r.Oracle })
+}
+
+// kvTokens is one engine's KV in real tokens, from the capacity reported.
+func (rep *Report) kvTokens() int {
+	c, ok := rep.Capacity.(enginesim.Capacity)
+	if !ok {
+		return 0
+	}
+	return c.KVBlocks * c.BlockTokens * rep.TokenScale
 }
 
 func pct(p Percentiles, prec int) string {

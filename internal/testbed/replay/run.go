@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/http"
+	"slices"
 	"sync"
 	"time"
 
@@ -85,6 +86,45 @@ type RunResult struct {
 	// placed by the events.
 	PeerKVLookups int `json:"peer_kv_lookups,omitempty"`
 	PeerKVHits    int `json:"peer_kv_hits,omitempty"`
+	// Oracle marks the oracle's run (Profile.Oracle); VsOracle is every
+	// other run's distance from the oracle's at its point, when the
+	// oracle ran there.
+	Oracle   bool      `json:"oracle,omitempty"`
+	VsOracle *VsOracle `json:"vs_oracle,omitempty"`
+}
+
+// VsOracle is how far a run is from the oracle's at the same point:
+// ratios of latencies (1: as good as the oracle) and differences of
+// shares in points (0: as good).
+type VsOracle struct {
+	TTFTP50 float64 `json:"ttft_p50_ratio"`
+	TTFTP90 float64 `json:"ttft_p90_ratio"`
+	// GoodputPoints and PrefixHitPoints are the run's goodput and prefill
+	// prefix hit rate minus the oracle's, in percentage points.
+	GoodputPoints   float64 `json:"goodput_points"`
+	PrefixHitPoints float64 `json:"prefix_hit_points"`
+}
+
+// compareToOracle fills in VsOracle of a load point's runs, if the oracle
+// is among them.
+func compareToOracle(point []RunResult) {
+	i := slices.IndexFunc(point, func(r RunResult) bool { return r.Oracle })
+	if i < 0 {
+		return
+	}
+	o := point[i]
+	for j := range point {
+		if j == i {
+			continue
+		}
+		r := &point[j]
+		r.VsOracle = &VsOracle{
+			TTFTP50:         ratio(r.TTFT.P50, o.TTFT.P50),
+			TTFTP90:         ratio(r.TTFT.P90, o.TTFT.P90),
+			GoodputPoints:   100 * (r.Goodput - o.Goodput),
+			PrefixHitPoints: 100 * (r.PrefixHitRate - o.PrefixHitRate),
+		}
+	}
 }
 
 // perRequestTimeout bounds one request, far above any SLO.
@@ -138,25 +178,33 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 }
 
 // deployment is a started rig: its engines, and in front of them Envoy
-// with pdx (st has them), or a peer router.
+// with pdx (st has them), a peer router, or the oracle.
 type deployment struct {
-	st   *stack.Stack
-	peer *vllmrouter.Process
+	st     *stack.Stack
+	peer   *vllmrouter.Process
+	oracle *oracle
 }
 
 // URL is where the client sends requests.
 func (d *deployment) URL() string {
-	if d.peer != nil {
+	switch {
+	case d.peer != nil:
 		return d.peer.URL()
+	case d.oracle != nil:
+		return d.oracle.URL()
 	}
 	return d.st.URL()
 }
 
 // routerPid is the process in front of the engines: Envoy (pdx runs in
-// this process), or the peer.
+// this process), or the peer; 0 for the oracle, which runs in this
+// process, so that its cores are the harness's and the router's read 0.
 func (d *deployment) routerPid() int {
-	if d.peer != nil {
+	switch {
+	case d.peer != nil:
 		return d.peer.Pid()
+	case d.oracle != nil:
+		return 0
 	}
 	return d.st.Envoy.Pid()
 }
@@ -168,6 +216,9 @@ func (d *deployment) Close() error {
 	if d.peer != nil {
 		errs = append(errs, d.peer.Stop())
 	}
+	if d.oracle != nil {
+		errs = append(errs, d.oracle.Close())
+	}
 	return errors.Join(append(errs, d.st.Close())...)
 }
 
@@ -175,8 +226,8 @@ func (d *deployment) Close() error {
 // a peer the stack's engines alone (the same engines, started by the same
 // code) with the peer in front.
 func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment, error) {
-	opts, _ := rig.options(p, replicas)
-	if p.Peer == "" {
+	opts, capacity := rig.options(p, replicas)
+	if p.pdx() {
 		st, err := stack.Start(ctx, opts)
 		if err != nil {
 			return nil, err
@@ -184,11 +235,18 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 		return &deployment{st: st}, nil
 	}
 	if replicas != 1 {
-		return nil, fmt.Errorf("%d pdx replicas asked of a peer router", replicas)
+		return nil, fmt.Errorf("%d pdx replicas asked of a router that is not pdx", replicas)
 	}
 	st, err := stack.StartEngines(ctx, opts)
 	if err != nil {
 		return nil, err
+	}
+	if p.Oracle {
+		o, err := startOracle(ctx, st.Prefill, st.Decode, capacity, rig.Scale)
+		if err != nil {
+			return nil, errors.Join(err, st.Close())
+		}
+		return &deployment{st: st, oracle: o}, nil
 	}
 	po := vllmrouter.Options{Prefill: vllmrouter.EngineURLs(st.Prefill), Decode: vllmrouter.EngineURLs(st.Decode), Policy: p.Peer}
 	if p.KVEvents {
@@ -240,6 +298,9 @@ const kvEventsBlockTokens = 16
 // missing vllm-router fails the run at once, naming the policy.
 func (rig Rig) CheckProfiles(ps []Profile) error {
 	for _, p := range ps {
+		if p.Oracle {
+			continue // nothing to parse or install
+		}
 		if p.Peer != "" {
 			if _, err := vllmrouter.Dir(); err != nil {
 				return fmt.Errorf("policy %s: %w", p.Name, err)
@@ -316,7 +377,7 @@ func summarizeRun(r run, samples []sample, slo SLO) RunResult {
 		cpu.Router, cpu.Harness, cpu.Machine = cpu.Router/t, cpu.Harness/t, cpu.Machine/t
 	}
 	res := RunResult{
-		Trace: r.trace, Policy: r.profile.Name, Replicas: r.replicas, Rate: r.rate, Repeats: len(samples),
+		Trace: r.trace, Policy: r.profile.Name, Oracle: r.profile.Oracle, Replicas: r.replicas, Rate: r.rate, Repeats: len(samples),
 		Requests: len(outs), Engines: es, DurationSec: elapsed.Seconds(), CPU: cpu,
 		Goodput:          goodput(outs, slo),
 		PrefixHitRate:    ratio(float64(es.PrefillHitTokens), float64(es.PrefillQueryTokens)),

@@ -1,0 +1,176 @@
+package enginesim
+
+import "time"
+
+// The forecasts below read an engine's true state under Capacity (its
+// prefix cache, its prefill queue, its decode batch), which no real router
+// can see: they are for a replay's oracle, the yardstick that placement
+// policies are measured against, never for pdx. Without Capacity they
+// report zeros.
+
+// PrefillForecast is what a prompt sent to an engine's prefill server now
+// would wait and compute, by the engine's true state.
+type PrefillForecast struct {
+	// Wait is until the prefill server takes the prompt: the rest of the
+	// prompt being computed and the work of every prompt queued before it,
+	// each with the cache hits the prompts ahead of it leave it.
+	Wait time.Duration
+	// CachedTokens are the prompt's tokens it will find cached when taken:
+	// in the cache now, or computed by a prompt ahead of it. Eviction
+	// meanwhile is not foreseen.
+	CachedTokens int
+	// Compute is its own prefill: PrefillOverhead plus its uncached
+	// tokens over PrefillTokensPerSec.
+	Compute time.Duration
+}
+
+// TTFT is the forecast time to the prompt's first token on the engine:
+// its wait and its compute.
+func (f PrefillForecast) TTFT() time.Duration { return f.Wait + f.Compute }
+
+// ForecastPrefill forecasts prompt (the text the engine tokenizes, e.g.
+// ChatPromptText of the messages) sent to the engine now. It counts no
+// prefix-cache query and changes nothing.
+func (s *Server) ForecastPrefill(prompt string) PrefillForecast {
+	m := s.load
+	if m.capa == nil {
+		return PrefillForecast{}
+	}
+	p := blocksOf(prompt, m.capa.BlockTokens)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	now := time.Now()
+	var (
+		f     PrefillForecast
+		ahead [][]uint64 // the prompts that will be cached before p is taken
+	)
+	if c := m.truth.current; m.prefilling > 0 && c != nil {
+		if c.ends.IsZero() { // granted, its lookup not yet done
+			f.Wait += m.prefillTime(c.prompt.tokens - m.hitAfter(*c.prompt, nil)*m.capa.BlockTokens)
+		} else {
+			f.Wait += max(c.ends.Sub(now), 0)
+		}
+		ahead = append(ahead, c.prompt.hashes)
+	}
+	for _, t := range m.prefillQ {
+		f.Wait += m.prefillTime(t.prompt.tokens - m.hitAfter(*t.prompt, ahead)*m.capa.BlockTokens)
+		ahead = append(ahead, t.prompt.hashes)
+	}
+	f.CachedTokens = m.hitAfter(p, ahead) * m.capa.BlockTokens
+	f.Compute = m.prefillTime(p.tokens - f.CachedTokens)
+	return f
+}
+
+// DecodeForecast is what a sequence sent to an engine's decode batch now
+// would find, by the engine's true state.
+type DecodeForecast struct {
+	// CachedTokens are the prompt's tokens its prefix cache holds: a KV
+	// pull reads only the rest.
+	CachedTokens int
+	// Pull is the time to pull the rest.
+	Pull time.Duration
+	// Running are the sequences decoding; Waiting those queued for a place
+	// or pulling their KV.
+	Running, Waiting int
+	// Step is a decode step once the sequence and every waiting one run:
+	// about its time per output token.
+	Step time.Duration
+	// Fits reports whether it would be admitted at once: nothing queued
+	// ahead, a place free and room for its KV.
+	Fits bool
+}
+
+// ForecastDecode forecasts a sequence of prompt (as for ForecastPrefill)
+// generating maxTokens tokens, pulling its KV to the engine now. It counts
+// no prefix-cache query and changes nothing.
+func (s *Server) ForecastDecode(prompt string, maxTokens int) DecodeForecast {
+	m := s.load
+	if m.capa == nil {
+		return DecodeForecast{}
+	}
+	bt := m.capa.BlockTokens
+	p := blocksOf(prompt, bt)
+	private := (p.tokens+maxTokens+bt-1)/bt - len(p.hashes)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	hit := m.hitAfter(p, nil)
+	f := DecodeForecast{
+		CachedTokens: hit * bt,
+		Pull:         time.Duration(p.blocks-hit) * m.capa.KVPullPerBlock,
+		Running:      m.decoding,
+		Waiting:      len(m.decodeQ) + m.pulling,
+	}
+	f.Step = m.capa.DecodeStep + time.Duration(f.Running+f.Waiting)*m.capa.DecodeStepPerSeq
+	f.Fits = len(m.decodeQ) == 0 && m.decoding < m.capa.MaxRunning && (m.decoding == 0 || m.cache.fits(p.hashes, private))
+	return f
+}
+
+// CachedPrefixTokens is the number of leading tokens of prompt (as for
+// ForecastPrefill) the engine's prefix cache holds now and a request
+// would reuse (all but the last token at most, as vLLM computes that one
+// whatever the cache holds). It counts no prefix-cache query.
+func (s *Server) CachedPrefixTokens(prompt string) int {
+	m := s.load
+	if m.capa == nil {
+		return 0
+	}
+	p := blocksOf(prompt, m.capa.BlockTokens)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.hitAfter(p, nil) * m.capa.BlockTokens
+}
+
+// PrefillArrivals returns the number of prompts that have entered the
+// engine's prefill queue so far and a channel closed when the next one
+// does. A router that serializes its picks waits on it, so that the next
+// pick sees the prompt it just sent in the queue rather than on the wire.
+func (s *Server) PrefillArrivals() (uint64, <-chan struct{}) {
+	m := s.load
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if m.truth.next == nil {
+		m.truth.next = make(chan struct{})
+	}
+	return m.truth.arrivals, m.truth.next
+}
+
+// truth is an engine's bookkeeping for the forecasts, under engineLoad.mu:
+// the prefill being computed (the ticket granted last, valid while
+// prefilling > 0) and the prefill queue's arrivals.
+type truth struct {
+	current  *ticket
+	arrivals uint64
+	next     chan struct{} // closed at the next arrival; nil while nobody waits
+}
+
+// queued notes a prompt's arrival in the prefill queue. m.mu is held.
+func (t *truth) queued() {
+	t.arrivals++
+	if t.next != nil {
+		close(t.next)
+		t.next = nil
+	}
+}
+
+// prefillTime is the prefill server's time for a prompt of uncached
+// tokens.
+func (m *engineLoad) prefillTime(uncached int) time.Duration {
+	return m.capa.PrefillOverhead + time.Duration(float64(uncached)/m.capa.PrefillTokensPerSec*float64(time.Second))
+}
+
+// hitAfter is lookup's hit, in blocks, once the prompts ahead are cached
+// too, without counting a query: the longer of the cached run and the
+// prefix shared with a prompt ahead (hashes are chained, so a shared hash
+// is a shared prefix). A run that only the union of the two covers is
+// missed; the forecast is that much pessimistic. m.mu is held.
+func (m *engineLoad) hitAfter(p promptBlocks, ahead [][]uint64) int {
+	hit := m.cache.match(p.hashes)
+	for _, a := range ahead {
+		n := 0
+		for n < min(len(a), len(p.hashes)) && a[n] == p.hashes[n] {
+			n++
+		}
+		hit = max(hit, n)
+	}
+	return min(hit, (p.tokens-1)/m.capa.BlockTokens)
+}

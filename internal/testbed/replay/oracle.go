@@ -1,0 +1,302 @@
+package replay
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"slices"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+)
+
+// oracle is the replay's yardstick: a P/D router in this process that
+// reads the simulators' true state (enginesim's forecasts: what each
+// engine caches and has queued), which no deployable router can, and
+// sends each request's NIXL legs itself, as vLLM's P/D proxy does. Per
+// request it picks
+//
+//   - the prefill engine with the least forecast time to first token: the
+//     work queued ahead of the prompt (each queued prompt's uncached
+//     tokens, after what the prompts ahead of it compute) plus its own
+//     uncached tokens over the prefill rate, plus the fixed overhead;
+//   - the decode engine with the least KV pull (the blocks its own cache
+//     lacks) plus two decode steps at the batch the sequence joins (its
+//     first token and its time per token), preferring an engine that
+//     admits it at once.
+//
+// Forecasts closer to the least than one trace block's worth (the prefill
+// of 512 real tokens; for a decode, their pull) are ties, broken round
+// robin: a shared prefix shorter than a block is the synthesized prompts'
+// chat prefix and id digits, not reuse, and spreading new contexts over
+// the caches is worth more than that much.
+//
+// It is greedy: the least TTFT for this request, not the placement that
+// serves the whole trace best (which might, say, keep a tenant on a busy
+// engine to save KV elsewhere). It has no Envoy hop in front, which gives
+// it a small edge in TTFT over pdx's rows.
+type oracle struct {
+	prefill, decode []*enginesim.Server
+	// prefillTie and decodeTie are the ties' widths.
+	prefillTie, decodeTie time.Duration
+	client                *http.Client
+	srv                   *http.Server
+	url                   string
+	served                chan struct{}
+
+	// mu serializes prefill picks until the engine picked has queued the
+	// prompt, so that the next pick sees it there (see prefillLeg).
+	mu          sync.Mutex
+	nextPrefill int           // where a tie starts, under mu
+	nextDecode  atomic.Uint64 // likewise for decodes, which are not serialized
+}
+
+// oracleArrivalWait bounds how long a pick waits for its prompt to reach
+// the engine's queue before the next pick goes ahead.
+const oracleArrivalWait = time.Second
+
+// nixlPrefillParams is the kv_transfer_params of a NIXL prefill leg, as
+// vLLM's P/D proxy and pdx send it.
+var nixlPrefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,` +
+	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
+
+// startOracle serves the oracle on a loopback port in front of the
+// engines, whose capacity is c at token scale s.
+func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale) (*oracle, error) {
+	if len(prefill) == 0 || len(decode) == 0 {
+		return nil, fmt.Errorf("oracle: %d prefill and %d decode engines", len(prefill), len(decode))
+	}
+	var lc net.ListenConfig
+	ln, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, fmt.Errorf("oracle: listen: %w", err)
+	}
+	block := s.Tokens(TraceBlockTokens) // simulated tokens of a trace block
+	o := &oracle{
+		prefill: prefill, decode: decode,
+		prefillTie: time.Duration(float64(block) / c.PrefillTokensPerSec * float64(time.Second)),
+		decodeTie:  time.Duration((block+c.BlockTokens-1)/c.BlockTokens) * c.KVPullPerBlock,
+		client:     newClient(), url: "http://" + ln.Addr().String(), served: make(chan struct{}),
+	}
+	mux := http.NewServeMux()
+	mux.HandleFunc("POST /v1/chat/completions", o.serve)
+	o.srv = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
+	go func() {
+		defer close(o.served)
+		_ = o.srv.Serve(ln) // ErrServerClosed once Close shuts it down
+	}()
+	return o, nil
+}
+
+// URL is where clients send requests.
+func (o *oracle) URL() string { return o.url }
+
+// Close stops serving, letting requests in flight finish for a while.
+func (o *oracle) Close() error {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	err := o.srv.Shutdown(ctx)
+	<-o.served
+	o.client.CloseIdleConnections()
+	return err
+}
+
+// oracleRequest is what the oracle reads of a chat request.
+type oracleRequest struct {
+	Messages  []enginesim.Message `json:"messages"`
+	MaxTokens int                 `json:"max_tokens"`
+}
+
+// serve runs one request's prefill and decode legs and streams the
+// decode's answer back.
+func (o *oracle) serve(w http.ResponseWriter, r *http.Request) {
+	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<20))
+	if err != nil {
+		http.Error(w, "oracle: reading the body: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	var req oracleRequest
+	var fields map[string]json.RawMessage
+	if err := json.Unmarshal(body, &req); err != nil {
+		http.Error(w, "oracle: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	if err := json.Unmarshal(body, &fields); err != nil {
+		http.Error(w, "oracle: "+err.Error(), http.StatusBadRequest)
+		return
+	}
+	id := r.Header.Get("X-Request-Id")
+	if id == "" {
+		http.Error(w, "oracle: no X-Request-Id (both legs must carry one)", http.StatusBadRequest)
+		return
+	}
+	prompt := enginesim.ChatPromptText(req.Messages) // the text the engines tokenize
+	params, err := o.prefillLeg(r.Context(), prompt, fields, id)
+	if err != nil {
+		http.Error(w, "oracle: prefill: "+err.Error(), http.StatusBadGateway)
+		return
+	}
+	delete(fields, "kv_transfer_params")
+	if params != nil { // nil: the prefill ended on EOS; the decode recomputes
+		fields["kv_transfer_params"] = params
+	}
+	d := o.pickDecode(prompt, req.MaxTokens)
+	resp, err := o.post(r.Context(), d, id, fields)
+	if err != nil {
+		http.Error(w, "oracle: decode: "+err.Error(), http.StatusBadGateway)
+		return
+	}
+	defer resp.Body.Close()
+	relay(w, resp)
+}
+
+// prefillLeg picks a prefill engine, sends it the one-token,
+// non-streaming prefill leg and returns the kv_transfer_params it
+// answered (nil for none). The pick holds mu until the prompt is in the
+// engine's queue (PrefillArrivals), or the answer came, so that the next
+// pick's forecast counts it: the oracle is the only sender to the prefill
+// engines, so the next arrival there is this prompt.
+func (o *oracle) prefillLeg(ctx context.Context, prompt string, client map[string]json.RawMessage, id string) (json.RawMessage, error) {
+	leg := make(map[string]json.RawMessage, len(client)+1)
+	for k, v := range client {
+		switch k {
+		case "stream_options", "min_tokens", "min_completion_tokens", "kv_transfer_params":
+		default:
+			leg[k] = v
+		}
+	}
+	leg["stream"], leg["max_tokens"] = json.RawMessage("false"), json.RawMessage("1")
+	if _, ok := client["max_completion_tokens"]; ok {
+		leg["max_completion_tokens"] = json.RawMessage("1")
+	}
+	leg["kv_transfer_params"] = nixlPrefillParams
+
+	o.mu.Lock()
+	e := o.pickPrefill(prompt)
+	_, queued := e.PrefillArrivals()
+	answered := make(chan struct{})
+	go func() {
+		select {
+		case <-queued:
+		case <-answered:
+		case <-time.After(oracleArrivalWait):
+		}
+		o.mu.Unlock()
+	}()
+	resp, err := o.post(ctx, e, id, leg)
+	close(answered)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	data, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return nil, fmt.Errorf("%s: reading the answer: %w", e.Addr(), err)
+	}
+	if resp.StatusCode != http.StatusOK {
+		return nil, fmt.Errorf("%s answered %d: %s", e.Addr(), resp.StatusCode, bytes.TrimSpace(data))
+	}
+	var answer struct {
+		KVTransferParams json.RawMessage `json:"kv_transfer_params"`
+	}
+	if err := json.Unmarshal(data, &answer); err != nil {
+		return nil, fmt.Errorf("%s: %w", e.Addr(), err)
+	}
+	if p := answer.KVTransferParams; len(p) == 0 || string(p) == "null" {
+		return nil, nil
+	}
+	return answer.KVTransferParams, nil
+}
+
+// pickPrefill is the prefill engine with the least forecast TTFT for
+// prompt; of ties, the first after the last pick. o.mu is held.
+func (o *oracle) pickPrefill(prompt string) *enginesim.Server {
+	ttft := make([]time.Duration, len(o.prefill))
+	for i, e := range o.prefill {
+		ttft[i] = e.ForecastPrefill(prompt).TTFT()
+	}
+	i := leastOf(ttft, o.nextPrefill, o.prefillTie)
+	o.nextPrefill = (i + 1) % len(o.prefill)
+	return o.prefill[i]
+}
+
+// noPlace is added to the cost of a decode engine that cannot admit the
+// sequence at once, so that any that can comes first.
+const noPlace = time.Hour
+
+// pickDecode is the decode engine with the least KV pull plus two decode
+// steps for a sequence of prompt, among those that admit it at once if
+// any does; ties go round robin.
+func (o *oracle) pickDecode(prompt string, maxTokens int) *enginesim.Server {
+	cost := make([]time.Duration, len(o.decode))
+	for i, e := range o.decode {
+		f := e.ForecastDecode(prompt, maxTokens)
+		if cost[i] = f.Pull + 2*f.Step; !f.Fits {
+			cost[i] += noPlace
+		}
+	}
+	return o.decode[leastOf(cost, int(o.nextDecode.Add(1)%uint64(len(o.decode))), o.decodeTie)]
+}
+
+// leastOf is the first index from start on (round) whose cost is within
+// tie of the least.
+func leastOf(cost []time.Duration, start int, tie time.Duration) int {
+	least := slices.Min(cost)
+	for k := range cost {
+		if i := (start + k) % len(cost); cost[i] <= least+tie {
+			return i
+		}
+	}
+	return start // unreachable: the least is within tie of itself
+}
+
+// post sends a leg to an engine's chat endpoint.
+func (o *oracle) post(ctx context.Context, e *enginesim.Server, id string, fields map[string]json.RawMessage) (*http.Response, error) {
+	body, err := json.Marshal(fields)
+	if err != nil {
+		return nil, err
+	}
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+e.Addr()+"/v1/chat/completions", bytes.NewReader(body))
+	if err != nil {
+		return nil, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	req.Header.Set("X-Request-Id", id)
+	resp, err := o.client.Do(req)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", e.Addr(), err)
+	}
+	return resp, nil
+}
+
+// relay copies an engine's answer to the client, flushing each read so
+// that the stream's chunks keep their timing.
+func relay(w http.ResponseWriter, resp *http.Response) {
+	if ct := resp.Header.Get("Content-Type"); ct != "" {
+		w.Header().Set("Content-Type", ct)
+	}
+	w.WriteHeader(resp.StatusCode)
+	rc := http.NewResponseController(w)
+	buf := make([]byte, 32<<10)
+	for {
+		n, err := resp.Body.Read(buf)
+		if n > 0 {
+			if _, werr := w.Write(buf[:n]); werr != nil {
+				return // the client went away
+			}
+			if ferr := rc.Flush(); ferr != nil && !errors.Is(ferr, http.ErrNotSupported) {
+				return
+			}
+		}
+		if err != nil {
+			return // io.EOF, or the engine cut the stream: the client sees it cut
+		}
+	}
+}
