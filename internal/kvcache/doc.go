@@ -1,0 +1,40 @@
+// Package kvcache knows which engine holds which prompt prefix in its KV
+// cache, from the KV cache events the engines publish (package kvevents
+// reads them): the precise prefix state of scheduling.md's "Precise prefix
+// state: KV cache events". Its Index is a [kvevents.Sink].
+//
+// Hashes. The Index hashes the token ids of every stored block with pdx's
+// own chained hash, HashTokens, and keeps the engine's block hashes only as
+// opaque keys for parents and removals, as llm-d and SGLang's gateway do. A
+// request's prompt tokens from the engine's render API, hashed the same
+// way, give the same hashes exactly when the engine holds that prefix,
+// whatever hash function (and PYTHONHASHSEED) the engine uses.
+//
+// Identity. A chain of blocks starts from a seed: 0 for the base model,
+// else Seed of its LoRA adapter's name (lora_name; blocks known only by a
+// lora_id get a seed no request has) and extra keys (cache salt,
+// multimodal hashes), so that an adapter's or a salted prefix never
+// matches the base model's. A stored run with a parent chains from the
+// parent's hash, which carries the adapter; its own extra keys, if any,
+// taint it further. A request is hashed from SeedFor(model): the model
+// names an adapter when an engine published blocks under that lora_name;
+// else the request is the base model's. Requests with a cache salt or
+// multimodal inputs are not for Match: their blocks are not the base
+// model's, and pdx cannot rebuild vLLM's extra keys.
+//
+// Groups. Only full-attention cache groups (vLLM's kv_cache_spec_kind
+// full_attention, mla_attention, sink_full_attention, or none sent) hold a
+// prefix's KV for every token; events of sliding-window, Mamba and other
+// groups, or with a sliding window, are ignored and counted. Of several
+// full-attention groups an engine follows one, the first it published
+// (vLLM stores and frees a request's blocks in all of them together).
+//
+// Tiers. A block is on the GPU tier (medium "GPU", or none sent) or the
+// CPU tier ("CPU"); other media are ignored and counted. Match counts GPU
+// blocks, MatchWithCPU blocks on either. An engine holds a block on a
+// tier while any copy is there: another engine hash of the same content,
+// the same hash stored twice, another DP rank.
+//
+// Bounds. An engine tracks at most Config.MaxEntries engine blocks (it is
+// reset beyond them), an Index at most MaxEngines engines.
+package kvcache
