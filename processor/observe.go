@@ -38,6 +38,9 @@ type recorder interface {
 	// decided notes the disaggregation decider's decision (placement.go);
 	// "" for a pool without a prefill leg.
 	decided(p *routing.Pool, reason string)
+	// tokenized notes where placement got the prompt's tokens
+	// (render.go's sources).
+	tokenized(p *routing.Pool, source string)
 	// routed notes that pdx sent the request on to decode.
 	routed(decode endpoint.Endpoint)
 	// served notes the decode endpoint that answered, as Envoy told it;
@@ -89,6 +92,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 }
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
+func (noRecord) tokenized(*routing.Pool, string)                              {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
 func (noRecord) served(*routing.Pool, string, bool)                           {}
 func (noRecord) failed(string)                                                {}
@@ -166,6 +170,13 @@ func (o *observation) handoff() time.Time {
 		prefilled = o.prefillEnd
 	}
 	return handoffStart(o.chosen != nil && o.chosen.Traits.Concurrent, prefilled, o.answered)
+}
+
+func (o *observation) tokenized(p *routing.Pool, source string) {
+	o.metrics.Pool(p).Tokenized(source)
+	if o.span != nil {
+		o.span.SetAttributes(attribute.String("pdx.prompt_tokens", source))
+	}
 }
 
 func (o *observation) decided(p *routing.Pool, reason string) {

@@ -43,11 +43,13 @@ func prompt(body jsonedit.Object) []byte {
 // place picks the decode endpoint of a request and decides whether it takes
 // the prefill leg, waiting while the pool's legs are saturated. It returns
 // the reason of the decision (reasonDisaggregated: take it).
-func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (string, error) {
+func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connectors.Request, model string) (string, error) {
 	text := prompt(creq.Body)
 	r.blocks = picker.Blocks(r.blocks[:0], text, pool.BlockTokens)
 	r.blockTokens = pool.BlockTokens
 	r.tokens = len(text) / picker.BytesPerToken
+	r.tokenBlocks = r.tokenBlocks[:0]
+	r.rendered, r.tokenBlockSize = r.tokenize(ctx, pool, creq, model), pool.KVBlockSize
 	if err := r.awaitRoom(ctx, pool, pool.Decode.Set, "", "decode"); err != nil {
 		return "", err
 	}
@@ -80,7 +82,13 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 
 // pick is what the request's picks know of it.
 func (r *request) pick() picker.Request {
-	return picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset}
+	req := picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset}
+	if r.rendered {
+		// Not nil even when the prompt is shorter than a block: the
+		// engines' tokens, not the estimate, decide.
+		req.TokenBlocks, req.TokenBlockSize = r.tokenBlocks, r.tokenBlockSize
+	}
+	return req
 }
 
 // awaitRoom waits until some endpoint of set (in group) is not saturated,

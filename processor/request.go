@@ -56,6 +56,12 @@ type request struct {
 	// tokens each, and tokens its length (placement.go).
 	blocks              []uint64
 	blockTokens, tokens int
+	// tokenBlocks, when rendered, are the hashes of the prompt's tokens as
+	// the engines tokenize them, in blocks of the pool's KV block size
+	// (render.go).
+	tokenBlocks    []uint64
+	tokenBlockSize int
+	rendered       bool
 	// decode counts the request on its decode endpoint until its stream
 	// ends: Envoy ends it when the response is over.
 	decode picker.Lease

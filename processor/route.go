@@ -186,7 +186,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		return decision{}, nil, err
 	}
 	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body, KVHosts: pool.KVHosts}
-	h, err := r.handoff(ctx, pool, creq)
+	h, err := r.handoff(ctx, pool, creq, model)
 	if err != nil {
 		return decision{}, nil, err
 	}
@@ -245,9 +245,9 @@ func (r *request) parseBody(raw []byte) (jsonedit.Object, string, *routing.Pool,
 // handoff places the request and hands it over to its decode: after its
 // prefill, or to compute the prompt itself when the decider says so or the
 // prefill failed on a pool that falls back.
-func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connectors.Request) (connectors.Handoff, error) {
+func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connectors.Request, model string) (connectors.Handoff, error) {
 	// A discovered pool may have no decode endpoint at the moment: 503.
-	reason, err := r.place(ctx, pool, creq)
+	reason, err := r.place(ctx, pool, creq, model)
 	if err != nil {
 		return connectors.Handoff{}, err
 	}

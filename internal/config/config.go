@@ -66,6 +66,20 @@ const (
 	DefaultPrefixBlockTokens = 64
 )
 
+// Defaults of precise placement: KV events and rendered tokens.
+const (
+	KVEventsDial = "dial"
+	KVEventsBind = "bind"
+	// DefaultKVBlockSize is vLLM's --block-size on GPUs.
+	DefaultKVBlockSize = 16
+	MaxKVBlockSize     = 1024
+	// DefaultBindTopic is llm-d's topic prefix, kv@<pod>@<model>.
+	DefaultBindTopic          = "kv@"
+	DefaultMaxBlocksPerEngine = 1 << 20
+	DefaultRenderTimeout      = 100 * time.Millisecond
+	MaxRenderTimeout          = 10 * time.Second
+)
+
 // MaxPrefillTimeout is the largest prefill_timeout accepted.
 const MaxPrefillTimeout = 10 * time.Minute
 
@@ -149,7 +163,29 @@ func applyDefaults(cfg *configv1.Config) {
 			m.Path = DefaultMetricsPath
 		}
 	}
+	if k := cfg.KvEvents; k != nil {
+		if k.Mode == "" {
+			k.Mode = KVEventsDial
+		}
+		if k.Mode == KVEventsBind && k.Topic == "" {
+			k.Topic = DefaultBindTopic
+		}
+		if k.BlockSize == 0 {
+			k.BlockSize = DefaultKVBlockSize
+		}
+		if k.MaxBlocksPerEngine == 0 {
+			k.MaxBlocksPerEngine = DefaultMaxBlocksPerEngine
+		}
+	}
 	for _, p := range cfg.Pools {
+		// Precise placement needs the engines' tokens: with KV events a
+		// pool renders unless told not to.
+		if p.Render == nil && cfg.KvEvents != nil {
+			p.Render = &configv1.Render{}
+		}
+		if r := p.Render; r != nil && !r.Disabled && r.Timeout == nil {
+			r.Timeout = durationpb.New(DefaultRenderTimeout)
+		}
 		if p.Saturation == nil {
 			p.Saturation = &configv1.Saturation{}
 		}

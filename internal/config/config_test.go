@@ -188,6 +188,27 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[2].decode_fallbacks: not valid with connector "trtllm"`,
 			`config: pools[3].decode_fallbacks: not valid with connector "mooncake"`,
 			`config: pools[4].decode_fallbacks: 9 exceeds the maximum of 8`}},
+		{"kv_events dial", minimal + "kv_events: {port: 70000, replay_port: 70001, bind_address: tcp://0.0.0.0:1, block_size: 2048}\n", []string{
+			`config: kv_events.port: 70000 is not a port`,
+			`config: kv_events.replay_port: 70001 is not a port`,
+			`config: kv_events.bind_address: only valid in mode "bind"`,
+			`config: kv_events.block_size: 2048 exceeds the maximum of 1024`}},
+		{"kv_events dial without a port", pools(pool(`prefill: [{address: "10.0.0.1:8000", kv_events_port: 5557}]`)) + "kv_events: {}\n", []string{
+			`config: pools[0].decode[0].kv_events_port: required when kv_events.port is unset`}},
+		{"kv_events bind", minimal + "kv_events: {mode: bind, bind_address: 0.0.0.0:5557, port: 5557}\n", []string{
+			`config: kv_events.bind_address: "0.0.0.0:5557" must be tcp://host:port (e.g. tcp://0.0.0.0:5557)`,
+			`config: kv_events.port: only valid in mode "dial"`}},
+		{"endpoints' kv_events ports without kv_events", pools(pool(`prefill: [{address: "10.0.0.1:8000", kv_events_port: 5557}]`)), []string{
+			`config: pools[0].prefill[0].kv_events_port: only valid with kv_events in mode "dial"`}},
+		{"endpoints' kv_events ports", pools(pool(`decode: [{address: "10.0.0.2:8000", kv_events_port: 70000, kv_events_replay_port: 70001}]`)) + "kv_events: {port: 5557}\n", []string{
+			`config: pools[0].decode[0].kv_events_port: 70000 is not a port`,
+			`config: pools[0].decode[0].kv_events_replay_port: 70001 is not a port`}},
+		{"kv_events mode", minimal + "kv_events: {mode: central}\n", []string{
+			`config: kv_events.mode: unknown mode "central" (want "dial" or "bind")`}},
+		{"render", pools(pool("render: {timeout: 0s, address: engine}"), pool("name: q", "models: [q]", "render: {timeout: 1m}")), []string{
+			`config: pools[0].render.timeout: 0s must be greater than 0`,
+			`config: pools[0].render.address: "engine" is not host:port`,
+			`config: pools[1].render.timeout: 1m0s exceeds the maximum of 10s`}},
 		{"prefix_block_tokens", pools(pool("prefix_block_tokens: 5000")), []string{
 			`config: pools[0].prefix_block_tokens: 5000 exceeds the maximum of 4096`}},
 		{"pass_through paths", pools(pool(`pass_through: [v1/x, "/v1/y?z=1", /v1/completions, /v1/e, /v1/e]`)), []string{
@@ -197,9 +218,9 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].pass_through[4]: duplicate path "/v1/e"`}},
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
-			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds)`}},
+			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds, kv_events)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks, render)`}},
 		{"dp_size too big", pools(pool(`prefill: [{address: "10.0.0.1:8000", dp_size: 2000}]`, `decode: [{address: "10.0.0.2:8000", dp_size: 1}, {address: "10.0.0.3:8000", dp_size: 1025}]`)), []string{
 			`config: pools[0].prefill[0].dp_size: 2000 is over the maximum of 1024 data-parallel ranks`,
 			`config: pools[0].decode[1].dp_size: 1025 is over the maximum of 1024 data-parallel ranks`}},
@@ -208,7 +229,7 @@ func TestParseErrors(t *testing.T) {
 		{"dp_size with trtllm", pools(pool("connector: trtllm", `decode: [{address: "10.0.0.2:8000", dp_size: 2}]`)), []string{
 			`config: pools[0].decode[0].dp_size: only valid with connectors "nixl", "http", "mooncake", "sglang", "none", not "trtllm"`}},
 		{"unknown endpoint field", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {addr: "10.0.0.3:1"}]`)), []string{
-			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address, dp_size)`}},
+			`config: unknown field "pools[0].decode[1].addr" (known fields of Endpoint: address, bootstrap_port, kv_address, dp_size, kv_events_port, kv_events_replay_port)`}},
 		{"lowerCamel JSON name rejected", minimal + "grpcAddress: x\n", []string{`unknown field "grpcAddress"`}},
 		{"all unknown fields reported", minimal + "b: 1\na: 2\n", []string{`unknown field "a"`, `unknown field "b"`}},
 
@@ -690,3 +711,32 @@ var (
 	knownConnectors = strings.Join(connectors.Names(), ", ")
 	knownPolicies   = strings.Join(picker.Policies(), ", ")
 )
+
+func TestKVEventsDefaults(t *testing.T) {
+	tests := []struct {
+		name, yaml string
+		kv         *configv1.KVEvents
+		render     []*configv1.Render // per pool
+	}{
+		{"dial, every pool renders", minimal + "kv_events: {port: 5557}\n",
+			&configv1.KVEvents{Mode: "dial", Port: 5557, BlockSize: 16, MaxBlocksPerEngine: 1 << 20},
+			[]*configv1.Render{{Timeout: durationpb.New(100 * time.Millisecond)}}},
+		{"bind takes llm-d's topic, a pool may opt out", pools(pool("render: {disabled: true}")) + "kv_events: {mode: bind, bind_address: tcp://0.0.0.0:5557, block_size: 64}\n",
+			&configv1.KVEvents{Mode: "bind", BindAddress: "tcp://0.0.0.0:5557", Topic: "kv@", BlockSize: 64, MaxBlocksPerEngine: 1 << 20},
+			[]*configv1.Render{{Disabled: true}}},
+		{"render without events", pools(pool("render: {address: 10.0.0.9:8000}")),
+			nil, []*configv1.Render{{Address: "10.0.0.9:8000", Timeout: durationpb.New(100 * time.Millisecond)}}},
+		{"neither", minimal, nil, []*configv1.Render{nil}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			cfg, err := Parse([]byte(tt.yaml))
+			require.NoError(t, err)
+			requireProtoEqual(t, tt.kv, cfg.GetKvEvents())
+			require.Len(t, cfg.GetPools(), len(tt.render))
+			for i, r := range tt.render {
+				requireProtoEqual(t, r, cfg.GetPools()[i].GetRender())
+			}
+		})
+	}
+}

@@ -63,6 +63,9 @@ func validate(cfg *configv1.Config) []error {
 			v.fail("engine_metrics.path", "%q must start with /", m.GetPath())
 		}
 	}
+	if k := cfg.GetKvEvents(); k != nil {
+		v.kvEvents(k)
+	}
 	if len(cfg.GetPools()) == 0 {
 		v.fail("pools", "at least one pool is required")
 	}
@@ -136,6 +139,7 @@ func validate(cfg *configv1.Config) []error {
 			v.endpoints(path+".decode", p.GetDecode())
 		}
 		v.connectorFields(path, p, spec, known)
+		v.kvEventPorts(path, p, cfg.GetKvEvents())
 		v.pickers(path, p, traits)
 		v.placement(path, p, traits)
 		v.failureHandling(path, p)
@@ -227,6 +231,77 @@ func (v *validator) placement(path string, p *configv1.Pool, traits connectors.T
 	}
 	if n := p.GetPrefixBlockTokens(); n > 4096 {
 		v.fail(path+".prefix_block_tokens", "%d exceeds the maximum of 4096", n)
+	}
+	if r := p.GetRender(); r != nil && !r.GetDisabled() {
+		switch d := r.GetTimeout().AsDuration(); {
+		case d <= 0:
+			v.fail(path+".render.timeout", "%v must be greater than 0", d)
+		case d > MaxRenderTimeout:
+			v.fail(path+".render.timeout", "%v exceeds the maximum of %v", d, MaxRenderTimeout)
+		}
+		if a := r.GetAddress(); a != "" {
+			if _, _, err := net.SplitHostPort(a); err != nil {
+				v.fail(path+".render.address", "%q is not host:port: %v", a, err)
+			}
+		}
+	}
+}
+
+// kvEventPorts checks the endpoints' own publisher ports.
+func (v *validator) kvEventPorts(path string, p *configv1.Pool, k *configv1.KVEvents) {
+	if p.GetKubernetes() != nil && k.GetMode() == KVEventsDial && k.GetPort() == 0 {
+		v.fail("kv_events.port", "required in mode %q with discovered endpoints (pool %s): the port of the engines' KV event publishers", KVEventsDial, p.GetName())
+	}
+	for _, role := range []struct {
+		name string
+		eps  []*configv1.Endpoint
+	}{{"prefill", p.GetPrefill()}, {"decode", p.GetDecode()}} {
+		for i, ep := range role.eps {
+			for _, f := range []struct {
+				name string
+				port uint32
+			}{{"kv_events_port", ep.GetKvEventsPort()}, {"kv_events_replay_port", ep.GetKvEventsReplayPort()}} {
+				fp := fmt.Sprintf("%s.%s[%d].%s", path, role.name, i, f.name)
+				switch {
+				case f.port == 0 && f.name == "kv_events_port" && k.GetMode() == KVEventsDial && k.GetPort() == 0:
+					v.fail(fp, "required when kv_events.port is unset: the port of the engine's KV event publisher")
+				case f.port == 0:
+				case k.GetMode() != KVEventsDial:
+					v.fail(fp, "only valid with kv_events in mode %q", KVEventsDial)
+				case f.port > 65535:
+					v.fail(fp, "%d is not a port", f.port)
+				}
+			}
+		}
+	}
+}
+
+// kvEvents checks how pdx meets the engines' KV event publishers.
+func (v *validator) kvEvents(k *configv1.KVEvents) {
+	switch k.GetMode() {
+	case KVEventsDial:
+		if k.GetPort() > 65535 {
+			v.fail("kv_events.port", "%d is not a port", k.GetPort())
+		}
+		if k.GetReplayPort() > 65535 {
+			v.fail("kv_events.replay_port", "%d is not a port", k.GetReplayPort())
+		}
+		if k.GetBindAddress() != "" {
+			v.fail("kv_events.bind_address", "only valid in mode %q", KVEventsBind)
+		}
+	case KVEventsBind:
+		a, ok := strings.CutPrefix(k.GetBindAddress(), "tcp://")
+		if _, _, err := net.SplitHostPort(a); !ok || err != nil {
+			v.fail("kv_events.bind_address", "%q must be tcp://host:port (e.g. tcp://0.0.0.0:5557)", k.GetBindAddress())
+		}
+		if k.GetPort() != 0 || k.GetReplayPort() != 0 {
+			v.fail("kv_events.port", "only valid in mode %q: in mode %q the engines connect to bind_address", KVEventsDial, KVEventsBind)
+		}
+	default:
+		v.fail("kv_events.mode", "unknown mode %q (want %q or %q)", k.GetMode(), KVEventsDial, KVEventsBind)
+	}
+	if n := k.GetBlockSize(); n > MaxKVBlockSize {
+		v.fail("kv_events.block_size", "%d exceeds the maximum of %d", n, MaxKVBlockSize)
 	}
 }
 

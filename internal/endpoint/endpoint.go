@@ -28,6 +28,10 @@ type Endpoint struct {
 	// one address (vLLM --data-parallel-size, SGLang --dp-size). pdx names
 	// a rank per request only when it is over 1.
 	DPSize int
+	// KVEventsPort and KVEventsReplayPort are the ports of the engine's KV
+	// event publisher and replay socket (rank 0's) when they are not the
+	// config's kv_events ports; 0: those.
+	KVEventsPort, KVEventsReplayPort int
 }
 
 // DefaultBootstrapPort is SGLang's and vLLM Mooncake's default bootstrap port.

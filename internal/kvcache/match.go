@@ -92,3 +92,11 @@ func (x *Index) match(blocks []uint64, slots []int32, depth []int32, cpu bool) i
 	}
 	return deepest
 }
+
+// Held is how many leading blocks of a prompt the engine of slot holds on
+// its GPU tier: Match for one engine.
+func (x *Index) Held(slot int32, blocks []uint64) int {
+	slots, depth := [1]int32{slot}, [1]int32{}
+	x.match(blocks, slots[:], depth[:], false)
+	return int(depth[0])
+}

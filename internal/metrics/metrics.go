@@ -56,6 +56,7 @@ type Metrics struct {
 	ttft       *prometheus.HistogramVec // pool, connector
 	tokens     *prometheus.CounterVec   // pool, connector, kind
 	decisions  *prometheus.CounterVec   // pool, decision
+	tokenSrc   *prometheus.CounterVec   // pool, source
 	scrapes    *prometheus.CounterVec   // endpoint
 	served     *prometheus.CounterVec   // pool, endpoint, fallback
 	inFlight   prometheus.Gauge
@@ -119,6 +120,10 @@ func New() *Metrics {
 			Name: "pdx_disaggregation_decisions_total",
 			Help: "Requests of pools with a prefill leg by the disaggregation decider's decision: disaggregated, or decode-only because short_uncached or prefill_saturated.",
 		}, []string{"pool", "decision"}),
+		tokenSrc: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_prompt_tokens_total",
+			Help: "Requests of pools that render their prompts (render, on with kv_events) by where placement got the prompt's tokens: render (the engines' render API: exact, matched against the engines' KV events) or estimate (the render failed or was late: 4 bytes a token, placed by what pdx sent where).",
+		}, []string{"pool", "source"}),
 		scrapes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdx_engine_metrics_failures_total",
 			Help: "Scrapes of an engine's metrics that failed (unreachable, slow, malformed); its endpoint is picked by pdx's in-flight counts meanwhile.",
@@ -132,7 +137,7 @@ func New() *Metrics {
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.scrapes, m.served, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -309,6 +314,13 @@ func (p *Pool) addEndpoint(endpoint string) prometheus.Counter {
 func (p *Pool) Decision(decision string) {
 	if p != nil && p.name != "" {
 		p.m.decisions.WithLabelValues(p.name, decision).Inc()
+	}
+}
+
+// Tokenized counts where a request's prompt tokens came from.
+func (p *Pool) Tokenized(source string) {
+	if p != nil && p.name != "" {
+		p.m.tokenSrc.WithLabelValues(p.name, source).Inc()
 	}
 }
 

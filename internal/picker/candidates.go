@@ -25,6 +25,12 @@ type Candidates struct {
 	// blocks, blockTokens and tokens are the request's prompt (Request).
 	blocks              []uint64
 	blockTokens, tokens int
+	// matched and matchTokens are the blocks prefix matches read, and
+	// their size: the request's TokenBlocks when the view has a cache and
+	// the request has them (precise), else blocks.
+	matched     []uint64
+	matchTokens int
+	precise     bool
 	// after is where a fallback's order goes on: the candidate after the
 	// last one the request tried (0 when it tried none of them).
 	after int
@@ -80,6 +86,10 @@ func (s *Set) candidates(req *Request) *Candidates {
 	c := getCandidates()
 	c.v, c.members, c.group, c.n, c.now = v, members, id, n, s.clock()
 	c.blocks, c.blockTokens, c.tokens = req.Blocks, req.BlockTokens, req.Tokens
+	c.matched, c.matchTokens, c.precise = req.Blocks, req.BlockTokens, false
+	if v.cache != nil && req.TokenBlocks != nil {
+		c.matched, c.matchTokens, c.precise = req.TokenBlocks, req.TokenBlockSize, true
+	}
 	c.after, c.depthsRead, c.start = 0, false, -1
 	if c.gen++; c.gen == 0 {
 		// Wrapped around: an old signal could pass for a current one.
@@ -108,7 +118,7 @@ func (s *Set) candidates(req *Request) *Candidates {
 
 // release returns c to the pool, keeping no view or prompt alive.
 func (c *Candidates) release() {
-	c.v, c.members, c.blocks = nil, nil, nil
+	c.v, c.members, c.blocks, c.matched = nil, nil, nil, nil
 	putCandidates(c)
 }
 
@@ -138,10 +148,11 @@ func (c *Candidates) signal(k int) *signal {
 	return g
 }
 
-// depth is how many of the prompt's leading blocks this pdx has sent
-// candidate k: the prefix its engine is likely to hold.
+// depth is how many of the prompt's leading blocks (of matchedBlocks)
+// candidate k's engine holds: as it reports them when the pick is precise,
+// else as far as this pdx sent them there.
 func (c *Candidates) depth(k int) int {
-	if len(c.blocks) == 0 {
+	if len(c.matched) == 0 {
 		return 0
 	}
 	if !c.depthsRead {
@@ -149,11 +160,21 @@ func (c *Candidates) depth(k int) int {
 			c.depths = make([]int32, n)
 		}
 		c.depths = c.depths[:len(c.v.endpoints)]
-		c.v.index.matches(c.blocks, c.depths)
+		if c.precise {
+			c.v.cache.Match(c.matched, c.v.slots, c.depths)
+		} else {
+			c.v.index.matches(c.matched, c.depths)
+		}
 		c.depthsRead = true
 	}
 	return int(c.depths[position(c.members, k)])
 }
+
+// matchedBlocks is how many blocks depth counts in: the prompt's.
+func (c *Candidates) matchedBlocks() int { return len(c.matched) }
+
+// cachedTokens is how many of the prompt's tokens candidate k holds.
+func (c *Candidates) cachedTokens(k int) int { return min(c.depth(k)*c.matchTokens, c.tokens) }
 
 // seed is candidate k's rendezvous seed (the hash of its address).
 func (c *Candidates) seed(k int) uint64 { return c.v.states[position(c.members, k)].seed }

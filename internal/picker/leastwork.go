@@ -51,8 +51,7 @@ func (LeastWork) Choose(c *Candidates) int {
 		if !g.usable {
 			continue
 		}
-		work := g.inFlightTokens + max(g.waiting+g.running-g.inFlight, 0)*mean + c.tokens
-		work -= min(c.depth(k)*c.blockTokens, c.tokens)
+		work := g.inFlightTokens + max(g.waiting+g.running-g.inFlight, 0)*mean + c.tokens - c.cachedTokens(k)
 		if best < 0 || work < least {
 			best, least = k, work
 		}

@@ -33,6 +33,13 @@ type Request struct {
 	// prompt. Tokens is the prompt's length in tokens (BytesPerToken).
 	Blocks              []uint64
 	BlockTokens, Tokens int
+	// TokenBlocks, when not nil, are the chained hashes of the prompt's
+	// token ids as the engine tokenized them, in blocks of TokenBlockSize
+	// (kvcache.HashTokens): a Set with a PrefixCache matches them against
+	// what the engines report holding instead of Blocks against what pdx
+	// sent. Tokens is then the exact count.
+	TokenBlocks    []uint64
+	TokenBlockSize int
 	// NeedCached makes a decode lease tell what its endpoint had cached
 	// (Lease.Cached), which costs an index lookup; a prefill lease always
 	// does, since it counts the uncached tokens.
@@ -40,6 +47,22 @@ type Request struct {
 	// NoRank: the request names no DP rank (a pass-through path), so its
 	// lease counts it on none.
 	NoRank bool
+}
+
+// PrefixCache is what the engines report their KV caches hold, learned
+// from their KV events (package kvcache). It is read on every pick, from
+// every stream at once.
+type PrefixCache interface {
+	// Register is the number under which the cache keeps the engine at
+	// address, given it if it has none; -1 when the cache has no room. A
+	// Set resolves its endpoints' slots once per view.
+	Register(address string) int32
+	// Match sets depth[i] to how many leading blocks of blocks the engine
+	// of slots[i] holds (0 for a slot below 0) and returns the deepest. It
+	// must not allocate.
+	Match(blocks []uint64, slots, depth []int32) int32
+	// Held is how many leading blocks of blocks the engine of slot holds.
+	Held(slot int32, blocks []uint64) int
 }
 
 // Policy is a picking policy: it chooses, among the candidates the Set

@@ -49,6 +49,10 @@ type Options struct {
 	// IndexBlocks bounds how many prompt blocks the Set remembers having
 	// sent (see Lease); 0 or less means DefaultIndexBlocks.
 	IndexBlocks int
+	// Cache, when set, is what the engines report holding: requests with
+	// TokenBlocks are matched against it. Inherit passes it on unless the
+	// new Options name another.
+	Cache PrefixCache
 }
 
 // Set is a leg's endpoints and their passive health: an endpoint whose calls
@@ -82,6 +86,7 @@ type Set struct {
 	saturation Saturation
 	// indexBlocks is the capacity of each view's prefix index.
 	indexBlocks int
+	cache       PrefixCache
 	now         func() time.Time
 	// base is the clock reading at construction. Times are stored as
 	// nanoseconds since base, so they fit in an atomic int64 and, with
@@ -117,6 +122,10 @@ type view struct {
 	// index is what the Set has sent where, by position; a view with other
 	// endpoints starts a new one (positions change), see newView.
 	index *index
+	// cache is the Set's PrefixCache (nil: none) and slots its endpoints'
+	// slots in it, by position.
+	cache PrefixCache
+	slots []int32
 }
 
 // group is the endpoints of one Endpoint.Group, in order, and the group's
@@ -150,6 +159,7 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		staleAfter:  int64(opts.StaleAfter),
 		saturation:  opts.Saturation,
 		indexBlocks: opts.IndexBlocks,
+		cache:       opts.Cache,
 		now:         opts.Now,
 		room:        new(room),
 	}
@@ -158,6 +168,9 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		// Shared health holds times relative to base, so share that too.
 		s.base = opts.Inherit.base
 		s.room = opts.Inherit.room
+		if s.cache == nil {
+			s.cache = opts.Inherit.cache
+		}
 		prev = opts.Inherit.view.Load()
 	} else {
 		s.base = s.now()
@@ -180,6 +193,17 @@ func (s *Set) SetEndpoints(endpoints []endpoint.Endpoint) {
 // Endpoints returns a copy of the set's endpoints, in order.
 func (s *Set) Endpoints() []endpoint.Endpoint {
 	return slices.Clone(s.view.Load().endpoints)
+}
+
+// At is the endpoint at position i modulo the set's size, false when the
+// set is empty: a caller's own rotation over the endpoints, without the
+// copy Endpoints makes.
+func (s *Set) At(i uint64) (endpoint.Endpoint, bool) {
+	v := s.view.Load()
+	if len(v.endpoints) == 0 {
+		return endpoint.Endpoint{}, false
+	}
+	return v.endpoints[i%uint64(len(v.endpoints))], true
 }
 
 // newView builds a view of endpoints, taking the health of those that prev
@@ -232,6 +256,13 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 	}
 	if len(v.endpoints) > scanMax {
 		v.byEP = byEP
+	}
+	if s.cache != nil {
+		v.cache = s.cache
+		v.slots = make([]int32, len(v.endpoints))
+		for i, ep := range v.endpoints {
+			v.slots[i] = s.cache.Register(ep.Address)
+		}
 	}
 	if prev != nil && slices.Equal(prev.endpoints, v.endpoints) {
 		v.index = prev.index

@@ -9,12 +9,14 @@ import (
 	"fmt"
 	"slices"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/kvcache"
 	"github.com/pdx-router/pdx/internal/picker"
 )
 
@@ -66,11 +68,43 @@ type Pool struct {
 	// Ranked: the pool's engines may serve several DP ranks (a dp_size of
 	// its config), so its requests may carry a rank header.
 	Ranked bool
+	// Render, when not nil, is where the pool's prompts are tokenized for
+	// placement; Cache is what the engines report holding (nil without
+	// kv_events), matched in blocks of KVBlockSize tokens.
+	Render      *Render
+	Cache       *kvcache.Index
+	KVBlockSize int
 
 	// update serializes SetEndpoints.
 	update sync.Mutex
 	// changed, when set (NewTable sets it), is told of every SetEndpoints.
 	changed func()
+}
+
+// Render is a pool's source of prompt tokens (the config's Render).
+type Render struct {
+	// Address is the render server; empty: the pool's engines in turn.
+	Address string
+	Timeout time.Duration
+	turn    atomic.Uint64
+}
+
+// RenderEndpoint is where the next render goes: the configured server, or
+// the pool's prefill engines (decode engines without a prefill leg) in
+// turn. False when the pool renders nowhere.
+func (p *Pool) RenderEndpoint() (endpoint.Endpoint, bool) {
+	r := p.Render
+	if r == nil {
+		return endpoint.Endpoint{}, false
+	}
+	if r.Address != "" {
+		return endpoint.Endpoint{Address: r.Address}, true
+	}
+	set := p.Prefill.Set
+	if !p.Traits.Prefills {
+		set = p.Decode.Set
+	}
+	return set.At(r.turn.Add(1) - 1)
 }
 
 // Decider decides per request whether the prefill leg pays (see the
@@ -195,6 +229,7 @@ type Table struct {
 	ranked    bool
 	// changes hears of every change of a pool's endpoints (see Changes).
 	changes chan struct{}
+	cache   *kvcache.Index
 }
 
 // Limits are the bounds pdx holds a request to.
@@ -277,21 +312,37 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 
 		EndStreamsAtRouting: cfg.GetEndStreamsAtRouting(),
 	}
+	cache := prev.PrefixCache()
+	if k := cfg.GetKvEvents(); k != nil && cache == nil {
+		cache = kvcache.New(kvcache.Config{BlockSize: int(k.GetBlockSize()), MaxEntries: int(k.GetMaxBlocksPerEngine())})
+	}
 	pools := make([]*Pool, len(cfg.GetPools()))
 	for i, pc := range cfg.GetPools() {
-		p, err := newPool(pc, prev.pool(pc.GetName()), cfg.GetEngineMetrics().GetStaleAfter().AsDuration())
+		p, err := newPool(pc, prev.pool(pc.GetName()), cfg.GetEngineMetrics().GetStaleAfter().AsDuration(), cache, int(cfg.GetKvEvents().GetBlockSize()))
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].%w", i, err)
 		}
 		pools[i] = p
 	}
-	return NewTable(limits, pools...), nil
+	t := NewTable(limits, pools...)
+	t.cache = cache
+	return t, nil
+}
+
+// PrefixCache is what the engines of every pool report holding, learned
+// from their KV events: nil without kv_events. A rebuilt table keeps its
+// predecessor's, which the subscriptions go on feeding.
+func (t *Table) PrefixCache() *kvcache.Index {
+	if t == nil {
+		return nil
+	}
+	return t.cache
 }
 
 // newPool builds the pool of pc; old, when not nil, is its predecessor in
 // the table being replaced; samples older than staleAfter do not count.
 // Errors name the field at fault.
-func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, error) {
+func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvcache.Index, blockSize int) (*Pool, error) {
 	conn, traits, err := connectors.New(pc)
 	if err != nil {
 		return nil, fmt.Errorf("connector: %w", err)
@@ -304,6 +355,20 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 		FailureThreshold: int(pc.GetEjectAfterFailures()),
 		CoolDown:         pc.GetEjectDuration().AsDuration(),
 		StaleAfter:       staleAfter,
+	}
+	var render *Render
+	if r := pc.GetRender(); r != nil && !r.GetDisabled() {
+		render = &Render{Address: r.GetAddress(), Timeout: r.GetTimeout().AsDuration()}
+		if render.Timeout <= 0 { // a config not through config.Parse
+			render.Timeout = config.DefaultRenderTimeout
+		}
+	}
+	if blockSize <= 0 {
+		blockSize = config.DefaultKVBlockSize
+	}
+	if cache != nil && render != nil {
+		// Only rendered prompts match the engines' blocks.
+		health.Cache = cache
 	}
 	var shedding *Shedding
 	if s := pc.GetSaturation(); s != nil && !s.GetDisabled() {
@@ -344,6 +409,9 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration) (*Pool, err
 		Saturated:       shedding,
 		DecodeFallbacks: int(pc.GetDecodeFallbacks()),
 		Ranked:          ranked(pc),
+		Render:          render,
+		Cache:           cache,
+		KVBlockSize:     blockSize,
 	}
 	if p.BlockTokens <= 0 { // a config not through config.Parse
 		p.BlockTokens = config.DefaultPrefixBlockTokens
@@ -431,6 +499,22 @@ func (t *Table) Addresses() []string {
 	return out
 }
 
+// Endpoints returns every pool's endpoints, prefill and decode, each
+// address once (its first listing).
+func (t *Table) Endpoints() []endpoint.Endpoint {
+	var out []endpoint.Endpoint
+	for _, p := range t.pools {
+		for _, set := range []*picker.Set{p.Prefill.Set, p.Decode.Set} {
+			for _, ep := range set.Endpoints() {
+				if !slices.ContainsFunc(out, func(e endpoint.Endpoint) bool { return e.Address == ep.Address }) {
+					out = append(out, ep)
+				}
+			}
+		}
+	}
+	return out
+}
+
 // Observe stores what the engine at address said of its load in every leg
 // that has it.
 func (t *Table) Observe(address string, l picker.Load) {
@@ -471,7 +555,8 @@ func (t *Table) Lookup(model string) (*Pool, bool) {
 func endpoints(eps []*configv1.Endpoint) []endpoint.Endpoint {
 	out := make([]endpoint.Endpoint, len(eps))
 	for i, e := range eps {
-		out[i] = endpoint.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress(), DPSize: int(e.GetDpSize())}
+		out[i] = endpoint.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress(), DPSize: int(e.GetDpSize()),
+			KVEventsPort: int(e.GetKvEventsPort()), KVEventsReplayPort: int(e.GetKvEventsReplayPort())}
 	}
 	return out
 }

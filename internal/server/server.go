@@ -24,6 +24,7 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/enginemetrics"
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/kvevents"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
@@ -56,6 +57,11 @@ type Server struct {
 	// it has. nil when scraping is off.
 	stopScraping context.CancelFunc
 	scraped      chan struct{}
+	// kvEvents reads the engines' KV events (nil: off); stopEvents ends
+	// its engine updates, eventsDone is closed once they have.
+	kvEvents   *kvevents.Subscriber
+	stopEvents context.CancelFunc
+	eventsDone chan struct{}
 	// xds serves Envoy the decode endpoints (nil: off); stopXDS ends its
 	// streams and its updates, xdsDone is closed once the updates have.
 	xds     *xds.Server
@@ -138,6 +144,11 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 	}
 	proc := processor.New(table, s.engine, log, processor.WithMetrics(s.metrics), processor.WithTracerProvider(o.tracerProvider))
 	s.proc = proc
+	if err := s.subscribe(cfg.GetKvEvents()); err != nil {
+		grpcLn.Close()
+		adminLn.Close()
+		return nil, fmt.Errorf("kv_events: %w", err)
+	}
 	s.metrics.CollectEndpoints(proc.Table)
 	extprocv3.RegisterExternalProcessorServer(s.grpc, proc)
 	healthpb.RegisterHealthServer(s.grpc, s.health)
@@ -181,6 +192,14 @@ func (s *Server) scrape(m *configv1.EngineMetrics) {
 			Log:    s.log.With(slog.String("component", "engine_metrics")),
 		})
 	}()
+}
+
+// stopScrape ends the engine metrics scraper, if it runs.
+func (s *Server) stopScrape() {
+	if s.stopScraping != nil {
+		s.stopScraping()
+		<-s.scraped
+	}
 }
 
 // serveXDS registers the endpoint discovery service on the gRPC server and
@@ -249,10 +268,8 @@ func (s *Server) shutdown(ctx context.Context) error {
 	if s.proc.Wait(ctx) != nil {
 		s.log.Warn("stopped before the engines were told to release every request's work")
 	}
-	if s.stopScraping != nil {
-		s.stopScraping()
-		<-s.scraped
-	}
+	s.stopScrape()
+	s.stopSubscribing()
 	s.engine.CloseIdleConnections()
 	for range 2 {
 		if e := <-s.served; e != nil && !errors.Is(e, http.ErrServerClosed) && !errors.Is(e, grpc.ErrServerStopped) {

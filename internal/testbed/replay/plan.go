@@ -88,8 +88,9 @@ type Plan struct {
 	// Requests is the trace window: its first Requests requests.
 	Requests int
 	// ReplicaCounts are the pdx replica counts of the affinity experiment
-	// (conversation trace, middle load, round robin, pdx-default and
-	// prefix-affinity; never a peer, which has no pdx); empty skips it.
+	// (conversation trace, middle load, round robin, pdx-default,
+	// prefix-affinity and precise; never a peer or the oracle, which have
+	// no pdx); empty skips it.
 	// Every other run has one replica.
 	ReplicaCounts []int
 	// TTFTFactor and TPOTFactor set the SLOs as multiples of an idle
@@ -321,7 +322,7 @@ func (p Plan) steer(ctx context.Context, trace string, rr Profile, load, rate fl
 }
 
 // replicaRuns measures prefix affinity as pdx replicas are added, for round
-// robin, pdx's default and prefix_affinity: the conversation trace (the
+// robin, pdx's default, prefix_affinity and precise placement: the conversation trace (the
 // first trace without it) at the middle load. A peer has no pdx replicas
 // and is not in it.
 func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile, reqs []Request, tr TraceReport, rep *Report) error {
@@ -331,7 +332,7 @@ func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile,
 	mid := len(tr.Loads) / 2
 	load, rate := tr.Loads[mid], tr.Rates[mid]
 	for _, pr := range profiles {
-		if !slices.Contains([]string{"round-robin", "pdx-default", "prefix-affinity"}, pr.Name) {
+		if !slices.Contains([]string{"round-robin", "pdx-default", "prefix-affinity", PreciseProfile}, pr.Name) {
 			continue
 		}
 		for _, n := range p.ReplicaCounts {

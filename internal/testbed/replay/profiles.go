@@ -17,11 +17,13 @@ type Profile struct {
 	// own router (package vllmrouter) in front of the engines instead of
 	// Envoy and pdx, and has no pdx config.
 	Peer string
-	// KVEvents makes the engines publish vLLM's KV events and the peer
-	// subscribe to the prefill engines' (vllm-router --pd-kv-events), for
-	// its kv_aware policy. The engines are the same as for the other
-	// profiles otherwise (their served model is renamed the stack's, which
-	// kv_aware checks requests against).
+	// KVEvents makes the engines publish vLLM's KV events: pdx subscribes
+	// to every engine's (kv_events in mode dial, the prompts rendered by
+	// the engines) for precise placement, a peer to the prefill engines'
+	// (vllm-router --pd-kv-events) for its kv_aware policy. The engines are
+	// the same as for the other profiles otherwise (for the peer their
+	// served model is renamed the stack's, which kv_aware checks requests
+	// against).
 	KVEvents bool
 	// Oracle makes the profile the replay's yardstick instead of a router
 	// one can deploy: an in-process P/D router (oracle.go) that reads the
@@ -47,8 +49,14 @@ func (p Profile) Config() string {
 	if p.Peer != "" {
 		return "vllm-router in NIXL P/D mode, --policy " + p.Peer
 	}
+	if p.KVEvents {
+		return "kv_events: {mode: dial} (every engine publishes; prompts rendered by the engines)\n" + p.PoolYAML + p.ConfigYAML
+	}
 	return p.PoolYAML + p.ConfigYAML
 }
+
+// PreciseProfile names pdx's precise placement profile.
+const PreciseProfile = "precise"
 
 // PdxDefaultDecider is the disaggregation line of the "pdx-default"
 // profile (pool YAML, e.g. "disaggregation: {min_uncached_tokens: 4}");
@@ -79,6 +87,9 @@ func Profiles(s Scale) []Profile {
 		{Name: "pdx-default", PoolYAML: lines(PdxDefaultDecider)},
 		// pdx's stateless prefix placement: every replica picks alike.
 		{Name: "prefix-affinity", PoolYAML: lines("prefill_picker: {policy: prefix_affinity}")},
+		// pdx's defaults placing by what the engines report holding (their
+		// KV events) and their tokens (render), not by what pdx sent.
+		{Name: PreciseProfile, KVEvents: true},
 		// vLLM's own router: cache_aware is its default, the one users
 		// compare against; round_robin is its plain baseline.
 		{Name: "vllm-router-cache-aware", Peer: "cache_aware"},

@@ -165,7 +165,7 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 	if d.peer != nil {
 		s.vllmRouter = d.peer.Version()
 	}
-	if r.profile.KVEvents {
+	if r.profile.KVEvents && d.peer != nil {
 		m, err := d.peer.Metrics()
 		if err != nil {
 			return sample{}, fmt.Errorf("policy %s: %w", r.profile.Name, err)
@@ -265,7 +265,15 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 // options are the stack options of a profile; the engine capacity too.
 func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capacity) {
 	engine, capacity := engineConfig(rig.Scale, rig.TimeScale)
-	if p.KVEvents {
+	kvMode := ""
+	switch {
+	case p.KVEvents && p.pdx():
+		// pdx reads the events in the engines' own blocks (the stack
+		// sets kv_events.block_size from the capacity), with a replay
+		// socket to fill gaps.
+		engine.KVEvents = &enginesim.KVEvents{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0"}
+		kvMode = "dial"
+	case p.KVEvents:
 		// Each simulated token is published as TokenScale tokens, so that
 		// a block is the 16 real tokens vllm-router assumes
 		// (CheckProfiles); kv_aware trusts events only for requests naming
@@ -282,6 +290,7 @@ func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capaci
 		PoolYAML:    p.PoolYAML,
 		ConfigYAML:  p.ConfigYAML,
 		PdxReplicas: replicas,
+		KVEvents:    kvMode,
 		// Queued prefills of a saturated point wait long; the prefill
 		// must not time out before the client's own bound.
 		PrefillTimeout: perRequestTimeout,

@@ -4,11 +4,13 @@
 package stack
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"net/http"
 	"strconv"
 	"strings"
@@ -20,6 +22,7 @@ import (
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/internal/testbed/logbuf"
+	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 // Model is the model name the stack's pool serves.
@@ -92,6 +95,13 @@ type Options struct {
 	// same config and its own state; Envoy's ext_proc cluster lists them
 	// all and spreads requests over them round robin.
 	PdxReplicas int
+	// KVEvents makes every engine publish its KV events (the engines need
+	// Engine.Capacity) and pdx subscribe to them: "dial", each engine binds
+	// a publisher and a replay socket on free loopback ports (unless
+	// Engine.KVEvents says otherwise) and pdx's endpoints name them;
+	// "bind", pdx listens on a free port and each engine connects to it,
+	// its topic kv@<address>@<model>.
+	KVEvents string
 }
 
 // Stack is a running deployment.
@@ -106,6 +116,8 @@ type Stack struct {
 	Store *enginesim.Store
 
 	pdxLog *logbuf.Buffer
+	// kvBind is where pdx listens for the engines' KV events in mode bind.
+	kvBind string
 }
 
 // Start brings the stack up and returns once Envoy routes to pdx.
@@ -130,7 +142,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if opts.Profile == envoy.ProfileAIGateway {
 		opts.ConfigYAML = "tls: {self_signed: true}\n" + opts.ConfigYAML
 	}
-	cfg, err := config.Parse([]byte(pdxConfig(opts, endpointsOf(s.Prefill), endpointsOf(s.Decode))))
+	cfg, err := config.Parse([]byte(pdxConfig(opts, s.kvBind, withKVEvents(opts, endpointsOf(s.Prefill)), withKVEvents(opts, endpointsOf(s.Decode)))))
 	if err != nil {
 		return nil, fmt.Errorf("stack config: %w", err)
 	}
@@ -199,6 +211,9 @@ func (opts Options) withDefaults() Options {
 	if opts.PdxReplicas == 0 {
 		opts.PdxReplicas = 1
 	}
+	if opts.KVEvents == "dial" && opts.Engine.KVEvents == nil {
+		opts.Engine.KVEvents = &enginesim.KVEvents{Endpoint: "tcp://127.0.0.1:0", ReplayEndpoint: "tcp://127.0.0.1:0"}
+	}
 	return opts
 }
 
@@ -223,15 +238,28 @@ func StartEngines(ctx context.Context, opts Options) (_ *Stack, err error) {
 		}
 		engine.StoreAddr = s.Store.Addr()
 	}
+	// In mode bind every engine's address is in its topic, so it is chosen
+	// before the engine starts, as is where pdx listens.
+	addrs := make([]string, opts.Prefill+opts.Decode+1)
+	for i := range addrs {
+		addrs[i] = "127.0.0.1:0"
+	}
+	if opts.KVEvents == "bind" {
+		if addrs, err = loopback.FreeAddrs(len(addrs)); err != nil {
+			return nil, err
+		}
+		s.kvBind = "tcp://" + addrs[len(addrs)-1]
+	}
 	for i := range opts.Prefill {
-		sim, err := startSim(ctx, engine, enginesim.RolePrefill, i, opts.Tune)
+		sim, err := startSim(ctx, s.publishing(engine, addrs[i]), addrs[i], enginesim.RolePrefill, i, opts.Tune)
 		if err != nil {
 			return nil, err
 		}
 		s.Prefill = append(s.Prefill, sim)
 	}
 	for i := range opts.Decode {
-		sim, err := startSim(ctx, engine, enginesim.RoleDecode, i, opts.Tune)
+		addr := addrs[opts.Prefill+i]
+		sim, err := startSim(ctx, s.publishing(engine, addr), addr, enginesim.RoleDecode, i, opts.Tune)
 		if err != nil {
 			return nil, err
 		}
@@ -313,28 +341,71 @@ func requestsTotalOf(metrics string) float64 {
 	return sum
 }
 
-func startSim(ctx context.Context, base enginesim.Config, role enginesim.Role, i int, tune func(enginesim.Role, int, *enginesim.Config)) (*enginesim.Server, error) {
+// publishing is base with the engine at addr connecting its KV events to
+// pdx's socket, in mode bind.
+func (s *Stack) publishing(base enginesim.Config, addr string) enginesim.Config {
+	if s.kvBind == "" {
+		return base
+	}
+	k := enginesim.KVEvents{}
+	if base.KVEvents != nil {
+		k = *base.KVEvents
+	}
+	k.Endpoint, k.Connect, k.ReplayEndpoint = s.kvBind, true, ""
+	k.Topic = "kv@" + addr + "@" + Model
+	base.KVEvents = &k
+	return base
+}
+
+func startSim(ctx context.Context, base enginesim.Config, addr string, role enginesim.Role, i int, tune func(enginesim.Role, int, *enginesim.Config)) (*enginesim.Server, error) {
 	cfg := base
 	cfg.Role = role
 	cfg.EngineID = ""
 	if tune != nil {
 		tune(role, i, &cfg)
 	}
-	return enginesim.Start(ctx, "127.0.0.1:0", cfg)
+	return enginesim.Start(ctx, addr, cfg)
 }
 
 // endpoint is what pdx's config says of an engine.
 type endpoint struct {
 	addr, kvAddr          string
 	bootstrapPort, dpSize int
+	// kvEventsPort and kvEventsReplayPort are the engine's KV event
+	// sockets when it publishes (Config.KVEvents): engines on one host
+	// each name their own.
+	kvEventsPort, kvEventsReplayPort int
 }
 
 func endpointsOf(sims []*enginesim.Server) []endpoint {
 	out := make([]endpoint, len(sims))
 	for i, sim := range sims {
-		out[i] = endpoint{addr: sim.Addr(), kvAddr: sim.KVAddr(), bootstrapPort: sim.BootstrapPort(), dpSize: sim.DPSize()}
+		out[i] = endpoint{addr: sim.Addr(), kvAddr: sim.KVAddr(), bootstrapPort: sim.BootstrapPort(), dpSize: sim.DPSize(),
+			kvEventsPort: zmqPort(sim.KVEventsEndpoint()), kvEventsReplayPort: zmqPort(sim.KVEventsReplayEndpoint())}
 	}
 	return out
+}
+
+// withKVEvents keeps the endpoints' KV event ports only when pdx
+// subscribes: engines that publish for another router (a replay's peer)
+// are ordinary endpoints to pdx.
+func withKVEvents(opts Options, eps []endpoint) []endpoint {
+	if opts.KVEvents != "dial" {
+		for i := range eps {
+			eps[i].kvEventsPort, eps[i].kvEventsReplayPort = 0, 0
+		}
+	}
+	return eps
+}
+
+// zmqPort is the port of a tcp:// ZMQ endpoint, 0 for none.
+func zmqPort(ep string) int {
+	_, port, err := net.SplitHostPort(strings.TrimPrefix(ep, "tcp://"))
+	if err != nil {
+		return 0
+	}
+	n, _ := strconv.Atoi(port)
+	return n
 }
 
 // CheckConfig parses the pdx config a stack of opts would run, with
@@ -351,17 +422,20 @@ func CheckConfig(opts Options) error {
 		out := make([]endpoint, max(n, 1))
 		for i := range out {
 			out[i] = endpoint{addr: fmt.Sprintf("127.0.0.1:%d", port+i)}
+			if opts.KVEvents == "dial" {
+				out[i].kvEventsPort = port + 5000 + i
+			}
 		}
 		return out
 	}
-	if _, err := config.Parse([]byte(pdxConfig(opts, placeholders(opts.Prefill, 20000), placeholders(opts.Decode, 30000)))); err != nil {
+	if _, err := config.Parse([]byte(pdxConfig(opts, "", placeholders(opts.Prefill, 20000), placeholders(opts.Decode, 30000)))); err != nil {
 		return fmt.Errorf("stack config: %w", err)
 	}
 	return nil
 }
 
 // pdxConfig is the YAML a user would write for this stack.
-func pdxConfig(opts Options, prefill, decode []endpoint) string {
+func pdxConfig(opts Options, kvBind string, prefill, decode []endpoint) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\n")
 	if opts.MaxBodyBytes > 0 {
@@ -372,6 +446,20 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 	}
 	if opts.EDS || opts.DecodeFallbacks > 0 {
 		fmt.Fprintf(&b, "xds: {enabled: true}\n")
+	}
+	// The engines' published block size is what pdx hashes prompts in.
+	block := 16
+	if c := opts.Engine.Capacity; c != nil {
+		block = c.BlockTokens
+		if k := opts.Engine.KVEvents; k != nil && k.TokenScale > 1 {
+			block *= k.TokenScale
+		}
+	}
+	switch opts.KVEvents {
+	case "dial":
+		fmt.Fprintf(&b, "kv_events: {mode: dial, block_size: %d}\n", block)
+	case "bind":
+		fmt.Fprintf(&b, "kv_events: {mode: bind, bind_address: %q, block_size: %d}\n", cmp.Or(kvBind, "tcp://127.0.0.1:0"), block)
 	}
 	for line := range strings.Lines(opts.ConfigYAML) {
 		fmt.Fprintf(&b, "%s\n", strings.TrimSpace(line))
@@ -400,6 +488,7 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 		if p.dpSize != 0 {
 			fmt.Fprintf(&b, "    dp_size: %d\n", p.dpSize)
 		}
+		p.kvEvents(&b)
 	}
 	fmt.Fprintf(&b, "  decode:\n")
 	for _, d := range decode {
@@ -410,9 +499,22 @@ func pdxConfig(opts Options, prefill, decode []endpoint) string {
 		if d.dpSize != 0 {
 			fmt.Fprintf(&b, "    dp_size: %d\n", d.dpSize)
 		}
+		d.kvEvents(&b)
 	}
 	b.WriteString(opts.PoolsYAML)
 	return b.String()
+}
+
+// kvEvents writes the endpoint's KV event ports, for a config with
+// kv_events in mode dial.
+func (e endpoint) kvEvents(b *strings.Builder) {
+	if e.kvEventsPort == 0 {
+		return // the engine publishes nothing, or kv_events is not on
+	}
+	fmt.Fprintf(b, "    kv_events_port: %d\n", e.kvEventsPort)
+	if e.kvEventsReplayPort != 0 {
+		fmt.Fprintf(b, "    kv_events_replay_port: %d\n", e.kvEventsReplayPort)
+	}
 }
 
 // URL is the base URL clients use, e.g. "http://127.0.0.1:10000".

@@ -181,7 +181,15 @@ type Config struct {
 	// decode cluster is an EDS cluster with the override_host load
 	// balancing policy, so it only ever connects to hosts pdx knows. Off by
 	// default.
-	Xds           *Xds `protobuf:"bytes,11,opt,name=xds,proto3" json:"xds,omitempty"`
+	Xds *Xds `protobuf:"bytes,11,opt,name=xds,proto3" json:"xds,omitempty"`
+	// Subscription to the KV-cache events the engines publish (vLLM
+	// --kv-events-config with the ZMQ publisher, and engines speaking its
+	// wire): what every engine's prefix cache really holds, for precise
+	// placement. Every pool's engines are subscribed to; a pool places by
+	// them when it also gets its prompts' tokens from the engines (the
+	// pool's render, on by default with kv_events). Unset: off, placement
+	// by what pdx sent where.
+	KvEvents      *KVEvents `protobuf:"bytes,12,opt,name=kv_events,json=kvEvents,proto3" json:"kv_events,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -293,6 +301,205 @@ func (x *Config) GetXds() *Xds {
 	return nil
 }
 
+func (x *Config) GetKvEvents() *KVEvents {
+	if x != nil {
+		return x.KvEvents
+	}
+	return nil
+}
+
+// KVEvents is how pdx and the engines' event publishers meet. Every pdx
+// replica subscribes on its own, so all replicas hold the same state.
+type KVEvents struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// "dial" (the default): pdx connects to each engine's publisher, on the
+	// engine's host at port plus the engine's DP rank (vLLM runs one
+	// publisher per rank on consecutive ports). "bind": pdx listens on
+	// bind_address and the engines connect to it (vLLM connects when its
+	// endpoint names no wildcard), each naming itself in its topic,
+	// "kv@<host:port>@<model>" (llm-d's convention; <host> alone when one
+	// engine has that host). Bind serves one pdx replica: a vLLM publisher
+	// connects to one address.
+	Mode string `protobuf:"bytes,1,opt,name=mode,proto3" json:"mode,omitempty"`
+	// dial: the publishers' port on every engine host: the port of vLLM's
+	// kv-events endpoint, "tcp://*:5557" → 5557. Required in dial mode.
+	Port uint32 `protobuf:"varint,2,opt,name=port,proto3" json:"port,omitempty"`
+	// dial: the port of the engines' replay socket (vLLM's replay_endpoint),
+	// plus the DP rank, which pdx asks for the batches it missed. 0 or unset:
+	// none; a missed batch makes pdx forget that engine's blocks and
+	// relearn them.
+	ReplayPort uint32 `protobuf:"varint,3,opt,name=replay_port,json=replayPort,proto3" json:"replay_port,omitempty"`
+	// bind: the ZMQ endpoint pdx listens on, e.g. "tcp://0.0.0.0:5557".
+	// Required in bind mode.
+	BindAddress string `protobuf:"bytes,4,opt,name=bind_address,json=bindAddress,proto3" json:"bind_address,omitempty"`
+	// Only messages whose topic starts with this are read. Default: "" in
+	// dial mode (vLLM's default topic is ""), "kv@" in bind mode.
+	Topic string `protobuf:"bytes,5,opt,name=topic,proto3" json:"topic,omitempty"`
+	// Tokens per KV block of the engines (vLLM --block-size): the unit a
+	// prompt's tokens are hashed in to match the engines' blocks. Default: 16
+	// (vLLM's on GPUs). Events of another block size are not matched, and
+	// counted.
+	BlockSize uint32 `protobuf:"varint,6,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	// Blocks pdx keeps per engine at most; an engine that reports more is
+	// forgotten and relearned (counted). Default: 1048576.
+	MaxBlocksPerEngine uint32 `protobuf:"varint,7,opt,name=max_blocks_per_engine,json=maxBlocksPerEngine,proto3" json:"max_blocks_per_engine,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *KVEvents) Reset() {
+	*x = KVEvents{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KVEvents) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KVEvents) ProtoMessage() {}
+
+func (x *KVEvents) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KVEvents.ProtoReflect.Descriptor instead.
+func (*KVEvents) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *KVEvents) GetMode() string {
+	if x != nil {
+		return x.Mode
+	}
+	return ""
+}
+
+func (x *KVEvents) GetPort() uint32 {
+	if x != nil {
+		return x.Port
+	}
+	return 0
+}
+
+func (x *KVEvents) GetReplayPort() uint32 {
+	if x != nil {
+		return x.ReplayPort
+	}
+	return 0
+}
+
+func (x *KVEvents) GetBindAddress() string {
+	if x != nil {
+		return x.BindAddress
+	}
+	return ""
+}
+
+func (x *KVEvents) GetTopic() string {
+	if x != nil {
+		return x.Topic
+	}
+	return ""
+}
+
+func (x *KVEvents) GetBlockSize() uint32 {
+	if x != nil {
+		return x.BlockSize
+	}
+	return 0
+}
+
+func (x *KVEvents) GetMaxBlocksPerEngine() uint32 {
+	if x != nil {
+		return x.MaxBlocksPerEngine
+	}
+	return 0
+}
+
+// Render is how pdx gets a prompt's token ids from the engines: vLLM's
+// render API (POST /v1/chat/completions/render, /v1/completions/render),
+// which applies the model's chat template and tokenizer without running
+// the model. The tokens key precise placement (kv_events) and give exact
+// token counts to least_work, the decider and saturation. A request whose
+// render fails or is late is placed by pdx's byte estimate (4 bytes a
+// token), counted in pdx_prompt_tokens_total{source="estimate"}.
+type Render struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Do not render: the pool places by the byte estimate even with
+	// kv_events.
+	Disabled bool `protobuf:"varint,1,opt,name=disabled,proto3" json:"disabled,omitempty"`
+	// "host:port" of the server that renders (e.g. a GPU-less `vllm launch
+	// render <model>`). Default: the pool's prefill engines in turn (decode
+	// engines with connector "none"); every vllm serve answers it.
+	Address string `protobuf:"bytes,2,opt,name=address,proto3" json:"address,omitempty"`
+	// Longest a render may take before the request is placed by the
+	// estimate, as a Go duration string. Default: 100ms.
+	Timeout       *durationpb.Duration `protobuf:"bytes,3,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Render) Reset() {
+	*x = Render{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Render) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Render) ProtoMessage() {}
+
+func (x *Render) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Render.ProtoReflect.Descriptor instead.
+func (*Render) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Render) GetDisabled() bool {
+	if x != nil {
+		return x.Disabled
+	}
+	return false
+}
+
+func (x *Render) GetAddress() string {
+	if x != nil {
+		return x.Address
+	}
+	return ""
+}
+
+func (x *Render) GetTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.Timeout
+	}
+	return nil
+}
+
 // Xds is pdx's endpoint discovery service for Envoy.
 type Xds struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -309,7 +516,7 @@ type Xds struct {
 
 func (x *Xds) Reset() {
 	*x = Xds{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -321,7 +528,7 @@ func (x *Xds) String() string {
 func (*Xds) ProtoMessage() {}
 
 func (x *Xds) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -334,7 +541,7 @@ func (x *Xds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Xds.ProtoReflect.Descriptor instead.
 func (*Xds) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Xds) GetEnabled() bool {
@@ -373,7 +580,7 @@ type EngineMetrics struct {
 
 func (x *EngineMetrics) Reset() {
 	*x = EngineMetrics{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -385,7 +592,7 @@ func (x *EngineMetrics) String() string {
 func (*EngineMetrics) ProtoMessage() {}
 
 func (x *EngineMetrics) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -398,7 +605,7 @@ func (x *EngineMetrics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineMetrics.ProtoReflect.Descriptor instead.
 func (*EngineMetrics) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *EngineMetrics) GetDisabled() bool {
@@ -453,7 +660,7 @@ type TLS struct {
 
 func (x *TLS) Reset() {
 	*x = TLS{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -465,7 +672,7 @@ func (x *TLS) String() string {
 func (*TLS) ProtoMessage() {}
 
 func (x *TLS) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -478,7 +685,7 @@ func (x *TLS) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TLS.ProtoReflect.Descriptor instead.
 func (*TLS) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *TLS) GetCertFile() string {
@@ -634,13 +841,16 @@ type Pool struct {
 	// list (override_host over EDS, Envoy Gateway's endpointOverride), never
 	// ORIGINAL_DST, which cannot parse one. Default: 0, one endpoint.
 	DecodeFallbacks uint32 `protobuf:"varint,23,opt,name=decode_fallbacks,json=decodeFallbacks,proto3" json:"decode_fallbacks,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Getting the prompt's tokens from the engines (see Render). Default:
+	// on when the config has kv_events, else off.
+	Render        *Render `protobuf:"bytes,24,opt,name=render,proto3" json:"render,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -652,7 +862,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -665,7 +875,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Pool) GetName() string {
@@ -829,6 +1039,13 @@ func (x *Pool) GetDecodeFallbacks() uint32 {
 	return 0
 }
 
+func (x *Pool) GetRender() *Render {
+	if x != nil {
+		return x.Render
+	}
+	return nil
+}
+
 // Picker selects the picking policy of one leg of a pool.
 type Picker struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -861,7 +1078,7 @@ type Picker struct {
 
 func (x *Picker) Reset() {
 	*x = Picker{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -873,7 +1090,7 @@ func (x *Picker) String() string {
 func (*Picker) ProtoMessage() {}
 
 func (x *Picker) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -886,7 +1103,7 @@ func (x *Picker) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Picker.ProtoReflect.Descriptor instead.
 func (*Picker) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Picker) GetPolicy() string {
@@ -928,7 +1145,7 @@ type Weights struct {
 
 func (x *Weights) Reset() {
 	*x = Weights{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -940,7 +1157,7 @@ func (x *Weights) String() string {
 func (*Weights) ProtoMessage() {}
 
 func (x *Weights) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -953,7 +1170,7 @@ func (x *Weights) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Weights.ProtoReflect.Descriptor instead.
 func (*Weights) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{6}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *Weights) GetPrefix() float64 {
@@ -1002,7 +1219,7 @@ type Disaggregation struct {
 
 func (x *Disaggregation) Reset() {
 	*x = Disaggregation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1014,7 +1231,7 @@ func (x *Disaggregation) String() string {
 func (*Disaggregation) ProtoMessage() {}
 
 func (x *Disaggregation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1027,7 +1244,7 @@ func (x *Disaggregation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Disaggregation.ProtoReflect.Descriptor instead.
 func (*Disaggregation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Disaggregation) GetMinUncachedTokens() uint32 {
@@ -1071,7 +1288,7 @@ type Saturation struct {
 
 func (x *Saturation) Reset() {
 	*x = Saturation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1083,7 +1300,7 @@ func (x *Saturation) String() string {
 func (*Saturation) ProtoMessage() {}
 
 func (x *Saturation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1096,7 +1313,7 @@ func (x *Saturation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Saturation.ProtoReflect.Descriptor instead.
 func (*Saturation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Saturation) GetDisabled() bool {
@@ -1208,7 +1425,7 @@ type KubernetesDiscovery struct {
 
 func (x *KubernetesDiscovery) Reset() {
 	*x = KubernetesDiscovery{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1220,7 +1437,7 @@ func (x *KubernetesDiscovery) String() string {
 func (*KubernetesDiscovery) ProtoMessage() {}
 
 func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1233,7 +1450,7 @@ func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
 func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *KubernetesDiscovery) GetNamespace() string {
@@ -1354,14 +1571,21 @@ type Endpoint struct {
 	// disagg_prefill_dp_rank body fields (see docs/connectors.md,
 	// "Data-parallel ranks"). 0 or 1: no DP, no rank is sent. At most 1024.
 	// Not valid with connectors "trtllm" and "p2p-nccl".
-	DpSize        uint32 `protobuf:"varint,4,opt,name=dp_size,json=dpSize,proto3" json:"dp_size,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	DpSize uint32 `protobuf:"varint,4,opt,name=dp_size,json=dpSize,proto3" json:"dp_size,omitempty"`
+	// Port of the engine's KV event publisher (rank 0's), when it is not
+	// kv_events.port: engines that share a host. Only with kv_events in
+	// mode "dial".
+	KvEventsPort uint32 `protobuf:"varint,5,opt,name=kv_events_port,json=kvEventsPort,proto3" json:"kv_events_port,omitempty"`
+	// Port of the engine's replay socket (rank 0's), when it is not
+	// kv_events.replay_port. Only with kv_events in mode "dial".
+	KvEventsReplayPort uint32 `protobuf:"varint,6,opt,name=kv_events_replay_port,json=kvEventsReplayPort,proto3" json:"kv_events_replay_port,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1373,7 +1597,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1386,7 +1610,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -1417,11 +1641,25 @@ func (x *Endpoint) GetDpSize() uint32 {
 	return 0
 }
 
+func (x *Endpoint) GetKvEventsPort() uint32 {
+	if x != nil {
+		return x.KvEventsPort
+	}
+	return 0
+}
+
+func (x *Endpoint) GetKvEventsReplayPort() uint32 {
+	if x != nil {
+		return x.KvEventsReplayPort
+	}
+	return 0
+}
+
 var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\x99\x04\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xcf\x04\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
@@ -1434,7 +1672,22 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x0eengine_metrics\x18\t \x01(\v2\x1c.pdx.config.v1.EngineMetricsR\rengineMetrics\x123\n" +
 	"\x16end_streams_at_routing\x18\n" +
 	" \x01(\bR\x13endStreamsAtRouting\x12$\n" +
-	"\x03xds\x18\v \x01(\v2\x12.pdx.config.v1.XdsR\x03xds\"B\n" +
+	"\x03xds\x18\v \x01(\v2\x12.pdx.config.v1.XdsR\x03xds\x124\n" +
+	"\tkv_events\x18\f \x01(\v2\x17.pdx.config.v1.KVEventsR\bkvEvents\"\xde\x01\n" +
+	"\bKVEvents\x12\x12\n" +
+	"\x04mode\x18\x01 \x01(\tR\x04mode\x12\x12\n" +
+	"\x04port\x18\x02 \x01(\rR\x04port\x12\x1f\n" +
+	"\vreplay_port\x18\x03 \x01(\rR\n" +
+	"replayPort\x12!\n" +
+	"\fbind_address\x18\x04 \x01(\tR\vbindAddress\x12\x14\n" +
+	"\x05topic\x18\x05 \x01(\tR\x05topic\x12\x1d\n" +
+	"\n" +
+	"block_size\x18\x06 \x01(\rR\tblockSize\x121\n" +
+	"\x15max_blocks_per_engine\x18\a \x01(\rR\x12maxBlocksPerEngine\"s\n" +
+	"\x06Render\x12\x1a\n" +
+	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12\x18\n" +
+	"\aaddress\x18\x02 \x01(\tR\aaddress\x123\n" +
+	"\atimeout\x18\x03 \x01(\v2\x19.google.protobuf.DurationR\atimeout\"B\n" +
 	"\x03Xds\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12!\n" +
 	"\fcluster_name\x18\x02 \x01(\tR\vclusterName\"\xb2\x01\n" +
@@ -1449,7 +1702,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
 	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\x12\x1f\n" +
 	"\vself_signed\x18\x04 \x01(\bR\n" +
-	"selfSigned\"\x8f\t\n" +
+	"selfSigned\"\xbe\t\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -1478,7 +1731,8 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"saturation\x18\x15 \x01(\v2\x19.pdx.config.v1.SaturationR\n" +
 	"saturation\x12.\n" +
 	"\x13prefix_block_tokens\x18\x16 \x01(\rR\x11prefixBlockTokens\x12)\n" +
-	"\x10decode_fallbacks\x18\x17 \x01(\rR\x0fdecodeFallbacks\"s\n" +
+	"\x10decode_fallbacks\x18\x17 \x01(\rR\x0fdecodeFallbacks\x12-\n" +
+	"\x06render\x18\x18 \x01(\v2\x15.pdx.config.v1.RenderR\x06render\"s\n" +
 	"\x06Picker\x12\x16\n" +
 	"\x06policy\x18\x01 \x01(\tR\x06policy\x120\n" +
 	"\aweights\x18\x02 \x01(\v2\x16.pdx.config.v1.WeightsR\aweights\x12\x1f\n" +
@@ -1521,13 +1775,15 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x0edecode_dp_size\x18\r \x01(\rR\fdecodeDpSize\x1a>\n" +
 	"\x10MatchLabelsEntry\x12\x10\n" +
 	"\x03key\x18\x01 \x01(\tR\x03key\x12\x14\n" +
-	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\x83\x01\n" +
+	"\x05value\x18\x02 \x01(\tR\x05value:\x028\x01\"\xdc\x01\n" +
 	"\bEndpoint\x12\x18\n" +
 	"\aaddress\x18\x01 \x01(\tR\aaddress\x12%\n" +
 	"\x0ebootstrap_port\x18\x02 \x01(\rR\rbootstrapPort\x12\x1d\n" +
 	"\n" +
 	"kv_address\x18\x03 \x01(\tR\tkvAddress\x12\x17\n" +
-	"\adp_size\x18\x04 \x01(\rR\x06dpSize*i\n" +
+	"\adp_size\x18\x04 \x01(\rR\x06dpSize\x12$\n" +
+	"\x0ekv_events_port\x18\x05 \x01(\rR\fkvEventsPort\x121\n" +
+	"\x15kv_events_replay_port\x18\x06 \x01(\rR\x12kvEventsReplayPort*i\n" +
 	"\x0ePrefillFailure\x12\x1f\n" +
 	"\x1bPREFILL_FAILURE_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14PREFILL_FAILURE_FAIL\x10\x01\x12\x1c\n" +
@@ -1550,52 +1806,57 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 }
 
 var file_pdx_config_v1_config_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_pdx_config_v1_config_proto_goTypes = []any{
 	(PrefillFailure)(0),         // 0: pdx.config.v1.PrefillFailure
 	(SaturationAction)(0),       // 1: pdx.config.v1.SaturationAction
 	(*Config)(nil),              // 2: pdx.config.v1.Config
-	(*Xds)(nil),                 // 3: pdx.config.v1.Xds
-	(*EngineMetrics)(nil),       // 4: pdx.config.v1.EngineMetrics
-	(*TLS)(nil),                 // 5: pdx.config.v1.TLS
-	(*Pool)(nil),                // 6: pdx.config.v1.Pool
-	(*Picker)(nil),              // 7: pdx.config.v1.Picker
-	(*Weights)(nil),             // 8: pdx.config.v1.Weights
-	(*Disaggregation)(nil),      // 9: pdx.config.v1.Disaggregation
-	(*Saturation)(nil),          // 10: pdx.config.v1.Saturation
-	(*KubernetesDiscovery)(nil), // 11: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),            // 12: pdx.config.v1.Endpoint
-	nil,                         // 13: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil), // 14: google.protobuf.Duration
+	(*KVEvents)(nil),            // 3: pdx.config.v1.KVEvents
+	(*Render)(nil),              // 4: pdx.config.v1.Render
+	(*Xds)(nil),                 // 5: pdx.config.v1.Xds
+	(*EngineMetrics)(nil),       // 6: pdx.config.v1.EngineMetrics
+	(*TLS)(nil),                 // 7: pdx.config.v1.TLS
+	(*Pool)(nil),                // 8: pdx.config.v1.Pool
+	(*Picker)(nil),              // 9: pdx.config.v1.Picker
+	(*Weights)(nil),             // 10: pdx.config.v1.Weights
+	(*Disaggregation)(nil),      // 11: pdx.config.v1.Disaggregation
+	(*Saturation)(nil),          // 12: pdx.config.v1.Saturation
+	(*KubernetesDiscovery)(nil), // 13: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),            // 14: pdx.config.v1.Endpoint
+	nil,                         // 15: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil), // 16: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
-	6,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
-	5,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	14, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
-	4,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
-	3,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
-	14, // 5: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	14, // 6: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	12, // 7: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	12, // 8: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	14, // 9: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	14, // 10: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	0,  // 11: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
-	14, // 12: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	11, // 13: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	7,  // 14: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	7,  // 15: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	9,  // 16: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	10, // 17: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
-	8,  // 18: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	1,  // 19: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
-	14, // 20: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	13, // 21: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	22, // [22:22] is the sub-list for method output_type
-	22, // [22:22] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	8,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
+	7,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
+	16, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	6,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
+	5,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
+	3,  // 5: pdx.config.v1.Config.kv_events:type_name -> pdx.config.v1.KVEvents
+	16, // 6: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
+	16, // 7: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	16, // 8: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	14, // 9: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	14, // 10: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	16, // 11: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	16, // 12: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	0,  // 13: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
+	16, // 14: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	13, // 15: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	9,  // 16: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	9,  // 17: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	11, // 18: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	12, // 19: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	4,  // 20: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
+	10, // 21: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	1,  // 22: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
+	16, // 23: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	15, // 24: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	25, // [25:25] is the sub-list for method output_type
+	25, // [25:25] is the sub-list for method input_type
+	25, // [25:25] is the sub-list for extension type_name
+	25, // [25:25] is the sub-list for extension extendee
+	0,  // [0:25] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -1609,7 +1870,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   12,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

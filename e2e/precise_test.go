@@ -1,0 +1,126 @@
+package e2e
+
+import (
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+	"github.com/pdx-router/pdx/internal/testbed/stack"
+)
+
+// preciseEngines are where TestPrecisePlacement warms each prompt: not
+// the order in which ties go round, so that a pdx that does not read the
+// engines' events lands most follow-ups elsewhere.
+var preciseEngines = []int{2, 0, 2, 1, 1, 0}
+
+// TestPrecisePlacement prefills each prompt first directly on one prefill
+// engine, behind pdx's back, so that only that engine's KV events can tell
+// pdx where the prefix is; a follow-up through Envoy must then prefill
+// there. Both ways to meet the engines' publishers: pdx dials each, and
+// the engines dial pdx naming themselves in their topics. Without events
+// (control) the same follow-ups land where ties go, most elsewhere.
+func TestPrecisePlacement(t *testing.T) {
+	for _, mode := range []string{"dial", "bind", ""} {
+		name := mode
+		if name == "" {
+			name = "control"
+		}
+		t.Run(name, func(t *testing.T) {
+			c := enginesim.ReferenceCapacity(1, 1)
+			// Without scraped loads: an engine's sample of a moment ago
+			// would count the previous follow-up as running there still,
+			// and the test is of where the prefixes are.
+			opts := stack.Options{Prefill: 3, Decode: 1, KVEvents: mode, Engine: enginesim.Config{Capacity: &c},
+				ConfigYAML: "engine_metrics: {disabled: true}"}
+			if mode == "" {
+				// Engines with a prefix cache and a render API, a pdx
+				// that reads neither.
+				opts.PoolYAML = "render: {disabled: true}"
+			}
+			st := startStack(t, opts)
+			hc := &http.Client{Timeout: 30 * time.Second}
+			t.Cleanup(hc.CloseIdleConnections)
+			texts := make([]string, len(preciseEngines))
+			for i, e := range preciseEngines {
+				texts[i] = fmt.Sprintf("tenant %d's shared document: %s", i, strings.Repeat(fmt.Sprintf("clause %d of tenant %d. ", i, i), 200))
+				a := post(t, hc, "http://"+st.Prefill[e].Addr()+"/v1/chat/completions", chatBody(texts[i]))
+				require.Equal(t, 200, a.status, a.body)
+			}
+			if mode != "" {
+				blocks := 0 // the prompts share no block: each starts with its tenant
+				for _, text := range texts {
+					blocks += len(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}})) / (4 * c.BlockTokens)
+				}
+				waitKVBlocks(t, st, blocks)
+			}
+			right := 0
+			for i, e := range preciseEngines {
+				a := post(t, hc, st.URL()+"/v1/chat/completions", chatBody(texts[i]+" And a question about it?"))
+				require.Equal(t, 200, a.status, a.body)
+				if got := prefilledOn(t, st, texts[i]+" And a question about it?"); got == e {
+					right++
+				} else {
+					t.Logf("prompt %d warmed on prefill engine %d, prefilled on %d", i, e, got)
+				}
+			}
+			fams := scrape(t, "http://"+st.Pdx.AdminAddr()+"/metrics")
+			if mode == "" {
+				require.Less(t, right, len(preciseEngines), "without the engines' events pdx cannot know where the prefixes are")
+				require.Zero(t, value(fams, "pdx_prompt_tokens_total", map[string]string{"source": "render"}))
+				return
+			}
+			require.Equal(t, len(preciseEngines), right, "every follow-up prefilled where its prefix is")
+			require.Equal(t, float64(len(preciseEngines)), value(fams, "pdx_prompt_tokens_total", map[string]string{"source": "render"}))
+			require.Zero(t, value(fams, "pdx_prompt_tokens_total", map[string]string{"source": "estimate"}))
+			for _, e := range st.Engines() {
+				require.Zero(t, e.Tally().Rejected, e.Addr())
+			}
+		})
+	}
+}
+
+// chatBody is a one-message chat request of the stack's model.
+func chatBody(text string) string {
+	b, _ := json.Marshal(map[string]any{
+		"model": stack.Model, "max_tokens": 1,
+		"messages": []map[string]string{{"role": "user", "content": text}},
+	})
+	return string(b)
+}
+
+// prefilledOn is the prefill engine that ran the prefill leg of the chat
+// request with text, -1 if none did.
+func prefilledOn(t *testing.T, st *stack.Stack, text string) int {
+	t.Helper()
+	want := enginesim.Fingerprint(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}}))
+	for i, e := range st.Prefill {
+		for _, r := range e.Records() {
+			if r.Kind == enginesim.KindPrefill && r.Fingerprint == want {
+				return i
+			}
+		}
+	}
+	return -1
+}
+
+// waitKVBlocks waits until pdx's index holds n blocks on the GPU tiers
+// of the engines, as pdx_kv_cache_blocks tells: the events travel on their
+// own.
+func waitKVBlocks(t *testing.T, st *stack.Stack, n int) {
+	t.Helper()
+	held := 0.0
+	require.Eventually(t, func() bool {
+		fams := scrape(t, "http://"+st.Pdx.AdminAddr()+"/metrics")
+		held = 0
+		for _, m := range matching(fams, "pdx_kv_cache_blocks", map[string]string{"tier": "gpu"}) {
+			held += m.GetGauge().GetValue()
+		}
+		return held >= float64(n)
+	}, 20*time.Second, 50*time.Millisecond, "pdx heard of %v of the engines' %d blocks", held, n)
+}

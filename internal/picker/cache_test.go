@@ -1,0 +1,87 @@
+package picker
+
+import (
+	"testing"
+
+	"github.com/stretchr/testify/require"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+)
+
+// engineCache is a PrefixCache that holds, per address, the blocks an
+// engine reports: a stand-in for package kvcache's index.
+type engineCache struct {
+	slots map[string]int32
+	held  [][]uint64 // by slot
+}
+
+func newEngineCache(held map[string][]uint64) *engineCache {
+	c := &engineCache{slots: map[string]int32{}}
+	for addr, blocks := range held {
+		c.slots[addr] = int32(len(c.held))
+		c.held = append(c.held, blocks)
+	}
+	return c
+}
+
+func (c *engineCache) Register(address string) int32 {
+	if s, ok := c.slots[address]; ok {
+		return s
+	}
+	return -1
+}
+
+func (c *engineCache) Held(slot int32, blocks []uint64) int {
+	if slot < 0 {
+		return 0
+	}
+	n := 0
+	for n < len(blocks) && n < len(c.held[slot]) && c.held[slot][n] == blocks[n] {
+		n++
+	}
+	return n
+}
+
+func (c *engineCache) Match(blocks []uint64, slots, depth []int32) int32 {
+	deepest := int32(0)
+	for i, s := range slots {
+		depth[i] = int32(c.Held(s, blocks))
+		deepest = max(deepest, depth[i])
+	}
+	return deepest
+}
+
+// With a PrefixCache, a request with the engines' tokens is placed by what
+// the engines hold, not by what pdx sent where; one without them (its
+// render failed) by what pdx sent.
+func TestPreciseMatching(t *testing.T) {
+	eps := endpoints(3)
+	tokens := []uint64{11, 12, 13, 14}
+	cache := newEngineCache(map[string][]uint64{
+		eps[0].Address: {11},
+		eps[2].Address: {11, 12, 13},
+	})
+	for _, policy := range []string{LeastWorkPolicy, LoadAwarePolicy} {
+		t.Run(policy, func(t *testing.T) {
+			set := NewSet(eps, Options{Cache: cache})
+			leg, err := NewLeg(set, &configv1.Picker{Policy: policy}, RolePrefill)
+			require.NoError(t, err)
+			sent := blocksOf(1, 2, 3, 4)
+			// pdx sent this prompt to endpoint 1 before.
+			warm, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 256})
+			require.True(t, ok)
+			warm.End(Succeeded)
+			for range 2 {
+				l, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 256, TokenBlocks: tokens, TokenBlockSize: 16})
+				require.True(t, ok)
+				require.Equal(t, eps[2], l.Endpoint(), "the engine holding the deepest prefix of the prompt's tokens")
+				require.Equal(t, 48, l.Cached(), "three blocks of 16 tokens")
+				l.End(Succeeded)
+			}
+			l, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 256})
+			require.True(t, ok)
+			require.Equal(t, warm.Endpoint(), l.Endpoint(), "without tokens: where pdx sent the prompt")
+			l.End(Succeeded)
+		})
+	}
+}

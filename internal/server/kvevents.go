@@ -1,0 +1,109 @@
+package server
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"strconv"
+	"time"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/kvevents"
+)
+
+// engineRefresh is how often the subscriptions follow the routing table's
+// engines (reloads, discovery); a SetEngines with the same engines does
+// nothing.
+const engineRefresh = time.Second
+
+// subscribe starts reading the engines' KV events into the routing table's
+// prefix cache, off every request's path. The mode, ports and topic are
+// the config's at start; the engines follow the table.
+func (s *Server) subscribe(k *configv1.KVEvents) error {
+	cache := s.proc.Table().PrefixCache()
+	if k == nil || cache == nil {
+		return nil
+	}
+	opts := kvevents.Options{Sink: cache, Topic: k.GetTopic(), Log: s.log.With(slog.String("component", "kv_events"))}
+	if k.GetMode() == config.KVEventsBind {
+		opts.Bind = k.GetBindAddress()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	sub, err := kvevents.Start(ctx, opts)
+	if err != nil {
+		cancel()
+		return err
+	}
+	s.kvEvents, s.stopEvents, s.eventsDone = sub, cancel, make(chan struct{})
+	s.metrics.CollectKVEvents(sub, cache)
+	follow := func() {
+		if err := sub.SetEngines(publishers(k, s.proc.Table().Endpoints())); err != nil {
+			s.log.Warn("kv events: engines not subscribed", slog.String("error", err.Error()))
+		}
+	}
+	follow()
+	go func() {
+		defer close(s.eventsDone)
+		tick := time.NewTicker(engineRefresh)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+				follow()
+			}
+		}
+	}()
+	return nil
+}
+
+// publishers are the KV event sources of eps: in mode dial each engine's
+// publisher on its host, at its own port or the config's; in mode bind the
+// engines themselves, which dial pdx and name themselves in their topics.
+func publishers(k *configv1.KVEvents, eps []endpoint.Endpoint) []kvevents.Engine {
+	out := make([]kvevents.Engine, 0, len(eps))
+	for _, ep := range eps {
+		e := kvevents.Engine{Addr: ep.Address, DPSize: ep.DPSize}
+		if k.GetMode() != config.KVEventsBind {
+			e.Endpoint = zmqEndpoint(ep.Host(), ep.KVEventsPort, int(k.GetPort()))
+			e.Replay = zmqEndpoint(ep.Host(), ep.KVEventsReplayPort, int(k.GetReplayPort()))
+		}
+		out = append(out, e)
+	}
+	return out
+}
+
+// zmqEndpoint is tcp://host:port with the endpoint's own port, else the
+// config's; "" when neither is set.
+func zmqEndpoint(host string, own, configured int) string {
+	port := own
+	if port == 0 {
+		port = configured
+	}
+	if port == 0 {
+		return ""
+	}
+	return "tcp://" + net.JoinHostPort(host, strconv.Itoa(port))
+}
+
+// KVEventsAddr is where pdx listens for engines' KV events (kv_events in
+// mode bind), "" otherwise.
+func (s *Server) KVEventsAddr() string {
+	if s.kvEvents == nil {
+		return ""
+	}
+	return s.kvEvents.Addr()
+}
+
+// stopSubscribing ends the subscriptions.
+func (s *Server) stopSubscribing() {
+	if s.stopEvents == nil {
+		return
+	}
+	s.stopEvents()
+	<-s.eventsDone
+	_ = s.kvEvents.Close()
+}
