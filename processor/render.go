@@ -7,10 +7,12 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/kvcache"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -32,12 +34,6 @@ const (
 // 128k tokens in vLLM's 16-token blocks; engines with smaller blocks match
 // a shorter head.
 const maxTokenBlocks = 8192
-
-// rendered is the part of a render answer pdx reads: vLLM's
-// GenerateRequest (vllm/entrypoints/serve/disagg/protocol.py).
-type rendered struct {
-	TokenIDs []uint32 `json:"token_ids"`
-}
 
 // tokenize gets the request's prompt tokens from the pool's render server
 // and hashes them in the engines' blocks for precise placement. It reports
@@ -90,25 +86,85 @@ func (r *request) render(ctx context.Context, pool *routing.Pool, creq *connecto
 }
 
 // renderedTokens reads the token ids of a render answer: one
-// GenerateRequest for a chat, a list of them (one a prompt) for a
-// completion, of which placement uses the first.
+// GenerateRequest (vllm/entrypoints/serve/disagg/protocol.py) for a chat,
+// a list of them (one a prompt) for a completion, of which placement uses
+// the first. A 32 KiB prompt's answer holds some 8,000 ids, which
+// encoding/json takes milliseconds to decode into integers; the ids are
+// read by hand instead, after jsonedit validated the object.
 func renderedTokens(answer []byte) ([]uint32, error) {
 	answer = bytes.TrimSpace(answer)
-	var g rendered
 	if len(answer) > 0 && answer[0] == '[' {
-		var list []rendered
+		var list []json.RawMessage
 		if err := json.Unmarshal(answer, &list); err != nil {
 			return nil, fmt.Errorf("render answer: %w", err)
 		}
 		if len(list) == 0 {
 			return nil, errors.New("render answer: an empty list")
 		}
-		g = list[0]
-	} else if err := json.Unmarshal(answer, &g); err != nil {
+		answer = list[0]
+	}
+	g, err := jsonedit.Parse(answer)
+	if err != nil {
 		return nil, fmt.Errorf("render answer: %w", err)
 	}
-	if len(g.TokenIDs) == 0 {
+	raw, ok := g.Raw("token_ids")
+	if !ok {
 		return nil, errors.New("render answer: no token_ids")
 	}
-	return g.TokenIDs, nil
+	ids, err := tokenIDs(raw)
+	if err != nil {
+		return nil, fmt.Errorf("render answer: token_ids: %w", err)
+	}
+	if len(ids) == 0 {
+		return nil, errors.New("render answer: no token_ids")
+	}
+	return ids, nil
+}
+
+// errNotTokenIDs is a token_ids that is not an array of integers in [0,
+// 2^32).
+var errNotTokenIDs = errors.New("not an array of token ids")
+
+// tokenIDs parses a JSON array of token ids (raw is valid JSON).
+func tokenIDs(raw []byte) ([]uint32, error) {
+	if len(raw) < 2 || raw[0] != '[' {
+		return nil, errNotTokenIDs
+	}
+	ids := make([]uint32, 0, bytes.Count(raw, []byte{','})+1)
+	i := skipSpace(raw, 1)
+	if raw[i] == ']' {
+		return ids[:0], nil
+	}
+	for {
+		start := i
+		var v uint64
+		for i < len(raw) && raw[i] >= '0' && raw[i] <= '9' {
+			v = v*10 + uint64(raw[i]-'0')
+			if v > math.MaxUint32 {
+				return nil, errNotTokenIDs
+			}
+			i++
+		}
+		if i == start || (raw[start] == '0' && i-start > 1) {
+			return nil, errNotTokenIDs
+		}
+		ids = append(ids, uint32(v))
+		switch i = skipSpace(raw, i); {
+		case i < len(raw) && raw[i] == ',':
+			i = skipSpace(raw, i+1)
+		case i < len(raw) && raw[i] == ']':
+			return ids, nil
+		default:
+			return nil, errNotTokenIDs // a fraction, an exponent, a string
+		}
+	}
+}
+
+// skipSpace returns the index of the first byte at or after i that is not
+// JSON white space.
+func skipSpace(b []byte, i int) int {
+	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
+		i++
+	}
+	return i
 }

@@ -15,6 +15,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
@@ -62,8 +63,20 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&plan.ExtraPoolYAML, "pool-yaml", "", `YAML lines added to every policy's pool, e.g. "saturation: {disabled: true}"`)
 	fs.IntVar(&plan.Repeats, "repeats", 1, "fresh replays pooled per run (the grid's time grows with it)")
 	fs.StringVar(&plan.Rig.EnvoyBin, "envoy-bin", "", "Envoy binary (default: $ENVOY_BIN or the one `make envoy` installs)")
+	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the harness process (pdx, the simulators, the client) to this file")
 	if err := fs.Parse(args); err != nil {
 		return err
+	}
+	if *cpuProfile != "" {
+		f, err := os.Create(*cpuProfile)
+		if err != nil {
+			return err
+		}
+		defer f.Close()
+		if err := pprof.StartCPUProfile(f); err != nil {
+			return err
+		}
+		defer pprof.StopCPUProfile()
 	}
 	var err error
 	if plan.Loads, err = floats("loads", *loads); err != nil {

@@ -68,20 +68,42 @@ func TestPreciseMatching(t *testing.T) {
 			require.NoError(t, err)
 			sent := blocksOf(1, 2, 3, 4)
 			// pdx sent this prompt to endpoint 1 before.
-			warm, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 256})
+			warm, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 1000})
 			require.True(t, ok)
+			require.NotEqual(t, eps[2], warm.Endpoint())
 			warm.End(Succeeded)
 			for range 2 {
-				l, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 256, TokenBlocks: tokens, TokenBlockSize: 16})
+				l, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 1000, TokenBlocks: tokens, TokenBlockSize: 200})
 				require.True(t, ok)
-				require.Equal(t, eps[2], l.Endpoint(), "the engine holding the deepest prefix of the prompt's tokens")
-				require.Equal(t, 48, l.Cached(), "three blocks of 16 tokens")
+				require.Equal(t, eps[2], l.Endpoint(), "the engine holding more of the prompt's tokens than pdx sent anywhere")
+				require.Equal(t, 600, l.Cached(), "three blocks of 200 tokens")
 				l.End(Succeeded)
 			}
-			l, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 256})
+			l, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 1000})
 			require.True(t, ok)
 			require.Equal(t, warm.Endpoint(), l.Endpoint(), "without tokens: where pdx sent the prompt")
 			l.End(Succeeded)
 		})
+	}
+}
+
+// A prompt the engines report holding less of than pdx sent goes where pdx
+// sent it, not wherever ties go: its events are late, or its KV was
+// evicted there and is best computed there again.
+func TestPreciseFallsBackToWhatWasSent(t *testing.T) {
+	eps := endpoints(3)
+	set := NewSet(eps, Options{Cache: newEngineCache(nil)})
+	leg, err := NewLeg(set, &configv1.Picker{Policy: LeastWorkPolicy}, RolePrefill)
+	require.NoError(t, err)
+	req := Request{Blocks: blocksOf(1, 2, 3, 4), BlockTokens: 64, Tokens: 256, TokenBlocks: []uint64{11, 12}, TokenBlockSize: 16}
+	first, ok := leg.Pick(req)
+	require.True(t, ok)
+	first.End(Succeeded)
+	for range 3 {
+		l, ok := leg.Pick(req)
+		require.True(t, ok)
+		require.Equal(t, first.Endpoint(), l.Endpoint())
+		require.Equal(t, 256, l.Cached(), "as pdx sent it: the engines' events may be late")
+		l.End(Succeeded)
 	}
 }

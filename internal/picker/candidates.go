@@ -25,12 +25,11 @@ type Candidates struct {
 	// blocks, blockTokens and tokens are the request's prompt (Request).
 	blocks              []uint64
 	blockTokens, tokens int
-	// matched and matchTokens are the blocks prefix matches read, and
-	// their size: the request's TokenBlocks when the view has a cache and
-	// the request has them (precise), else blocks.
-	matched     []uint64
-	matchTokens int
-	precise     bool
+	// tokenBlocks and tokenBlockSize are the request's TokenBlocks when
+	// the view has a cache (precise: the engines' word counts too), else
+	// nil.
+	tokenBlocks    []uint64
+	tokenBlockSize int
 	// after is where a fallback's order goes on: the candidate after the
 	// last one the request tried (0 when it tried none of them).
 	after int
@@ -38,10 +37,11 @@ type Candidates struct {
 	// are not read yet.
 	signals []signal
 	gen     uint32
-	// depths, once depthsRead, are by position in v how many leading
-	// blocks this pdx sent each endpoint.
-	depths     []int32
-	depthsRead bool
+	// sent, once read, are by position in v how many leading blocks this
+	// pdx sent each endpoint; held, for a precise pick, how many leading
+	// token blocks each engine reports holding.
+	sent, held         []int32
+	sentRead, heldRead bool
 	// start is Start's answer, -1 until asked.
 	start int
 }
@@ -86,11 +86,11 @@ func (s *Set) candidates(req *Request) *Candidates {
 	c := getCandidates()
 	c.v, c.members, c.group, c.n, c.now = v, members, id, n, s.clock()
 	c.blocks, c.blockTokens, c.tokens = req.Blocks, req.BlockTokens, req.Tokens
-	c.matched, c.matchTokens, c.precise = req.Blocks, req.BlockTokens, false
+	c.tokenBlocks, c.tokenBlockSize = nil, 0
 	if v.cache != nil && req.TokenBlocks != nil {
-		c.matched, c.matchTokens, c.precise = req.TokenBlocks, req.TokenBlockSize, true
+		c.tokenBlocks, c.tokenBlockSize = req.TokenBlocks, req.TokenBlockSize
 	}
-	c.after, c.depthsRead, c.start = 0, false, -1
+	c.after, c.sentRead, c.heldRead, c.start = 0, false, false, -1
 	if c.gen++; c.gen == 0 {
 		// Wrapped around: an old signal could pass for a current one.
 		clear(c.signals)
@@ -118,7 +118,7 @@ func (s *Set) candidates(req *Request) *Candidates {
 
 // release returns c to the pool, keeping no view or prompt alive.
 func (c *Candidates) release() {
-	c.v, c.members, c.blocks, c.matched = nil, nil, nil, nil
+	c.v, c.members, c.blocks, c.tokenBlocks = nil, nil, nil, nil
 	putCandidates(c)
 }
 
@@ -148,33 +148,76 @@ func (c *Candidates) signal(k int) *signal {
 	return g
 }
 
-// depth is how many of the prompt's leading blocks (of matchedBlocks)
-// candidate k's engine holds: as it reports them when the pick is precise,
-// else as far as this pdx sent them there.
-func (c *Candidates) depth(k int) int {
-	if len(c.matched) == 0 {
+// sentDepth is how many of the prompt's leading blocks this pdx has sent
+// candidate k: the prefix its engine is likely to hold.
+func (c *Candidates) sentDepth(k int) int {
+	if len(c.blocks) == 0 {
 		return 0
 	}
-	if !c.depthsRead {
-		if n := len(c.v.endpoints); cap(c.depths) < n {
-			c.depths = make([]int32, n)
-		}
-		c.depths = c.depths[:len(c.v.endpoints)]
-		if c.precise {
-			c.v.cache.Match(c.matched, c.v.slots, c.depths)
-		} else {
-			c.v.index.matches(c.matched, c.depths)
-		}
-		c.depthsRead = true
+	if !c.sentRead {
+		c.sent = sized(c.sent, len(c.v.endpoints))
+		c.v.index.matches(c.blocks, c.sent)
+		c.sentRead = true
 	}
-	return int(c.depths[position(c.members, k)])
+	return int(c.sent[position(c.members, k)])
 }
 
-// matchedBlocks is how many blocks depth counts in: the prompt's.
-func (c *Candidates) matchedBlocks() int { return len(c.matched) }
+// heldDepth is how many of the prompt's leading token blocks candidate
+// k's engine reports holding; 0 for a pick that is not precise.
+func (c *Candidates) heldDepth(k int) int {
+	if len(c.tokenBlocks) == 0 {
+		return 0
+	}
+	if !c.heldRead {
+		c.held = sized(c.held, len(c.v.endpoints))
+		c.v.cache.Match(c.tokenBlocks, c.v.slots, c.held)
+		c.heldRead = true
+	}
+	return int(c.held[position(c.members, k)])
+}
 
-// cachedTokens is how many of the prompt's tokens candidate k holds.
-func (c *Candidates) cachedTokens(k int) int { return min(c.depth(k)*c.matchTokens, c.tokens) }
+// sized is buf with n elements, grown if it must be.
+func sized(buf []int32, n int) []int32 {
+	if cap(buf) < n {
+		return make([]int32, n)
+	}
+	return buf[:n]
+}
+
+// cachedTokens is how many of the prompt's tokens candidate k is taken to
+// hold. A precise pick counts what the engine reports or, when that is
+// less, what pdx sent it: the engine's events of a prefill pdx sent may
+// not have arrived yet, and a prompt whose KV the engine evicted is best
+// sent there again, keeping a conversation or a tenant on one engine
+// rather than on whichever is idle (which would spread every tenant over
+// every cache). Where the engines report more than pdx sent (another
+// replica's or router's traffic, a prefix pdx sent under other bytes),
+// their word counts.
+func (c *Candidates) cachedTokens(k int) int {
+	n := c.sentDepth(k) * c.blockTokens
+	if c.tokenBlocks != nil {
+		n = max(n, c.heldDepth(k)*c.tokenBlockSize)
+	}
+	return min(n, c.tokens)
+}
+
+// prefixShare is the share of the prompt candidate k holds, in [0, 1].
+func (c *Candidates) prefixShare(k int) float64 {
+	if c.tokenBlocks == nil {
+		if len(c.blocks) == 0 {
+			return 0
+		}
+		return float64(c.sentDepth(k)) / float64(len(c.blocks))
+	}
+	if c.tokens <= 0 {
+		return 0
+	}
+	return float64(c.cachedTokens(k)) / float64(c.tokens)
+}
+
+// hasPrompt reports whether the pick knows anything of the prompt to
+// match.
+func (c *Candidates) hasPrompt() bool { return len(c.blocks) > 0 || len(c.tokenBlocks) > 0 }
 
 // seed is candidate k's rendezvous seed (the hash of its address).
 func (c *Candidates) seed(k int) uint64 { return c.v.states[position(c.members, k)].seed }

@@ -45,10 +45,11 @@ func (s *Set) lease(v *view, i int, req *Request, role Role) Lease {
 	// What the endpoint has cached is read before this prompt counts as
 	// sent there.
 	if role == RolePrefill || req.NeedCached {
+		l.cached = v.index.matched(pos, req.Blocks) * req.BlockTokens
 		if v.cache != nil && req.TokenBlocks != nil {
-			l.cached = min(v.cache.Held(v.slots[i], req.TokenBlocks)*req.TokenBlockSize, req.Tokens)
-		} else {
-			l.cached = v.index.matched(pos, req.Blocks) * req.BlockTokens
+			// As the pick counted it (Candidates.cachedTokens).
+			held := v.cache.Held(v.slots[i], req.TokenBlocks) * req.TokenBlockSize
+			l.cached = min(max(l.cached, held), req.Tokens)
 		}
 	}
 	if role == RolePrefill {

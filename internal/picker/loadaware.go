@@ -88,7 +88,7 @@ func (p *LoadAware) Choose(c *Candidates) int {
 			flight.add(g.inFlight)
 		}
 	}
-	prefix := p.w.Prefix > 0 && c.matchedBlocks() > 0
+	prefix := p.w.Prefix > 0 && c.hasPrompt()
 	start := c.Start()
 	best, bestScore := -1, 0.0
 	for j := range n {
@@ -99,7 +99,7 @@ func (p *LoadAware) Choose(c *Candidates) int {
 		}
 		score := p.w.Queue*queue.score(g.queued()) + p.w.InFlight*flight.score(g.inFlight)
 		if prefix {
-			score += p.w.Prefix * float64(c.depth(k)) / float64(c.matchedBlocks())
+			score += p.w.Prefix * c.prefixShare(k)
 		}
 		if p.w.KVUsage != 0 {
 			free := 0.5
