@@ -33,9 +33,10 @@ func TestPrecisePlacement(t *testing.T) {
 		}
 		t.Run(name, func(t *testing.T) {
 			c := enginesim.ReferenceCapacity(1, 1)
-			// Without scraped loads: an engine's sample of a moment ago
-			// would count the previous follow-up as running there still,
-			// and the test is of where the prefixes are.
+			// Without scraped loads: a sample taken while the test warmed
+			// an engine behind pdx's back counts that request as another
+			// router's for a scrape, and the test is of where the
+			// prefixes are.
 			opts := stack.Options{Prefill: 3, Decode: 1, KVEvents: mode, Engine: enginesim.Config{Capacity: &c},
 				ConfigYAML: "engine_metrics: {disabled: true}"}
 			if mode == "" {

@@ -35,6 +35,9 @@ type load struct {
 	waiting, running int
 	kvUsage          float64
 	at               int64
+	// ours is how many of this pdx's requests were on the endpoint when the
+	// load was stored: those of the engine's requests it knows of.
+	ours int
 }
 
 // Observe stores what the engine at address said of its load, for every
@@ -42,10 +45,10 @@ type load struct {
 // (the engine metrics scraper).
 func (s *Set) Observe(address string, l Load) {
 	v := s.view.Load()
-	ld := &load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base))}
 	for i, ep := range v.endpoints {
 		if ep.Address == address {
-			v.states[i].load.Store(ld)
+			h := v.states[i]
+			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load())})
 		}
 	}
 	s.room.wake() // a lighter load may make room
@@ -68,9 +71,10 @@ func (s *Set) Addresses() []string {
 type signal struct {
 	inFlight, inFlightTokens int
 	// waiting, running and kvUsage are the engine's load when fresh; else
-	// 0, 0 and -1.
-	waiting, running int
-	kvUsage          float64
+	// 0, 0 and -1. foreign are the engine's requests pdx did not send, as
+	// of that load: its waiting and running ones less pdx's then.
+	waiting, running, foreign int
+	kvUsage                   float64
 	// gen is the pick that read it (see Candidates.signal).
 	gen uint32
 	// admitted: not ejected; usable: admitted and not saturated; fresh:
@@ -97,6 +101,7 @@ func (t *instant) look(h *health, g *signal) {
 		g.admitted = now >= u
 		if l != nil && now-l.at <= t.set.staleAfter {
 			g.fresh, g.waiting, g.running, g.kvUsage = true, l.waiting, l.running, l.kvUsage
+			g.foreign = max(l.waiting+l.running-l.ours, 0)
 		}
 	}
 	if sat := &t.set.saturation; sat.MaxInFlight > 0 || g.fresh {

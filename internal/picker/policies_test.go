@@ -372,3 +372,27 @@ func TestLeastWork(t *testing.T) {
 		})
 	}
 }
+
+// An engine's sample counts pdx's own requests of the moment it was taken
+// as pdx's: one that ended since is not another router's still running
+// there, and one sent since does not hide another's.
+func TestLeastWorkCountsForeignRequestsAtTheSample(t *testing.T) {
+	eps := endpoints(2)
+	clk := newFakeClock()
+	set := NewSet(eps, Options{Now: clk.Now})
+	leg, err := NewLeg(set, &configv1.Picker{Policy: LeastWorkPolicy}, RolePrefill)
+	require.NoError(t, err)
+	mine := hold(t, set, eps[0], nil, 1000)
+	set.Observe(eps[0].Address, Load{Running: 1, At: clk.Now()}) // pdx's own
+	set.Observe(eps[1].Address, Load{At: clk.Now()})
+	mine.End(Succeeded)
+	for range 4 {
+		l, ok := leg.Pick(Request{Tokens: 1000})
+		require.True(t, ok)
+		l.End(Succeeded)
+		if l.Endpoint() == eps[0] {
+			return // a tie, gone round to the engine whose only request was pdx's
+		}
+	}
+	t.Fatal("the engine whose running request was pdx's, now ended, was never picked")
+}
