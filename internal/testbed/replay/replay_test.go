@@ -22,15 +22,18 @@ func TestProfiles(t *testing.T) {
 		return out
 	}
 	all := Profiles(Scale{TokenScale: 16})
-	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "prefix-affinity",
+	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "prefix-affinity", "precise",
 		"vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle"}, names(all))
-	for _, p := range all[5:8] {
+	precise := all[5]
+	require.True(t, precise.pdx() && precise.KVEvents, "pdx reading the engines' events")
+	require.Contains(t, precise.Config(), "kv_events")
+	for _, p := range all[6:9] {
 		require.NotEmpty(t, p.Peer, p.Name)
 		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
 		require.Contains(t, p.Config(), "--policy "+p.Peer)
 		require.Equal(t, p.Peer == "kv_aware", p.KVEvents, "only kv_aware reads the engines' KV events")
 	}
-	oracle := all[8]
+	oracle := all[9]
 	require.True(t, oracle.Oracle)
 	require.Empty(t, oracle.Peer+oracle.PoolYAML+oracle.ConfigYAML, "the oracle is neither a peer nor pdx")
 	require.False(t, oracle.pdx())
@@ -59,8 +62,8 @@ func TestCheckProfiles(t *testing.T) {
 	require.ErrorContains(t, err, "policy broken")
 
 	t.Setenv(vllmrouter.DirEnv, t.TempDir())
-	require.NoError(t, rig.CheckProfiles(append(all[:5:5], all[8])), "pdx's profiles and the oracle need no vllm-router")
-	err = rig.CheckProfiles(all[5:6])
+	require.NoError(t, rig.CheckProfiles(append(all[:6:6], all[9])), "pdx's profiles and the oracle need no vllm-router")
+	err = rig.CheckProfiles(all[6:7])
 	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
 	require.ErrorContains(t, err, "policy vllm-router-cache-aware")
 	t.Setenv(vllmrouter.DirEnv, installed)
@@ -115,14 +118,15 @@ func TestSendMixUp(t *testing.T) {
 
 // TestReplay replays a few dozen requests of the conversation trace through
 // the real Envoy, pdx (two replicas in the affinity run) and simulated
-// engines with round robin at one load point, and through vllm-router
-// (cache_aware) over the same engines: every answer whole and its own, no
+// engines with round robin and precise placement (the engines publishing
+// their KV events to every replica) at one load point, and through
+// vllm-router (cache_aware, kv_aware) over the same engines: every answer whole and its own, no
 // KV hand-off refused, the engines' prefix caches counting (every request
 // of the trace starts with the same block), the router's CPU measured,
 // the peer kept out of the replica runs, the report written.
 func TestReplay(t *testing.T) {
 	out := t.TempDir()
-	profiles, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{"round-robin", "vllm-router-cache-aware", "vllm-router-kv-aware"})
+	profiles, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{"round-robin", PreciseProfile, "vllm-router-cache-aware", "vllm-router-kv-aware"})
 	require.NoError(t, err)
 	plan := Plan{
 		Rig:           Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625},
@@ -138,21 +142,22 @@ func TestReplay(t *testing.T) {
 	}
 	rep, err := Run(t.Context(), plan)
 	require.NoError(t, err)
-	require.Len(t, rep.Runs, 3)
-	require.Equal(t, []string{"round-robin", "vllm-router-cache-aware", "vllm-router-kv-aware"},
-		[]string{rep.Runs[0].Policy, rep.Runs[1].Policy, rep.Runs[2].Policy})
-	require.Empty(t, rep.Runs[0].VLLMRouter)
-	require.Equal(t, vllmrouter.Version, rep.Runs[1].VLLMRouter)
-	require.Equal(t, vllmrouter.Version, rep.Runs[2].VLLMRouter)
+	require.Len(t, rep.Runs, 4)
+	require.Equal(t, []string{"round-robin", PreciseProfile, "vllm-router-cache-aware", "vllm-router-kv-aware"},
+		[]string{rep.Runs[0].Policy, rep.Runs[1].Policy, rep.Runs[2].Policy, rep.Runs[3].Policy})
+	require.Empty(t, rep.Runs[0].VLLMRouter+rep.Runs[1].VLLMRouter)
+	cacheAware, kvAware := rep.Runs[2], rep.Runs[3]
+	require.Equal(t, vllmrouter.Version, cacheAware.VLLMRouter)
+	require.Equal(t, vllmrouter.Version, kvAware.VLLMRouter)
 	// kv_aware placed by the engines' KV events: it looked up every
 	// prefill and found the trace's shared first block in some engine's.
-	require.Zero(t, rep.Runs[1].PeerKVLookups, "cache_aware reads no events")
-	require.GreaterOrEqual(t, rep.Runs[2].PeerKVLookups, 40)
-	require.Positive(t, rep.Runs[2].PeerKVHits)
-	t.Logf("kv_aware: %d of %d placement lookups hit", rep.Runs[2].PeerKVHits, rep.Runs[2].PeerKVLookups)
+	require.Zero(t, cacheAware.PeerKVLookups, "cache_aware reads no events")
+	require.GreaterOrEqual(t, kvAware.PeerKVLookups, 40)
+	require.Positive(t, kvAware.PeerKVHits)
+	t.Logf("kv_aware: %d of %d placement lookups hit", kvAware.PeerKVHits, kvAware.PeerKVLookups)
 	require.Equal(t, vllmrouter.Version, rep.VLLMRouter)
-	require.Len(t, rep.ReplicaRuns, 2, "round robin at 1 and 2 replicas; no peer")
-	require.Equal(t, 2, rep.ReplicaRuns[1].Replicas)
+	require.Len(t, rep.ReplicaRuns, 4, "round robin and precise at 1 and 2 replicas; no peer")
+	require.Equal(t, []int{1, 2, 1, 2}, []int{rep.ReplicaRuns[0].Replicas, rep.ReplicaRuns[1].Replicas, rep.ReplicaRuns[2].Replicas, rep.ReplicaRuns[3].Replicas})
 	for _, r := range append(rep.Runs, rep.ReplicaRuns...) {
 		require.Equal(t, 40, r.Requests)
 		require.Zero(t, r.Errors, "%v", r.ErrorSamples)
