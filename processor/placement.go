@@ -84,8 +84,6 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 func (r *request) pick() picker.Request {
 	req := picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset}
 	if r.rendered {
-		// Not nil even when the prompt is shorter than a block: the
-		// engines' tokens, not the estimate, decide.
 		req.TokenBlocks, req.TokenBlockSize = r.tokenBlocks, r.tokenBlockSize
 	}
 	return req

@@ -38,28 +38,34 @@ const maxTokenBlocks = 8192
 // tokenize gets the request's prompt tokens from the pool's render server
 // and hashes them in the engines' blocks for precise placement. It reports
 // whether it did; on failure the request is placed by the byte estimate,
-// which it never fails for.
+// which it never fails for. Renders that keep failing (engines without the
+// render API: SGLang's) pause for routing.RenderPause, so that every
+// request does not pay for one more.
 func (r *request) tokenize(ctx context.Context, pool *routing.Pool, creq *connectors.Request, model string) bool {
 	rd := pool.Render
 	if rd == nil {
 		return false
 	}
+	if !rd.Ready() {
+		r.obs.tokenized(pool, tokensEstimate)
+		return false
+	}
 	ids, err := r.render(ctx, pool, creq)
 	if err != nil {
+		if rd.Failed() {
+			r.log.LogAttrs(ctx, slog.LevelWarn, "renders keep failing, placing by the estimate for a while",
+				slog.String("pool", pool.Name), slog.Duration("pause", routing.RenderPause), slog.String("error", err.Error()))
+		}
 		r.obs.tokenized(pool, tokensEstimate)
 		r.log.LogAttrs(ctx, slog.LevelDebug, "render failed, placing by the estimate",
 			slog.String("pool", pool.Name), slog.String("error", err.Error()))
 		return false
 	}
+	rd.Succeeded()
 	r.obs.tokenized(pool, tokensRendered)
 	if pool.Cache != nil {
 		seed := pool.Cache.SeedFor(model)
 		r.tokenBlocks = kvcache.HashTokens(r.tokenBlocks[:0], seed, ids, pool.KVBlockSize, maxTokenBlocks)
-		if r.tokenBlocks == nil {
-			// Shorter than a block: no engine holds any of it, and the
-			// estimate's blocks must not say otherwise.
-			r.tokenBlocks = []uint64{}
-		}
 	}
 	r.tokens = len(ids)
 	return true

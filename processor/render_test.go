@@ -135,3 +135,23 @@ func TestRenderedTokens(t *testing.T) {
 		require.Equal(t, tc.want, got)
 	}
 }
+
+// Engines without a render API (SGLang's) cost a failed call for the first
+// requests only: renders pause after routing.RenderFailures in a row.
+func TestRenderPausesAfterFailures(t *testing.T) {
+	table := preciseTable(t, &configv1.Render{Timeout: durationpb.New(time.Second)})
+	eng := fakeengine.New().
+		On(http.MethodPost, "", renderCompletionsPath, fakeengine.Reply{Err: errors.New("404 Not Found")}).
+		On(http.MethodPost, "", "", fakeengine.Reply{Body: kvAnswer})
+	for range routing.RenderFailures + 3 {
+		out := run(t, table, eng, headers("POST", "/v1/completions", false), body(`{"model":"m","prompt":"hi"}`, true))
+		require.Len(t, out, 2)
+	}
+	renders := 0
+	for _, c := range eng.Calls() {
+		if c.Path == renderCompletionsPath {
+			renders++
+		}
+	}
+	require.Equal(t, routing.RenderFailures, renders)
+}

@@ -87,6 +87,41 @@ type Render struct {
 	Address string
 	Timeout time.Duration
 	turn    atomic.Uint64
+	// failures counts renders failed in a row; pausedUntil (Unix
+	// nanoseconds) is when renders are tried again after RenderFailures.
+	failures    atomic.Int32
+	pausedUntil atomic.Int64
+}
+
+// Renders that fail RenderFailures times in a row pause for RenderPause:
+// a pool whose engines have no render API (SGLang's) does not pay a failed
+// call per request.
+const (
+	RenderFailures = 5
+	RenderPause    = 10 * time.Second
+)
+
+// Ready reports whether renders are tried now.
+func (r *Render) Ready() bool {
+	until := r.pausedUntil.Load()
+	return until == 0 || time.Now().UnixNano() >= until
+}
+
+// Failed counts a failed render and reports whether it paused renders.
+func (r *Render) Failed() bool {
+	if r.failures.Add(1) < RenderFailures {
+		return false
+	}
+	r.failures.Store(0)
+	r.pausedUntil.Store(time.Now().Add(RenderPause).UnixNano())
+	return true
+}
+
+// Succeeded ends a run of failures.
+func (r *Render) Succeeded() {
+	if r.failures.Load() != 0 {
+		r.failures.Store(0)
+	}
 }
 
 // RenderEndpoint is where the next render goes: the configured server, or
