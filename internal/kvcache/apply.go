@@ -115,7 +115,7 @@ func (x *Index) stored(e *engine, rank int, ev *kvevents.Event) {
 	if e.entries+n*ratio > x.cfg.MaxEntries {
 		x.overflow(e)
 	}
-	seed, ok := x.seedOf(e, rank, t, ev)
+	seed, parent, ok := x.seedOf(e, rank, t, ev)
 	if !ok {
 		x.stats.orphans += uint64(n)
 		return
@@ -125,18 +125,25 @@ func (x *Index) stored(e *engine, rank int, ev *kvevents.Event) {
 	s.ratio = ratio
 	// Load the cells the blocks go to before adding them: in a loop of
 	// independent loads their cache misses overlap, where the adds would
-	// wait for each in turn (a third less time for 8 blocks).
+	// wait for each in turn (a third less time for 8 blocks). The first
+	// block's parent has its row updated too.
+	tab := &x.tables[t]
 	sink := x.sink
+	if parent != 0 {
+		sink ^= tab.touch(parent)
+	}
 	for i, h := range ev.Hashes {
-		sink ^= s.blocks.touch(key(h)) ^ x.table.touch(x.scratch[(i+1)*ratio-1])
+		sink ^= s.blocks.touch(key(h)) ^ tab.touch(x.scratch[(i+1)*ratio-1])
 	}
 	x.sink = sink
 	for i, h := range ev.Hashes {
 		pdx, k := x.scratch[i*ratio:(i+1)*ratio], key(h)
 		for j := range ratio - 1 {
-			x.add(e, s, subKey(k, j), pdx[j])
+			x.add(e, s, subKey(k, j), pdx[j], parent)
+			parent = pdx[j]
 		}
-		x.add(e, s, k, pdx[ratio-1])
+		x.add(e, s, k, pdx[ratio-1], parent)
+		parent = pdx[ratio-1]
 	}
 	x.stats.stored += uint64(n)
 }
@@ -171,9 +178,9 @@ func (x *Index) placeable(e *engine, rank int, ev *kvevents.Event) (tier, int, b
 }
 
 // seedOf is the seed a BlockStored's blocks chain from: its parent's pdx
-// hash, or the identity of a chain's start; false when the parent is not
-// known.
-func (x *Index) seedOf(e *engine, rank int, t tier, ev *kvevents.Event) (uint64, bool) {
+// hash, or the identity of a chain's start; and the parent's pdx hash (0
+// for a chain's start); false when the parent is not known.
+func (x *Index) seedOf(e *engine, rank int, t tier, ev *kvevents.Event) (seed, parent uint64, ok bool) {
 	if ev.LoRAName != "" {
 		if _, ok := x.loras[ev.LoRAName]; !ok && len(x.loras) < maxLoRANames {
 			x.loras[strings.Clone(ev.LoRAName)] = struct{}{}
@@ -183,17 +190,18 @@ func (x *Index) seedOf(e *engine, rank int, t tier, ev *kvevents.Event) (uint64,
 	case ev.HasParent:
 		p, ok := e.parent(rank, t, ev.Parent)
 		// A child inherits its parent's LoRA through the chain.
-		return taint(p, ev.ExtraKeys), ok
+		return taint(p, ev.ExtraKeys), p, ok
 	case ev.LoRAName != "":
-		return Seed(ev.LoRAName, ev.ExtraKeys), true
+		return Seed(ev.LoRAName, ev.ExtraKeys), 0, true
 	case ev.LoRAID != 0:
-		return taint(loraIDSeed(ev.LoRAID), ev.ExtraKeys), true
+		return taint(loraIDSeed(ev.LoRAID), ev.ExtraKeys), 0, true
 	}
-	return Seed("", ev.ExtraKeys), true
+	return Seed("", ev.ExtraKeys), 0, true
 }
 
-// add records a copy of pdx block pdx under key k in s.
-func (x *Index) add(e *engine, s *store, k, pdx uint64) {
+// add records a copy of pdx block pdx, whose parent is parent, under key k
+// in s.
+func (x *Index) add(e *engine, s *store, k, pdx, parent uint64) {
 	v, added := s.blocks.upsert(k)
 	switch old := v[0]; {
 	case added:
@@ -214,7 +222,7 @@ func (x *Index) add(e *engine, s *store, k, pdx uint64) {
 		}
 		delete(s.dups, k)
 	}
-	x.hold(e, s.tier, pdx)
+	x.hold(e, s.tier, pdx, parent)
 }
 
 func (x *Index) removed(e *engine, rank int, ev *kvevents.Event) {
@@ -250,6 +258,66 @@ func (x *Index) removed(e *engine, rank int, ev *kvevents.Event) {
 	}
 }
 
+// maxWarm is the most blocks warmRemovals loads at once.
+const maxWarm = 32
+
+// warmRemovals loads what the removals at the start of evs will read,
+// and returns how many events it covered. A removal reads, each after
+// the other, the store's cell of its block, the block's row and its
+// parent's row (to take the block out of the parent's children): three
+// cache misses in turn. Loaded in stages over the removals of a batch
+// (vLLM evicts the blocks a step needs at once), the misses of each stage
+// overlap. Loads only: the removals still do all the work, in order.
+func (x *Index) warmRemovals(e *engine, rank int, evs []kvevents.Event) int {
+	var (
+		stores [maxWarm]*store
+		keys   [maxWarm]uint64
+		n, i   int
+	)
+	if e.lead < 0 {
+		return 1
+	}
+	for ; i < len(evs) && evs[i].Kind == kvevents.BlockRemoved; i++ {
+		ev := &evs[i]
+		t, ok := tierOf(ev.Medium)
+		s := e.store(rank, t, false)
+		if !ok || s == nil || ev.GroupIdx != e.lead {
+			continue
+		}
+		if n+len(ev.Hashes) > maxWarm {
+			break
+		}
+		for _, h := range ev.Hashes {
+			stores[n], keys[n] = s, key(h)
+			n++
+		}
+	}
+	if n < 2 {
+		return max(i, 1) // nothing to overlap
+	}
+	sink := x.sink
+	for j := range n {
+		sink ^= stores[j].blocks.touch(keys[j])
+	}
+	var rows [maxWarm]uint64
+	for j := range n {
+		if v := stores[j].blocks.find(keys[j]); v != nil {
+			rows[j] = v[0]
+			sink ^= x.tables[stores[j].tier].touch(v[0])
+		}
+	}
+	for j := range n {
+		if rows[j] == 0 {
+			continue
+		}
+		if row := x.tables[stores[j].tier].find(rows[j]); row != nil && row[2*x.words] != 0 {
+			sink ^= x.tables[stores[j].tier].touch(row[2*x.words])
+		}
+	}
+	x.sink = sink
+	return max(i, 1)
+}
+
 // unref drops one copy of the block under key k in s.
 func (x *Index) unref(e *engine, s *store, k uint64) {
 	v := s.blocks.find(k)
@@ -267,54 +335,6 @@ func (x *Index) unref(e *engine, s *store, k uint64) {
 		e.entries--
 	}
 	x.release(e, s.tier, pdx)
-}
-
-// bit is where e's bit for tier t is in a block's bitsets.
-func (x *Index) bit(e *engine, t tier) (int, uint64) {
-	return int(t)*x.words() + int(e.slot)/64, 1 << (e.slot % 64)
-}
-
-// hold counts a copy of pdx on tier t of e, setting e's bit when it is the
-// first.
-func (x *Index) hold(e *engine, t tier, pdx uint64) {
-	row, _ := x.table.upsert(pdx)
-	w, bit := x.bit(e, t)
-	if row[w]&bit != 0 {
-		c := e.extra[pdx]
-		c[t]++
-		e.extra[pdx] = c
-		return
-	}
-	row[w] |= bit
-	e.blocks[t]++
-}
-
-// release drops a copy of pdx on tier t of e, clearing e's bit with the
-// last, and the block with the last engine's.
-func (x *Index) release(e *engine, t tier, pdx uint64) {
-	if len(e.extra) > 0 {
-		if c, ok := e.extra[pdx]; ok && c[t] > 0 {
-			if c[t]--; c == ([tiers]uint32{}) {
-				delete(e.extra, pdx)
-			} else {
-				e.extra[pdx] = c
-			}
-			return
-		}
-	}
-	row := x.table.find(pdx)
-	w, bit := x.bit(e, t)
-	if row == nil || row[w]&bit == 0 {
-		return
-	}
-	row[w] &^= bit
-	e.blocks[t]--
-	for _, v := range row {
-		if v != 0 {
-			return
-		}
-	}
-	x.table.remove(pdx)
 }
 
 // drop forgets e's blocks of rank, of every rank for -1.

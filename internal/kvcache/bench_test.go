@@ -91,7 +91,8 @@ func fill(s *benchState, engines int, prompt []uint32, deep int) {
 
 // BenchmarkMatch64 is a pick's precise prefix lookup over 64 engines:
 // one prompt matched again and again (its blocks in the CPU's caches),
-// and 256 prompts in turn, each held whole by 3 engines (colder).
+// and 256 prompts in turn (colder), each held whole by 3 engines, or by
+// 8 to as many depths (spread: a shared start, a conversation's turns).
 func BenchmarkMatch64(b *testing.B) {
 	b.Run("one-prompt", func(b *testing.B) {
 		x, blocks, slots := benchIndex(b, benchEngines, 2000, benchBlock)
@@ -103,33 +104,43 @@ func BenchmarkMatch64(b *testing.B) {
 			}
 		}
 	})
-	b.Run("256-prompts", func(b *testing.B) {
-		s := &benchState{x: New(Config{BlockSize: benchBlock}), r: rand.New(rand.NewPCG(3, 4))}
-		var prompts [][]uint64
-		for p := range 256 {
-			prompt := randomTokens(s.r, 2000)
-			for i := range 3 {
-				s.storeChain(benchAddr((p*3+i)%benchEngines), prompt)
-			}
-			prompts = append(prompts, HashTokens(nil, 0, prompt, benchBlock, 0))
+	for _, depths := range [][]int{{125, 125, 125}, {125, 100, 77, 50, 33, 20, 9, 3}} {
+		name := "256-prompts"
+		if len(depths) > 3 {
+			name += "-spread"
 		}
-		fill(s, benchEngines, randomTokens(s.r, 2000), 0)
-		addrs := make([]string, benchEngines)
-		for i := range addrs {
-			addrs[i] = benchAddr(i)
+		b.Run(name, func(b *testing.B) { benchMatchPrompts(b, depths) })
+	}
+}
+
+// benchMatchPrompts matches 256 prompts of 125 blocks in turn, each held
+// by engines to depths.
+func benchMatchPrompts(b *testing.B, depths []int) {
+	s := &benchState{x: New(Config{BlockSize: benchBlock}), r: rand.New(rand.NewPCG(3, 4))}
+	var prompts [][]uint64
+	for p := range 256 {
+		prompt := randomTokens(s.r, 2000)
+		for i, d := range depths {
+			s.storeChain(benchAddr((p*len(depths)+i)%benchEngines), prompt[:d*benchBlock])
 		}
-		slots := s.x.Slots(addrs, nil)
-		depth := make([]int32, len(slots))
-		b.ReportAllocs()
-		i := 0
-		for b.Loop() {
-			blocks := prompts[i%len(prompts)]
-			i++
-			if s.x.Match(blocks, slots, depth) != int32(len(blocks)) {
-				b.Fatal("no deep match")
-			}
+		prompts = append(prompts, HashTokens(nil, 0, prompt, benchBlock, 0))
+	}
+	fill(s, benchEngines, randomTokens(s.r, 2000), 0)
+	addrs := make([]string, benchEngines)
+	for i := range addrs {
+		addrs[i] = benchAddr(i)
+	}
+	slots := s.x.Slots(addrs, nil)
+	depth := make([]int32, len(slots))
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		blocks := prompts[i%len(prompts)]
+		i++
+		if s.x.Match(blocks, slots, depth) != int32(len(blocks)) {
+			b.Fatal("no deep match")
 		}
-	})
+	}
 }
 
 // BenchmarkMatch64Parallel is Match from every core while a goroutine

@@ -35,6 +35,14 @@
 // tier while any copy is there: another engine hash of the same content,
 // the same hash stored twice, another DP rank.
 //
+// Matching. Each block's lookup is a cache miss at scale, so that walking
+// a long prompt block by block costs microseconds. An engine that holds,
+// of each chain, a prefix of it (it evicts chains from their ends, as
+// vLLM does) is searched instead: a few lookups find where it stops. The
+// Index counts, on every store and removal, each engine's blocks held
+// without their parent; an engine with any has its blocks walked. Both
+// are exact.
+//
 // Bounds. An engine tracks at most Config.MaxEntries engine blocks (it is
 // reset beyond them), an Index at most MaxEngines engines.
 package kvcache

@@ -2,7 +2,9 @@ package kvcache
 
 import (
 	"encoding/binary"
+	"maps"
 	"math/rand/v2"
+	"slices"
 	"testing"
 
 	"github.com/cespare/xxhash/v2"
@@ -146,7 +148,7 @@ func TestSeed(t *testing.T) {
 }
 
 // TestTable checks the open-addressing table against a map through growth,
-// shrinking, backward-shift deletion and wider bitsets.
+// shrinking, backward-shift deletion and wider cells.
 func TestTable(t *testing.T) {
 	r := rand.New(rand.NewPCG(1, 2))
 	tab := newTable(2)
@@ -154,13 +156,24 @@ func TestTable(t *testing.T) {
 	var keys []uint64
 	check := func() {
 		require.Equal(t, len(model), tab.n)
-		words := tab.vals / 2
 		for k, v := range model {
 			row := tab.find(k)
 			require.NotNil(t, row, "key %x", k)
-			require.Len(t, row, 2*words)
-			require.Equal(t, v, row[0], "GPU bits")
-			require.Equal(t, ^v, row[words], "CPU bits")
+			require.Len(t, row, tab.vals)
+			require.Equal(t, v, row[0])
+			require.Equal(t, ^v, row[1])
+		}
+		// rows finds them too, loading them first, and not the absent.
+		keys := append(slices.Collect(maps.Keys(model))[:min(len(model), maxRows-1)], 12345)
+		off := make([]int, len(keys))
+		tab.rows(keys, off)
+		for i, k := range keys {
+			if _, ok := model[k]; !ok {
+				require.Equal(t, -1, off[i])
+				continue
+			}
+			require.Equal(t, k, tab.cells[off[i]])
+			require.Equal(t, tab.find(k), tab.cells[off[i]+1:off[i]+1+tab.vals])
 		}
 		n := 0
 		tab.each(func(k uint64, row []uint64) {
@@ -177,14 +190,13 @@ func TestTable(t *testing.T) {
 			_, seen := model[k]
 			require.Equal(t, !seen, added)
 			v := r.Uint64()
-			words := tab.vals / 2
-			row[0], row[words] = v, ^v
+			row[0], row[1] = v, ^v
 			model[k] = v
 			keys = append(keys, k)
 		}
 		check()
 		if round == 2 {
-			tab.widen(4)
+			tab.rehash(tab.size(), 8)
 			require.Equal(t, 8, tab.vals)
 			require.Equal(t, 16, tab.stride)
 			check()

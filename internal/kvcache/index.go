@@ -47,9 +47,17 @@ type Index struct {
 	log *slog.Logger
 
 	mu sync.RWMutex
-	// table maps a pdx block hash to its holders: words words of GPU
-	// bits, then words of CPU bits, a bit per engine slot.
-	table table
+	// tables map a pdx block hash, by tier, to its holders and its place
+	// in its chain (see rows.go).
+	tables [tiers]table
+	// words is the width of a bitset of engine slots, in words.
+	words int
+	// open are, by tier, the slots of engines holding a block of the tier
+	// without its parent (engine.holes): Match walks their blocks one by
+	// one, where it searches those of the others.
+	open [tiers][maxWords]uint64
+	// blocks are, by tier, the pdx blocks some engine holds there.
+	blocks [tiers]int
 	// engines by address, and by slot (nil: a free slot).
 	engines map[string]*engine
 	slots   []*engine
@@ -77,6 +85,13 @@ type engine struct {
 	// table says there is one, extra counts the copies beyond it, rare
 	// enough that the common block costs no lookup here.
 	extra map[uint64][tiers]uint32
+	// holes counts, by tier, the blocks it holds whose parent it does not
+	// hold there. At 0 what it holds of any chain is a prefix of it.
+	holes [tiers]int
+	// kids counts, by tier, the children it holds of a block beyond the
+	// first (a row's kid bit says it holds one): branches, rare enough to
+	// be kept apart.
+	kids [tiers]map[uint64]uint32
 	// blocks is how many distinct pdx blocks it has on each tier.
 	blocks [tiers]int
 	// entries is the engine hashes tracked, over all stores.
@@ -127,15 +142,13 @@ func New(cfg Config) *Index {
 	return &Index{
 		cfg:     cfg,
 		log:     log,
-		table:   newTable(2),
+		tables:  [tiers]table{newTable(rowVals(1)), newTable(rowVals(1))},
+		words:   1,
 		engines: make(map[string]*engine),
 		loras:   make(map[string]struct{}),
 		stats:   counters{resets: make(map[string]uint64)},
 	}
 }
-
-// words is the width of a tier's bitset of engine slots.
-func (x *Index) words() int { return x.table.vals / 2 }
 
 // BlockSize is the tokens of a pdx block: requests are hashed with it.
 func (x *Index) BlockSize() int { return x.cfg.BlockSize }
@@ -223,9 +236,9 @@ func (x *Index) engine(address string) *engine {
 	case len(x.slots) < MaxEngines:
 		slot = int32(len(x.slots))
 		x.slots = append(x.slots, nil)
-		if len(x.slots) > 64*x.words() {
+		if len(x.slots) > 64*x.words {
 			// More slots than the bitsets have bits: widen them.
-			x.table.widen(min(maxWords, 2*x.words()))
+			x.widen(min(maxWords, 2*x.words))
 		}
 	default:
 		return nil
@@ -251,6 +264,7 @@ func (x *Index) Apply(address string, b *kvevents.Batch) {
 	if b.HasDPRank {
 		rank = b.DPRank
 	}
+	warm := 0 // the events warmed up to
 	for i := range b.Events {
 		ev := &b.Events[i]
 		x.stats.events++
@@ -259,6 +273,9 @@ func (x *Index) Apply(address string, b *kvevents.Batch) {
 		case kvevents.BlockStored:
 			x.stored(e, rank, ev)
 		case kvevents.BlockRemoved:
+			if i >= warm {
+				warm = i + x.warmRemovals(e, rank, b.Events[i:])
+			}
 			x.removed(e, rank, ev)
 		case kvevents.AllBlocksCleared:
 			x.drop(e, rank)

@@ -450,7 +450,7 @@ func TestManyEngines(t *testing.T) {
 	x.Apply("one too many", &kvevents.Batch{Events: []kvevents.Event{stored(0, []uint64{1}, a[:4])}})
 	require.Equal(t, int32(-1), x.Register("one too many"))
 	require.Equal(t, uint64(1), x.Stats().NoSlot)
-	require.Equal(t, maxWords, x.words())
+	require.Equal(t, maxWords, x.words)
 
 	slots := make([]int32, MaxEngines)
 	for i := range slots {
@@ -468,6 +468,7 @@ func TestMatchAllocs(t *testing.T) {
 	depth := make([]int32, len(slots))
 	require.Zero(t, testing.AllocsPerRun(100, func() { x.Match(blocks, slots, depth) }))
 	require.Zero(t, testing.AllocsPerRun(100, func() { x.MatchWithCPU(blocks, slots, depth) }))
+	require.Zero(t, testing.AllocsPerRun(100, func() { _ = x.Held(slots[0], blocks) }))
 	require.Zero(t, testing.AllocsPerRun(100, func() { _ = x.SeedFor("base") }))
 	require.Zero(t, testing.AllocsPerRun(100, func() { _ = x.Slots([]string{"10.0.0.1:8000"}, slots[:0]) }))
 }
@@ -537,5 +538,5 @@ func TestConcurrent(t *testing.T) {
 	st = x.Stats()
 	require.Zero(t, st.Blocks)
 	require.Empty(t, st.Engines)
-	require.Zero(t, x.table.n)
+	require.Zero(t, x.tables[tierGPU].n+x.tables[tierCPU].n)
 }

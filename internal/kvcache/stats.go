@@ -46,8 +46,8 @@ type Stats struct {
 	Overflows uint64
 	// Resets are the Reset calls by reason.
 	Resets map[string]uint64
-	// Blocks are the distinct pdx blocks some engine holds; LoRANames the
-	// adapter names seen.
+	// Blocks are the distinct pdx blocks some engine holds, on each tier
+	// (a block on both counts twice); LoRANames the adapter names seen.
 	Blocks, LoRANames int
 	// Engines by address.
 	Engines []EngineStats
@@ -78,7 +78,7 @@ func (x *Index) Stats() Stats {
 		IgnoredMedia: c.ignoredMedia, BlockSizeMismatches: c.blockSize,
 		Conflicts: c.conflicts, NoSlot: c.noSlot, Overflows: c.overflows,
 		Resets: maps.Clone(c.resets),
-		Blocks: x.table.n, LoRANames: len(x.loras),
+		Blocks: x.blocks[tierGPU] + x.blocks[tierCPU], LoRANames: len(x.loras),
 		Engines: make([]EngineStats, 0, len(x.engines)),
 	}
 	for _, e := range x.engines {

@@ -12,9 +12,8 @@ import (
 // with tables of millions of blocks: the Index's cost is its cache misses.
 // Key 0 marks an empty cell.
 //
-// The Index keeps two kinds: pdx block hash → the engine slots holding the
-// block (a GPU and a CPU bitset), and per store engine block key → pdx
-// hash.
+// The Index keeps two kinds: per tier pdx block hash → the block's row
+// (rows.go), and per store engine block key → pdx hash.
 type table struct {
 	// vals is the words after a cell's key; a cell is padded to stride
 	// words, a power of two, so that none straddles two cache lines.
@@ -69,6 +68,47 @@ func (t *table) find(k uint64) []uint64 {
 		case 0:
 			return nil
 		}
+	}
+}
+
+// rows sets off[i] to where keys[i]'s cell starts in t.cells, -1
+// without it. It loads the keys' home cells first, in a loop of
+// independent loads, so that their cache misses overlap: a lookup alone
+// waits for its miss, and lookups one after another for each in turn.
+func (t *table) rows(keys []uint64, off []int) {
+	off = off[:len(keys)]
+	if t.n == 0 {
+		for i := range off {
+			off[i] = -1
+		}
+		return
+	}
+	var home [maxRows]uint64
+	for i, k := range keys {
+		c := t.home(k) << t.cellShift
+		off[i], home[i] = c, t.cells[c]
+	}
+	for i, k := range keys {
+		if home[i] != k {
+			off[i] = t.findFrom(off[i], k)
+		}
+	}
+}
+
+// maxRows is the most keys rows looks up at once.
+const maxRows = 64
+
+// findFrom returns where k's cell starts, probing from cell offset c, -1
+// without k.
+func (t *table) findFrom(c int, k uint64) int {
+	for {
+		switch t.cells[c] {
+		case k:
+			return c
+		case 0:
+			return -1
+		}
+		c = (c + t.stride) & (len(t.cells) - 1)
 	}
 }
 
@@ -138,7 +178,7 @@ func (t *table) each(f func(k uint64, v []uint64)) {
 
 // rehash moves the entries to a table of cells cells with vals words a
 // cell (at least the current vals), keeping each entry's words in front
-// when vals grows; for the Index's bitsets, widen does the re-layout.
+// when vals grows; for the Index's rows, widen does the re-layout.
 func (t *table) rehash(cells, vals int) {
 	old, oldStride, oldVals := t.cells, t.stride, t.vals
 	t.alloc(cells, vals)
@@ -148,21 +188,5 @@ func (t *table) rehash(cells, vals int) {
 		}
 		v, _ := t.upsert(old[c])
 		copy(v, old[c+1:c+1+oldVals])
-	}
-}
-
-// widen makes the bitsets of a pdx block table (words GPU words, then
-// words CPU words) words wide.
-func (t *table) widen(words int) {
-	oldWords := t.vals / 2
-	old, oldStride := t.cells, t.stride
-	t.alloc(t.size(), 2*words)
-	for c := 0; c < len(old); c += oldStride {
-		if old[c] == 0 {
-			continue
-		}
-		v, _ := t.upsert(old[c])
-		copy(v[:oldWords], old[c+1:c+1+oldWords])
-		copy(v[words:words+oldWords], old[c+1+oldWords:c+1+2*oldWords])
 	}
 }
