@@ -25,8 +25,10 @@ func leastWorkSpec() Spec {
 // it when they were read (other replicas' or routers' traffic), that many
 // more of the mean in-flight prompt. Comparing with pdx's count at the
 // sample, not now, keeps a request that ended since from counting as
-// another's for a scrape, and one sent since from hiding another's. Cached tokens are the leading blocks of the prompt this
-// pdx has sent the endpoint. Ties go round.
+// another's for a scrape, and one sent since from hiding another's.
+// Cached tokens are the leading blocks of the prompt this pdx has sent the
+// endpoint, or, for a precise pick, the more of those and what the engine
+// reports holding (Candidates.cachedTokens). Ties go round.
 type LeastWork struct{}
 
 var _ Policy = LeastWork{}
