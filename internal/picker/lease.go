@@ -38,8 +38,9 @@ type Lease struct {
 }
 
 // lease counts a request of role on the endpoint at position i of v (see
-// Lease).
-func (s *Set) lease(v *view, i int, req *Request, role Role) Lease {
+// Lease); held is how many of the prompt's token blocks its engine holds,
+// as the pick read it, or -1.
+func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	h, pos := v.states[i], v.first[i]
 	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, blocks: req.Blocks}
 	// What the endpoint has cached is read before this prompt counts as
@@ -48,8 +49,10 @@ func (s *Set) lease(v *view, i int, req *Request, role Role) Lease {
 		l.cached = v.index.matched(pos, req.Blocks) * req.BlockTokens
 		if v.cache != nil && req.TokenBlocks != nil {
 			// As the pick counted it (Candidates.cachedTokens).
-			held := v.cache.Held(v.slots[i], req.TokenBlocks) * req.TokenBlockSize
-			l.cached = min(max(l.cached, held), req.Tokens)
+			if held < 0 {
+				held = v.cache.Held(v.slots[i], req.TokenBlocks)
+			}
+			l.cached = min(max(l.cached, held*req.TokenBlockSize), req.Tokens)
 		}
 	}
 	if role == RolePrefill {

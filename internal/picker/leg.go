@@ -54,11 +54,11 @@ func newLeg(set *Set, p Policy, role Role) Leg {
 // Pick does not allocate when the request's slices are on the heap (its
 // Blocks stay with the lease).
 func (l *Leg) Pick(req Request) (Lease, bool) {
-	v, i, ok := l.pick(&req, false)
+	v, i, held, ok := l.pick(&req, false)
 	if !ok {
 		return Lease{}, false
 	}
-	return l.lease(v, i, &req, l.role), true
+	return l.lease(v, i, held, &req, l.role), true
 }
 
 // Next returns the endpoint a decode fallback after the last of req.Tried
@@ -66,7 +66,7 @@ func (l *Leg) Pick(req Request) (Lease, bool) {
 // order, its turns left as they are), with Pick's rules. It leases nothing:
 // a fallback that serves takes the request's lease (Lease.Move).
 func (l *Leg) Next(req Request) (endpoint.Endpoint, bool) {
-	v, i, ok := l.pick(&req, true)
+	v, i, _, ok := l.pick(&req, true)
 	if !ok {
 		return endpoint.Endpoint{}, false
 	}
@@ -74,11 +74,13 @@ func (l *Leg) Next(req Request) (endpoint.Endpoint, bool) {
 }
 
 // pick chooses req's endpoint (a fallback's when fallback) and returns its
-// position in the view it chose from.
-func (l *Leg) pick(req *Request, fallback bool) (*view, int, bool) {
+// position in the view it chose from, and how many of the prompt's token
+// blocks its engine reports holding when the policy asked (-1: not asked),
+// so that the lease need not match them again.
+func (l *Leg) pick(req *Request, fallback bool) (*view, int, int, bool) {
 	c := l.candidates(req)
 	if c == nil {
-		return nil, 0, false
+		return nil, 0, -1, false
 	}
 	var k int
 	if fallback && l.successor != nil {
@@ -98,10 +100,13 @@ func (l *Leg) pick(req *Request, fallback bool) (*view, int, bool) {
 			k = c.fallback(from)
 		}
 	}
-	v, i := c.v, 0
+	v, i, held := c.v, 0, -1
 	if k >= 0 {
 		i = position(c.members, k)
+		if c.heldRead {
+			held = int(c.held[i])
+		}
 	}
 	c.release()
-	return v, i, k >= 0
+	return v, i, held, k >= 0
 }
