@@ -7,8 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"math"
-	"net"
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
@@ -84,7 +82,7 @@ func (r *request) render(ctx context.Context, pool *routing.Pool, creq *connecto
 	if r.path == connectors.ChatCompletionsPath {
 		path = renderChatPath
 	}
-	answer, err := r.env.Engine.Post(ctx, ep, path, r.id, endpoint.Rank{}, net.Buffers{connectors.Plain(creq.Body)})
+	answer, err := r.env.Engine.Post(ctx, ep, path, r.id, endpoint.Rank{}, connectors.PlainPieces(nil, creq.Body))
 	if err != nil {
 		return nil, fmt.Errorf("render on %s: %w", ep.Address, err)
 	}
@@ -94,9 +92,8 @@ func (r *request) render(ctx context.Context, pool *routing.Pool, creq *connecto
 // renderedTokens reads the token ids of a render answer: one
 // GenerateRequest (vllm/entrypoints/serve/disagg/protocol.py) for a chat,
 // a list of them (one a prompt) for a completion, of which placement uses
-// the first. A 32 KiB prompt's answer holds some 8,000 ids, which
-// encoding/json takes milliseconds to decode into integers; the ids are
-// read by hand instead, after jsonedit validated the object.
+// the first. jsonedit validates the object and reads its ids, which
+// encoding/json takes milliseconds to decode for a long prompt.
 func renderedTokens(answer []byte) ([]uint32, error) {
 	answer = bytes.TrimSpace(answer)
 	if len(answer) > 0 && answer[0] == '[' {
@@ -117,60 +114,12 @@ func renderedTokens(answer []byte) ([]uint32, error) {
 	if !ok {
 		return nil, errors.New("render answer: no token_ids")
 	}
-	ids, err := tokenIDs(raw)
+	ids, err := jsonedit.Uint32s(raw)
 	if err != nil {
-		return nil, fmt.Errorf("render answer: token_ids: %w", err)
+		return nil, fmt.Errorf("render answer: token_ids: not an array of token ids: %w", err)
 	}
 	if len(ids) == 0 {
 		return nil, errors.New("render answer: no token_ids")
 	}
 	return ids, nil
-}
-
-// errNotTokenIDs is a token_ids that is not an array of integers in [0,
-// 2^32).
-var errNotTokenIDs = errors.New("not an array of token ids")
-
-// tokenIDs parses a JSON array of token ids (raw is valid JSON).
-func tokenIDs(raw []byte) ([]uint32, error) {
-	if len(raw) < 2 || raw[0] != '[' {
-		return nil, errNotTokenIDs
-	}
-	ids := make([]uint32, 0, bytes.Count(raw, []byte{','})+1)
-	i := skipSpace(raw, 1)
-	if raw[i] == ']' {
-		return ids[:0], nil
-	}
-	for {
-		start := i
-		var v uint64
-		for i < len(raw) && raw[i] >= '0' && raw[i] <= '9' {
-			v = v*10 + uint64(raw[i]-'0')
-			if v > math.MaxUint32 {
-				return nil, errNotTokenIDs
-			}
-			i++
-		}
-		if i == start || (raw[start] == '0' && i-start > 1) {
-			return nil, errNotTokenIDs
-		}
-		ids = append(ids, uint32(v))
-		switch i = skipSpace(raw, i); {
-		case i < len(raw) && raw[i] == ',':
-			i = skipSpace(raw, i+1)
-		case i < len(raw) && raw[i] == ']':
-			return ids, nil
-		default:
-			return nil, errNotTokenIDs // a fraction, an exponent, a string
-		}
-	}
-}
-
-// skipSpace returns the index of the first byte at or after i that is not
-// JSON white space.
-func skipSpace(b []byte, i int) int {
-	for i < len(b) && (b[i] == ' ' || b[i] == '\t' || b[i] == '\n' || b[i] == '\r') {
-		i++
-	}
-	return i
 }
