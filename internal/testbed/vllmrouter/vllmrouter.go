@@ -148,6 +148,20 @@ func Start(ctx context.Context, o Options) (*Process, error) {
 	if err != nil {
 		return nil, err
 	}
+	// A port found free can be taken (by another test's connection) before
+	// the router binds it; it then exits, and another pair of ports is
+	// tried.
+	for attempt := 1; ; attempt++ {
+		p, err := start(ctx, o, version)
+		if err == nil || !errors.Is(err, errPortTaken) || attempt == 3 {
+			return p, err
+		}
+	}
+}
+
+var errPortTaken = errors.New("a port it was given was taken")
+
+func start(ctx context.Context, o Options, version string) (*Process, error) {
 	addrs, err := loopback.FreeAddrs(2)
 	if err != nil {
 		return nil, err
@@ -188,7 +202,11 @@ func Start(ctx context.Context, o Options) (*Process, error) {
 	}()
 	if err := p.waitReady(ctx); err != nil {
 		_ = p.Stop()
-		return nil, fmt.Errorf("vllm-router: %w\nits log:\n%s", err, tail(p.log.String(), 40))
+		log := p.log.String()
+		if strings.Contains(log, "Address already in use") {
+			err = fmt.Errorf("%w: %w", err, errPortTaken)
+		}
+		return nil, fmt.Errorf("vllm-router: %w\nits log:\n%s", err, tail(log, 40))
 	}
 	return p, nil
 }

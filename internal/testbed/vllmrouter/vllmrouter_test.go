@@ -6,6 +6,8 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
@@ -263,4 +265,56 @@ func kvAwareRun(t *testing.T, dir string, tokenScale int, model string) {
 	require.GreaterOrEqual(t, m[`vllm_router_kv_placement_lookups_total{result="hit"}`], float64(n), "metrics:\n%v", m)
 	require.Equal(t, float64(n), m[`vllm_router_pd_prefill_decisions_total{fallback="none"}`], "metrics:\n%v", m)
 	require.Equal(t, float64(n), m[`vllm_router_prefix_routing_decisions_total{policy="kv_aware",stage="prefill",outcome="prefix_cost"}`], "metrics:\n%v", m)
+}
+
+// TestStartRetriesATakenPort runs Start over a stand-in launcher that
+// fails its first run as vllm-router does when its port was taken between
+// pdx finding it free and the router binding it: Start tries other ports
+// then, and only then.
+func TestStartRetriesATakenPort(t *testing.T) {
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "vllm_router"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "vllm_router", "version.py"), []byte(`__version__ = "`+Version+`"`), 0o644))
+	// The stand-in serves /readiness on --port on its second run; on its
+	// first it exits with the given message.
+	launcher := filepath.Join(dir, "python")
+	require.NoError(t, os.WriteFile(launcher, []byte(`#!/bin/sh
+echo run >> "$0.runs"
+if [ "$(wc -l < "$0.runs")" -eq 1 ]; then echo "$FIRST_RUN_SAYS"; exit 1; fi
+while [ "$1" != "--port" ]; do shift; done
+exec python3 -c '
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+' "$2"
+`), 0o755))
+
+	for _, tc := range []struct {
+		name    string
+		says    string
+		started bool
+		runs    int
+	}{
+		{"port taken", `PanicException: failed to install Prometheus metrics exporter: FailedToCreateHTTPListener("Address already in use (os error 98)")`, true, 2},
+		{"other failure", `error: unexpected argument '--policy'`, false, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			require.NoError(t, os.RemoveAll(launcher+".runs"))
+			t.Setenv("FIRST_RUN_SAYS", tc.says)
+			r, err := Start(t.Context(), Options{Dir: dir, Python: launcher, Prefill: []string{"http://127.0.0.1:1"}, Decode: []string{"http://127.0.0.1:2"}})
+			if tc.started {
+				require.NoError(t, err)
+				require.NoError(t, r.Stop())
+			} else {
+				require.ErrorContains(t, err, "exited before it was ready")
+				require.ErrorContains(t, err, tc.says)
+			}
+			runs, err := os.ReadFile(launcher + ".runs")
+			require.NoError(t, err)
+			require.Equal(t, tc.runs, strings.Count(string(runs), "run"))
+		})
+	}
 }
