@@ -77,12 +77,20 @@ func startRig(ctx context.Context, o rigOptions) (_ *rig, err error) {
 		}
 		r.decode = append(r.decode, s)
 	}
-	addrs, err := loopback.FreeAddrs(3) // for pdx, a child process, to listen on
-	if err != nil {
-		return nil, err
-	}
-	if r.pdx, err = startPdx(ctx, o.pdxBin, r.pdxConfig(addrs[0], addrs[1], o.prefillTimeout), addrs[2]); err != nil {
-		return nil, err
+	// pdx, a child process, listens on ports found free; one can be taken
+	// before pdx binds it, and then other ports are tried.
+	for attempt := 1; ; attempt++ {
+		addrs, err := loopback.FreeAddrs(3)
+		if err != nil {
+			return nil, err
+		}
+		r.pdx, err = startPdx(ctx, o.pdxBin, r.pdxConfig(addrs[0], addrs[1], o.prefillTimeout), addrs[2])
+		if err == nil {
+			break
+		}
+		if !strings.Contains(err.Error(), "address already in use") || attempt == 3 {
+			return nil, err
+		}
 	}
 	ecfg := envoy.Config{
 		PdxAddress:       r.pdx.grpcAddr,
