@@ -174,10 +174,10 @@ func requireGivenUp(t *testing.T, r enginesim.Record, msg string) {
 // down fail closed with a 503 that says the router is unavailable; once pdx
 // is back, Envoy reconnects and requests succeed again.
 //
-// pdx holds a routed request's ext_proc stream until its response is over,
-// so requests whose decode is under way are cut by the kill too: the test
-// counts decodes that finished for a client that got a 503 and checks that
-// they are only requests that were in flight at the kill.
+// A routed request whose stream pdx still held (its decode engine's
+// metrics not read yet) is cut by the kill too: the test counts decodes
+// that finished for a client that got a 503 and checks that they are only
+// requests that were in flight at the kill.
 func TestPdxKilledUnderLoad(t *testing.T) {
 	const (
 		clients = 32

@@ -13,14 +13,16 @@ import (
 )
 
 // A generation under way goes on when pdx stops: a drain ends the streams
-// pdx holds to count decodes cleanly, and with end_streams_at_routing pdx
-// holds none, so even its death cuts nothing.
+// pdx holds to count decodes cleanly; by default pdx ends a routed
+// request's stream once the decode engine's metrics count it, and with
+// end_streams_at_routing: true at routing, so even its death cuts nothing.
 func TestGenerationOutlivesPdx(t *testing.T) {
 	for _, tc := range []struct {
 		name, config string
 		stop         func(*procStack)
 	}{
 		{name: "drained", stop: func(ps *procStack) { _ = ps.pdx.cmd.Process.Signal(syscall.SIGTERM) }},
+		{name: "killed", stop: func(ps *procStack) { ps.pdx.kill() }},
 		{name: "killed, streams ended at routing", config: "end_streams_at_routing: true", stop: func(ps *procStack) { ps.pdx.kill() }},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -63,8 +63,11 @@ type request struct {
 	tokenBlockSize int
 	rendered       bool
 	// decode counts the request on its decode endpoint until its stream
-	// ends: Envoy ends it when the response is over.
+	// ends, or until it is detached (letGo).
 	decode picker.Lease
+	// headersDue: pdx asked Envoy for the response headers, which have not
+	// come yet; responded: they came.
+	headersDue, responded bool
 	// decodes are the decode endpoints pdx named, its pick first and then
 	// the ones Envoy may retry on (the pool's decode_fallbacks); decodePool
 	// is their pool. The decode that served is told by Envoy with the
@@ -182,6 +185,7 @@ func (r *request) onRequestBody(ctx context.Context, b *extprocv3.HttpBody) (*ex
 // onResponseHeaders takes the response headers: the decode's, or those of
 // an answer Envoy gave the client itself.
 func (r *request) onResponseHeaders(ctx context.Context, msg *extprocv3.ProcessingRequest) *extprocv3.ProcessingResponse {
+	r.headersDue, r.responded = false, true
 	switch r.state {
 	case stateRequestHeaders, stateRequestBody, statePassThroughBody:
 		// Envoy's own answer: before pdx has the request's headers (a path
@@ -230,8 +234,9 @@ func (r *request) sent() {
 
 // finished reports whether pdx has nothing left to do for the request: it
 // has answered it, or routed it with no prefill running on and no response
-// phase to come (the Envoy configs pdx ships skip them, and pdx asks for
-// response headers only in tables with concurrent connectors).
+// phase to come but those it only passes on (the Envoy configs pdx ships
+// skip them, and pdx asks for response headers only in tables with
+// concurrent connectors or decode fallbacks).
 func (r *request) finished() bool {
 	switch r.state {
 	case stateEnvoyAnswered:
@@ -240,9 +245,25 @@ func (r *request) finished() bool {
 	case stateAnswered, statePassThrough:
 		return true
 	case stateRouted:
-		return !r.table.HasConcurrent()
+		// A concurrent prefill's failure replaces the decode's answer
+		// until its response headers have passed.
+		return !r.table.HasConcurrent() || !r.headersDue
 	}
 	return false
+}
+
+// letGo reports whether pdx may end the stream of its routed request now,
+// leaving Envoy the rest (routing.StreamEnd): by default once pdx has
+// nothing more to read of it and its decode's count is detached, so that
+// the generation no longer depends on pdx living.
+func (r *request) letGo() bool {
+	switch r.table.Limits().StreamEnd {
+	case routing.EndAtRouting:
+		return true
+	case routing.EndWithResponse:
+		return false
+	}
+	return !r.headersDue && !r.observesResponse() && r.decode.Detach()
 }
 
 // close ends whatever of the request still runs but its decode, and

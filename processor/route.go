@@ -79,13 +79,15 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 	} else {
 		r.enter(stateRequestBody)
 	}
+	// Also with decode fallbacks: the response headers tell which decode
+	// served (served.go). A FULL_DUPLEX_STREAMED filter is configured to
+	// send them (pdx's answer to the headers comes with the body).
+	r.headersDue = (r.table.HasConcurrent() || r.table.MaxDecodeFallbacks() > 0) && !passThrough
 	if r.duplex() {
 		// The answer waits for the body: it carries the decode endpoint.
 		return nil, nil
 	}
-	if (r.table.HasConcurrent() || r.table.MaxDecodeFallbacks() > 0) && !passThrough {
-		// Also with decode fallbacks: the response headers tell which
-		// decode served (served.go).
+	if r.headersDue {
 		return routeHeadersHoldingResponse(), nil
 	}
 	return routeHeaders(), nil

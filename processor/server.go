@@ -132,10 +132,11 @@ func (s *Server) Process(stream extprocv3.ExternalProcessor_ProcessServer) error
 // prefill's outcome while the request is prefilling, the end of the time
 // its body may take while it waits for it. Once pdx has nothing left to do
 // for the request, the request's state goes; a routed request's stream
-// stays open until Envoy ends it with the response, so that the decode
-// endpoint's in-flight count is exact (unless the table says to end it
-// now), passing on the response phases Envoy still sends. A drain ends
-// that hold cleanly, and Envoy goes on with the generation.
+// ends then too, its decode detached (request.letGo), or, when the decode
+// cannot be detached or pdx still reads the response, stays open until
+// Envoy ends it with the response, so that the decode endpoint's in-flight
+// count is exact, passing on the response phases Envoy still sends. A
+// drain ends that hold cleanly, and Envoy goes on with the generation.
 func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_ProcessServer, req *request, first *extprocv3.ProcessingRequest, received <-chan recvResult) error {
 	// The request's record ends with the stream, or, for a held stream
 	// whose response Envoy does not send pdx, once it is routed.
@@ -164,13 +165,18 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 				return streamErr(ctx, err)
 			}
 		}
+		if holding && req.letGo() {
+			return nil // the response headers pdx asked for came
+		}
 		if !holding && req.finished() {
 			// Nothing more is asked of pdx. The decode count may move to
 			// the decode endpoint that served (served.go).
-			if !req.decode.Open() || req.table.Limits().EndStreamsAtRouting {
+			if !req.decode.Open() || req.letGo() {
 				return nil
 			}
-			if !req.observesResponse() {
+			if !req.observesResponse() && !req.responded {
+				// Unless the response is under way, which the record
+				// follows to its end.
 				req.close()
 				closed = true
 			}

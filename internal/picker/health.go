@@ -20,6 +20,10 @@ type health struct {
 	// failures counts consecutive failures. Written only under mu; read
 	// atomically by Report's lock-free success path.
 	failures atomic.Int32
+	// detached counts the leases ended by Detach (mod 2^32): the load
+	// stored with each sample says how many there were then, so a pick
+	// counts those since, which the sample cannot show.
+	detached atomic.Uint32
 	// until is when the current ejection ends, in nanoseconds since
 	// Set.base; 0 means not ejected (admitted).
 	until atomic.Int64

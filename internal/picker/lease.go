@@ -108,6 +108,32 @@ func (l *Lease) End(o Outcome) {
 	s.room.wake()
 }
 
+// Detach ends the lease, leaving the request on the endpoint for the
+// engine's metrics to count: picks count it as pdx's until the engine's
+// next sample (Observe), which shows it among the engine's running or
+// waiting requests, and not after. Its end need not reach pdx, so a decode
+// detached at routing needs no stream held for it (and survives pdx
+// dying). It reports false, and changes nothing, when the endpoint's load
+// is not fresh, the Set's saturation counts pdx's own in-flight requests
+// (MaxInFlight), or the lease is not the Set's endpoint's: the count must
+// then stay exact. A detached request on a DP rank no longer counts there.
+func (l *Lease) Detach() bool {
+	s, h := l.set, l.h
+	if s == nil || h == nil || s.saturation.MaxInFlight > 0 {
+		return false
+	}
+	ld := h.load.Load()
+	if ld == nil || s.elapsed()-ld.at > s.staleAfter {
+		return false
+	}
+	// Counted as pending before it stops counting as in flight: a pick in
+	// between counts it twice rather than not at all.
+	h.detached.Add(1)
+	l.set = nil
+	l.uncount()
+	return true
+}
+
 // DropRank ends the count on the lease's rank alone: the request goes to
 // the endpoint naming no rank, and the engine places it itself.
 func (l *Lease) DropRank() {

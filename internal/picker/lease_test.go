@@ -2,9 +2,11 @@ package picker
 
 import (
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
@@ -114,4 +116,84 @@ func TestLeaseDropRankAndMove(t *testing.T) {
 	lease.End(Released)
 	require.Zero(t, set.InFlight(b))
 	require.Zero(t, set.view.Load().lookup(b).inFlightTokens.Load())
+}
+
+// TestDetach: a detached decode stops counting as pdx's in-flight request
+// and counts as pending on its endpoint until the engine's next sample,
+// which shows it among the engine's own requests; without a fresh sample,
+// or with a saturation bound on pdx's own count, a lease stays as it was.
+func TestDetach(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		sample   bool          // the engine's load is observed before the pick
+		age      time.Duration // how old it is at the detach
+		opts     Options
+		detached bool
+	}{
+		{name: "fresh sample", sample: true, detached: true},
+		{name: "no sample", sample: false},
+		{name: "stale sample", sample: true, age: 3 * time.Second},
+		{name: "saturation counts pdx's own", sample: true, opts: Options{Saturation: Saturation{MaxInFlight: 8}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			eps := endpoints(2)
+			clk := newFakeClock()
+			tc.opts.Now = clk.Now
+			set := NewSet(eps, tc.opts)
+			leg, err := NewLeg(set, &configv1.Picker{Policy: LeastRequestPolicy}, RoleDecode)
+			require.NoError(t, err)
+			if tc.sample {
+				for _, ep := range eps {
+					set.Observe(ep.Address, Load{Running: 2, At: clk.Now()})
+				}
+			}
+			clk.Advance(tc.age)
+
+			l, ok := leg.Pick(Request{Tokens: 100})
+			require.True(t, ok)
+			on := l.Endpoint()
+			require.Equal(t, tc.detached, l.Detach())
+			require.Equal(t, !tc.detached, l.Open())
+			if !tc.detached {
+				require.Equal(t, 1, set.InFlight(on), "the lease still counts")
+				l.End(Released)
+				return
+			}
+			l.End(Released) // ended already: uncounts nothing more
+			require.Zero(t, set.InFlight(on))
+
+			// Pending until the next sample: the other endpoint is lighter.
+			for range 4 {
+				next, ok := leg.Pick(Request{Tokens: 100})
+				require.True(t, ok)
+				require.NotEqual(t, on, next.Endpoint(), "the detached request still counts on its endpoint")
+				next.End(Released)
+			}
+			// The engine's sample now counts it among its requests: it is
+			// no longer pending, and equal loads tie again.
+			for _, ep := range eps {
+				running := 2
+				if ep == on {
+					running = 3
+				}
+				set.Observe(ep.Address, Load{Running: running, At: clk.Now()})
+			}
+			var picked []endpoint.Endpoint
+			for range 4 {
+				next, ok := leg.Pick(Request{Tokens: 100})
+				require.True(t, ok)
+				picked = append(picked, next.Endpoint())
+				next.End(Released)
+			}
+			require.NotContains(t, picked, on, "the sample counts the detached request once")
+			set.Observe(on.Address, Load{Running: 2, At: clk.Now()}) // it ended
+			for range 4 {
+				next, ok := leg.Pick(Request{Tokens: 100})
+				require.True(t, ok)
+				picked = append(picked, next.Endpoint())
+				next.End(Released)
+			}
+			require.Contains(t, picked, on, "once the engine says it ended, the endpoint is picked again")
+		})
+	}
 }

@@ -23,8 +23,9 @@ func leastWorkSpec() Spec {
 // Queued tokens are pdx's own in-flight prompt tokens on the endpoint,
 // plus, when the engine's fresh metrics count more requests than pdx had on
 // it when they were read (other replicas' or routers' traffic), that many
-// more of the mean in-flight prompt. Comparing with pdx's count at the
-// sample, not now, keeps a request that ended since from counting as
+// more of the mean in-flight prompt, as do requests pdx detached there
+// since the metrics were read (Lease.Detach). Comparing with pdx's count at
+// the sample, not now, keeps a request that ended since from counting as
 // another's for a scrape, and one sent since from hiding another's.
 // Cached tokens are the leading blocks of the prompt this pdx has sent the
 // endpoint, or, for a precise pick, the more of those and what the engine
@@ -55,7 +56,7 @@ func (LeastWork) Choose(c *Candidates) int {
 		if !g.usable {
 			continue
 		}
-		work := g.inFlightTokens + g.foreign*mean + c.tokens - c.cachedTokens(k)
+		work := g.inFlightTokens + (g.foreign+g.pending)*mean + c.tokens - c.cachedTokens(k)
 		if best < 0 || work < least {
 			best, least = k, work
 		}

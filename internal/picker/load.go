@@ -38,6 +38,8 @@ type load struct {
 	// ours is how many of this pdx's requests were on the endpoint when the
 	// load was stored: those of the engine's requests it knows of.
 	ours int
+	// detached is health.detached when the load was stored.
+	detached uint32
 }
 
 // Observe stores what the engine at address said of its load, for every
@@ -48,7 +50,7 @@ func (s *Set) Observe(address string, l Load) {
 	for i, ep := range v.endpoints {
 		if ep.Address == address {
 			h := v.states[i]
-			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load())})
+			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load()})
 		}
 	}
 	s.room.wake() // a lighter load may make room
@@ -71,10 +73,13 @@ func (s *Set) Addresses() []string {
 type signal struct {
 	inFlight, inFlightTokens int
 	// waiting, running and kvUsage are the engine's load when fresh; else
-	// 0, 0 and -1. foreign are the engine's requests pdx did not send, as
-	// of that load: its waiting and running ones less pdx's then.
-	waiting, running, foreign int
-	kvUsage                   float64
+	// 0, 0 and -1. foreign are the engine's requests pdx does not count,
+	// as of that load: its waiting and running ones less pdx's then
+	// (detached ones are the engine's to count). pending are the requests
+	// pdx detached there since (Lease.Detach), which the load cannot show
+	// yet; 0 without a fresh load.
+	waiting, running, foreign, pending int
+	kvUsage                            float64
 	// gen is the pick that read it (see Candidates.signal).
 	gen uint32
 	// admitted: not ejected; usable: admitted and not saturated; fresh:
@@ -87,8 +92,13 @@ type signal struct {
 // queue is the load least-request picking counts: the requests waiting or
 // running on the engine by its own fresh word, or pdx's in-flight count
 // when that is more (the engine's word is up to a scrape old) or the engine
-// has none.
-func (g *signal) queue() int { return max(g.inFlight, g.waiting+g.running) }
+// has none, and the requests detached there since the engine's word.
+func (g *signal) queue() int { return max(g.inFlight, g.waiting+g.running) + g.pending }
+
+// requests are the requests on the engine as far as pdx can tell: its own
+// in flight, those it detached since the engine's fresh word, and the
+// others that word counts.
+func (g *signal) requests() int { return g.inFlight + g.pending + g.foreign }
 
 // look reads h at t into g. It writes through a pointer: picks call it for
 // every candidate, and a returned signal is a copy.
@@ -102,6 +112,7 @@ func (t *instant) look(h *health, g *signal) {
 		if l != nil && now-l.at <= t.set.staleAfter {
 			g.fresh, g.waiting, g.running, g.kvUsage = true, l.waiting, l.running, l.kvUsage
 			g.foreign = max(l.waiting+l.running-l.ours, 0)
+			g.pending = int(h.detached.Load() - l.detached)
 		}
 	}
 	if sat := &t.set.saturation; sat.MaxInFlight > 0 || g.fresh {

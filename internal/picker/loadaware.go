@@ -52,7 +52,10 @@ type Weights struct {
 	// KVUsage scores the engine's free KV cache (1 - usage; 0.5 when it
 	// does not say).
 	KVUsage float64
-	// InFlight scores pdx's own in-flight count, scaled like Queue.
+	// InFlight scores the requests on the engine: pdx's in-flight count
+	// and, by the engine's fresh metrics, those pdx does not count (other
+	// replicas' and routers', and pdx's own detached decodes), scaled like
+	// Queue.
 	InFlight float64
 }
 
@@ -85,7 +88,7 @@ func (p *LoadAware) Choose(c *Candidates) int {
 	for k := range n {
 		if g := c.signal(k); g.usable {
 			queue.add(g.queued())
-			flight.add(g.inFlight)
+			flight.add(g.requests())
 		}
 	}
 	prefix := p.w.Prefix > 0 && c.hasPrompt()
@@ -97,7 +100,7 @@ func (p *LoadAware) Choose(c *Candidates) int {
 		if !g.usable {
 			continue
 		}
-		score := p.w.Queue*queue.score(g.queued()) + p.w.InFlight*flight.score(g.inFlight)
+		score := p.w.Queue*queue.score(g.queued()) + p.w.InFlight*flight.score(g.requests())
 		if prefix {
 			score += p.w.Prefix * c.prefixShare(k)
 		}

@@ -276,10 +276,26 @@ type Limits struct {
 	MaxHeaders, MaxHeaderBytes int
 	// BodyTimeout bounds the time a request's body takes to arrive.
 	BodyTimeout time.Duration
-	// EndStreamsAtRouting ends a routed request's stream at once rather
-	// than when Envoy ends it, uncounting its decode.
-	EndStreamsAtRouting bool
+	// StreamEnd is when pdx ends a routed request's stream.
+	StreamEnd StreamEnd
 }
+
+// StreamEnd is when pdx ends a routed request's ext_proc stream (the
+// config's end_streams_at_routing): a stream pdx holds is one whose
+// generation dies with pdx.
+type StreamEnd int
+
+const (
+	// EndWhenDetached ends it once pdx needs nothing more of it and the
+	// decode's count is detached (picker.Lease.Detach), else with the
+	// response. The default.
+	EndWhenDetached StreamEnd = iota
+	// EndAtRouting ends it once routed, the decode uncounted.
+	EndAtRouting
+	// EndWithResponse holds it until Envoy ends it with the response, the
+	// decode counted until then.
+	EndWithResponse
+)
 
 // MaxBodyBytes is the largest request body pdx routes.
 func (t *Table) MaxBodyBytes() int { return t.limits.MaxBodyBytes }
@@ -345,7 +361,7 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 		MaxHeaderBytes: int(cfg.GetMaxRequestHeadersKb()) << 10,
 		BodyTimeout:    cfg.GetRequestBodyTimeout().AsDuration(),
 
-		EndStreamsAtRouting: cfg.GetEndStreamsAtRouting(),
+		StreamEnd: streamEnd(cfg),
 	}
 	cache := prev.PrefixCache()
 	if k := cfg.GetKvEvents(); k != nil && cache == nil {
@@ -609,4 +625,14 @@ func defaultLimits(l Limits) Limits {
 		l.BodyTimeout = config.DefaultRequestBodyTimeout
 	}
 	return l
+}
+
+func streamEnd(cfg *configv1.Config) StreamEnd {
+	switch {
+	case cfg.EndStreamsAtRouting == nil:
+		return EndWhenDetached
+	case cfg.GetEndStreamsAtRouting():
+		return EndAtRouting
+	}
+	return EndWithResponse
 }

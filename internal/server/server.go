@@ -179,6 +179,7 @@ func (s *Server) scrape(m *configv1.EngineMetrics) {
 	}
 	ctx, cancel := context.WithCancel(context.Background())
 	s.stopScraping, s.scraped = cancel, make(chan struct{})
+	first := newFirstRound(s.proc.Table().Addresses())
 	go func() {
 		defer close(s.scraped)
 		enginemetrics.Run(ctx, enginemetrics.Options{
@@ -187,11 +188,58 @@ func (s *Server) scrape(m *configv1.EngineMetrics) {
 			Targets:  func() []string { return s.proc.Table().Addresses() },
 			Store: func(address string, smp enginemetrics.Sample, at time.Time) {
 				s.proc.Table().Observe(address, picker.Load{Waiting: smp.Waiting, Running: smp.Running, KVUsage: smp.KVUsage, At: at})
+				first.heard(address)
 			},
-			Failed: func(address string, _ error) { s.metrics.ScrapeFailed(address) },
-			Log:    s.log.With(slog.String("component", "engine_metrics")),
+			Failed: func(address string, _ error) {
+				s.metrics.ScrapeFailed(address)
+				first.heard(address)
+			},
+			Log: s.log.With(slog.String("component", "engine_metrics")),
 		})
 	}()
+	// Until the engines' metrics are in, pdx holds every decode's stream
+	// to count it (request.letGo), and those generations would die with
+	// pdx: readiness waits for one answer or failure from every engine,
+	// which takes a scrape, or up to firstRoundWait.
+	select {
+	case <-first.done:
+	case <-time.After(firstRoundWait):
+		s.log.Warn("serving before every engine's metrics were read", slog.Duration("waited", firstRoundWait))
+	}
+}
+
+// firstRoundWait bounds how long pdx's start waits for the engines' first
+// metrics: a scrape's timeout, at the default interval, with room.
+const firstRoundWait = time.Second
+
+// firstRound tells when every engine of a set has been scraped once.
+type firstRound struct {
+	mu   sync.Mutex
+	left map[string]bool
+	done chan struct{}
+}
+
+func newFirstRound(addresses []string) *firstRound {
+	f := &firstRound{left: map[string]bool{}, done: make(chan struct{})}
+	for _, a := range addresses {
+		f.left[a] = true
+	}
+	if len(f.left) == 0 {
+		close(f.done)
+	}
+	return f
+}
+
+// heard notes a scrape of address, successful or not.
+func (f *firstRound) heard(address string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.left[address] {
+		delete(f.left, address)
+		if len(f.left) == 0 {
+			close(f.done)
+		}
+	}
 }
 
 // stopScrape ends the engine metrics scraper, if it runs.

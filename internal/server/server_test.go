@@ -9,6 +9,8 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"strings"
 	"testing"
 	"time"
 
@@ -23,6 +25,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
@@ -300,4 +303,50 @@ func TestSelfSignedTLS(t *testing.T) {
 
 	_, err = healthpb.NewHealthClient(dialGRPC(t, s.GRPCAddr())).Check(t.Context(), &healthpb.HealthCheckRequest{Service: "readiness"})
 	require.Error(t, err, "a plaintext client must not be served")
+}
+
+// pdx starts serving once every engine's metrics have been read once (or
+// failed to be): a decode it routes at once can be detached (its stream
+// ended at routing, picker.Lease.Detach), which needs the engine's load.
+func TestStartReadsTheEnginesFirst(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		slow     time.Duration // the engine's metrics answer after it
+		detached bool
+	}{
+		{name: "metrics answer", detached: true},
+		{name: "metrics time out", slow: 2 * firstRoundWait},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			engine := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				select {
+				case <-time.After(tc.slow):
+				case <-r.Context().Done():
+					return
+				}
+				fmt.Fprintln(w, "vllm:num_requests_running 1\nvllm:num_requests_waiting 0")
+			}))
+			defer engine.Close()
+			addr := strings.TrimPrefix(engine.URL, "http://")
+			cfg, err := config.Parse(fmt.Appendf(nil, `
+grpc_address: 127.0.0.1:0
+admin_address: 127.0.0.1:0
+pools:
+- name: p
+  default: true
+  connector: nixl
+  prefill: [{address: %q}]
+  decode: [{address: %q}]
+`, addr, addr))
+			require.NoError(t, err)
+			s, err := Start(cfg, discard)
+			require.NoError(t, err)
+			defer func() { require.NoError(t, shutdown(t, s)) }()
+
+			l, ok := s.proc.Table().Pools()[0].Decode.Pick(picker.Request{})
+			require.True(t, ok)
+			defer l.End(picker.Released)
+			require.Equal(t, tc.detached, l.Detach())
+		})
+	}
 }

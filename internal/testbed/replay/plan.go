@@ -322,7 +322,8 @@ func (p Plan) steer(ctx context.Context, trace string, rr Profile, load, rate fl
 }
 
 // replicaRuns measures prefix affinity as pdx replicas are added, for round
-// robin, pdx's default, prefix_affinity and precise placement: the conversation trace (the
+// robin, pdx's default (and its held and uncounted decodes), prefix_affinity
+// and precise placement: the conversation trace (the
 // first trace without it) at the middle load. A peer has no pdx replicas
 // and is not in it.
 func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile, reqs []Request, tr TraceReport, rep *Report) error {
@@ -332,7 +333,7 @@ func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile,
 	mid := len(tr.Loads) / 2
 	load, rate := tr.Loads[mid], tr.Rates[mid]
 	for _, pr := range profiles {
-		if !slices.Contains([]string{"round-robin", "pdx-default", "prefix-affinity", PreciseProfile}, pr.Name) {
+		if !slices.Contains([]string{"round-robin", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", PreciseProfile}, pr.Name) {
 			continue
 		}
 		for _, n := range p.ReplicaCounts {

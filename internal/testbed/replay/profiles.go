@@ -85,6 +85,13 @@ func Profiles(s Scale) []Profile {
 			"decode_picker: {policy: load_aware, weights: {prefix: 2, queue: 1}}",
 			fmt.Sprintf("disaggregation: {min_uncached_tokens: %d}", s.Tokens(llmdDeciderTokens)))},
 		{Name: "pdx-default", PoolYAML: lines(PdxDefaultDecider)},
+		// pdx's defaults with the decode's stream held until the response
+		// ends, counted exactly but cut if pdx dies (pdx's former
+		// default), and ended at routing, the decode uncounted: what
+		// pdx-default's detached decodes (end_streams_at_routing unset)
+		// are measured against.
+		{Name: "pdx-held", ConfigYAML: lines("end_streams_at_routing: false")},
+		{Name: "pdx-uncounted", ConfigYAML: lines("end_streams_at_routing: true")},
 		// pdx's stateless prefix placement: every replica picks alike.
 		{Name: "prefix-affinity", PoolYAML: lines("prefill_picker: {policy: prefix_affinity}")},
 		// pdx's defaults placing by what the engines report holding (their

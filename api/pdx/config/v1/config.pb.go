@@ -169,13 +169,20 @@ type Config struct {
 	// the disaggregation decider and saturation read. Default: every engine
 	// of every pool, every 50ms.
 	EngineMetrics *EngineMetrics `protobuf:"bytes,9,opt,name=engine_metrics,json=engineMetrics,proto3" json:"engine_metrics,omitempty"`
-	// End a request's ext_proc stream as soon as pdx has routed it, instead
-	// of when Envoy ends it with the response. pdx then no longer counts a
-	// decode while it runs (decode placement reads the engines' metrics
-	// alone), and a generation under way survives pdx dying: Envoy cuts the
-	// response of a stream that breaks. A drain (SIGTERM) ends held streams
-	// cleanly either way. Default: false.
-	EndStreamsAtRouting bool `protobuf:"varint,10,opt,name=end_streams_at_routing,json=endStreamsAtRouting,proto3" json:"end_streams_at_routing,omitempty"`
+	// When pdx ends a routed request's ext_proc stream. Envoy cuts the
+	// response of a stream that breaks, so a generation whose stream pdx
+	// still holds dies with pdx; a drain (SIGTERM) ends held streams cleanly
+	// either way.
+	//   - unset (the default): as soon as pdx has nothing left to read of the
+	//     request (at routing, or at the response headers where it asked for
+	//     them) and the decode engine's metrics are fresh; the decode then
+	//     counts as pdx's until the engine's next sample shows it
+	//     (Lease.Detach). Otherwise, when Envoy ends it with the response.
+	//   - true: at routing, whatever the metrics say; pdx does not count a
+	//     running decode at all.
+	//   - false: when Envoy ends it with the response (pdx's
+	//     former default): the decode counts exactly, and dies with pdx.
+	EndStreamsAtRouting *bool `protobuf:"varint,10,opt,name=end_streams_at_routing,json=endStreamsAtRouting,proto3,oneof" json:"end_streams_at_routing,omitempty"`
 	// Serve Envoy the decode endpoints over xDS (EDS), on the gRPC listener
 	// of ext_proc (grpc_address), for the decode-fallback profile: Envoy's
 	// decode cluster is an EDS cluster with the override_host load
@@ -288,8 +295,8 @@ func (x *Config) GetEngineMetrics() *EngineMetrics {
 }
 
 func (x *Config) GetEndStreamsAtRouting() bool {
-	if x != nil {
-		return x.EndStreamsAtRouting
+	if x != nil && x.EndStreamsAtRouting != nil {
+		return *x.EndStreamsAtRouting
 	}
 	return false
 }
@@ -1659,7 +1666,7 @@ var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xcf\x04\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xef\x04\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
@@ -1669,11 +1676,12 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x13max_request_headers\x18\x06 \x01(\rR\x11maxRequestHeaders\x123\n" +
 	"\x16max_request_headers_kb\x18\a \x01(\rR\x13maxRequestHeadersKb\x12K\n" +
 	"\x14request_body_timeout\x18\b \x01(\v2\x19.google.protobuf.DurationR\x12requestBodyTimeout\x12C\n" +
-	"\x0eengine_metrics\x18\t \x01(\v2\x1c.pdx.config.v1.EngineMetricsR\rengineMetrics\x123\n" +
+	"\x0eengine_metrics\x18\t \x01(\v2\x1c.pdx.config.v1.EngineMetricsR\rengineMetrics\x128\n" +
 	"\x16end_streams_at_routing\x18\n" +
-	" \x01(\bR\x13endStreamsAtRouting\x12$\n" +
+	" \x01(\bH\x00R\x13endStreamsAtRouting\x88\x01\x01\x12$\n" +
 	"\x03xds\x18\v \x01(\v2\x12.pdx.config.v1.XdsR\x03xds\x124\n" +
-	"\tkv_events\x18\f \x01(\v2\x17.pdx.config.v1.KVEventsR\bkvEvents\"\xde\x01\n" +
+	"\tkv_events\x18\f \x01(\v2\x17.pdx.config.v1.KVEventsR\bkvEventsB\x19\n" +
+	"\x17_end_streams_at_routing\"\xde\x01\n" +
 	"\bKVEvents\x12\x12\n" +
 	"\x04mode\x18\x01 \x01(\tR\x04mode\x12\x12\n" +
 	"\x04port\x18\x02 \x01(\rR\x04port\x12\x1f\n" +
@@ -1864,6 +1872,7 @@ func file_pdx_config_v1_config_proto_init() {
 	if File_pdx_config_v1_config_proto != nil {
 		return
 	}
+	file_pdx_config_v1_config_proto_msgTypes[0].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
