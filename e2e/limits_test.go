@@ -2,16 +2,22 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"crypto/tls"
 	"fmt"
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/stretchr/testify/require"
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
@@ -76,6 +82,198 @@ func TestOversizedBodies(t *testing.T) {
 			})
 		}
 	}
+}
+
+// Over HTTP/2 a body over the limit gets the 413 JSON of HTTP/1.1 as a
+// complete response, then RST_STREAM NO_ERROR: the answer comes while the
+// body is still arriving, and Envoy stops reading it (RFC 9113 section 8.1:
+// the client keeps the response). Go's client reads the 413 and keeps the
+// connection; docs/errors.md lists the clients that drop it on the reset.
+func TestOversizedBodyOverHTTP2(t *testing.T) {
+	const maxBody = 64 << 10
+	body := `{"model":"demo-model","prompt":"` + strings.Repeat("x", 3<<20) + `"}`
+	for _, tc := range []struct {
+		mode string
+		by   string // who answers: Envoy's details or pdx's message
+	}{
+		{envoy.BodyBuffered, "request_payload_too_large"},         // Envoy's buffer limit
+		{envoy.BodyFullDuplexStreamed, "over the limit of 65536"}, // pdx counts the chunks
+	} {
+		t.Run(tc.mode, func(t *testing.T) {
+			st := startStack(t, stack.Options{Prefill: 1, Decode: 1, MaxBodyBytes: maxBody, RequestBodyMode: tc.mode})
+
+			tr := h2Frames(t, st.Envoy.ListenAddr(), "/v1/completions", body)
+			requireAPIError(t, tr.answer, 413, "body_too_large", tc.by)
+			require.Less(t, tr.sent, len(body), "answered before the body had all arrived")
+			require.Equal(t, []string{"HEADERS", "DATA END_STREAM", "RST_STREAM NO_ERROR"}, tr.frames,
+				"a complete 413, then the stream reset without error")
+			require.False(t, tr.goAway, "the connection stays open")
+
+			hc, dials := h2Client(t)
+			requireAPIError(t, post(t, hc, st.URL()+"/v1/completions", body), 413, "body_too_large", tc.by)
+			a := post(t, hc, st.URL()+"/v1/completions", `{"model":"demo-model","prompt":"after a 413","max_tokens":2}`)
+			require.Equal(t, 200, a.status, a.body)
+			require.EqualValues(t, 1, dials.Load(), "the request after the 413 took the same connection")
+			for _, e := range st.Engines() {
+				for _, r := range e.Records() {
+					require.NotContains(t, string(r.Body), "xxxx", "no oversized body reached an engine")
+				}
+			}
+		})
+	}
+}
+
+// h2Client is golang.org/x/net/http2's Transport speaking HTTP/2 without
+// TLS (prior knowledge); dials counts the connections it opens.
+func h2Client(t *testing.T) (*http.Client, *atomic.Int64) {
+	t.Helper()
+	dials := &atomic.Int64{}
+	tr := &http2.Transport{
+		AllowHTTP: true,
+		DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
+			dials.Add(1)
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
+		},
+	}
+	t.Cleanup(tr.CloseIdleConnections)
+	return &http.Client{Transport: tr, Timeout: time.Minute}, dials
+}
+
+// h2Trace is what a client saw of one HTTP/2 request, frame by frame.
+type h2Trace struct {
+	answer
+	frames []string // the request stream's frames from Envoy, in order
+	sent   int      // body bytes sent before the stream was closed
+	goAway bool
+}
+
+// h2Frames POSTs body over one cleartext HTTP/2 connection to addr, sending
+// as much as Envoy's flow-control windows allow, and records Envoy's frames
+// on the stream until it is closed.
+func h2Frames(t *testing.T, addr, path, body string) h2Trace {
+	t.Helper()
+	conn, err := net.DialTimeout("tcp", addr, 5*time.Second)
+	require.NoError(t, err)
+	defer conn.Close()
+	require.NoError(t, conn.SetDeadline(time.Now().Add(30*time.Second)))
+	fr := http2.NewFramer(conn, conn)
+	fr.ReadMetaHeaders = hpack.NewDecoder(4096, nil)
+	_, err = io.WriteString(conn, http2.ClientPreface)
+	require.NoError(t, err)
+	require.NoError(t, fr.WriteSettings())
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for _, f := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":authority", addr}, {":path", path},
+		{"content-type", "application/json"}, {"content-length", strconv.Itoa(len(body))}} {
+		require.NoError(t, enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]}))
+	}
+	const stream = 1
+	require.NoError(t, fr.WriteHeaders(http2.HeadersFrameParam{StreamID: stream, BlockFragment: hb.Bytes(), EndHeaders: true}))
+
+	// The read loop hands the frames over as they come (the framer reuses
+	// their buffers, so what matters is copied); the writer is this loop.
+	type frame struct {
+		settings       bool
+		initialWindow  int64 // SETTINGS_INITIAL_WINDOW_SIZE, -1 if absent
+		windowStream   uint32
+		windowIncrease int64
+		desc           string // a frame of the request stream, or GOAWAY
+		status         string
+		header         http.Header
+		data           []byte
+		closed         bool // the stream or connection is done
+	}
+	frames, done := make(chan frame, 64), make(chan struct{})
+	defer close(done)
+	go func() {
+		defer close(frames)
+		for {
+			f, err := fr.ReadFrame()
+			if err != nil {
+				return
+			}
+			var out frame
+			switch f := f.(type) {
+			case *http2.SettingsFrame:
+				if f.IsAck() {
+					continue
+				}
+				out.settings, out.initialWindow = true, -1
+				if v, ok := f.Value(http2.SettingInitialWindowSize); ok {
+					out.initialWindow = int64(v)
+				}
+			case *http2.WindowUpdateFrame:
+				out.windowStream, out.windowIncrease = f.StreamID, int64(f.Increment)
+			case *http2.MetaHeadersFrame:
+				out.desc, out.status, out.header = "HEADERS", f.PseudoValue("status"), http.Header{}
+				for _, h := range f.RegularFields() {
+					out.header.Add(h.Name, h.Value)
+				}
+			case *http2.DataFrame:
+				out.desc, out.data = "DATA", bytes.Clone(f.Data())
+				if f.StreamEnded() {
+					out.desc = "DATA END_STREAM"
+				}
+			case *http2.RSTStreamFrame:
+				out.desc, out.closed = "RST_STREAM "+f.ErrCode.String(), true
+			case *http2.GoAwayFrame:
+				out.desc, out.closed = "GOAWAY "+f.ErrCode.String(), true
+			default:
+				continue
+			}
+			select {
+			case frames <- out:
+			case <-done:
+				return
+			}
+			if out.closed {
+				return
+			}
+		}
+	}()
+
+	var tr h2Trace
+	// RFC 9113's initial windows, until Envoy's SETTINGS say otherwise.
+	connWindow, streamWindow := int64(65535), int64(65535)
+	for {
+		if n := min(connWindow, streamWindow, 16384, int64(len(body)-tr.sent)); n > 0 {
+			end := tr.sent + int(n)
+			require.NoError(t, fr.WriteData(stream, end == len(body), []byte(body[tr.sent:end])))
+			tr.sent, connWindow, streamWindow = end, connWindow-n, streamWindow-n
+			continue
+		}
+		f, ok := <-frames
+		if !ok {
+			break // Envoy closed the connection
+		}
+		switch {
+		case f.settings:
+			if f.initialWindow >= 0 {
+				streamWindow += f.initialWindow - 65535
+			}
+			require.NoError(t, fr.WriteSettingsAck())
+		case f.windowStream == 0 && f.windowIncrease > 0:
+			connWindow += f.windowIncrease
+		case f.windowStream == stream:
+			streamWindow += f.windowIncrease
+		}
+		if f.desc == "" {
+			continue
+		}
+		tr.frames = append(tr.frames, f.desc)
+		tr.goAway = tr.goAway || strings.HasPrefix(f.desc, "GOAWAY")
+		if f.header != nil {
+			tr.header = f.header
+			tr.status, err = strconv.Atoi(f.status)
+			require.NoError(t, err)
+		}
+		tr.body += string(f.data)
+		if f.closed || (f.desc == "DATA END_STREAM" && tr.sent == len(body)) {
+			break // reset, or both sides have ended the stream
+		}
+	}
+	return tr
 }
 
 // A client whose headers leave no room for pdx's gets 431 in OpenAI JSON,
