@@ -128,7 +128,9 @@ func TestConcurrentStreamEndsAtTheResponse(t *testing.T) {
 	table.Pools()[0].Decode.Set.Observe(decodeEP.Address, picker.Load{At: time.Now()})
 	stream := newFakeStream(t.Context())
 	done := make(chan error, 1)
-	go func() { done <- New(table, answering(fakeengine.Reply{}), slog.New(slog.DiscardHandler)).Process(stream) }()
+	go func() {
+		done <- New(table, answering(fakeengine.Reply{}), slog.New(slog.DiscardHandler)).Process(stream)
+	}()
 	stream.in <- headers("POST", "/v1/chat/completions", false)
 	next(t, stream)
 	stream.in <- body(chatBody, true)
