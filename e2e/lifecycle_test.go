@@ -612,19 +612,33 @@ func envoyStat(admin, name string) (int, error) {
 // binary as a separate process with a YAML config file on fixed ports, so
 // that it can be killed and started again where Envoy expects it.
 type procStack struct {
-	bin, config         string
-	grpcAddr, adminAddr string
-	args                []string
-	prefill, decode     []*enginesim.Server
-	envoy               *envoyproc.Process
-	pdx                 *pdxProcess
-	pdxLog              *logbuf.Buffer
+	bin             string
+	args            []string
+	prefill, decode []*enginesim.Server
+	envoy           *envoyproc.Process
+	// replicas are the pdx processes behind the one Envoy, all on the same
+	// config but each on its own ports. pdx and grpcAddr are the first
+	// replica's, the one startPdx starts again.
+	replicas []*pdxReplica
+	pdx      *pdxProcess
+	grpcAddr string
+}
+
+// pdxReplica is one pdx of a procStack: its config file, its ports, its log
+// and the process now running on them.
+type pdxReplica struct {
+	config, grpcAddr, adminAddr string
+	log                         *logbuf.Buffer
+	proc                        *pdxProcess
 }
 
 type procOptions struct {
 	prefill, decode int
-	engine          enginesim.Config
-	pdxArgs         []string
+	// replicas is how many pdx processes Envoy spreads requests over
+	// (default 1).
+	replicas int
+	engine   enginesim.Config
+	pdxArgs  []string
 	// messageTimeout is Envoy's ext_proc message_timeout (default 15s,
 	// above the pools' prefill_timeout of 10s).
 	messageTimeout time.Duration
@@ -635,8 +649,7 @@ type procOptions struct {
 func startProcStack(t *testing.T, opts procOptions) *procStack {
 	t.Helper()
 	dir := t.TempDir()
-	ps := &procStack{bin: filepath.Join(dir, "pdx"), config: filepath.Join(dir, "pdx.yaml"),
-		grpcAddr: loopback.FreeAddr(t), adminAddr: loopback.FreeAddr(t), args: opts.pdxArgs, pdxLog: &logbuf.Buffer{}}
+	ps := &procStack{bin: filepath.Join(dir, "pdx"), args: opts.pdxArgs}
 	out, err := exec.Command("go", "build", "-o", ps.bin, "../cmd/pdx").CombinedOutput()
 	require.NoError(t, err, "%s", out)
 
@@ -649,8 +662,7 @@ func startProcStack(t *testing.T, opts procOptions) *procStack {
 		return e
 	}
 	var b strings.Builder
-	fmt.Fprintf(&b, "%s\ngrpc_address: %s\nadmin_address: %s\npools:\n- name: lifecycle\n  models: [demo-model]\n  connector: nixl\n  prefill_timeout: 10s\n  prefill:\n",
-		opts.config, ps.grpcAddr, ps.adminAddr)
+	fmt.Fprintf(&b, "pools:\n- name: lifecycle\n  models: [demo-model]\n  connector: nixl\n  prefill_timeout: 10s\n  prefill:\n")
 	for range opts.prefill {
 		ps.prefill = append(ps.prefill, start(enginesim.RolePrefill))
 		fmt.Fprintf(&b, "  - address: %s\n", ps.prefill[len(ps.prefill)-1].Addr())
@@ -660,20 +672,29 @@ func startProcStack(t *testing.T, opts procOptions) *procStack {
 		ps.decode = append(ps.decode, start(enginesim.RoleDecode))
 		fmt.Fprintf(&b, "  - address: %s\n", ps.decode[len(ps.decode)-1].Addr())
 	}
-	require.NoError(t, os.WriteFile(ps.config, []byte(b.String()), 0o600))
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("pdx log:\n%s", ps.pdxLog.String())
-		}
-	})
-	ps.startPdx(t)
+	var addrs []string
+	for i := range max(opts.replicas, 1) {
+		r := &pdxReplica{config: filepath.Join(dir, fmt.Sprintf("pdx-%d.yaml", i)),
+			grpcAddr: loopback.FreeAddr(t), adminAddr: loopback.FreeAddr(t), log: &logbuf.Buffer{}}
+		config := fmt.Sprintf("%s\ngrpc_address: %s\nadmin_address: %s\n%s", opts.config, r.grpcAddr, r.adminAddr, b.String())
+		require.NoError(t, os.WriteFile(r.config, []byte(config), 0o600))
+		t.Cleanup(func() {
+			if t.Failed() {
+				t.Logf("pdx replica %d (%s) log:\n%s", i, r.grpcAddr, r.log.String())
+			}
+		})
+		ps.replicas = append(ps.replicas, r)
+		ps.startReplica(t, r)
+		addrs = append(addrs, r.grpcAddr)
+	}
+	ps.pdx, ps.grpcAddr = ps.replicas[0].proc, ps.replicas[0].grpcAddr
 
 	envoyBin, err := envoyproc.Binary()
 	require.NoError(t, err)
 	if opts.messageTimeout == 0 {
 		opts.messageTimeout = 15 * time.Second
 	}
-	ps.envoy, err = envoyproc.Start(t.Context(), envoyBin, envoy.Config{PdxAddress: ps.grpcAddr, MessageTimeout: opts.messageTimeout}, nil)
+	ps.envoy, err = envoyproc.Start(t.Context(), envoyBin, envoy.Config{PdxAddresses: addrs, MessageTimeout: opts.messageTimeout}, nil)
 	require.NoError(t, err)
 	t.Cleanup(func() {
 		if t.Failed() {
@@ -696,20 +717,28 @@ type pdxProcess struct {
 	err    error // cmd.Wait's, once exited is closed
 }
 
-// startPdx starts pdx (again) on the stack's config and returns once it is
-// ready.
+// startPdx starts the first pdx replica again, on its config and ports,
+// and returns once it is ready.
 func (ps *procStack) startPdx(t *testing.T) {
 	t.Helper()
-	p := &pdxProcess{cmd: exec.Command(ps.bin, append([]string{"serve", "--config", ps.config}, ps.args...)...), exited: make(chan struct{})}
-	p.cmd.Stdout, p.cmd.Stderr = ps.pdxLog, ps.pdxLog
-	fmt.Fprintf(ps.pdxLog, "----- pdx started -----\n")
+	ps.startReplica(t, ps.replicas[0])
+	ps.pdx = ps.replicas[0].proc
+}
+
+// startReplica starts pdx on the replica's config and returns once it is
+// ready.
+func (ps *procStack) startReplica(t *testing.T, r *pdxReplica) {
+	t.Helper()
+	p := &pdxProcess{cmd: exec.Command(ps.bin, append([]string{"serve", "--config", r.config}, ps.args...)...), exited: make(chan struct{})}
+	p.cmd.Stdout, p.cmd.Stderr = r.log, r.log
+	fmt.Fprintf(r.log, "----- pdx started -----\n")
 	require.NoError(t, p.cmd.Start())
 	go func() {
 		p.err = p.cmd.Wait()
 		close(p.exited)
 	}()
 	t.Cleanup(p.kill)
-	ps.pdx = p
+	r.proc = p
 
 	hc := &http.Client{Timeout: time.Second, Transport: &http.Transport{DisableKeepAlives: true}}
 	defer hc.CloseIdleConnections()
@@ -717,10 +746,10 @@ func (ps *procStack) startPdx(t *testing.T) {
 	for {
 		select {
 		case <-p.exited:
-			t.Fatalf("pdx exited at start: %v\n%s", p.err, ps.pdxLog.String())
+			t.Fatalf("pdx exited at start: %v\n%s", p.err, r.log.String())
 		default:
 		}
-		if resp, err := hc.Get("http://" + ps.adminAddr + "/readyz"); err == nil {
+		if resp, err := hc.Get("http://" + r.adminAddr + "/readyz"); err == nil {
 			resp.Body.Close()
 			if resp.StatusCode == http.StatusOK {
 				return
