@@ -445,7 +445,7 @@ var (
 		"1 if the endpoint is admitted by its pool's picker, 0 while passive health checking has ejected it (decode endpoints are never ejected).",
 		[]string{"pool", "role", "endpoint"}, nil)
 	inFlightDesc = prometheus.NewDesc("pdx_endpoint_in_flight",
-		"Requests this pdx has on the endpoint: prefills running, or decodes whose response Envoy has not finished.",
+		"Requests this pdx counts on the endpoint: prefills running, and decodes whose stream it holds until Envoy finishes their response (a decode detached at routing is the engine's metrics' to count).",
 		[]string{"pool", "role", "endpoint"}, nil)
 )
 
