@@ -162,38 +162,23 @@ func TestDetach(t *testing.T) {
 			l.End(Released) // ended already: uncounts nothing more
 			require.Zero(t, set.InFlight(on))
 
-			// Pending until the next sample: the other endpoint is lighter.
-			for range 4 {
-				next, ok := leg.Pick(Request{Tokens: 100})
-				require.True(t, ok)
-				require.NotEqual(t, on, next.Endpoint(), "the detached request still counts on its endpoint")
-				next.End(Released)
-			}
-			// The engine's sample now counts it among its requests: it is
-			// no longer pending, and equal loads tie again.
-			for _, ep := range eps {
-				running := 2
-				if ep == on {
-					running = 3
+			// picks picks four times, each lease ended at once.
+			picks := func() []endpoint.Endpoint {
+				var out []endpoint.Endpoint
+				for range 4 {
+					next, ok := leg.Pick(Request{Tokens: 100})
+					require.True(t, ok)
+					out = append(out, next.Endpoint())
+					next.End(Released)
 				}
-				set.Observe(ep.Address, Load{Running: running, At: clk.Now()})
+				return out
 			}
-			var picked []endpoint.Endpoint
-			for range 4 {
-				next, ok := leg.Pick(Request{Tokens: 100})
-				require.True(t, ok)
-				picked = append(picked, next.Endpoint())
-				next.End(Released)
-			}
-			require.NotContains(t, picked, on, "the sample counts the detached request once")
-			set.Observe(on.Address, Load{Running: 2, At: clk.Now()}) // it ended
-			for range 4 {
-				next, ok := leg.Pick(Request{Tokens: 100})
-				require.True(t, ok)
-				picked = append(picked, next.Endpoint())
-				next.End(Released)
-			}
-			require.Contains(t, picked, on, "once the engine says it ended, the endpoint is picked again")
+			// Pending until the next sample: the other endpoint is lighter.
+			require.NotContains(t, picks(), on, "the detached request still counts on its endpoint")
+			// The engine's next sample stops it pending: by this one it
+			// has ended, and the endpoints tie again.
+			set.Observe(on.Address, Load{Running: 2, At: clk.Now()})
+			require.Contains(t, picks(), on, "after the engine's next sample, the endpoint is picked again")
 		})
 	}
 }
