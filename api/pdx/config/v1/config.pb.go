@@ -176,12 +176,12 @@ type Config struct {
 	//   - unset (the default): as soon as pdx has nothing left to read of the
 	//     request (at routing, or at the response headers where it asked for
 	//     them) and the decode engine's metrics are fresh; the decode then
-	//     counts as pdx's until the engine's next sample shows it
-	//     (Lease.Detach). Otherwise, when Envoy ends it with the response.
+	//     counts as pdx's until the engine's next sample shows it. Otherwise,
+	//     when Envoy ends it with the response.
 	//   - true: at routing, whatever the metrics say; pdx does not count a
 	//     running decode at all.
-	//   - false: when Envoy ends it with the response (pdx's
-	//     former default): the decode counts exactly, and dies with pdx.
+	//   - false: when Envoy ends it with the response (pdx's former default):
+	//     the decode counts exactly, and dies with pdx.
 	EndStreamsAtRouting *bool `protobuf:"varint,10,opt,name=end_streams_at_routing,json=endStreamsAtRouting,proto3,oneof" json:"end_streams_at_routing,omitempty"`
 	// Serve Envoy the decode endpoints over xDS (EDS), on the gRPC listener
 	// of ext_proc (grpc_address), for the decode-fallback profile: Envoy's
