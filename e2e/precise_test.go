@@ -125,3 +125,83 @@ func waitKVBlocks(t *testing.T, st *stack.Stack, n int) {
 		return held >= float64(n)
 	}, 20*time.Second, 50*time.Millisecond, "pdx heard of %v of the engines' %d blocks", held, n)
 }
+
+// TestDecodeSideReuse computes each prompt first directly on one decode
+// engine, behind pdx's back, as a conversation's earlier turn leaves its KV
+// where it decoded. With the engines' events pdx sees that the follow-up's
+// decode engine holds all but a few of its tokens, and the pool's decider
+// (min_uncached_tokens) sends it there alone: the decode engine prefills
+// the rest itself and no prefill engine runs. Without events (control) pdx
+// cannot know, and every follow-up takes the prefill leg.
+func TestDecodeSideReuse(t *testing.T) {
+	for _, mode := range []string{"dial", ""} {
+		name := mode
+		if name == "" {
+			name = "control"
+		}
+		t.Run(name, func(t *testing.T) {
+			c := enginesim.ReferenceCapacity(1, 1)
+			opts := stack.Options{Prefill: 1, Decode: 3, KVEvents: mode, Engine: enginesim.Config{Capacity: &c},
+				ConfigYAML: "engine_metrics: {disabled: true}",
+				// A follow-up's question and its prompt's last, partial
+				// block are well under 64 tokens; the prompts are ~1,500.
+				PoolYAML: "disaggregation: {min_uncached_tokens: 64}\n"}
+			if mode == "" {
+				opts.PoolYAML += "render: {disabled: true}\n"
+			}
+			st := startStack(t, opts)
+			hc := &http.Client{Timeout: 30 * time.Second}
+			t.Cleanup(hc.CloseIdleConnections)
+			texts := make([]string, len(preciseEngines))
+			for i, e := range preciseEngines {
+				texts[i] = fmt.Sprintf("conversation %d so far: %s", i, strings.Repeat(fmt.Sprintf("turn of conversation %d. ", i), 200))
+				a := post(t, hc, "http://"+st.Decode[e].Addr()+"/v1/chat/completions", chatBody(texts[i]))
+				require.Equal(t, 200, a.status, a.body)
+			}
+			if mode != "" {
+				blocks := 0
+				for _, text := range texts {
+					blocks += len(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}})) / (4 * c.BlockTokens)
+				}
+				waitKVBlocks(t, st, blocks)
+			}
+			alone := 0
+			for i, e := range preciseEngines {
+				text := texts[i] + " And the next question?"
+				a := post(t, hc, st.URL()+"/v1/chat/completions", chatBody(text))
+				require.Equal(t, 200, a.status, a.body)
+				if p, on := prefilledOn(t, st, text), servedAlone(st, text); p < 0 && on == e {
+					alone++
+				} else {
+					t.Logf("prompt %d held by decode engine %d: prefilled on %d, served alone by %d", i, e, p, on)
+				}
+			}
+			fams := scrape(t, "http://"+st.Pdx.AdminAddr()+"/metrics")
+			short := value(fams, "pdx_disaggregation_decisions_total", map[string]string{"decision": "short_uncached"})
+			if mode == "" {
+				require.Zero(t, alone, "without the engines' events no decode engine is known to hold a prompt")
+				require.Zero(t, short)
+				return
+			}
+			require.Equal(t, len(preciseEngines), alone, "every follow-up served alone by the decode engine that holds it")
+			require.Equal(t, float64(len(preciseEngines)), short)
+			for _, e := range st.Engines() {
+				require.Zero(t, e.Tally().Rejected, e.Addr())
+			}
+		})
+	}
+}
+
+// servedAlone is the decode engine that served the chat request with text
+// without a KV transfer (it computed the prompt itself), -1 if none did.
+func servedAlone(st *stack.Stack, text string) int {
+	want := enginesim.Fingerprint(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}}))
+	for i, e := range st.Decode {
+		for _, r := range e.Records() {
+			if r.Kind == enginesim.KindPlain && r.Fingerprint == want {
+				return i
+			}
+		}
+	}
+	return -1
+}

@@ -58,6 +58,15 @@ func (p Profile) Config() string {
 // PreciseProfile names pdx's precise placement profile.
 const PreciseProfile = "precise"
 
+// PreciseReuseProfile names precise placement with decode-side reuse.
+const PreciseReuseProfile = "precise-reuse"
+
+// dynamoLocalPrefillTokens is NVIDIA Dynamo's max_local_prefill_length
+// default, in real tokens: a prompt with more uncached tokens than this on
+// its decode engine is prefilled remotely (ai-dynamo/dynamo,
+// examples/python_rs/llm/vllm_nixl/router/disagg_router.py).
+const dynamoLocalPrefillTokens = 1000
+
 // PdxDefaultDecider is the disaggregation line of the "pdx-default"
 // profile (pool YAML, e.g. "disaggregation: {min_uncached_tokens: 4}");
 // empty leaves pdx's own default.
@@ -97,6 +106,12 @@ func Profiles(s Scale) []Profile {
 		// pdx's defaults placing by what the engines report holding (their
 		// KV events) and their tokens (render), not by what pdx sent.
 		{Name: PreciseProfile, KVEvents: true},
+		// precise, and a prompt whose decode engine holds all but fewer
+		// than 1,000 of its tokens (the engine's own word) is prefilled
+		// there alone: decode-side reuse, by NVIDIA Dynamo's disaggregated
+		// router rule and its default max_local_prefill_length.
+		{Name: PreciseReuseProfile, KVEvents: true, PoolYAML: lines(
+			fmt.Sprintf("disaggregation: {min_uncached_tokens: %d}", s.Tokens(dynamoLocalPrefillTokens)))},
 		// vLLM's own router: cache_aware is its default, the one users
 		// compare against; round_robin is its plain baseline.
 		{Name: "vllm-router-cache-aware", Peer: "cache_aware"},

@@ -23,19 +23,23 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", "precise",
-		"vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle"}, names(all))
+		"precise-reuse", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle"}, names(all))
 	require.Contains(t, all[4].ConfigYAML, "end_streams_at_routing: false")
 	require.Contains(t, all[5].ConfigYAML, "end_streams_at_routing: true")
 	precise := all[7]
 	require.True(t, precise.pdx() && precise.KVEvents, "pdx reading the engines' events")
 	require.Contains(t, precise.Config(), "kv_events")
-	for _, p := range all[8:11] {
+	reuse := all[8]
+	require.True(t, reuse.pdx() && reuse.KVEvents)
+	require.Contains(t, reuse.Config(), "kv_events")
+	require.Contains(t, reuse.PoolYAML, fmt.Sprintf("min_uncached_tokens: %d", Scale{TokenScale: 16}.Tokens(1000)), "Dynamo's 1,000 tokens, scaled")
+	for _, p := range all[9:12] {
 		require.NotEmpty(t, p.Peer, p.Name)
 		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
 		require.Contains(t, p.Config(), "--policy "+p.Peer)
 		require.Equal(t, p.Peer == "kv_aware", p.KVEvents, "only kv_aware reads the engines' KV events")
 	}
-	oracle := all[11]
+	oracle := all[12]
 	require.True(t, oracle.Oracle)
 	require.Empty(t, oracle.Peer+oracle.PoolYAML+oracle.ConfigYAML, "the oracle is neither a peer nor pdx")
 	require.False(t, oracle.pdx())
@@ -64,8 +68,8 @@ func TestCheckProfiles(t *testing.T) {
 	require.ErrorContains(t, err, "policy broken")
 
 	t.Setenv(vllmrouter.DirEnv, t.TempDir())
-	require.NoError(t, rig.CheckProfiles(append(all[:8:8], all[11])), "pdx's profiles and the oracle need no vllm-router")
-	err = rig.CheckProfiles(all[8:9])
+	require.NoError(t, rig.CheckProfiles(append(all[:9:9], all[12])), "pdx's profiles and the oracle need no vllm-router")
+	err = rig.CheckProfiles(all[9:10])
 	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
 	require.ErrorContains(t, err, "policy vllm-router-cache-aware")
 	t.Setenv(vllmrouter.DirEnv, installed)
