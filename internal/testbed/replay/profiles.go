@@ -62,9 +62,9 @@ const PreciseProfile = "precise"
 const PreciseReuseProfile = "precise-reuse"
 
 // dynamoLocalPrefillTokens is NVIDIA Dynamo's max_local_prefill_length
-// default, in real tokens: a prompt with more uncached tokens than this on
-// its decode engine is prefilled remotely (ai-dynamo/dynamo,
-// examples/python_rs/llm/vllm_nixl/router/disagg_router.py).
+// default, in real tokens: a prompt with more tokens than this that its
+// decode worker's prefix cache lacks is prefilled remotely (ai-dynamo/dynamo,
+// examples/llm/components/disagg_router.py, prefill_remote).
 const dynamoLocalPrefillTokens = 1000
 
 // PdxDefaultDecider is the disaggregation line of the "pdx-default"
