@@ -23,10 +23,11 @@ import (
 //     cached run of leading blocks is the cached prefix, at most all but the
 //     last prompt token (vLLM always computes the last token to get logits).
 //   - Prefill. One FIFO server (prefill is compute-bound): a prompt takes
-//     PrefillOverhead + uncached tokens / PrefillTokensPerSec; later ones
-//     wait. Prefill legs and the prompt phase of plain requests (on any
-//     role: a vLLM kv_consumer without kv_transfer_params prefills locally)
-//     share it. Its blocks enter the cache when it is done.
+//     PrefillOverhead + uncached tokens / PrefillTokensPerSec (beside
+//     sequences decoding, see One GPU); later ones wait. Prefill legs and the
+//     prompt phase of plain requests (on any role: a vLLM kv_consumer
+//     without kv_transfer_params prefills locally) share it. Its blocks
+//     enter the cache when it is done.
 //   - KV pull. A decode that takes KV from a prefill first pulls the prompt
 //     blocks its own cache lacks (vLLM's decode computes local prefix hits
 //     first), KVPullPerBlock each; meanwhile it counts as waiting, like
@@ -35,15 +36,44 @@ import (
 //     (FIFO) when a place is free and the KV it will need fits, as vLLM's
 //     scheduler leaves a request waiting when it cannot allocate its blocks.
 //     Each output token takes DecodeStep + DecodeStepPerSeq × (running − 1),
-//     with the batch size at that step.
+//     with the batch size at that step, plus its share of a prompt computed
+//     beside it (below).
+//   - One GPU (MaxBatchedTokens > 0). vLLM V1 chunks prefills: a step
+//     computes at most MaxBatchedTokens tokens, one for each running
+//     decode first, then a chunk of the prompt being prefilled. So while
+//     the engine computes a prompt and n sequences decode there, the prompt
+//     advances in chunks of min(MaxBatchedTokens − n, uncached tokens left)
+//     (at least 1), each taking its compute (chunk / PrefillTokensPerSec)
+//     plus the decode step at the batch of the moment, and each decode step
+//     is longer by the compute of the chunk it carries. Without sequences
+//     decoding the prompt takes PrefillOverhead + uncached /
+//     PrefillTokensPerSec as above, in chunks of MaxBatchedTokens so that a
+//     sequence joining meanwhile shares the chunks after it joined. With
+//     MaxBatchedTokens 0 prefill and decode do not slow each other down, as
+//     if they ran on two GPUs. Usage's PrefillSharedDelay and
+//     DecodeSharedDelay count what the sharing cost.
 //
 // Approximations: a sequence reserves the blocks of its whole output on
 // admission, so nothing is ever preempted (vLLM allocates as it goes and
 // preempts when it runs out); blocks held are pinned, and when pinned blocks
 // alone exceed KVBlocks a prefill still runs (usage is reported as 1); a
 // finished prefill's KV that waits for its decode is not pinned (it is the
-// most recently used, so it is evicted last); prefill and decode do not slow
-// each other down, as they would on one GPU.
+// most recently used, so it is evicted last). Sharing the GPU is fluid
+// (share.go): sequences step on their own clocks rather than in one batch
+// step, so a step pays in advance the compute of the chunk in progress
+// that it will overlap (a steady step exactly one chunk's) and at its next
+// step what it overlapped beyond (the next chunk's start, a timer waking
+// late), so that a sequence decoding throughout a prompt pays all of its
+// compute once; a chunk given up midway (the client went away) still costs
+// its whole compute, as the step carrying it runs on; a prompt's last,
+// partial chunk rides the same share of a decode step as it has of the
+// budget (a scaled engine's step stands for tokenScale real ones), though
+// a prompt's first chunk rides at least PrefillOverhead, so that a prompt
+// never computes faster beside a batch than alone; a chunk's batch size is
+// the one when it begins; when n reaches the budget a prompt still
+// advances a token a step (vLLM would starve it until decodes finish); the
+// output tokens a prefill leg generates beyond its first (a router that
+// keeps the client's limit) are not in the batch and share nothing.
 type Capacity struct {
 	MaxRunning          int           // vLLM --max-num-seqs: sequences decoding at once; more wait
 	BlockTokens         int           // vLLM --block-size (16): tokens per KV block, the prefix cache's unit
@@ -53,6 +83,12 @@ type Capacity struct {
 	DecodeStep          time.Duration // time per output token with one running sequence
 	DecodeStepPerSeq    time.Duration // added to each decode step per further running sequence
 	KVPullPerBlock      time.Duration // KV transfer time per block a decode pulls
+	// MaxBatchedTokens is vLLM's --max-num-batched-tokens: the tokens one
+	// step computes, a decode's one each and chunks of a prompt in the rest,
+	// so that a prompt computed while sequences decode slows them down and
+	// is slowed down by them. 0 means no budget: prefill and decode do not
+	// share the GPU (the model before it existed).
+	MaxBatchedTokens int
 }
 
 // Figures of ReferenceCapacity, Llama-3-8B in 16-bit on one H100 SXM 80 GB.
@@ -61,6 +97,16 @@ const (
 	// a GPU of at least 70 GiB other than an A100 (EngineArgs
 	// get_batch_defaults in vllm/engine/arg_utils.py: 1024; 256 elsewhere).
 	refMaxRunning = 1024
+	// refMaxBatchedTokens is vLLM's default max_num_batched_tokens for the
+	// OpenAI server on the same GPUs (UsageContext.OPENAI_API_SERVER: 8192;
+	// 2048 elsewhere, 16384 for the LLM class), from the same defaults
+	// (get_batch_defaults, EngineArgs._set_default_args in earlier
+	// versions, which also turns chunked prefill on for generative models:
+	// "V1 uses chunked prefills ... by default"). vLLM V1's Scheduler.schedule
+	// (vllm/v1/core/sched/scheduler.py) spends the step's token_budget on
+	// "the RUNNING requests" first, a decode taking one token, then
+	// "the WAITING requests", a prompt taking what is left as its chunk.
+	refMaxBatchedTokens = 8192
 	// refBlockTokens is vLLM's default --block-size on CUDA.
 	refBlockTokens = 16
 	// refKVBlocks: KV per token is 2 (K and V) × 32 layers × 8 KV heads ×
@@ -101,7 +147,14 @@ const (
 // 1), the KV capacity holds 1/tokenScale of the real tokens, the prefill
 // rate and per-token decode and pull times are scaled accordingly, and
 // fixed costs are multiplied by timeScale. MaxRunning counts sequences and
-// is not scaled. Scales that are not positive count as 1.
+// is not scaled. Nor is MaxBatchedTokens, though it counts tokens: it is
+// tokens per step, and a scaled decode step stands for tokenScale real
+// ones (its output is divided by tokenScale), so a scaled step computes
+// tokenScale × 8192 real tokens, 8192 scaled ones, the decodes' share
+// included (n sequences decode tokenScale × n real tokens in it, n scaled
+// ones). Dividing it too would cut a scaled prompt into tokenScale times
+// as many chunks, each riding a whole scaled step. Scales that are not
+// positive count as 1.
 func ReferenceCapacity(tokenScale, timeScale float64) Capacity {
 	if !(tokenScale > 0) {
 		tokenScale = 1
@@ -124,6 +177,7 @@ func ReferenceCapacity(tokenScale, timeScale float64) Capacity {
 		DecodeStep:          scaled(refDecodeStep, tokenScale*timeScale),
 		DecodeStepPerSeq:    scaled(refDecodeStepPerSeq, tokenScale*timeScale),
 		KVPullPerBlock:      scaled(refKVPullPerBlock, blockReal/refBlockTokens*timeScale),
+		MaxBatchedTokens:    refMaxBatchedTokens,
 	}
 }
 
@@ -135,6 +189,8 @@ func (c *Capacity) validate() error {
 		return fmt.Errorf("enginesim: Capacity.BlockTokens must be at least 1, got %d", c.BlockTokens)
 	case c.KVBlocks < 1:
 		return fmt.Errorf("enginesim: Capacity.KVBlocks must be at least 1, got %d", c.KVBlocks)
+	case c.MaxBatchedTokens < 0:
+		return fmt.Errorf("enginesim: Capacity.MaxBatchedTokens must not be negative (0: no step budget), got %d", c.MaxBatchedTokens)
 	case !(c.PrefillTokensPerSec > 0) || math.IsInf(c.PrefillTokensPerSec, 0):
 		return fmt.Errorf("enginesim: Capacity.PrefillTokensPerSec must be positive and finite, got %v", c.PrefillTokensPerSec)
 	}
@@ -173,6 +229,17 @@ type Usage struct {
 	// DecodeTokens counts decode steps, one per output token generated
 	// after the first token of a plain request (Capacity only).
 	DecodeTokens int64
+	// What sharing the GPU cost (Capacity.MaxBatchedTokens > 0).
+	// PrefillSharedDelay is the time prompts took beyond PrefillOverhead +
+	// uncached / PrefillTokensPerSec because they rode the steps of
+	// sequences decoding on the engine. DecodeSharedSteps counts decode
+	// steps made longer by the chunks of a prompt computed beside them and
+	// DecodeSharedDelay adds up how much longer, sequence by sequence (so
+	// a prompt computed beside n sequences adds about n times its compute;
+	// DecodeSharedDelay / DecodeTokens is the mean rise of the time per
+	// output token).
+	PrefillSharedDelay, DecodeSharedDelay time.Duration
+	DecodeSharedSteps                     int64
 	// Evictions counts prefix-cache blocks evicted to make room.
 	Evictions int64
 	// Running and Waiting are the requests running (prefilling or
@@ -230,6 +297,11 @@ type engineLoad struct {
 	hitBlocks, queryBlocks int64
 	kvpub                  *kvPublisher // Config.KVEvents, nil without
 	truth                  truth        // what the forecasts read (oracle.go)
+	// run is the prompt being computed, chunk by chunk, and shared the
+	// prompt compute done beside the decode batch so far, in chunks ended
+	// (share.go).
+	run    promptRun
+	shared time.Duration
 }
 
 func newEngineLoad(c *Capacity, pub *kvPublisher) *engineLoad {
@@ -255,10 +327,11 @@ type ticket struct {
 	hashes  []uint64
 	ids     []uint32
 	private int
-	// a prefill's prompt, and once it computes when it will be done: the
-	// forecasts' view of the queue (oracle.go)
+	// a prefill's prompt: the forecasts' view of the queue (oracle.go)
 	prompt *promptBlocks
-	ends   time.Time
+	// a decode's starting seat.paid: the prompt compute shared with the
+	// batch before it was admitted (share.go)
+	paid time.Duration
 }
 
 // busyClock accumulates the time a count was above zero.
@@ -379,6 +452,7 @@ func (m *engineLoad) dispatch() {
 		m.decodeQ = m.decodeQ[1:]
 		m.decoding++
 		m.cache.pin(t.hashes, t.ids, t.private)
+		t.paid = m.sharedAt(time.Now())
 		t.granted = true
 		close(t.ready)
 	}
@@ -452,14 +526,29 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks) error {
 	uncached := p.tokens - hit*m.capa.BlockTokens
 	m.usage.Prefills++
 	m.usage.PrefillTokens += int64(uncached)
-	d := m.prefillTime(uncached)
-	t.ends = time.Now().Add(d)
+	m.startRun(uncached, time.Now())
+	end := m.run.end
 	m.mu.Unlock()
 
-	err := sleep(ctx, d)
+	// The prompt computes chunk by chunk, each ending at a time fixed when
+	// it begins (the next begins there, however late this wakes).
+	var err error
+	for {
+		if err = sleep(ctx, time.Until(end)); err != nil {
+			break
+		}
+		m.mu.Lock()
+		more := m.nextChunk()
+		end = m.run.end
+		m.mu.Unlock()
+		if !more {
+			break
+		}
+	}
 
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	m.endRun()
 	m.cache.unpin(held, computing)
 	if err == nil {
 		m.cache.insert(p.hashes, p.ids)
@@ -492,20 +581,20 @@ func (s *Server) transferKV(ctx context.Context, req *inferenceRequest) error {
 }
 
 // admit waits for a place in the decode batch for req's sequence and
-// returns the function that gives it back. Without Capacity it only counts
-// the sequence. The error is ctx's.
-func (m *engineLoad) admit(ctx context.Context, req *inferenceRequest) (func(), error) {
+// returns it (its leave gives it back). Without Capacity it only counts the
+// sequence. The error is ctx's.
+func (m *engineLoad) admit(ctx context.Context, req *inferenceRequest) (*seat, error) {
 	if m.capa == nil {
 		m.mu.Lock()
 		m.decoding++
 		m.changed()
 		m.mu.Unlock()
-		return func() {
+		return &seat{m: m, leave: func() {
 			m.mu.Lock()
 			m.decoding--
 			m.changed()
 			m.mu.Unlock()
-		}, nil
+		}}, nil
 	}
 	bt := m.capa.BlockTokens
 	p := blocksOf(req.prompt, bt)
@@ -522,41 +611,49 @@ func (m *engineLoad) admit(ctx context.Context, req *inferenceRequest) (func(), 
 	if err := m.await(ctx, t, &m.decodeQ, release); err != nil {
 		return nil, err
 	}
-	return func() {
+	return &seat{m: m, paid: t.paid, leave: func() {
 		m.mu.Lock()
 		defer m.mu.Unlock()
 		release()
 		m.dispatch()
-	}, nil
+	}}, nil
 }
 
-// step is the time of the next decode step, at the batch size of now.
+// step is the time of the next decode step of a prefill leg's output,
+// which is not in the batch (see seat.step for a sequence's), at the batch
+// size of now.
 func (m *engineLoad) step() time.Duration {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	m.usage.DecodeTokens++
-	return m.capa.DecodeStep + time.Duration(max(m.decoding-1, 0))*m.capa.DecodeStepPerSeq
+	return m.batchStep(m.decoding)
+}
+
+// batchStep is a decode step with n sequences decoding, at least one.
+func (m *engineLoad) batchStep(n int) time.Duration {
+	return m.capa.DecodeStep + time.Duration(max(n-1, 0))*m.capa.DecodeStepPerSeq
 }
 
 // generateBatched is generate under Capacity: the sequence waits for a
 // place in the decode batch, then each token takes a decode step of the
-// batch as it is at that step. The first token of a request this engine
-// prefilled came with its prefill; a decode that pulled KV computes it.
+// batch as it is at that step (seat.step: with the chunks of a prompt
+// computed beside it). The first token of a request this engine prefilled
+// came with its prefill; a decode that pulled KV computes it.
 func (s *Server) generateBatched(x *exchange) {
 	toks := outputTokens(x.rec.Fingerprint, x.req.maxTokens)
 	work := x.workContext()
-	release, err := s.load.admit(work, x.req)
+	seat, err := s.load.admit(work, x.req)
 	if err != nil {
 		s.interrupted(x, work, nil)
 		return
 	}
-	defer release()
+	defer seat.leave()
 	prefilled := x.rec.KV != KVPulled
 	delay := func(i int) time.Duration {
 		if i == 0 && prefilled {
 			return 0
 		}
-		return s.load.step()
+		return seat.step()
 	}
 	if x.req.stream {
 		s.stream(x, toks, delay, "length")

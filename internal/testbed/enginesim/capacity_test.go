@@ -519,12 +519,23 @@ func TestReferenceCapacity(t *testing.T) {
 			scaledBlocks := realPrompt / ts / float64(c.BlockTokens)
 			require.InEpsilon(t, float64(ref.KVPullPerBlock)*realBlocks*ms, float64(c.KVPullPerBlock)*scaledBlocks, 1e-6)
 			require.InEpsilon(t, float64(ref.PrefillOverhead)*ms, float64(c.PrefillOverhead), 1e-6)
+
+			// The step budget is tokens per step, and a scaled step stands
+			// for tokenScale real ones: it is not scaled, so that a prompt
+			// computed beside a batch also takes timeScale times as long.
+			require.Equal(t, 8192, c.MaxBatchedTokens)
+			const batch = 32
+			refLoad, scaledLoad := newEngineLoad(&ref, nil), newEngineLoad(&c, nil)
+			want = float64(refLoad.promptTime(0, realPrompt, batch, true)) * ms
+			require.InEpsilon(t, want, float64(scaledLoad.promptTime(0, int(realPrompt/ts), batch, true)), 1e-6)
+			require.Greater(t, refLoad.promptTime(0, realPrompt, batch, true), refLoad.promptTime(0, realPrompt, 0, true), "a batch slows the prompt down")
 		})
 	}
 	// The reference figures themselves.
 	require.Equal(t, 15000.0, ref.PrefillTokensPerSec)
 	require.Equal(t, 8*time.Millisecond, ref.DecodeStep)
 	require.Equal(t, 50*time.Microsecond, ref.KVPullPerBlock)
+	require.Equal(t, 8192, ref.MaxBatchedTokens)
 }
 
 func TestCapacityValidation(t *testing.T) {
@@ -538,6 +549,7 @@ func TestCapacityValidation(t *testing.T) {
 		{"no KV", func(c *Capacity) { c.KVBlocks = 0 }, "KVBlocks"},
 		{"no prefill rate", func(c *Capacity) { c.PrefillTokensPerSec = 0 }, "PrefillTokensPerSec"},
 		{"negative step", func(c *Capacity) { c.DecodeStep = -1 }, "DecodeStep"},
+		{"negative step budget", func(c *Capacity) { c.MaxBatchedTokens = -1 }, "MaxBatchedTokens"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

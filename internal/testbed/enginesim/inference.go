@@ -422,8 +422,8 @@ func (s *Server) generate(x *exchange) {
 		s.generateBatched(x)
 		return
 	}
-	done, _ := s.load.admit(x.r.Context(), x.req) // without Capacity it only counts
-	defer done()
+	seat, _ := s.load.admit(x.r.Context(), x.req) // without Capacity it only counts
+	defer seat.leave()
 	toks := outputTokens(x.rec.Fingerprint, x.req.maxTokens)
 	if x.req.stream {
 		s.stream(x, toks, s.tokenDelay, "length")

@@ -13,14 +13,18 @@ import "time"
 type PrefillForecast struct {
 	// Wait is until the prefill server takes the prompt: the rest of the
 	// prompt being computed and the work of every prompt queued before it,
-	// each with the cache hits the prompts ahead of it leave it.
+	// each with the cache hits the prompts ahead of it leave it, and each
+	// beside the sequences decoding now (see Compute).
 	Wait time.Duration
 	// CachedTokens are the prompt's tokens it will find cached when taken:
 	// in the cache now, or computed by a prompt ahead of it. Eviction
 	// meanwhile is not foreseen.
 	CachedTokens int
 	// Compute is its own prefill: PrefillOverhead plus its uncached
-	// tokens over PrefillTokensPerSec.
+	// tokens over PrefillTokensPerSec, or, with a step budget
+	// (Capacity.MaxBatchedTokens) and sequences decoding on the engine,
+	// its uncached tokens over PrefillTokensPerSec plus the decode steps
+	// its chunks ride at the batch of now (at least PrefillOverhead).
 	Compute time.Duration
 }
 
@@ -39,25 +43,25 @@ func (s *Server) ForecastPrefill(prompt string) PrefillForecast {
 	p := blocksOf(prompt, m.capa.BlockTokens)
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	now := time.Now()
+	now, n := time.Now(), m.decoding
 	var (
 		f     PrefillForecast
 		ahead [][]uint64 // the prompts that will be cached before p is taken
 	)
 	if c := m.truth.current; m.prefilling > 0 && c != nil {
-		if c.ends.IsZero() { // granted, its lookup not yet done
-			f.Wait += m.prefillTime(c.prompt.tokens - m.hitAfter(*c.prompt, nil)*m.capa.BlockTokens)
+		if !m.run.running { // granted, its lookup not yet done
+			f.Wait += m.prefillTime(c.prompt.tokens-m.hitAfter(*c.prompt, nil)*m.capa.BlockTokens, n)
 		} else {
-			f.Wait += max(c.ends.Sub(now), 0)
+			f.Wait += m.restOfRun(now, n)
 		}
 		ahead = append(ahead, c.prompt.hashes)
 	}
 	for _, t := range m.prefillQ {
-		f.Wait += m.prefillTime(t.prompt.tokens - m.hitAfter(*t.prompt, ahead)*m.capa.BlockTokens)
+		f.Wait += m.prefillTime(t.prompt.tokens-m.hitAfter(*t.prompt, ahead)*m.capa.BlockTokens, n)
 		ahead = append(ahead, t.prompt.hashes)
 	}
 	f.CachedTokens = m.hitAfter(p, ahead) * m.capa.BlockTokens
-	f.Compute = m.prefillTime(p.tokens - f.CachedTokens)
+	f.Compute = m.prefillTime(p.tokens-f.CachedTokens, n)
 	return f
 }
 
@@ -73,7 +77,9 @@ type DecodeForecast struct {
 	// or pulling their KV.
 	Running, Waiting int
 	// Step is a decode step once the sequence and every waiting one run:
-	// about its time per output token.
+	// about its time per output token. While the engine computes a prompt
+	// beside the batch (Capacity.MaxBatchedTokens), it includes the
+	// compute of the chunk of it the step would carry.
 	Step time.Duration
 	// Fits reports whether it would be admitted at once: nothing queued
 	// ahead, a place free and room for its KV.
@@ -100,7 +106,7 @@ func (s *Server) ForecastDecode(prompt string, maxTokens int) DecodeForecast {
 		Running:      m.decoding,
 		Waiting:      len(m.decodeQ) + m.pulling,
 	}
-	f.Step = m.capa.DecodeStep + time.Duration(f.Running+f.Waiting)*m.capa.DecodeStepPerSeq
+	f.Step = m.batchStep(f.Running+f.Waiting+1) + m.chunkCompute(f.Running+f.Waiting+1)
 	f.Fits = len(m.decodeQ) == 0 && m.decoding < m.capa.MaxRunning && (m.decoding == 0 || m.cache.fits(p.hashes, private))
 	return f
 }
@@ -153,9 +159,9 @@ func (t *truth) queued() {
 }
 
 // prefillTime is the prefill server's time for a prompt of uncached
-// tokens.
-func (m *engineLoad) prefillTime(uncached int) time.Duration {
-	return m.capa.PrefillOverhead + time.Duration(float64(uncached)/m.capa.PrefillTokensPerSec*float64(time.Second))
+// tokens, with n sequences decoding throughout.
+func (m *engineLoad) prefillTime(uncached, n int) time.Duration {
+	return m.promptTime(0, uncached, n, true)
 }
 
 // hitAfter is lookup's hit, in blocks, once the prompts ahead are cached
