@@ -23,7 +23,7 @@ type Candidates struct {
 	n     int
 	now   instant
 	// prefill: the pick is a prefill leg's, whose endpoints' fluid model
-	// counts (queuedTokens).
+	// counts (fluid.remaining).
 	prefill bool
 	// blocks, blockTokens and tokens are the request's prompt (Request).
 	blocks              []uint64
@@ -152,16 +152,9 @@ func (c *Candidates) signal(k int) *signal {
 	return g
 }
 
-// queuedTokens is how many tokens of pdx's requests in flight on candidate
-// k its engine has yet to compute: for a prefill pick what the fluid model
-// says remains of them (fluid.remaining), for a decode pick all they count.
-func (c *Candidates) queuedTokens(k int) int {
-	g := c.signal(k)
-	if !c.prefill {
-		return g.inFlightTokens
-	}
-	return c.v.states[position(c.members, k)].work.remaining(g, &c.now)
-}
+// health is candidate k's state, for what a policy reads that signal
+// does not (fluid.remaining).
+func (c *Candidates) health(k int) *health { return c.v.states[position(c.members, k)] }
 
 // sentDepth is how many of the prompt's leading blocks this pdx has sent
 // candidate k: the prefix its engine is likely to hold.

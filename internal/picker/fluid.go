@@ -98,9 +98,9 @@ func (f *fluid) learn(sample float64) {
 
 // remaining is how many of the tokens of pdx's prefills in flight (g, as
 // the pick read them) the engine has yet to compute at t: all of them until
-// the rate is learned, else all but
+// the rate R is learned, else
 //
-//	clamp(R × (now − busyStart) − ended since, 0, inFlightTokens / inFlight)
+//	inFlightTokens − clamp(R × (now − busyStart) − ended since, 0, inFlightTokens / inFlight)
 //
 // The bound is one lease's worth, the mean lease standing for the one the
 // engine is on: under FCFS the engine computes one prefill at a time and
@@ -110,14 +110,17 @@ func (f *fluid) learn(sample float64) {
 // endpoint look one prefill lighter than pdx counts, not idle; engines
 // that batch several prefills at once are undercounted toward today's.
 func (f *fluid) remaining(g *signal, t *instant) int {
-	if g.inFlight <= 0 || g.inFlightTokens <= 0 {
-		return g.inFlightTokens
-	}
 	r := math.Float64frombits(f.rate.Load())
-	if r == 0 {
+	if r == 0 || g.inFlightTokens <= 0 || g.inFlight <= 0 {
 		return g.inFlightTokens
 	}
 	computed := r*float64(t.read()-f.busyStart.Load()) - float64(f.ended.Load()-f.endedAt.Load())
-	bound := float64(g.inFlightTokens / g.inFlight)
-	return g.inFlightTokens - int(min(max(computed, 0), bound))
+	switch tokens := float64(g.inFlightTokens); {
+	case computed <= 0:
+		return g.inFlightTokens
+	case computed*float64(g.inFlight) > tokens:
+		// Divided only here: a division costs more than the rest.
+		computed = tokens / float64(g.inFlight)
+	}
+	return g.inFlightTokens - int(computed)
 }

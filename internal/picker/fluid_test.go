@@ -41,7 +41,8 @@ func teach(t testing.TB, set *Set, clk *fakeClock, tokens int, d time.Duration, 
 func remainingOn(set *Set, ep endpoint.Endpoint) int {
 	c := set.candidates(&Request{}, RolePrefill)
 	defer c.release()
-	return c.queuedTokens(set.view.Load().position(ep))
+	k := set.view.Load().position(ep)
+	return c.health(k).work.remaining(c.signal(k), &c.now)
 }
 
 // flight is a prefill on endpoint ep of tokens, sent at at and answered

@@ -64,7 +64,12 @@ func (LeastWork) Choose(c *Candidates) int {
 		if !g.usable {
 			continue
 		}
-		work := c.queuedTokens(k) + (g.foreign+g.pending)*mean + c.tokens - c.cachedTokens(k)
+		// A decode lease lasts its whole generation: it counts whole.
+		queued := g.inFlightTokens
+		if c.prefill && g.inFlight > 0 {
+			queued = c.health(k).work.remaining(g, &c.now)
+		}
+		work := queued + (g.foreign+g.pending)*mean + c.tokens - c.cachedTokens(k)
 		if best < 0 || work < least {
 			best, least = k, work
 		}
