@@ -22,6 +22,9 @@ type Candidates struct {
 	group int
 	n     int
 	now   instant
+	// prefill: the pick is a prefill leg's, whose endpoints' fluid model
+	// counts (fluid.remaining).
+	prefill bool
 	// blocks, blockTokens and tokens are the request's prompt (Request).
 	blocks              []uint64
 	blockTokens, tokens int
@@ -73,10 +76,10 @@ func putCandidates(c *Candidates) {
 	}
 }
 
-// candidates returns the candidates of a pick for req, nil when req's group
-// has no endpoint; the pick releases them. The request's tried endpoints
-// and subset are applied here, once.
-func (s *Set) candidates(req *Request) *Candidates {
+// candidates returns the candidates of a pick of role for req, nil when
+// req's group has no endpoint; the pick releases them. The request's tried
+// endpoints and subset are applied here, once.
+func (s *Set) candidates(req *Request, role Role) *Candidates {
 	v := s.view.Load()
 	members, id, ok := v.members(req.Group)
 	n := v.count(members)
@@ -85,6 +88,7 @@ func (s *Set) candidates(req *Request) *Candidates {
 	}
 	c := getCandidates()
 	c.v, c.members, c.group, c.n, c.now = v, members, id, n, s.clock()
+	c.prefill = role == RolePrefill
 	c.blocks, c.blockTokens, c.tokens = req.Blocks, req.BlockTokens, req.Tokens
 	c.tokenBlocks, c.tokenBlockSize = nil, 0
 	if v.cache != nil && req.TokenBlocks != nil {
@@ -147,6 +151,10 @@ func (c *Candidates) signal(k int) *signal {
 	}
 	return g
 }
+
+// health is candidate k's state, for what a policy reads that signal
+// does not (fluid.remaining).
+func (c *Candidates) health(k int) *health { return c.v.states[position(c.members, k)] }
 
 // sentDepth is how many of the prompt's leading blocks this pdx has sent
 // candidate k: the prefix its engine is likely to hold.

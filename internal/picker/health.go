@@ -9,7 +9,8 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
-// health is one endpoint's outlier-detection state and load signals.
+// health is one endpoint's outlier-detection state and load signals, and
+// for a prefill endpoint the fluid model of its work.
 //
 // Picks only read until, atomically and without locking, so picking never
 // waits for a Report. Report changes failures and until together under mu, so
@@ -38,12 +39,18 @@ type health struct {
 	// ranks counts pdx's requests per DP rank of the endpoint (see
 	// Lease.Rank); nil without DP ranks (Endpoint.DPSize <= 1).
 	ranks *ranks
+
+	// work is a prefill endpoint's fluid model, on a line of its own that
+	// decode Sets never touch.
+	work fluid
+	_    [16]byte
 }
 
-// health fills a cache line exactly (this fails to compile otherwise):
+// health fills two cache lines exactly (this fails to compile otherwise):
 // endpoints' health is allocated together, and Reports on one must not slow
-// picks reading another.
-var _ [0]struct{} = [unsafe.Sizeof(health{}) - 64]struct{}{}
+// picks reading another. The first line is what every pick reads and every
+// lease counts, the second the fluid model, which only prefill Sets use.
+var _ [0]struct{} = [unsafe.Sizeof(health{}) - 128]struct{}{}
 
 // Report records the outcome of a call to ep. Success resets ep's
 // consecutive failures and re-admits it. Failure counts; the

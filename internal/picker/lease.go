@@ -33,6 +33,9 @@ type Lease struct {
 	// rank is the DP rank counted, none without one.
 	rank           endpoint.Rank
 	tokens, cached int
+	// prefill is a prefill leg's lease, which the endpoint's fluid model
+	// counts.
+	prefill bool
 	// blocks are the prompt's, for Move to index them where it moves.
 	blocks []uint64
 }
@@ -58,9 +61,9 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	if role == RolePrefill {
 		// The engine computes the prompt but what it has cached.
 		l.tokens = max(req.Tokens-l.cached, 0)
+		l.prefill = true
 	}
-	h.inFlight.Add(1)
-	h.inFlightTokens.Add(int64(l.tokens))
+	s.count(h, l.tokens, l.prefill)
 	if len(req.Blocks) > 0 {
 		v.index.add(pos, req.Blocks)
 	}
@@ -100,7 +103,7 @@ func (l *Lease) End(o Outcome) {
 	}
 	l.set = nil
 	if h := l.h; h != nil {
-		l.uncount()
+		l.uncount(s, o == Succeeded)
 		if o != Released {
 			s.report(h, o == Succeeded)
 		}
@@ -130,7 +133,7 @@ func (l *Lease) Detach() bool {
 	// between counts it twice rather than not at all.
 	h.detached.Add(1)
 	l.set = nil
-	l.uncount()
+	l.uncount(s, false)
 	return true
 }
 
@@ -153,14 +156,14 @@ func (l *Lease) Move(ep endpoint.Endpoint) {
 		return
 	}
 	if l.h != nil {
-		l.uncount()
+		// Ended there, unanswered (see fluid.end).
+		l.uncount(s, false)
 	}
 	v := s.view.Load()
 	l.ep, l.h, l.rank = ep, nil, endpoint.Rank{}
 	if i := v.position(ep); i >= 0 {
 		l.h = v.states[i]
-		l.h.inFlight.Add(1)
-		l.h.inFlightTokens.Add(int64(l.tokens))
+		s.count(l.h, l.tokens, l.prefill)
 		if len(l.blocks) > 0 {
 			v.index.add(i, l.blocks)
 		}
@@ -168,13 +171,18 @@ func (l *Lease) Move(ep endpoint.Endpoint) {
 	s.room.wake()
 }
 
-// uncount takes the lease off its endpoint and rank.
-func (l *Lease) uncount() {
-	if l.h.ranks != nil {
-		l.h.ranks.end(l.rank)
+// uncount takes the lease of s off its endpoint and rank; succeeded: the
+// engine answered it.
+func (l *Lease) uncount(s *Set, succeeded bool) {
+	h := l.h
+	if h.ranks != nil {
+		h.ranks.end(l.rank)
 	}
-	l.h.inFlight.Add(-1)
-	l.h.inFlightTokens.Add(-int64(l.tokens))
+	if l.prefill {
+		h.work.end(s, l.tokens, succeeded)
+	}
+	h.inFlight.Add(-1)
+	h.inFlightTokens.Add(-int64(l.tokens))
 }
 
 // InFlight returns how many of the requests leased ep have not ended.

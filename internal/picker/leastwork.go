@@ -20,13 +20,20 @@ func leastWorkSpec() Spec {
 // prompts one after another, each in time proportional to its uncached
 // tokens.
 //
-// Queued tokens are pdx's own in-flight prompt tokens on the endpoint,
-// plus, when the engine's fresh metrics count more requests than pdx had on
-// it when they were read (other replicas' or routers' traffic), that many
-// more of the mean in-flight prompt, as do requests pdx detached there
-// since the metrics were read (Lease.Detach). Comparing with pdx's count at
-// the sample, not now, keeps a request that ended since from counting as
-// another's for a scrape, and one sent since from hiding another's.
+// Queued tokens are what remains of pdx's own in-flight prompts on the
+// endpoint, plus, when the engine's fresh metrics count more requests than
+// pdx had on it when they were read (other replicas' or routers' traffic),
+// that many more of the mean in-flight prompt, as do requests pdx detached
+// there since the metrics were read (Lease.Detach). Comparing with pdx's
+// count at the sample, not now, keeps a request that ended since from
+// counting as another's for a scrape, and one sent since from hiding
+// another's. What remains of a prefill leg's prompts is their uncached
+// tokens less what the engine has computed of them, by the rate it has
+// shown computing pdx's prefills, since it last had none of pdx's
+// (fluid.remaining): a 12k-token prompt sent 0.7 s ago to an engine that
+// computes 15k tokens a second is nearly done. The model counts at most one
+// prefill's worth as done, and nothing before the rate is learned, when
+// each prompt counts whole until it answers, as a decode leg's always do.
 // Cached tokens are the leading blocks of the prompt this pdx has sent the
 // endpoint, or, for a precise pick, the more of those and what the engine
 // reports holding (Candidates.cachedTokens). Ties go round.
@@ -37,7 +44,8 @@ var _ Policy = LeastWork{}
 // Choose implements [Policy]: the usable candidate with the least work.
 func (LeastWork) Choose(c *Candidates) int {
 	n := c.Len()
-	// The mean prompt in flight stands for requests pdx did not send.
+	// The mean prompt in flight stands for requests pdx did not send,
+	// whole: how far their engine is with them pdx cannot tell.
 	requests, tokens := 0, 0
 	for k := range n {
 		g := c.signal(k)
@@ -56,7 +64,12 @@ func (LeastWork) Choose(c *Candidates) int {
 		if !g.usable {
 			continue
 		}
-		work := g.inFlightTokens + (g.foreign+g.pending)*mean + c.tokens - c.cachedTokens(k)
+		// A decode lease lasts its whole generation: it counts whole.
+		queued := g.inFlightTokens
+		if c.prefill && g.inFlight > 0 {
+			queued = c.health(k).work.remaining(g, &c.now)
+		}
+		work := queued + (g.foreign+g.pending)*mean + c.tokens - c.cachedTokens(k)
 		if best < 0 || work < least {
 			best, least = k, work
 		}

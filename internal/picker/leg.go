@@ -78,7 +78,7 @@ func (l *Leg) Next(req Request) (endpoint.Endpoint, bool) {
 // blocks its engine reports holding when the policy asked (-1: not asked),
 // so that the lease need not match them again.
 func (l *Leg) pick(req *Request, fallback bool) (*view, int, int, bool) {
-	c := l.candidates(req)
+	c := l.candidates(req, l.role)
 	if c == nil {
 		return nil, 0, -1, false
 	}

@@ -1,0 +1,60 @@
+package picker
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
+
+// startPrefill leases ep on a prefill leg of set for a prompt of tokens
+// uncached tokens, as a prefill sent there and still running.
+func startPrefill(t testing.TB, set *Set, ep endpoint.Endpoint, tokens int) *Lease {
+	t.Helper()
+	l := newLeg(set, new(RoundRobin), RolePrefill) // leaves the Set's turn alone
+	lease, ok := l.Pick(Request{Subset: []string{ep.Address}, Tokens: tokens})
+	require.True(t, ok)
+	require.Equal(t, ep, lease.Endpoint())
+	return &lease
+}
+
+// BenchmarkLeastWorkInFlight is BenchmarkPolicies' least_work pick with
+// the fluid model at work: each of 64 endpoints has a learned rate and 1–4
+// of pdx's prefills in flight, and fresh engine metrics.
+func BenchmarkLeastWorkInFlight(b *testing.B) {
+	eps := endpoints(64)
+	clk := newFakeClock()
+	set := NewSet(eps, Options{Now: clk.Now, Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
+	var taught []*Lease
+	for _, ep := range eps {
+		taught = append(taught, startPrefill(b, set, ep, 15_000))
+	}
+	clk.Advance(time.Second)
+	for _, l := range taught {
+		l.End(Succeeded)
+	}
+	for i, ep := range eps {
+		for k := range 1 + i%4 {
+			startPrefill(b, set, ep, 1000+100*((i+k)%13))
+		}
+		set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: clk.Now()})
+	}
+	clk.Advance(300 * time.Millisecond)
+	var prompts [][]uint64
+	for c := range 256 {
+		ids := []int{0}
+		for k := range 31 {
+			ids = append(ids, c*100+k)
+		}
+		prompts = append(prompts, blocksOf(ids...))
+	}
+	l := newLeg(set, LeastWork{}, RolePrefill)
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		l.peek(Request{Blocks: prompts[i%len(prompts)], BlockTokens: 64, Tokens: 2048})
+		i++
+	}
+}
