@@ -99,10 +99,16 @@ func chatBody(text string) string {
 // request with text, -1 if none did.
 func prefilledOn(t *testing.T, st *stack.Stack, text string) int {
 	t.Helper()
+	return recordedOn(st.Prefill, enginesim.KindPrefill, text)
+}
+
+// recordedOn is the engine of engines that recorded a request of kind for
+// the chat request with text, -1 if none did.
+func recordedOn(engines []*enginesim.Server, kind, text string) int {
 	want := enginesim.Fingerprint(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}}))
-	for i, e := range st.Prefill {
+	for i, e := range engines {
 		for _, r := range e.Records() {
-			if r.Kind == enginesim.KindPrefill && r.Fingerprint == want {
+			if r.Kind == kind && r.Fingerprint == want {
 				return i
 			}
 		}
@@ -195,13 +201,5 @@ func TestDecodeSideReuse(t *testing.T) {
 // servedAlone is the decode engine that served the chat request with text
 // without a KV transfer (it computed the prompt itself), -1 if none did.
 func servedAlone(st *stack.Stack, text string) int {
-	want := enginesim.Fingerprint(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: text}}))
-	for i, e := range st.Decode {
-		for _, r := range e.Records() {
-			if r.Kind == enginesim.KindPlain && r.Fingerprint == want {
-				return i
-			}
-		}
-	}
-	return -1
+	return recordedOn(st.Decode, enginesim.KindPlain, text)
 }

@@ -42,14 +42,7 @@ func BenchmarkLeastWorkInFlight(b *testing.B) {
 		set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: clk.Now()})
 	}
 	clk.Advance(300 * time.Millisecond)
-	var prompts [][]uint64
-	for c := range 256 {
-		ids := []int{0}
-		for k := range 31 {
-			ids = append(ids, c*100+k)
-		}
-		prompts = append(prompts, blocksOf(ids...))
-	}
+	prompts := benchPrompts()
 	l := newLeg(set, LeastWork{}, RolePrefill)
 	b.ReportAllocs()
 	i := 0

@@ -294,10 +294,9 @@ func TestLeaseCached(t *testing.T) {
 	require.Equal(t, 0, matched(epB), "other endpoints, positions and index start afresh")
 }
 
-// BenchmarkPolicies is a pick at 64 endpoints with fresh engine metrics
-// and a prompt of 32 blocks, for every policy.
-func BenchmarkPolicies(b *testing.B) {
-	eps := endpoints(64)
+// benchPrompts are 256 prompts of 32 blocks sharing their first block,
+// for picks to take in turn.
+func benchPrompts() [][]uint64 {
 	var prompts [][]uint64
 	for c := range 256 {
 		ids := []int{0}
@@ -306,6 +305,14 @@ func BenchmarkPolicies(b *testing.B) {
 		}
 		prompts = append(prompts, blocksOf(ids...))
 	}
+	return prompts
+}
+
+// BenchmarkPolicies is a pick at 64 endpoints with fresh engine metrics
+// and a prompt of 32 blocks, for every policy.
+func BenchmarkPolicies(b *testing.B) {
+	eps := endpoints(64)
+	prompts := benchPrompts()
 	for _, policy := range Policies() {
 		b.Run(policy, func(b *testing.B) {
 			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
