@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"math"
 	"slices"
+	"unsafe"
 
 	"github.com/cespare/xxhash/v2"
 )
@@ -37,21 +38,59 @@ const MaxPayload = 16 << 20
 // type it does not know are left out and counted in Batch.Skipped; any
 // other deviation is an error. Decode never panics, and what it allocates
 // is bounded by the payload: at most 16 bytes of Hash per payload byte.
-// The events' slices may share backing arrays; a Sink may keep them.
+// The events' slices may share backing arrays; the Batch is the caller's.
 func Decode(seq uint64, payload []byte) (Batch, error) {
-	if len(payload) > MaxPayload {
-		return Batch{}, fmt.Errorf("kvevents: batch %d: %d bytes, over the %d allowed", seq, len(payload), MaxPayload)
+	var d Decoder
+	b, err := d.Decode(seq, payload)
+	if err != nil {
+		return Batch{}, err
 	}
-	d := decoder{r: reader{b: payload}}
-	b := Batch{Seq: seq}
-	if err := d.batch(&b); err != nil {
-		return Batch{}, fmt.Errorf("kvevents: batch %d: %w", seq, err)
+	if len(b.Events) == 0 {
+		b.Events = nil
+	}
+	return *b, nil
+}
+
+// A Decoder decodes batches as Decode does into arrays it reuses: the
+// Batch it returns, and every slice in it, are valid until its next
+// Decode. A subscription's feed keeps one, so that a batch costs no
+// allocation once the arrays have grown to the engine's busiest step.
+type Decoder struct {
+	d     decoder
+	batch Batch
+}
+
+// Decode decodes the payload of message seq (see the function Decode).
+func (dec *Decoder) Decode(seq uint64, payload []byte) (*Batch, error) {
+	if len(payload) > MaxPayload {
+		return nil, fmt.Errorf("kvevents: batch %d: %d bytes, over the %d allowed", seq, len(payload), MaxPayload)
+	}
+	d, b := &dec.d, &dec.batch
+	clear(b.Events)
+	if retained := cap(d.hashes)*hashBytes + cap(d.tokens)*4 + cap(b.Events)*eventBytes; retained > maxRetained {
+		// One flood of a batch does not hold its arrays for good.
+		d.hashes, d.tokens, b.Events = nil, nil, nil
+	}
+	d.r = reader{b: payload}
+	d.hashes, d.tokens = d.hashes[:0], d.tokens[:0]
+	*b = Batch{Seq: seq, Events: b.Events[:0]}
+	if err := d.batch(b); err != nil {
+		return nil, fmt.Errorf("kvevents: batch %d: %w", seq, err)
 	}
 	if n := d.r.left(); n > 0 {
-		return Batch{}, fmt.Errorf("kvevents: batch %d: %d bytes after the batch", seq, n)
+		return nil, fmt.Errorf("kvevents: batch %d: %d bytes after the batch", seq, n)
 	}
 	return b, nil
 }
+
+// maxRetained bounds the bytes of arrays a Decoder keeps between batches:
+// a busy step's hundreds of events, not the largest payload allowed.
+const maxRetained = 1 << 20
+
+const (
+	hashBytes  = int(unsafe.Sizeof(Hash{}))
+	eventBytes = int(unsafe.Sizeof(Event{}))
+)
 
 // decoder appends a batch's hashes and token ids to two arrays, which the
 // events slice, rather than allocating two per event. An event keeps the
@@ -154,7 +193,9 @@ func (d *decoder) events(b *Batch) error {
 	if n == 0 {
 		return nil
 	}
-	b.Events = make([]Event, 0, max(1, min(n, d.r.left()/minEventBytes)))
+	if want := max(1, min(n, d.r.left()/minEventBytes)); cap(b.Events) < want {
+		b.Events = make([]Event, 0, want)
+	}
 	for i := range n {
 		b.Events = append(b.Events, Event{})
 		known, err := d.event(&b.Events[len(b.Events)-1])
@@ -166,9 +207,6 @@ func (d *decoder) events(b *Batch) error {
 			b.Events = b.Events[:len(b.Events)-1]
 			b.Skipped++
 		}
-	}
-	if len(b.Events) == 0 {
-		b.Events = nil
 	}
 	return nil
 }

@@ -3,8 +3,10 @@ package kvevents
 import (
 	"encoding/binary"
 	"encoding/hex"
+	"maps"
 	"math"
 	"runtime"
+	"slices"
 	"strings"
 	"testing"
 
@@ -228,4 +230,51 @@ func TestHash(t *testing.T) {
 	require.Equal(t, asInt, bytesHash(digest).Lo)
 	require.NotZero(t, bytesHash(digest).Hi)
 	require.NotEqual(t, bytesHash([]byte{0, 1}), bytesHash([]byte{1}), "the same integer, other bytes")
+}
+
+// TestDecoderReuse: one Decoder over every captured frame, in turn and
+// again, gives what Decode gives each, allocates nothing once its arrays
+// have grown, and lets go of the arrays of a batch over maxRetained.
+func TestDecoderReuse(t *testing.T) {
+	frames := readFrames(t)
+	names := slices.Sorted(maps.Keys(frames))
+	var dec Decoder
+	for range 2 {
+		for _, name := range names {
+			want, err := Decode(3, frames[name])
+			require.NoError(t, err, name)
+			got, err := dec.Decode(3, frames[name])
+			require.NoError(t, err, name)
+			if len(got.Events) == 0 {
+				require.Empty(t, want.Events, name)
+				got.Events = nil
+			}
+			require.Equal(t, want, *got, name)
+		}
+	}
+	payload, _ := benchBatch(t, false)
+	allocs := testing.AllocsPerRun(100, func() {
+		if _, err := dec.Decode(1, payload); err != nil {
+			t.Fatal(err)
+		}
+	})
+	require.Zero(t, allocs)
+
+	_, err := dec.Decode(1, []byte{0xc0})
+	require.Error(t, err)
+	again, err := dec.Decode(2, payload)
+	require.NoError(t, err, "a batch that fails leaves the Decoder usable")
+	require.Len(t, again.Events, 5)
+
+	ids := make([]any, maxRetained/4+1)
+	for i := range ids {
+		ids[i] = 7
+	}
+	flood := pack(t, []any{0.0, []any{[]any{"BlockStored", []any{1}, nil, ids, len(ids)}}})
+	b, err := dec.Decode(3, flood)
+	require.NoError(t, err)
+	require.Len(t, b.Events[0].TokenIDs, len(ids))
+	_, err = dec.Decode(4, payload)
+	require.NoError(t, err)
+	require.Less(t, cap(dec.d.tokens), maxRetained/4, "the flood's token array is not kept")
 }

@@ -98,7 +98,9 @@ type Batch struct {
 // for concurrent use across engines and must not block for long.
 type Sink interface {
 	// Apply hands over a batch of engine's events. engine is the pdx
-	// endpoint address ("host:port") the publisher belongs to.
+	// endpoint address ("host:port") the publisher belongs to. b and its
+	// slices are the caller's again once Apply returns: a Sink copies
+	// what it keeps.
 	Apply(engine string, b *Batch)
 	// Reset says that what engine's rank published before can no longer be
 	// trusted (a sequence gap that replay could not fill, a publisher

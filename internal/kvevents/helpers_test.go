@@ -76,7 +76,19 @@ func (r *recorder) Apply(engine string, b *Batch) {
 	if hold != nil {
 		<-hold
 	}
-	r.leave(call{engine: engine, batch: b})
+	r.leave(call{engine: engine, batch: cloneBatch(b)})
+}
+
+// cloneBatch is a copy of b that owns its slices, as a Sink that keeps a
+// batch must make.
+func cloneBatch(b *Batch) *Batch {
+	c := *b
+	c.Events = slices.Clone(b.Events)
+	for i := range c.Events {
+		ev := &c.Events[i]
+		ev.Hashes, ev.TokenIDs, ev.ExtraKeys = slices.Clone(ev.Hashes), slices.Clone(ev.TokenIDs), slices.Clone(ev.ExtraKeys)
+	}
+	return &c
 }
 
 // holdApplies makes Apply wait until release is called.

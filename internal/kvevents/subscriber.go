@@ -498,6 +498,7 @@ type feed struct {
 	bindOverflow bool
 
 	// run's own:
+	dec             Decoder    // its batches are valid until the next
 	seqs            []seqState // by rank
 	decodeFailing   bool
 	lastOverflowLog time.Time
@@ -626,7 +627,7 @@ func (f *feed) handle(it item) {
 		st.suspect = st.known
 		return
 	}
-	b, err := Decode(it.seq, it.payload)
+	b, err := f.dec.Decode(it.seq, it.payload)
 	rank := it.rank
 	if err == nil && rank < 0 {
 		rank = b.DPRank // 0 when nil
@@ -648,7 +649,7 @@ func (f *feed) handle(it item) {
 		f.decodeFailing = false
 		f.log.Info("KV events: batches decode again")
 	}
-	f.sequence(rank, &b)
+	f.sequence(rank, b)
 }
 
 // sequence applies b, rank's next batch, after what its sequence number
