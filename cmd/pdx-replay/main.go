@@ -47,10 +47,11 @@ func run(ctx context.Context, args []string) error {
 		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,"+replay.PreciseProfile+","+replay.PreciseReuseProfile+",vllm-router-cache-aware,vllm-router-kv-aware,"+replay.OracleProfile,
 			"placement policies (round-robin always runs: it defines the load); "+replay.PreciseProfile+" is pdx's defaults placing by the engines' KV events, "+replay.PreciseReuseProfile+" that with decode-side reuse; vllm-router-cache-aware, vllm-router-kv-aware (placing by the engines' KV events) and vllm-router-round-robin are vLLM's own router over the same engines; "+
 				replay.OracleProfile+" reads the simulators' true state, the yardstick's limit")
-		loads       = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
-		tenantLoads = fs.String("tenant-loads", "", "target loads of the "+replay.TenantsTrace+" trace (default: the middle of --loads; it costs as much per load as a Mooncake trace)")
-		replicas    = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
-		quick       = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
+		loads          = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
+		tenantLoads    = fs.String("tenant-loads", "", "target loads of the "+replay.TenantsTrace+" trace (default: the middle of --loads; it costs as much per load as a Mooncake trace)")
+		tenantRequests = fs.Int("tenant-requests", 2000, "window of the "+replay.TenantsTrace+" trace: its 150 tenants are each visited about N/150 times, so that first visits (misses no policy avoids) are a few percent of requests, as in llm-d's long runs")
+		replicas       = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
+		quick          = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
 	)
 	fs.IntVar(&plan.Requests, "requests", 500, "trace window: the first N requests of each trace")
 	fs.IntVar(&plan.Rig.Prefill, "prefill", 4, "prefill engines")
@@ -91,7 +92,10 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 	}
-	if plan.Traces, err = traceFiles(*traces, replay.TenantsFor(plan.Rig), perTenant); err != nil {
+	if *quick {
+		*tenantRequests = 150
+	}
+	if plan.Traces, err = traceFiles(*traces, replay.TenantsFor(plan.Rig), perTenant, *tenantRequests); err != nil {
 		return err
 	}
 	if plan.ReplicaCounts, err = ints("replicas", *replicas); err != nil {
@@ -126,12 +130,12 @@ func run(ctx context.Context, args []string) error {
 }
 
 // traceFiles parses name=path pairs and the tenants workload's name,
-// which runs at its own loads.
-func traceFiles(list string, tenants replay.Tenants, tenantLoads []float64) ([]replay.TraceFile, error) {
+// which runs at its own loads and window.
+func traceFiles(list string, tenants replay.Tenants, tenantLoads []float64, tenantRequests int) ([]replay.TraceFile, error) {
 	var out []replay.TraceFile
 	for _, s := range split(list) {
 		if s == replay.TenantsTrace {
-			out = append(out, replay.TraceFile{Name: s, Tenants: &tenants, Loads: tenantLoads})
+			out = append(out, replay.TraceFile{Name: s, Tenants: &tenants, Loads: tenantLoads, Requests: tenantRequests})
 			continue
 		}
 		name, path, ok := strings.Cut(s, "=")

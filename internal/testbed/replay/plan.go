@@ -57,6 +57,8 @@ type TraceFile struct {
 	// Loads, when set, replace the plan's loads for this trace (a costly
 	// trace may run at fewer).
 	Loads []float64
+	// Requests, when set, replaces the plan's window for this trace.
+	Requests int
 }
 
 // read is the trace's first n requests.
@@ -266,7 +268,11 @@ func (p Plan) runTrace(ctx context.Context, tf TraceFile, profiles []Profile, re
 // SLOs, and calibrates: round robin at a first guess of the rate says how
 // busy a rate keeps the prefill engines.
 func (p Plan) prepare(ctx context.Context, tf TraceFile, rr Profile) ([]Request, TraceReport, error) {
-	raw, err := tf.read(p.Requests)
+	n := p.Requests
+	if tf.Requests > 0 {
+		n = tf.Requests
+	}
+	raw, err := tf.read(n)
 	if err != nil {
 		return nil, TraceReport{}, err
 	}
