@@ -339,7 +339,7 @@ func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile,
 	mid := len(tr.Loads) / 2
 	load, rate := tr.Loads[mid], tr.Rates[mid]
 	for _, pr := range profiles {
-		if !slices.Contains([]string{"round-robin", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", PreciseProfile}, pr.Name) {
+		if !slices.Contains([]string{"round-robin", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", PreciseProfile, PreciseReuseProfile}, pr.Name) {
 			continue
 		}
 		for _, n := range p.ReplicaCounts {
