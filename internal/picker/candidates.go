@@ -160,10 +160,12 @@ func (c *Candidates) read(k int, g *signal) {
 // yet: for policies that score them all, which then index the slice rather
 // than ask candidate by candidate.
 func (c *Candidates) all() []signal {
-	gs := c.signals[:c.n]
+	gs, states, gen := c.signals[:c.n], c.v.states, c.gen
 	for k := range gs {
-		if gs[k].gen != c.gen {
-			c.read(k, &gs[k])
+		// look directly, not through read: one call a candidate, not two.
+		if g := &gs[k]; g.gen != gen {
+			c.now.look(states[position(c.members, k)], g)
+			g.gen = gen
 		}
 	}
 	return gs
