@@ -40,9 +40,7 @@ type Candidates struct {
 	// are not read yet.
 	signals []signal
 	gen     uint32
-	// sent, once read, are by position in v how many leading blocks this
-	// pdx sent each endpoint; held, for a precise pick, how many leading
-	// token blocks each engine reports holding.
+	// sent and held, once read, are depths' (its sent and held).
 	sent, held         []int32
 	sentRead, heldRead bool
 	// start is Start's answer, -1 until asked.
@@ -146,42 +144,71 @@ func (c *Candidates) Start() int {
 func (c *Candidates) signal(k int) *signal {
 	g := &c.signals[k]
 	if g.gen != c.gen {
-		c.now.look(c.v.states[position(c.members, k)], g)
-		g.gen = c.gen
+		c.read(k, g)
 	}
 	return g
+}
+
+// read reads candidate k's state into g: signal's first time, out of line
+// so that signal inlines.
+func (c *Candidates) read(k int, g *signal) {
+	c.now.look(c.v.states[position(c.members, k)], g)
+	g.gen = c.gen
+}
+
+// all returns every candidate's state, by index, reading those not read
+// yet: for policies that score them all, which then index the slice rather
+// than ask candidate by candidate.
+func (c *Candidates) all() []signal {
+	gs, states, gen := c.signals[:c.n], c.v.states, c.gen
+	for k := range gs {
+		// look directly, not through read: one call a candidate, not two.
+		if g := &gs[k]; g.gen != gen {
+			c.now.look(states[position(c.members, k)], g)
+			g.gen = gen
+		}
+	}
+	return gs
 }
 
 // health is candidate k's state, for what a policy reads that signal
 // does not (fluid.remaining).
 func (c *Candidates) health(k int) *health { return c.v.states[position(c.members, k)] }
 
-// sentDepth is how many of the prompt's leading blocks this pdx has sent
-// candidate k: the prefix its engine is likely to hold.
-func (c *Candidates) sentDepth(k int) int {
-	if len(c.blocks) == 0 {
-		return 0
-	}
-	if !c.sentRead {
-		c.sent = sized(c.sent, len(c.v.endpoints))
-		c.v.index.matches(c.blocks, c.sent)
-		c.sentRead = true
-	}
-	return int(c.sent[position(c.members, k)])
+// depths are how many of the prompt's leading blocks each candidate holds,
+// read once for a pick whose policy counts them for every candidate.
+type depths struct {
+	members []int
+	// sent are by position in the view how many leading blocks this pdx
+	// sent each endpoint: the prefix its engine is likely to hold; held,
+	// for a precise pick, how many leading token blocks each engine
+	// reports holding. nil when the pick has no such prompt.
+	sent, held []int32
+	// precise: the pick has TokenBlocks (Candidates.tokenBlocks).
+	precise                                bool
+	blocks, blockTokens, blockSize, tokens int
 }
 
-// heldDepth is how many of the prompt's leading token blocks candidate
-// k's engine reports holding; 0 for a pick that is not precise.
-func (c *Candidates) heldDepth(k int) int {
-	if len(c.tokenBlocks) == 0 {
-		return 0
+// depths reads how deep the candidates hold the prompt.
+func (c *Candidates) depths() depths {
+	d := depths{members: c.members, precise: c.tokenBlocks != nil, blocks: len(c.blocks), blockTokens: c.blockTokens, blockSize: c.tokenBlockSize, tokens: c.tokens}
+	if len(c.blocks) > 0 {
+		if !c.sentRead {
+			c.sent = sized(c.sent, len(c.v.endpoints))
+			c.v.index.matches(c.blocks, c.sent)
+			c.sentRead = true
+		}
+		d.sent = c.sent
 	}
-	if !c.heldRead {
-		c.held = sized(c.held, len(c.v.endpoints))
-		c.v.cache.Match(c.tokenBlocks, c.v.slots, c.held)
-		c.heldRead = true
+	if len(c.tokenBlocks) > 0 {
+		if !c.heldRead {
+			c.held = sized(c.held, len(c.v.endpoints))
+			c.v.cache.Match(c.tokenBlocks, c.v.slots, c.held)
+			c.heldRead = true
+		}
+		d.held = c.held
 	}
-	return int(c.held[position(c.members, k)])
+	return d
 }
 
 // sized is buf with n elements, grown if it must be.
@@ -201,26 +228,42 @@ func sized(buf []int32, n int) []int32 {
 // every cache). Where the engines report more than pdx sent (another
 // replica's or router's traffic, a prefix pdx sent under other bytes),
 // their word counts.
-func (c *Candidates) cachedTokens(k int) int {
-	n := c.sentDepth(k) * c.blockTokens
-	if c.tokenBlocks != nil {
-		n = max(n, c.heldDepth(k)*c.tokenBlockSize)
+func (d *depths) cachedTokens(k int) int {
+	i, n := position(d.members, k), 0
+	if d.sent != nil {
+		n = int(d.sent[i]) * d.blockTokens
 	}
-	return min(n, c.tokens)
+	if d.precise {
+		held := 0
+		if d.held != nil {
+			held = int(d.held[i])
+		}
+		n = max(n, held*d.blockSize)
+	}
+	return min(n, d.tokens)
 }
 
 // prefixShare is the share of the prompt candidate k holds, in [0, 1].
-func (c *Candidates) prefixShare(k int) float64 {
-	if c.tokenBlocks == nil {
-		if len(c.blocks) == 0 {
+// Most candidates hold none: their 0 is had without dividing.
+func (d *depths) prefixShare(k int) float64 {
+	if !d.precise {
+		if d.sent == nil {
 			return 0
 		}
-		return float64(c.sentDepth(k)) / float64(len(c.blocks))
+		s := d.sent[position(d.members, k)]
+		if s == 0 {
+			return 0
+		}
+		return float64(s) / float64(d.blocks)
 	}
-	if c.tokens <= 0 {
+	if d.tokens <= 0 {
 		return 0
 	}
-	return float64(c.cachedTokens(k)) / float64(c.tokens)
+	n := d.cachedTokens(k)
+	if n == 0 {
+		return 0
+	}
+	return float64(n) / float64(d.tokens)
 }
 
 // hasPrompt reports whether the pick knows anything of the prompt to
@@ -233,8 +276,11 @@ func (c *Candidates) seed(k int) uint64 { return c.v.states[position(c.members, 
 // next returns the first usable candidate at or after from, in the Set's
 // order and round; -1 when none is.
 func (c *Candidates) next(from int) int {
-	for j := range c.n {
-		if k := (from + j) % c.n; c.Usable(k) {
+	for j, k := 0, from; j < c.n; j, k = j+1, k+1 {
+		if k == c.n {
+			k = 0
+		}
+		if c.Usable(k) {
 			return k
 		}
 	}
@@ -248,8 +294,10 @@ func (c *Candidates) next(from int) int {
 // down. It is -1 only when the request may use no candidate at all.
 func (c *Candidates) fallback(from int) int {
 	best, bestUntil := -1, int64(0)
-	for j := range c.n {
-		k := (from + j) % c.n
+	for j, k := 0, from; j < c.n; j, k = j+1, k+1 {
+		if k == c.n {
+			k = 0
+		}
 		g := c.signal(k)
 		switch {
 		case g.excluded:

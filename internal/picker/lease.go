@@ -51,7 +51,7 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	if role == RolePrefill || req.NeedCached {
 		l.cached = v.index.matched(pos, req.Blocks) * req.BlockTokens
 		if v.cache != nil && req.TokenBlocks != nil {
-			// As the pick counted it (Candidates.cachedTokens).
+			// As the pick counted it (depths.cachedTokens).
 			if held < 0 {
 				held = v.cache.Held(v.slots[i], req.TokenBlocks)
 			}

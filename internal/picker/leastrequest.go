@@ -25,11 +25,15 @@ var _ Policy = LeastRequest{}
 func (LeastRequest) Choose(c *Candidates) int { return leastRequest(c) }
 
 func leastRequest(c *Candidates) int {
-	n, start := c.Len(), c.Start()
+	gs, start := c.all(), c.Start()
+	n := len(gs)
 	best, least := -1, 0
-	for j := range n {
-		k := (start + j) % n
-		g := c.signal(k)
+	// k goes round from start without a division a candidate.
+	for j, k := 0, start; j < n; j, k = j+1, k+1 {
+		if k == n {
+			k = 0
+		}
+		g := &gs[k]
 		if !g.usable {
 			continue
 		}

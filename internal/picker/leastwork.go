@@ -36,31 +36,39 @@ func leastWorkSpec() Spec {
 // each prompt counts whole until it answers, as a decode leg's always do.
 // Cached tokens are the leading blocks of the prompt this pdx has sent the
 // endpoint, or, for a precise pick, the more of those and what the engine
-// reports holding (Candidates.cachedTokens). Ties go round.
+// reports holding (depths.cachedTokens). Ties go round.
 type LeastWork struct{}
 
 var _ Policy = LeastWork{}
 
 // Choose implements [Policy]: the usable candidate with the least work.
 func (LeastWork) Choose(c *Candidates) int {
-	n := c.Len()
+	gs := c.all()
+	n := len(gs)
 	// The mean prompt in flight stands for requests pdx did not send,
 	// whole: how far their engine is with them pdx cannot tell.
-	requests, tokens := 0, 0
-	for k := range n {
-		g := c.signal(k)
-		requests += g.inFlight
-		tokens += g.inFlightTokens
+	requests, tokens, usable := 0, 0, false
+	for k := range gs {
+		requests += gs[k].inFlight
+		tokens += gs[k].inFlightTokens
+		usable = usable || gs[k].usable
 	}
 	mean := c.tokens
 	if requests > 0 {
 		mean = tokens / requests
 	}
 	start := c.Start()
+	if !usable {
+		return -1
+	}
+	d := c.depths()
 	best, least := -1, 0
-	for j := range n {
-		k := (start + j) % n
-		g := c.signal(k)
+	// k goes round from start without a division a candidate.
+	for j, k := 0, start; j < n; j, k = j+1, k+1 {
+		if k == n {
+			k = 0
+		}
+		g := &gs[k]
 		if !g.usable {
 			continue
 		}
@@ -69,7 +77,7 @@ func (LeastWork) Choose(c *Candidates) int {
 		if c.prefill && g.inFlight > 0 {
 			queued = c.health(k).work.remaining(g, &c.now)
 		}
-		work := queued + (g.foreign+g.pending)*mean + c.tokens - c.cachedTokens(k)
+		work := queued + (g.foreign+g.pending)*mean + c.tokens - d.cachedTokens(k)
 		if best < 0 || work < least {
 			best, least = k, work
 		}

@@ -101,25 +101,27 @@ func (g *signal) queue() int { return max(g.inFlight, g.waiting+g.running) + g.p
 func (g *signal) requests() int { return g.inFlight + g.pending + g.foreign }
 
 // look reads h at t into g. It writes through a pointer: picks call it for
-// every candidate, and a returned signal is a copy.
+// every candidate, and a returned signal is a copy. It works in locals and
+// stores each field of g once: fields read back after a store wait on it.
 func (t *instant) look(h *health, g *signal) {
-	*g = signal{inFlight: int(h.inFlight.Load()), inFlightTokens: int(h.inFlightTokens.Load()), kvUsage: -1}
-	g.admitted = true
-	u, l := h.until.Load(), h.load.Load()
-	if u != 0 || l != nil {
+	inFlight := int(h.inFlight.Load())
+	g.inFlight, g.inFlightTokens = inFlight, int(h.inFlightTokens.Load())
+	waiting, running, foreign, pending, kvUsage := 0, 0, 0, 0, -1.0
+	admitted, fresh := true, false
+	if u, l := h.until.Load(), h.load.Load(); u != 0 || l != nil {
 		now := t.read()
-		g.admitted = now >= u
+		admitted = now >= u
 		if l != nil && now-l.at <= t.set.staleAfter {
-			g.fresh, g.waiting, g.running, g.kvUsage = true, l.waiting, l.running, l.kvUsage
-			g.foreign = max(l.waiting+l.running-l.ours, 0)
-			g.pending = int(h.detached.Load() - l.detached)
+			fresh, waiting, running, kvUsage = true, l.waiting, l.running, l.kvUsage
+			foreign = max(waiting+running-l.ours, 0)
+			pending = int(h.detached.Load() - l.detached)
 		}
 	}
-	if sat := &t.set.saturation; sat.MaxInFlight > 0 || g.fresh {
-		g.saturated = sat.MaxInFlight > 0 && g.inFlight >= sat.MaxInFlight ||
-			g.fresh && (sat.QueueDepth > 0 && g.waiting >= sat.QueueDepth || sat.KVUsage > 0 && g.kvUsage >= sat.KVUsage)
-	}
-	g.usable = g.admitted && !g.saturated
+	sat := &t.set.saturation
+	saturated := sat.MaxInFlight > 0 && inFlight >= sat.MaxInFlight ||
+		fresh && (sat.QueueDepth > 0 && waiting >= sat.QueueDepth || sat.KVUsage > 0 && kvUsage >= sat.KVUsage)
+	g.waiting, g.running, g.foreign, g.pending, g.kvUsage = waiting, running, foreign, pending, kvUsage
+	g.admitted, g.usable, g.saturated, g.fresh, g.excluded = admitted, admitted && !saturated, saturated, fresh, false
 }
 
 // Saturated reports whether every endpoint a request of group may use is

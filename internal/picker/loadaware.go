@@ -83,26 +83,37 @@ var _ Policy = (*LoadAware)(nil)
 
 // Choose implements [Policy]: the usable candidate with the best score.
 func (p *LoadAware) Choose(c *Candidates) int {
-	n := c.Len()
+	gs := c.all()
+	n := len(gs)
 	var queue, flight span
-	for k := range n {
-		if g := c.signal(k); g.usable {
+	for k := range gs {
+		if g := &gs[k]; g.usable {
 			queue.add(g.queued())
 			flight.add(g.requests())
 		}
 	}
 	prefix := p.w.Prefix > 0 && c.hasPrompt()
 	start := c.Start()
+	if !queue.seen {
+		return -1 // none usable
+	}
+	var d depths
+	if prefix {
+		d = c.depths()
+	}
 	best, bestScore := -1, 0.0
-	for j := range n {
-		k := (start + j) % n
-		g := c.signal(k)
+	// k goes round from start without a division a candidate.
+	for j, k := 0, start; j < n; j, k = j+1, k+1 {
+		if k == n {
+			k = 0
+		}
+		g := &gs[k]
 		if !g.usable {
 			continue
 		}
 		score := p.w.Queue*queue.score(g.queued()) + p.w.InFlight*flight.score(g.requests())
 		if prefix {
-			score += p.w.Prefix * c.prefixShare(k)
+			score += p.w.Prefix * d.prefixShare(k)
 		}
 		if p.w.KVUsage != 0 {
 			free := 0.5
