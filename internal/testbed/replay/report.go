@@ -50,8 +50,11 @@ func (rep *Report) Summary() string {
 	if rep.hasOracle() {
 		b.WriteString("**Oracle.** The `oracle` rows are the yardstick's limit, not a router one can deploy: a P/D router in the harness " +
 			"process that reads the simulators' true state (what each engine caches, what it has queued) and sends each request's " +
-			"NIXL legs itself, to the prefill engine with the least forecast TTFT and the decode engine with the least KV pull plus " +
-			"two decode steps. It is greedy (least TTFT for each request, not the best placement for the whole trace) and has no " +
+			"legs itself, on the path of the least forecast TTFT: NIXL P/D, to the prefill engine with the least forecast TTFT and " +
+			"the decode engine with the least KV pull plus two decode steps, or decode-alone, a plain request to the decode engine " +
+			"whose own prefill of the prompt's uncached part, beside its decode batch, is soonest. It is greedy (least TTFT for " +
+			"each request, not the best placement for the whole trace; it does not weigh the TPOT a prompt computed beside a " +
+			"decode batch costs the batch) and has no " +
 			"Envoy hop in front, a small TTFT edge over pdx's rows; its CPU is the harness's (router cores 0). Each trace's " +
 			"second table is every policy's distance from it at the same point.\n\n")
 	}
@@ -126,6 +129,7 @@ func (rep *Report) traceSummary(b *strings.Builder, tr TraceReport) {
 			intList(r.Engines.DecodeRequests), r.DecodeCV, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected, r.CPU.Router, r.CPU.Harness, r.CPU.RouterMsPerRequest)
 	}
 	b.WriteString("\n")
+	rep.decodeAloneSummary(b, tr)
 	rep.oracleSummary(b, tr)
 	for _, r := range rep.Runs {
 		if r.Trace == tr.Name && len(r.ErrorSamples) > 0 {
@@ -158,6 +162,23 @@ func (rep *Report) oracleSummary(b *strings.Builder, tr TraceReport) {
 	b.WriteString("\n")
 }
 
+// decodeAloneSummary is how many of the oracle's requests went
+// decode-alone, when the oracle ran on the trace: the oracle is the
+// prefill engines' only sender, one prefill leg a P/D request.
+func (rep *Report) decodeAloneSummary(b *strings.Builder, tr TraceReport) {
+	n := 0
+	for _, r := range rep.Runs {
+		if r.Trace == tr.Name && r.Oracle {
+			fmt.Fprintf(b, "- oracle at %.0f%%: %d of %d requests decode-alone\n", 100*r.TargetLoad,
+				max(r.Requests-sumInts(r.Engines.PrefillRequests), 0), r.Requests)
+			n++
+		}
+	}
+	if n > 0 {
+		b.WriteString("\n")
+	}
+}
+
 // hasOracle reports whether the oracle ran.
 func (rep *Report) hasOracle() bool {
 	return slices.ContainsFunc(rep.Runs, func(r RunResult) bool { return r.Oracle })
@@ -174,6 +195,14 @@ func (rep *Report) kvTokens() int {
 
 func pct(p Percentiles, prec int) string {
 	return fmt.Sprintf("%.*f / %.*f / %.*f", prec, p.P50, prec, p.P90, prec, p.P99)
+}
+
+func sumInts(xs []int) int {
+	n := 0
+	for _, x := range xs {
+		n += x
+	}
+	return n
 }
 
 func intList(xs []int) string {
