@@ -33,7 +33,8 @@ import (
 //     blocks its own cache lacks) plus two decode steps at the batch the
 //     sequence joins (its first token and its time per token), preferring
 //     an engine that admits it at once;
-//   - or decode-alone (decode-side reuse): a plain request to the decode
+//   - or, for the oracle-reuse profile (decodeAlone), decode-alone
+//     (decode-side reuse): a plain request to the decode
 //     engine whose own prefill of the prompt's uncached part, by its
 //     cache and prefill queue and beside its decode batch, gives the
 //     first token soonest (enginesim's ForecastPlain).
@@ -53,6 +54,9 @@ import (
 // front, which gives it a small edge in TTFT over pdx's rows.
 type oracle struct {
 	prefill, decode []*enginesim.Server
+	// decodeAlone: the oracle-reuse profile, which may take the
+	// decode-alone path; else every request goes P/D.
+	decodeAlone bool
 	// prefillTie and decodeTie are the ties' widths.
 	prefillTie, decodeTie time.Duration
 	client                *http.Client
@@ -80,7 +84,7 @@ var nixlPrefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_pre
 
 // startOracle serves the oracle on a loopback port in front of the
 // engines, whose capacity is c at token scale s.
-func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale) (*oracle, error) {
+func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale, decodeAlone bool) (*oracle, error) {
 	if len(prefill) == 0 || len(decode) == 0 {
 		return nil, fmt.Errorf("oracle: %d prefill and %d decode engines", len(prefill), len(decode))
 	}
@@ -95,6 +99,7 @@ func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c eng
 		prefillTie: time.Duration(float64(block) / c.PrefillTokensPerSec * float64(time.Second)),
 		decodeTie:  time.Duration((block+c.BlockTokens-1)/c.BlockTokens) * c.KVPullPerBlock,
 		client:     newClient(), url: "http://" + ln.Addr().String(), served: make(chan struct{}),
+		decodeAlone: decodeAlone,
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", o.serve)
@@ -261,6 +266,10 @@ func (o *oracle) place(prompt string, maxTokens int) (e *enginesim.Server, alone
 		ttft[i] = p.ForecastPrefill(prompt).TTFT()
 	}
 	i := leastOf(ttft, o.nextPrefill, o.prefillTie)
+	if !o.decodeAlone {
+		o.nextPrefill = (i + 1) % len(o.prefill)
+		return o.prefill[i], false
+	}
 	join := make([]time.Duration, len(o.decode))  // P/D's first token after its prefill
 	plain := make([]time.Duration, len(o.decode)) // decode-alone's first token
 	for j, d := range o.decode {

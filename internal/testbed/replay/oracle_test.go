@@ -15,10 +15,10 @@ import (
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 )
 
-// oracleProfile is the table's oracle.
-func oracleProfile(t *testing.T) Profile {
+// oracleProfile is the table's oracle of that name.
+func oracleProfile(t *testing.T, name string) Profile {
 	t.Helper()
-	ps, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{OracleProfile})
+	ps, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{name})
 	require.NoError(t, err)
 	require.True(t, ps[0].Oracle)
 	return ps[0]
@@ -36,9 +36,9 @@ type oracleTest struct {
 	question int64 // the last question block's id
 }
 
-func startOracleTest(t *testing.T) *oracleTest {
+func startOracleTest(t *testing.T, profile string) *oracleTest {
 	t.Helper()
-	d, err := oracleRig.start(t.Context(), oracleProfile(t), 1)
+	d, err := oracleRig.start(t.Context(), oracleProfile(t, profile), 1)
 	require.NoError(t, err)
 	t.Cleanup(func() { require.NoError(t, d.Close()) })
 	client := newClient()
@@ -106,14 +106,53 @@ func cachedOn(e *enginesim.Server, r Request) int {
 	return e.CachedPrefixTokens(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: r.Prompt}}))
 }
 
-// TestOraclePicks drives the oracle through constructed cases on idle
-// engines, where a decode engine computing a prompt gives its first token
-// a KV pull and a decode step sooner than P/D: a new context goes
+// TestOraclePicks drives the P/D oracle through constructed cases on the
+// replay's engines: a new context goes to an idle engine, not one holding
+// another's; a known one to the prefill engine that holds it, and its
+// decode to the decode engine that holds it; unless that prefill engine is
+// so busy that computing the context elsewhere is sooner. Every answer is
+// its own, whole, and no engine refuses a hand-off.
+func TestOraclePicks(t *testing.T) {
+	ot := startOracleTest(t, OracleProfile)
+	a1 := ot.request(1)
+	pa, da := ot.sendTo(a1)
+	require.NotEqual(t, -1, pa, "P/D")
+	require.Positive(t, cachedOn(ot.d.st.Prefill[pa], a1))
+	pb, db := ot.sendTo(ot.request(2))
+	require.NotEqual(t, pa, pb, "a new context goes to the idle engine that holds none")
+	require.NotEqual(t, da, db)
+	for range 3 {
+		p, dec := ot.sendTo(ot.request(1))
+		require.Equal(t, pa, p, "tenant 1's context is cached on prefill engine %d", pa)
+		require.Equal(t, da, dec, "and on decode engine %d, which pulls the least", da)
+		p, dec = ot.sendTo(ot.request(2))
+		require.Equal(t, pb, p)
+		require.Equal(t, db, dec)
+	}
+	// Prefill engine pa computes long prompts: tenant 1's next request
+	// waits less on the other engine, which computes the context anew.
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	ot.busy(ctx, ot.d.st.Prefill[pa])
+	p, _ := ot.sendTo(ot.request(1))
+	require.Equal(t, pb, p, "the cached engine is busy: the other computes sooner")
+	// Read before the long prompts are cancelled: the engines count their
+	// clients going away (499) among their refusals.
+	es := engineStats(ot.d.st)
+	cancel()
+	require.Zero(t, es.Rejected, "no KV hand-off refused")
+	require.Positive(t, es.PrefillHitTokens)
+	require.Zero(t, ot.d.oracle.DecodeAlone())
+}
+
+// TestOracleReusePicks drives oracle-reuse through constructed cases on
+// idle engines, where a decode engine computing a prompt gives its first
+// token a KV pull and a decode step sooner than P/D: a new context goes
 // decode-alone to an idle decode engine, not one holding another's; a
 // known one to the decode engine that holds it. Every answer is its own,
 // whole, and no engine refuses a request.
-func TestOraclePicks(t *testing.T) {
-	ot := startOracleTest(t)
+func TestOracleReusePicks(t *testing.T) {
+	ot := startOracleTest(t, OracleReuseProfile)
 	a1 := ot.request(1)
 	pa, da := ot.sendTo(a1)
 	require.Equal(t, -1, pa, "decode-alone")
@@ -154,7 +193,7 @@ func TestOracleDecodeAlone(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			ot := startOracleTest(t)
+			ot := startOracleTest(t, OracleReuseProfile)
 			r := ot.request(1)
 			p, holder := ot.sendTo(r)
 			require.Equal(t, -1, p, "idle engines: decode-alone")
@@ -225,8 +264,9 @@ func uniqueIDs(from int64, n int) []int64 {
 }
 
 // TestOracleReplay replays a small tenants workload under round robin and
-// the oracle: every answer whole and its own, no KV hand-off refused, the
-// oracle's rows in the report with every other policy's distance from it.
+// both oracles: every answer whole and its own, no KV hand-off refused,
+// the oracles' rows in the report with every other policy's distance from
+// the P/D one.
 func TestOracleReplay(t *testing.T) {
 	out := t.TempDir()
 	rr, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{"round-robin"})
@@ -235,7 +275,7 @@ func TestOracleReplay(t *testing.T) {
 	plan := Plan{
 		Rig:        Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625},
 		Traces:     []TraceFile{{Name: TenantsTrace, Tenants: &w, Loads: []float64{0.6}}},
-		Profiles:   append(rr, oracleProfile(t)),
+		Profiles:   append(rr, oracleProfile(t, OracleProfile), oracleProfile(t, OracleReuseProfile)),
 		Loads:      []float64{0.5, 0.9}, // the trace's own win
 		Requests:   40,
 		TTFTFactor: 5, TPOTFactor: 2,
@@ -244,7 +284,7 @@ func TestOracleReplay(t *testing.T) {
 	}
 	rep, err := Run(t.Context(), plan)
 	require.NoError(t, err)
-	require.Len(t, rep.Runs, 2)
+	require.Len(t, rep.Runs, 3)
 	require.Equal(t, []float64{0.6}, rep.Traces[0].Loads)
 	require.Equal(t, &w, rep.Traces[0].Workload)
 	o := rep.Runs[1]
@@ -259,8 +299,12 @@ func TestOracleReplay(t *testing.T) {
 		require.Equal(t, 40, sum(r.Engines.DecodeRequests), "every request decoded once")
 		require.Positive(t, r.PrefixHitRateAll, "%s: tenants share their contexts", r.Policy)
 	}
+	reuse := rep.Runs[2]
+	require.Equal(t, OracleReuseProfile, reuse.Policy)
+	require.NotNil(t, reuse.VsOracle, "measured against the P/D oracle")
 	require.Equal(t, 40, sum(rep.Runs[0].Engines.PrefillRequests), "round robin prefills every request once")
-	require.Less(t, sum(o.Engines.PrefillRequests), 40, "the oracle serves some decode-alone")
+	require.Equal(t, 40, sum(o.Engines.PrefillRequests), "the P/D oracle too")
+	require.Less(t, sum(reuse.Engines.PrefillRequests), 40, "oracle-reuse serves some decode-alone")
 	require.Zero(t, o.CPU.Router, "the oracle's CPU is the harness's")
 	g := rep.Runs[0].VsOracle
 	require.NotNil(t, g, "round robin's distance from the oracle")
@@ -272,7 +316,7 @@ func TestOracleReplay(t *testing.T) {
 	summary, err := os.ReadFile(filepath.Join(out, "summary.md"))
 	require.NoError(t, err)
 	for _, want := range []string{"| oracle |", "**Oracle.**", "Distance from the oracle", "6 tenants chosen uniformly", "× oracle",
-		fmt.Sprintf("- oracle at 60%%: %d of 40 requests decode-alone", 40-sum(o.Engines.PrefillRequests))} {
+		fmt.Sprintf("- oracle-reuse at 60%%: %d of 40 requests decode-alone", 40-sum(reuse.Engines.PrefillRequests))} {
 		require.Contains(t, string(summary), want)
 	}
 	require.True(t, strings.Count(string(summary), "| round-robin |") >= 2, "round robin in both tables")

@@ -50,13 +50,13 @@ func (rep *Report) Summary() string {
 	if rep.hasOracle() {
 		b.WriteString("**Oracle.** The `oracle` rows are the yardstick's limit, not a router one can deploy: a P/D router in the harness " +
 			"process that reads the simulators' true state (what each engine caches, what it has queued) and sends each request's " +
-			"legs itself, on the path of the least forecast TTFT: NIXL P/D, to the prefill engine with the least forecast TTFT and " +
-			"the decode engine with the least KV pull plus two decode steps, or decode-alone, a plain request to the decode engine " +
-			"whose own prefill of the prompt's uncached part, beside its decode batch, is soonest. It is greedy (least TTFT for " +
-			"each request, not the best placement for the whole trace; it does not weigh the TPOT a prompt computed beside a " +
-			"decode batch costs the batch) and has no " +
-			"Envoy hop in front, a small TTFT edge over pdx's rows; its CPU is the harness's (router cores 0). Each trace's " +
-			"second table is every policy's distance from it at the same point.\n\n")
+			"NIXL legs itself, to the prefill engine with the least forecast TTFT and the decode engine with the least KV pull plus " +
+			"two decode steps. `oracle-reuse` may also send a request to a decode engine alone (a plain request: the engine " +
+			"prefills the prompt's uncached part itself, beside its decode batch) when that is forecast to give the first token " +
+			"sooner. Both are greedy (least TTFT for each request, not the best placement for the whole trace; neither weighs the " +
+			"TPOT a prompt computed beside a decode batch costs the batch) and have no " +
+			"Envoy hop in front, a small TTFT edge over pdx's rows; their CPU is the harness's (router cores 0). Each trace's " +
+			"second table is every policy's distance from `oracle` at the same point.\n\n")
 	}
 	fmt.Fprintf(&b, "Engine capacity: `%s`\n\n", compactJSON(rep.Capacity))
 	if rep.ExtraPoolYAML != "" {
@@ -162,14 +162,14 @@ func (rep *Report) oracleSummary(b *strings.Builder, tr TraceReport) {
 	b.WriteString("\n")
 }
 
-// decodeAloneSummary is how many of the oracle's requests went
-// decode-alone, when the oracle ran on the trace: the oracle is the
-// prefill engines' only sender, one prefill leg a P/D request.
+// decodeAloneSummary is how many of oracle-reuse's requests went
+// decode-alone, when it ran on the trace: the oracle is the prefill
+// engines' only sender, one prefill leg a P/D request.
 func (rep *Report) decodeAloneSummary(b *strings.Builder, tr TraceReport) {
 	n := 0
 	for _, r := range rep.Runs {
-		if r.Trace == tr.Name && r.Oracle {
-			fmt.Fprintf(b, "- oracle at %.0f%%: %d of %d requests decode-alone\n", 100*r.TargetLoad,
+		if r.Trace == tr.Name && r.Policy == OracleReuseProfile {
+			fmt.Fprintf(b, "- %s at %.0f%%: %d of %d requests decode-alone\n", r.Policy, 100*r.TargetLoad,
 				max(r.Requests-sumInts(r.Engines.PrefillRequests), 0), r.Requests)
 			n++
 		}
