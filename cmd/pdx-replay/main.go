@@ -44,9 +44,9 @@ func run(ctx context.Context, args []string) error {
 		out    = fs.String("out", "bench/replay", "directory for results.json, summary.md and the charts")
 		traces = fs.String("traces", "conversation="+traceDir+"/mooncake-conversation.jsonl,synthetic="+traceDir+"/mooncake-synthetic.jsonl,"+replay.TenantsTrace,
 			"name=path of each Mooncake trace, or "+replay.TenantsTrace+" for the generated multi-tenant workload (sized for the rig)")
-		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,"+replay.PreciseProfile+","+replay.PreciseReuseProfile+",vllm-router-cache-aware,vllm-router-kv-aware,"+replay.OracleProfile,
+		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,"+replay.PreciseProfile+","+replay.PreciseReuseProfile+",vllm-router-cache-aware,vllm-router-kv-aware,"+replay.OracleProfile+","+replay.OracleReuseProfile,
 			"placement policies (round-robin always runs: it defines the load); "+replay.PreciseProfile+" is pdx's defaults placing by the engines' KV events, "+replay.PreciseReuseProfile+" that with decode-side reuse; vllm-router-cache-aware, vllm-router-kv-aware (placing by the engines' KV events) and vllm-router-round-robin are vLLM's own router over the same engines; "+
-				replay.OracleProfile+" reads the simulators' true state, the yardstick's limit")
+				replay.OracleProfile+" reads the simulators' true state, the yardstick's limit, and "+replay.OracleReuseProfile+" may also serve a request on a decode engine alone (the TTFT limit, TPOT not weighed)")
 		loads          = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
 		tenantLoads    = fs.String("tenant-loads", "", "target loads of the "+replay.TenantsTrace+" trace (default: the middle of --loads; it costs as much per load as a Mooncake trace)")
 		tenantRequests = fs.Int("tenant-requests", 2000, "window of the "+replay.TenantsTrace+" trace: its 150 tenants are each visited about N/150 times, so that first visits (misses no policy avoids) are a few percent of requests, as in llm-d's long runs")

@@ -43,6 +43,11 @@ func (s *Server) ForecastPrefill(prompt string) PrefillForecast {
 	p := blocksOf(prompt, m.capa.BlockTokens)
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	return m.forecastPrefill(p)
+}
+
+// forecastPrefill is ForecastPrefill of p. m.mu is held.
+func (m *engineLoad) forecastPrefill(p promptBlocks) PrefillForecast {
 	now, n := time.Now(), m.decoding
 	var (
 		f     PrefillForecast
@@ -63,6 +68,46 @@ func (s *Server) ForecastPrefill(prompt string) PrefillForecast {
 	f.CachedTokens = m.hitAfter(p, ahead) * m.capa.BlockTokens
 	f.Compute = m.prefillTime(p.tokens-f.CachedTokens, n)
 	return f
+}
+
+// PlainForecast is what a plain request (no kv_transfer_params: the
+// engine computes the prompt and decodes it) sent to an engine now would
+// wait and compute, by the engine's true state. On a decode engine that
+// holds most of the prompt it is decode-side reuse.
+type PlainForecast struct {
+	// PrefillForecast is its prompt phase, as for a prefill leg: the
+	// engine's one prefill server serves both, beside the sequences
+	// decoding on the engine (with a step budget its chunks ride their
+	// steps). Its first token comes with it, so TTFT is the request's
+	// when Fits.
+	PrefillForecast
+	// Fits reports whether its sequence would then join the decode batch
+	// at once, by the batch of now: nothing queued ahead, a place free and
+	// room for its KV. The room is the same before and after its prompt's
+	// blocks are cached: they are the blocks it needs.
+	Fits bool
+}
+
+// ForecastPlain forecasts a plain request of prompt (as for
+// ForecastPrefill) generating maxTokens tokens, sent to the engine now.
+// It counts no prefix-cache query and changes nothing.
+func (s *Server) ForecastPlain(prompt string, maxTokens int) PlainForecast {
+	m := s.load
+	if m.capa == nil {
+		return PlainForecast{}
+	}
+	bt := m.capa.BlockTokens
+	p := blocksOf(prompt, bt)
+	private := (p.tokens+maxTokens+bt-1)/bt - len(p.hashes)
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return PlainForecast{PrefillForecast: m.forecastPrefill(p), Fits: m.fitsNow(p, private)}
+}
+
+// fitsNow is admit's test for a sequence of p's blocks and private more,
+// by the batch of now. m.mu is held.
+func (m *engineLoad) fitsNow(p promptBlocks, private int) bool {
+	return len(m.decodeQ) == 0 && m.decoding < m.capa.MaxRunning && (m.decoding == 0 || m.cache.fits(p.hashes, private))
 }
 
 // DecodeForecast is what a sequence sent to an engine's decode batch now
@@ -107,7 +152,7 @@ func (s *Server) ForecastDecode(prompt string, maxTokens int) DecodeForecast {
 		Waiting:      len(m.decodeQ) + m.pulling,
 	}
 	f.Step = m.batchStep(f.Running+f.Waiting+1) + m.chunkCompute(f.Running+f.Waiting+1)
-	f.Fits = len(m.decodeQ) == 0 && m.decoding < m.capa.MaxRunning && (m.decoding == 0 || m.cache.fits(p.hashes, private))
+	f.Fits = m.fitsNow(p, private)
 	return f
 }
 

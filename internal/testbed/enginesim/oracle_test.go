@@ -147,3 +147,101 @@ func TestForecastWithoutCapacity(t *testing.T) {
 	require.Zero(t, s.ForecastDecode("abcd", 4))
 	require.Zero(t, s.CachedPrefixTokens("abcd"))
 }
+
+// TestForecastPlain: a plain request on a decode engine computes what its
+// cache lacks on the engine's own prefill server, in chunks riding the
+// steps of the sequences decoding there, and its first token comes with
+// that prefill. The forecast is what the engine then takes: the tokens it
+// computes, the time beyond their compute and the overhead (Usage's
+// PrefillSharedDelay), and about the client's wait.
+func TestForecastPlain(t *testing.T) {
+	const (
+		rate     = 10000 // tokens a second: 100 take 10 ms
+		overhead = 2 * time.Millisecond
+		step     = 30 * time.Millisecond
+		perToken = time.Second / rate
+		// slack is what the client's wait may exceed the forecast by: HTTP
+		// and a timer waking late, under -race on a shared machine.
+		slack = 100 * time.Millisecond
+	)
+	prefix := tokensText('p', 600) // cached first: 150 blocks
+	tests := []struct {
+		name        string
+		prompt      string
+		batch       bool // a sequence decodes meanwhile
+		maxRunning  int  // 0: 64
+		wantCached  int
+		wantCompute time.Duration
+		wantFits    bool
+	}{
+		{
+			name: "alone, its prefix cached", prompt: prefix + tokensText('q', 400), wantCached: 600,
+			wantCompute: overhead + 400*perToken, wantFits: true,
+		},
+		{
+			// The budget of 101 leaves 100 tokens a step: 4 chunks of 10 ms
+			// compute, each riding a 30 ms step.
+			name: "beside a decoding sequence", prompt: prefix + tokensText('q', 400), batch: true, wantCached: 600,
+			wantCompute: 400*perToken + 4*step, wantFits: true,
+		},
+		{
+			// All but the block holding its last token: one chunk of 4
+			// tokens, riding a 25th of a step but at least the overhead.
+			name: "the whole prompt cached, beside a decoding sequence", prompt: prefix, batch: true, wantCached: 596,
+			wantCompute: 4*perToken + overhead, wantFits: true,
+		},
+		{
+			name: "nothing cached, no place free", prompt: tokensText('z', 200), batch: true, maxRunning: 1,
+			wantCompute: 200*perToken + 2*step, wantFits: false,
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			s := startSim(t, Config{Role: RoleDecode, Capacity: testCapacity(func(c *Capacity) {
+				c.PrefillTokensPerSec = rate
+				c.PrefillOverhead = overhead
+				c.DecodeStep = step
+				c.MaxBatchedTokens = 101
+				if tt.maxRunning > 0 {
+					c.MaxRunning = tt.maxRunning
+				}
+			})})
+			post(t, s, "/v1/completions", "warm", plain(prefix, 1)).decode(t)
+			requireIdle(t, s)
+
+			var decode <-chan asyncReply
+			if tt.batch {
+				// 30 steps of at least 30 ms: it outlasts the prompt.
+				decode = goPost(t, s, "/v1/completions", "decode", plain(tokensText('d', 4), 31))
+				require.Eventually(t, func() bool { return s.Usage().DecodeTokens > 0 }, 10*time.Second, time.Millisecond)
+			}
+			f := s.ForecastPlain(tt.prompt, 8)
+			require.Zero(t, f.Wait)
+			require.Equal(t, tt.wantCached, f.CachedTokens)
+			require.InDelta(t, tt.wantCompute, f.Compute, float64(time.Microsecond))
+			require.Equal(t, tt.wantFits, f.Fits)
+			require.Equal(t, f.PrefillForecast, s.ForecastPrefill(tt.prompt), "its prompt phase is a prefill's")
+
+			before := s.Usage()
+			start := time.Now()
+			post(t, s, "/v1/completions", "plain", plain(tt.prompt, 1)).decode(t)
+			took := time.Since(start)
+			u := s.Usage()
+			uncached := promptTokens(tt.prompt) - tt.wantCached
+			require.EqualValues(t, uncached, u.PrefillTokens-before.PrefillTokens)
+			require.EqualValues(t, tt.wantCached, u.PrefixHitTokens-before.PrefixHitTokens)
+			took0 := overhead + time.Duration(uncached)*perToken + u.PrefillSharedDelay - before.PrefillSharedDelay
+			require.InDelta(t, f.Compute, took0, float64(time.Microsecond), "the engine's prompt time")
+			require.GreaterOrEqual(t, took, f.TTFT())
+			if f.Fits {
+				require.Less(t, took, f.TTFT()+slack)
+			} else {
+				require.Greater(t, took, f.TTFT()+step, "it waited for the place")
+			}
+			if tt.batch {
+				require.Equal(t, http.StatusOK, await(t, decode).status)
+			}
+			requireIdle(t, s)
+		})
+	}
+}

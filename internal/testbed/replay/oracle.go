@@ -20,30 +20,43 @@ import (
 // oracle is the replay's yardstick: a P/D router in this process that
 // reads the simulators' true state (enginesim's forecasts: what each
 // engine caches and has queued), which no deployable router can, and
-// sends each request's NIXL legs itself, as vLLM's P/D proxy does. Per
-// request it picks
+// sends each request's legs itself, as vLLM's P/D proxy does. Per request
+// it takes the path with the least forecast time to first token:
 //
-//   - the prefill engine with the least forecast time to first token: the
-//     work queued ahead of the prompt (each queued prompt's uncached
-//     tokens, after what the prompts ahead of it compute) plus its own
-//     uncached tokens over the prefill rate, plus the fixed overhead;
-//   - the decode engine with the least KV pull (the blocks its own cache
-//     lacks) plus two decode steps at the batch the sequence joins (its
-//     first token and its time per token), preferring an engine that
-//     admits it at once.
+//   - P/D, through the prefill engine with the least forecast TTFT (the
+//     work queued ahead of the prompt, each queued prompt's uncached
+//     tokens after what the prompts ahead of it compute, plus its own
+//     uncached tokens over the prefill rate, plus the fixed overhead, or
+//     beside a decode batch the steps its chunks ride), its first token
+//     then a KV pull and a decode step on a decode engine; after the
+//     prefill the decode goes to the engine with the least KV pull (the
+//     blocks its own cache lacks) plus two decode steps at the batch the
+//     sequence joins (its first token and its time per token), preferring
+//     an engine that admits it at once;
+//   - or, for the oracle-reuse profile (decodeAlone), decode-alone
+//     (decode-side reuse): a plain request to the decode
+//     engine whose own prefill of the prompt's uncached part, by its
+//     cache and prefill queue and beside its decode batch, gives the
+//     first token soonest (enginesim's ForecastPlain).
 //
 // Forecasts closer to the least than one trace block's worth (the prefill
 // of 512 real tokens; for a decode, their pull) are ties, broken round
 // robin: a shared prefix shorter than a block is the synthesized prompts'
 // chat prefix and id digits, not reuse, and spreading new contexts over
-// the caches is worth more than that much.
+// the caches is worth more than that much. Between the paths a tie goes
+// to P/D, which leaves the decode batch its steps.
 //
-// It is greedy: the least TTFT for this request, not the placement that
-// serves the whole trace best (which might, say, keep a tenant on a busy
-// engine to save KV elsewhere). It has no Envoy hop in front, which gives
-// it a small edge in TTFT over pdx's rows.
+// It is greedy on TTFT: the least TTFT for this request, not the placement
+// that serves the whole trace best (which might, say, keep a tenant on a
+// busy engine to save KV elsewhere), and it does not weigh TPOT: a prompt
+// computed on a decode engine lengthens the steps of every sequence
+// decoding there, which the report's TPOT shows. It has no Envoy hop in
+// front, which gives it a small edge in TTFT over pdx's rows.
 type oracle struct {
 	prefill, decode []*enginesim.Server
+	// decodeAlone: the oracle-reuse profile, which may take the
+	// decode-alone path; else every request goes P/D.
+	decodeAlone bool
 	// prefillTie and decodeTie are the ties' widths.
 	prefillTie, decodeTie time.Duration
 	client                *http.Client
@@ -51,11 +64,13 @@ type oracle struct {
 	url                   string
 	served                chan struct{}
 
-	// mu serializes prefill picks until the engine picked has queued the
-	// prompt, so that the next pick sees it there (see prefillLeg).
+	// mu serializes placements until the engine picked has queued the
+	// prompt, so that the next placement sees it there (see hold).
 	mu          sync.Mutex
 	nextPrefill int           // where a tie starts, under mu
+	nextAlone   int           // likewise for decode-alone, under mu
 	nextDecode  atomic.Uint64 // likewise for decodes, which are not serialized
+	alone       atomic.Int64  // requests served decode-alone
 }
 
 // oracleArrivalWait bounds how long a pick waits for its prompt to reach
@@ -69,7 +84,7 @@ var nixlPrefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_pre
 
 // startOracle serves the oracle on a loopback port in front of the
 // engines, whose capacity is c at token scale s.
-func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale) (*oracle, error) {
+func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale, decodeAlone bool) (*oracle, error) {
 	if len(prefill) == 0 || len(decode) == 0 {
 		return nil, fmt.Errorf("oracle: %d prefill and %d decode engines", len(prefill), len(decode))
 	}
@@ -84,6 +99,7 @@ func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c eng
 		prefillTie: time.Duration(float64(block) / c.PrefillTokensPerSec * float64(time.Second)),
 		decodeTie:  time.Duration((block+c.BlockTokens-1)/c.BlockTokens) * c.KVPullPerBlock,
 		client:     newClient(), url: "http://" + ln.Addr().String(), served: make(chan struct{}),
+		decodeAlone: decodeAlone,
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", o.serve)
@@ -114,8 +130,9 @@ type oracleRequest struct {
 	MaxTokens int                 `json:"max_tokens"`
 }
 
-// serve runs one request's prefill and decode legs and streams the
-// decode's answer back.
+// serve places one request (place) and runs its legs, a prefill and a
+// decode or a decode engine's plain request, streaming the decode
+// engine's answer back.
 func (o *oracle) serve(w http.ResponseWriter, r *http.Request) {
 	body, err := io.ReadAll(io.LimitReader(r.Body, 64<<20))
 	if err != nil {
@@ -138,17 +155,35 @@ func (o *oracle) serve(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	prompt := enginesim.ChatPromptText(req.Messages) // the text the engines tokenize
-	params, err := o.prefillLeg(r.Context(), prompt, fields, id)
+	delete(fields, "kv_transfer_params")
+	o.mu.Lock()
+	e, alone := o.place(prompt, req.MaxTokens)
+	answered := o.hold(e)
+	if alone {
+		o.alone.Add(1)
+		resp, err := o.post(r.Context(), e, id, fields) // a plain request: the engine prefills it
+		answered()
+		o.answer(w, resp, err)
+		return
+	}
+	params, err := o.prefillLeg(r.Context(), e, fields, id, answered)
 	if err != nil {
 		http.Error(w, "oracle: prefill: "+err.Error(), http.StatusBadGateway)
 		return
 	}
-	delete(fields, "kv_transfer_params")
 	if params != nil { // nil: the prefill ended on EOS; the decode recomputes
 		fields["kv_transfer_params"] = params
 	}
-	d := o.pickDecode(prompt, req.MaxTokens)
-	resp, err := o.post(r.Context(), d, id, fields)
+	resp, err := o.post(r.Context(), o.pickDecode(prompt, req.MaxTokens), id, fields)
+	o.answer(w, resp, err)
+}
+
+// DecodeAlone is the number of requests served decode-alone so far.
+func (o *oracle) DecodeAlone() int64 { return o.alone.Load() }
+
+// answer streams a decode engine's answer back, or the error posting to
+// it.
+func (o *oracle) answer(w http.ResponseWriter, resp *http.Response, err error) {
 	if err != nil {
 		http.Error(w, "oracle: decode: "+err.Error(), http.StatusBadGateway)
 		return
@@ -157,13 +192,29 @@ func (o *oracle) serve(w http.ResponseWriter, r *http.Request) {
 	relay(w, resp)
 }
 
-// prefillLeg picks a prefill engine, sends it the one-token,
-// non-streaming prefill leg and returns the kv_transfer_params it
-// answered (nil for none). The pick holds mu until the prompt is in the
-// engine's queue (PrefillArrivals), or the answer came, so that the next
-// pick's forecast counts it: the oracle is the only sender to the prefill
-// engines, so the next arrival there is this prompt.
-func (o *oracle) prefillLeg(ctx context.Context, prompt string, client map[string]json.RawMessage, id string) (json.RawMessage, error) {
+// hold keeps o.mu, which the caller holds, until e's prefill server has
+// queued a prompt, or until the function returned is called (e answered),
+// or for oracleArrivalWait, so that the next placement's forecast counts
+// the prompt: the oracle is the only sender to the engines, so the next
+// arrival there is this request's.
+func (o *oracle) hold(e *enginesim.Server) (answered func()) {
+	_, queued := e.PrefillArrivals()
+	done := make(chan struct{})
+	go func() {
+		select {
+		case <-queued:
+		case <-done:
+		case <-time.After(oracleArrivalWait):
+		}
+		o.mu.Unlock()
+	}()
+	return func() { close(done) }
+}
+
+// prefillLeg sends e the one-token, non-streaming prefill leg of a
+// request of the client's fields and returns the kv_transfer_params it
+// answered (nil for none); answered is called once e has answered.
+func (o *oracle) prefillLeg(ctx context.Context, e *enginesim.Server, client map[string]json.RawMessage, id string, answered func()) (json.RawMessage, error) {
 	leg := make(map[string]json.RawMessage, len(client)+1)
 	for k, v := range client {
 		switch k {
@@ -177,21 +228,8 @@ func (o *oracle) prefillLeg(ctx context.Context, prompt string, client map[strin
 		leg["max_completion_tokens"] = json.RawMessage("1")
 	}
 	leg["kv_transfer_params"] = nixlPrefillParams
-
-	o.mu.Lock()
-	e := o.pickPrefill(prompt)
-	_, queued := e.PrefillArrivals()
-	answered := make(chan struct{})
-	go func() {
-		select {
-		case <-queued:
-		case <-answered:
-		case <-time.After(oracleArrivalWait):
-		}
-		o.mu.Unlock()
-	}()
 	resp, err := o.post(ctx, e, id, leg)
-	close(answered)
+	answered()
 	if err != nil {
 		return nil, err
 	}
@@ -215,16 +253,42 @@ func (o *oracle) prefillLeg(ctx context.Context, prompt string, client map[strin
 	return answer.KVTransferParams, nil
 }
 
-// pickPrefill is the prefill engine with the least forecast TTFT for
-// prompt; of ties, the first after the last pick. o.mu is held.
-func (o *oracle) pickPrefill(prompt string) *enginesim.Server {
+// place picks a request's path, the one whose first token is forecast
+// sooner: the prefill engine with the least forecast TTFT, then a KV pull
+// and a decode step on the decode engine soonest at that (alone false;
+// the decode is picked after the prefill, by pickDecode), or the decode
+// engine whose own prefill of the prompt, as a plain request, is soonest
+// (alone true). Of ties, the first after the last pick; between the
+// paths, P/D. o.mu is held.
+func (o *oracle) place(prompt string, maxTokens int) (e *enginesim.Server, alone bool) {
 	ttft := make([]time.Duration, len(o.prefill))
-	for i, e := range o.prefill {
-		ttft[i] = e.ForecastPrefill(prompt).TTFT()
+	for i, p := range o.prefill {
+		ttft[i] = p.ForecastPrefill(prompt).TTFT()
 	}
 	i := leastOf(ttft, o.nextPrefill, o.prefillTie)
+	if !o.decodeAlone {
+		o.nextPrefill = (i + 1) % len(o.prefill)
+		return o.prefill[i], false
+	}
+	join := make([]time.Duration, len(o.decode))  // P/D's first token after its prefill
+	plain := make([]time.Duration, len(o.decode)) // decode-alone's first token
+	for j, d := range o.decode {
+		f := d.ForecastDecode(prompt, maxTokens)
+		if join[j] = f.Pull + f.Step; !f.Fits {
+			join[j] += noPlace
+		}
+		g := d.ForecastPlain(prompt, maxTokens)
+		if plain[j] = g.TTFT(); !g.Fits {
+			plain[j] += noPlace
+		}
+	}
+	j := leastOf(plain, o.nextAlone, o.prefillTie)
+	if plain[j]+o.prefillTie < ttft[i]+slices.Min(join) {
+		o.nextAlone = (j + 1) % len(o.decode)
+		return o.decode[j], true
+	}
 	o.nextPrefill = (i + 1) % len(o.prefill)
-	return o.prefill[i]
+	return o.prefill[i], false
 }
 
 // noPlace is added to the cost of a decode engine that cannot admit the

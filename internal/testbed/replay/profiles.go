@@ -30,6 +30,10 @@ type Profile struct {
 	// simulators' true state and picks, per request, the least time to
 	// first token. Like a peer it has no pdx config and no Envoy.
 	Oracle bool
+	// DecodeAlone lets the oracle also serve a request on a decode engine
+	// alone (decode-side reuse) when that gives the first token sooner:
+	// the TTFT limit, which weighs no TPOT.
+	DecodeAlone bool
 }
 
 // pdx reports whether p runs Envoy and pdx.
@@ -39,9 +43,14 @@ func (p Profile) pdx() bool { return p.Peer == "" && !p.Oracle }
 // policy.
 func (p Profile) Config() string {
 	if p.Oracle {
-		return "in-process oracle over the simulators' true state (no Envoy): prefill on the least forecast TTFT " +
+		pd := "prefill on the least forecast TTFT " +
 			"(work queued ahead, then the uncached tokens over the prefill rate, plus the overhead), " +
 			"decode on the least KV pull + 2 decode steps at the batch it joins; NIXL P/D legs sent by itself"
+		if p.DecodeAlone {
+			return "in-process oracle over the simulators' true state (no Envoy), on the path of the least forecast TTFT: " + pd +
+				", or a plain request to the decode engine whose own prefill of the prompt is soonest; greedy on TTFT, TPOT not weighed"
+		}
+		return "in-process oracle over the simulators' true state (no Envoy): " + pd
 	}
 	if p.Peer != "" && p.KVEvents {
 		return "vllm-router in NIXL P/D mode, --policy " + p.Peer + ", --pd-kv-events from every prefill engine"
@@ -78,7 +87,7 @@ const llmdDeciderTokens = 16
 
 // Profiles is the table of placement policies at a token scale: edit it
 // here. The decider thresholds are real token counts scaled like prompts.
-// The peers come next to last, the oracle last.
+// The peers come next to last, the oracles last.
 func Profiles(s Scale) []Profile {
 	return []Profile{
 		{Name: "round-robin", PoolYAML: lines(
@@ -122,11 +131,18 @@ func Profiles(s Scale) []Profile {
 		// The yardstick's limit: what a router that knew every engine's
 		// cache and queue would get, request by request.
 		{Name: OracleProfile, Oracle: true},
+		// The TTFT limit with decode-side reuse: the oracle that may also
+		// serve a request on a decode engine alone.
+		{Name: OracleReuseProfile, Oracle: true, DecodeAlone: true},
 	}
 }
 
-// OracleProfile is the oracle's profile name.
-const OracleProfile = "oracle"
+// OracleProfile is the oracle's profile name, the yardstick every run is
+// compared with; OracleReuseProfile the oracle with decode-alone.
+const (
+	OracleProfile      = "oracle"
+	OracleReuseProfile = "oracle-reuse"
+)
 
 // SelectProfiles picks profiles by name, in the order given.
 func SelectProfiles(all []Profile, names []string) ([]Profile, error) {

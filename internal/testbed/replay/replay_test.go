@@ -23,7 +23,7 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", "precise",
-		"precise-reuse", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle"}, names(all))
+		"precise-reuse", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse"}, names(all))
 	require.Contains(t, all[4].ConfigYAML, "end_streams_at_routing: false")
 	require.Contains(t, all[5].ConfigYAML, "end_streams_at_routing: true")
 	precise := all[7]
@@ -44,6 +44,11 @@ func TestProfiles(t *testing.T) {
 	require.Empty(t, oracle.Peer+oracle.PoolYAML+oracle.ConfigYAML, "the oracle is neither a peer nor pdx")
 	require.False(t, oracle.pdx())
 	require.Contains(t, oracle.Config(), "true state")
+	require.False(t, oracle.DecodeAlone)
+	oracleReuse := all[13]
+	require.True(t, oracleReuse.Oracle && oracleReuse.DecodeAlone)
+	require.False(t, oracleReuse.pdx())
+	require.Contains(t, oracleReuse.Config(), "plain request to the decode engine")
 	require.Equal(t, all[2].PoolYAML, all[2].Config(), "a pdx profile's config is its YAML")
 	require.Contains(t, all[2].PoolYAML, "disaggregation: {min_uncached_tokens: 1}", "llm-d's 16 tokens at scale 16")
 	require.Contains(t, Profiles(Scale{TokenScale: 4})[2].PoolYAML, "min_uncached_tokens: 4")
@@ -68,7 +73,7 @@ func TestCheckProfiles(t *testing.T) {
 	require.ErrorContains(t, err, "policy broken")
 
 	t.Setenv(vllmrouter.DirEnv, t.TempDir())
-	require.NoError(t, rig.CheckProfiles(append(all[:9:9], all[12])), "pdx's profiles and the oracle need no vllm-router")
+	require.NoError(t, rig.CheckProfiles(append(all[:9:9], all[12:]...)), "pdx's profiles and the oracles need no vllm-router")
 	err = rig.CheckProfiles(all[9:10])
 	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
 	require.ErrorContains(t, err, "policy vllm-router-cache-aware")

@@ -51,9 +51,12 @@ func (rep *Report) Summary() string {
 		b.WriteString("**Oracle.** The `oracle` rows are the yardstick's limit, not a router one can deploy: a P/D router in the harness " +
 			"process that reads the simulators' true state (what each engine caches, what it has queued) and sends each request's " +
 			"NIXL legs itself, to the prefill engine with the least forecast TTFT and the decode engine with the least KV pull plus " +
-			"two decode steps. It is greedy (least TTFT for each request, not the best placement for the whole trace) and has no " +
-			"Envoy hop in front, a small TTFT edge over pdx's rows; its CPU is the harness's (router cores 0). Each trace's " +
-			"second table is every policy's distance from it at the same point.\n\n")
+			"two decode steps. `oracle-reuse` may also send a request to a decode engine alone (a plain request: the engine " +
+			"prefills the prompt's uncached part itself, beside its decode batch) when that is forecast to give the first token " +
+			"sooner. Both are greedy (least TTFT for each request, not the best placement for the whole trace; neither weighs the " +
+			"TPOT a prompt computed beside a decode batch costs the batch) and have no " +
+			"Envoy hop in front, a small TTFT edge over pdx's rows; their CPU is the harness's (router cores 0). Each trace's " +
+			"second table is every policy's distance from `oracle` at the same point.\n\n")
 	}
 	fmt.Fprintf(&b, "Engine capacity: `%s`\n\n", compactJSON(rep.Capacity))
 	if rep.ExtraPoolYAML != "" {
@@ -126,6 +129,7 @@ func (rep *Report) traceSummary(b *strings.Builder, tr TraceReport) {
 			intList(r.Engines.DecodeRequests), r.DecodeCV, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected, r.CPU.Router, r.CPU.Harness, r.CPU.RouterMsPerRequest)
 	}
 	b.WriteString("\n")
+	rep.decodeAloneSummary(b, tr)
 	rep.oracleSummary(b, tr)
 	for _, r := range rep.Runs {
 		if r.Trace == tr.Name && len(r.ErrorSamples) > 0 {
@@ -158,6 +162,23 @@ func (rep *Report) oracleSummary(b *strings.Builder, tr TraceReport) {
 	b.WriteString("\n")
 }
 
+// decodeAloneSummary is how many of oracle-reuse's requests went
+// decode-alone, when it ran on the trace: the oracle is the prefill
+// engines' only sender, one prefill leg a P/D request.
+func (rep *Report) decodeAloneSummary(b *strings.Builder, tr TraceReport) {
+	n := 0
+	for _, r := range rep.Runs {
+		if r.Trace == tr.Name && r.Policy == OracleReuseProfile {
+			fmt.Fprintf(b, "- %s at %.0f%%: %d of %d requests decode-alone\n", r.Policy, 100*r.TargetLoad,
+				max(r.Requests-sumInts(r.Engines.PrefillRequests), 0), r.Requests)
+			n++
+		}
+	}
+	if n > 0 {
+		b.WriteString("\n")
+	}
+}
+
 // hasOracle reports whether the oracle ran.
 func (rep *Report) hasOracle() bool {
 	return slices.ContainsFunc(rep.Runs, func(r RunResult) bool { return r.Oracle })
@@ -174,6 +195,14 @@ func (rep *Report) kvTokens() int {
 
 func pct(p Percentiles, prec int) string {
 	return fmt.Sprintf("%.*f / %.*f / %.*f", prec, p.P50, prec, p.P90, prec, p.P99)
+}
+
+func sumInts(xs []int) int {
+	n := 0
+	for _, x := range xs {
+		n += x
+	}
+	return n
 }
 
 func intList(xs []int) string {

@@ -106,9 +106,12 @@ type VsOracle struct {
 }
 
 // compareToOracle fills in VsOracle of a load point's runs, if the oracle
-// is among them.
+// is among them: the P/D oracle's, else oracle-reuse's.
 func compareToOracle(point []RunResult) {
-	i := slices.IndexFunc(point, func(r RunResult) bool { return r.Oracle })
+	i := slices.IndexFunc(point, func(r RunResult) bool { return r.Oracle && r.Policy == OracleProfile })
+	if i < 0 {
+		i = slices.IndexFunc(point, func(r RunResult) bool { return r.Oracle })
+	}
 	if i < 0 {
 		return
 	}
@@ -242,7 +245,7 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 		return nil, err
 	}
 	if p.Oracle {
-		o, err := startOracle(ctx, st.Prefill, st.Decode, capacity, rig.Scale)
+		o, err := startOracle(ctx, st.Prefill, st.Decode, capacity, rig.Scale, p.DecodeAlone)
 		if err != nil {
 			return nil, errors.Join(err, st.Close())
 		}
