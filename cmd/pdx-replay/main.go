@@ -49,6 +49,7 @@ func run(ctx context.Context, args []string) error {
 				replay.OracleProfile+" reads the simulators' true state, the yardstick's limit, and "+replay.OracleReuseProfile+" may also serve a request on a decode engine alone (the TTFT limit, TPOT not weighed)")
 		loads          = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
 		tenantLoads    = fs.String("tenant-loads", "", "target loads of the "+replay.TenantsTrace+" trace (default: the middle of --loads; it costs as much per load as a Mooncake trace)")
+		tenantKVRatio  = fs.Float64("tenant-kv-ratio", replay.TenantKVRatio, "the "+replay.TenantsTrace+" trace's contexts together over the prefill engines' KV (llm-d's regime below 1: they fit the engines together, not one engine; 2 was the earlier default)")
 		tenantRequests = fs.Int("tenant-requests", 2000, "window of the "+replay.TenantsTrace+" trace: its 150 tenants are each visited about N/150 times, so that first visits (misses no policy avoids) are a few percent of requests, as in llm-d's long runs")
 		replicas       = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
 		quick          = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
@@ -95,7 +96,7 @@ func run(ctx context.Context, args []string) error {
 	if *quick {
 		*tenantRequests = 150
 	}
-	if plan.Traces, err = traceFiles(*traces, replay.TenantsFor(plan.Rig), perTenant, *tenantRequests); err != nil {
+	if plan.Traces, err = traceFiles(*traces, replay.TenantsFor(plan.Rig, *tenantKVRatio), perTenant, *tenantRequests); err != nil {
 		return err
 	}
 	if plan.ReplicaCounts, err = ints("replicas", *replicas); err != nil {

@@ -14,9 +14,9 @@ const TenantsTrace = "tenants"
 // Tenants is a cache-bound multi-tenant workload, modelled on llm-d's
 // precise-prefix benchmark ("KV-Cache Wins You Can See": 150 tenants, each
 // with a shared ~6k-token context): every request is its tenant's context
-// followed by a question of its own. The contexts together exceed the
-// prefill engines' KV, so where a tenant's requests land decides whether
-// its context is cached. It is generated as a trace (Trace) in the
+// followed by a question of its own. The contexts together exceed any
+// one prefill engine's KV several times, so where a tenant's requests
+// land decides whether its context is cached. It is generated as a trace (Trace) in the
 // Mooncake form: the context's hash_ids blocks, then fresh blocks.
 type Tenants struct {
 	Tenants int `json:"tenants"`
@@ -49,11 +49,6 @@ const (
 	// 7.5% of requests (at 500 requests it was 30%, which set every
 	// policy's TTFT p90 at an uncached prompt's).
 	tenantCount = 150
-	// tenantKVRatio sizes the contexts: together twice the prefill
-	// engines' KV, so that an engine holding a fair split of the tenants
-	// (twice its KV) can keep half of them cached, and one seeing every
-	// tenant an eighth (at 4 prefill engines).
-	tenantKVRatio = 2.0
 	// tenantQuestionTokens and tenantOutputTokens are a short question
 	// and a short answer.
 	tenantQuestionTokens = 1200
@@ -61,18 +56,33 @@ const (
 	tenantSeed           = 20
 )
 
+// TenantKVRatio sizes the tenants workload's contexts by default:
+// together 0.8 of the prefill engines' KV, 3.2 times one engine's (at 4
+// prefill engines). That is llm-d's regime: its 150 × 6k tokens are about
+// 0.4 of its 8 pods' KV and 3.3 times one pod's (Qwen-32B on 2 H100s a
+// pod: some 70 GB of KV at 256 KiB a token, an estimate), so that a
+// placement that keeps each tenant on one engine can cache nearly every
+// context and one that spreads tenants over the engines cannot. With 4
+// engines both figures cannot be had; 0.8 keeps the split fitting with
+// room to spare. Above 1 no placement caches every context, and beyond
+// 2 a tenant's requests miss more often than not under any policy.
+const TenantKVRatio = 0.8
+
 // TenantsFor sizes the tenants workload for a rig: tenantCount tenants
-// whose contexts together are tenantKVRatio times the prefill engines' KV
-// (enginesim.ReferenceCapacity at the rig's scales), rounded to whole
-// trace blocks.
-func TenantsFor(rig Rig) Tenants {
+// whose contexts together are kvRatio (TenantKVRatio when 0) times the
+// prefill engines' KV (enginesim.ReferenceCapacity at the rig's scales),
+// rounded to whole trace blocks.
+func TenantsFor(rig Rig, kvRatio float64) Tenants {
+	if kvRatio <= 0 {
+		kvRatio = TenantKVRatio
+	}
 	_, c := engineConfig(rig.Scale, rig.TimeScale)
 	kvTokens := float64(rig.Prefill) * float64(c.KVBlocks*c.BlockTokens*rig.Scale.TokenScale)
-	blocks := max(1, int(math.Round(tenantKVRatio*kvTokens/(tenantCount*TraceBlockTokens))))
+	blocks := max(1, int(math.Round(kvRatio*kvTokens/(tenantCount*TraceBlockTokens))))
 	return Tenants{
 		Tenants: tenantCount, ContextBlocks: blocks,
 		QuestionTokens: tenantQuestionTokens, OutputTokens: tenantOutputTokens,
-		Rate: 1, Seed: tenantSeed, KVRatio: tenantKVRatio,
+		Rate: 1, Seed: tenantSeed, KVRatio: kvRatio,
 	}
 }
 

@@ -9,37 +9,44 @@ import (
 )
 
 // TestTenantsFor: the workload is sized for the rig: its contexts
-// together are 2–4 times the prefill engines' KV (so no policy can cache
-// them all), an engine's fair split of them exceeds its KV, and an engine
-// can still keep a good share of that split cached.
+// together are the ratio asked of the prefill engines' KV, llm-d's regime
+// by default (they fit the engines together, so a placement that splits
+// the tenants can cache them, but are several times one engine's KV), and
+// always more than an engine that sees every tenant can hold.
 func TestTenantsFor(t *testing.T) {
+	replayRig := Rig{Prefill: 4, Decode: 4, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625}
 	tests := []struct {
 		name          string
 		rig           Rig
+		ratio         float64
 		contextBlocks int
 	}{
 		// 4 engines × 27,000 blocks of 16 real tokens = 1,728,000 tokens;
-		// twice that over 150 tenants is 23,040 tokens, 45 blocks.
-		{"the replay's rig", Rig{Prefill: 4, Decode: 4, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625}, 45},
-		{"another token scale, the same real KV", Rig{Prefill: 4, Decode: 4, Scale: Scale{TokenScale: 4}, TimeScale: 0.0625}, 45},
-		{"two prefill engines", Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.1}, 23},
-		{"eight prefill engines", Rig{Prefill: 8, Decode: 8, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625}, 90},
+		// 0.8 of that over 150 tenants is 9,216 tokens, 18 blocks.
+		{"the replay's rig", replayRig, 0, 18},
+		{"another token scale, the same real KV", Rig{Prefill: 4, Decode: 4, Scale: Scale{TokenScale: 4}, TimeScale: 0.0625}, 0, 18},
+		{"two prefill engines", Rig{Prefill: 2, Decode: 2, Scale: Scale{TokenScale: 16}, TimeScale: 0.1}, 0, 9},
+		{"eight prefill engines", Rig{Prefill: 8, Decode: 8, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625}, 0, 36},
+		// The earlier default: twice the engines' KV, 45 blocks.
+		{"contexts twice the engines' KV", replayRig, 2, 45},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			w := TenantsFor(tt.rig)
+			w := TenantsFor(tt.rig, tt.ratio)
 			require.Equal(t, 150, w.Tenants, "llm-d's tenant count")
 			require.Equal(t, tt.contextBlocks, w.ContextBlocks)
+			ratio := tt.ratio
+			if ratio == 0 {
+				ratio = TenantKVRatio
+				require.Less(t, ratio, 1.0, "by default the contexts fit the engines together")
+			}
+			require.Equal(t, ratio, w.KVRatio)
 			_, c := engineConfig(tt.rig.Scale, tt.rig.TimeScale)
 			engineKV := float64(c.KVBlocks * c.BlockTokens * tt.rig.Scale.TokenScale) // real tokens
 			contexts := float64(w.Tenants * w.ContextTokens())
-			over := contexts / (float64(tt.rig.Prefill) * engineKV)
-			require.GreaterOrEqual(t, over, 1.9, "the contexts exceed the prefill engines' KV")
-			require.LessOrEqual(t, over, 4.0)
-			fairSplit := contexts / float64(tt.rig.Prefill)
-			require.Greater(t, fairSplit, engineKV, "no engine holds its share of the tenants entirely")
-			require.GreaterOrEqual(t, engineKV/fairSplit, 0.25, "but a good share of it")
-			require.Less(t, w.QuestionTokens, w.ContextTokens()/4, "a short question")
+			require.InEpsilon(t, ratio, contexts/(float64(tt.rig.Prefill)*engineKV), 0.05, "the ratio asked")
+			require.Greater(t, contexts, 1.5*engineKV, "an engine that sees every tenant cannot cache them all")
+			require.Less(t, w.QuestionTokens, w.ContextTokens()/3, "a short question")
 			require.Contains(t, w.String(), "150 tenants")
 		})
 	}
@@ -50,7 +57,7 @@ func TestTenantsFor(t *testing.T) {
 // tenant's context blocks then blocks of its own, tenants uniform and
 // arrivals Poisson at the rate.
 func TestTenantsTrace(t *testing.T) {
-	w := TenantsFor(Rig{Prefill: 4, Decode: 4, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625})
+	w := TenantsFor(Rig{Prefill: 4, Decode: 4, Scale: Scale{TokenScale: 16}, TimeScale: 0.0625}, 0)
 	const n = 3000
 	trace, err := w.Trace(n)
 	require.NoError(t, err)
