@@ -47,7 +47,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	text := prompt(creq.Body)
 	r.blocks = picker.Blocks(r.blocks[:0], text, pool.BlockTokens)
 	r.blockTokens = pool.BlockTokens
-	r.tokens = len(text) / picker.BytesPerToken
+	r.tokens, r.promptBytes = len(text)/picker.BytesPerToken, len(text)
 	r.tokenBlocks = r.tokenBlocks[:0]
 	r.rendered, r.tokenBlockSize = r.tokenize(ctx, pool, creq, model), pool.KVBlockSize
 	if err := r.awaitRoom(ctx, pool, pool.Decode.Set, "", "decode"); err != nil {
@@ -84,7 +84,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 func (r *request) pick() picker.Request {
 	req := picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset}
 	if r.rendered {
-		req.TokenBlocks, req.TokenBlockSize = r.tokenBlocks, r.tokenBlockSize
+		req.TokenBlocks, req.TokenBlockSize, req.PromptBytes = r.tokenBlocks, r.tokenBlockSize, r.promptBytes
 	}
 	return req
 }

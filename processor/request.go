@@ -53,9 +53,10 @@ type request struct {
 	// carries; empty when tracing is off.
 	trace traceContext
 	// blocks are the block hashes of the request's prompt, of blockTokens
-	// tokens each, and tokens its length (placement.go).
-	blocks              []uint64
-	blockTokens, tokens int
+	// tokens each, tokens its length and promptBytes the bytes blocks are
+	// cut from (placement.go).
+	blocks                           []uint64
+	blockTokens, tokens, promptBytes int
 	// tokenBlocks, when rendered, are the hashes of the prompt's tokens as
 	// the engines tokenize them, in blocks of the pool's KV block size
 	// (render.go).

@@ -107,3 +107,39 @@ func TestPreciseFallsBackToWhatWasSent(t *testing.T) {
 		l.End(Succeeded)
 	}
 }
+
+// What pdx sent counts, in a precise pick, as its share of the prompt's
+// bytes in the engine's tokens: the byte estimate of a JSON prompt runs
+// ahead of the engine's count (escapes, the request's structure), and its
+// blocks at BlockTokens each would make a new question look held.
+func TestPreciseSentCountsItsShare(t *testing.T) {
+	eps := endpoints(2)
+	// 4 sent blocks of 64 estimated tokens (1,024 bytes) of a 1,200-byte
+	// prompt that the engine renders as 240 tokens: they are 204 of them.
+	const sentBlocks, promptBytes, tokens = 4, 1200, 240
+	for _, tt := range []struct {
+		name        string
+		promptBytes int
+		want        int
+	}{
+		{"share of the bytes", promptBytes, sentBlocks * 64 * BytesPerToken * tokens / promptBytes},
+		{"no bytes given: the estimate, up to the prompt", 0, tokens},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			set := NewSet(eps, Options{Cache: newEngineCache(nil)})
+			leg, err := NewLeg(set, &configv1.Picker{Policy: LoadAwarePolicy}, RoleDecode)
+			require.NoError(t, err)
+			req := Request{Blocks: blocksOf(1, 2, 3, 4), BlockTokens: 64, Tokens: tokens,
+				TokenBlocks: []uint64{11, 12}, TokenBlockSize: 16, PromptBytes: tt.promptBytes, NeedCached: true}
+			first, ok := leg.Pick(req)
+			require.True(t, ok)
+			require.Zero(t, first.Cached())
+			first.End(Succeeded)
+			l, ok := leg.Pick(req)
+			require.True(t, ok)
+			require.Equal(t, first.Endpoint(), l.Endpoint(), "where pdx sent it")
+			require.Equal(t, tt.want, l.Cached())
+			l.End(Succeeded)
+		})
+	}
+}

@@ -33,6 +33,7 @@ type Candidates struct {
 	// nil.
 	tokenBlocks    []uint64
 	tokenBlockSize int
+	promptBytes    int // the request's PromptBytes, with tokenBlocks
 	// after is where a fallback's order goes on: the candidate after the
 	// last one the request tried (0 when it tried none of them).
 	after int
@@ -88,9 +89,9 @@ func (s *Set) candidates(req *Request, role Role) *Candidates {
 	c.v, c.members, c.group, c.n, c.now = v, members, id, n, s.clock()
 	c.prefill = role == RolePrefill
 	c.blocks, c.blockTokens, c.tokens = req.Blocks, req.BlockTokens, req.Tokens
-	c.tokenBlocks, c.tokenBlockSize = nil, 0
+	c.tokenBlocks, c.tokenBlockSize, c.promptBytes = nil, 0, 0
 	if v.cache != nil && req.TokenBlocks != nil {
-		c.tokenBlocks, c.tokenBlockSize = req.TokenBlocks, req.TokenBlockSize
+		c.tokenBlocks, c.tokenBlockSize, c.promptBytes = req.TokenBlocks, req.TokenBlockSize, req.PromptBytes
 	}
 	c.after, c.sentRead, c.heldRead, c.start = 0, false, false, -1
 	if c.gen++; c.gen == 0 {
@@ -185,13 +186,13 @@ type depths struct {
 	// reports holding. nil when the pick has no such prompt.
 	sent, held []int32
 	// precise: the pick has TokenBlocks (Candidates.tokenBlocks).
-	precise                                bool
-	blocks, blockTokens, blockSize, tokens int
+	precise                                             bool
+	blocks, blockTokens, blockSize, tokens, promptBytes int
 }
 
 // depths reads how deep the candidates hold the prompt.
 func (c *Candidates) depths() depths {
-	d := depths{members: c.members, precise: c.tokenBlocks != nil, blocks: len(c.blocks), blockTokens: c.blockTokens, blockSize: c.tokenBlockSize, tokens: c.tokens}
+	d := depths{members: c.members, precise: c.tokenBlocks != nil, blocks: len(c.blocks), blockTokens: c.blockTokens, blockSize: c.tokenBlockSize, tokens: c.tokens, promptBytes: c.promptBytes}
 	if len(c.blocks) > 0 {
 		if !c.sentRead {
 			c.sent = sized(c.sent, len(c.v.endpoints))
@@ -231,7 +232,7 @@ func sized(buf []int32, n int) []int32 {
 func (d *depths) cachedTokens(k int) int {
 	i, n := position(d.members, k), 0
 	if d.sent != nil {
-		n = int(d.sent[i]) * d.blockTokens
+		n = sentTokens(int(d.sent[i]), d.blockTokens, d.tokens, d.promptBytes, d.precise)
 	}
 	if d.precise {
 		held := 0
@@ -241,6 +242,18 @@ func (d *depths) cachedTokens(k int) int {
 		n = max(n, held*d.blockSize)
 	}
 	return min(n, d.tokens)
+}
+
+// sentTokens is how many of a prompt's tokens its first blocks cover,
+// blocks of blockTokens by the byte estimate: as many, or for a precise
+// pick (tokens the engine's count of a prompt of promptBytes) their share
+// of the prompt's bytes in tokens.
+func sentTokens(blocks, blockTokens, tokens, promptBytes int, precise bool) int {
+	n := blocks * blockTokens
+	if precise && promptBytes > 0 {
+		n = int(int64(n) * BytesPerToken * int64(tokens) / int64(promptBytes))
+	}
+	return n
 }
 
 // prefixShare is the share of the prompt candidate k holds, in [0, 1].

@@ -49,8 +49,9 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	// What the endpoint has cached is read before this prompt counts as
 	// sent there.
 	if role == RolePrefill || req.NeedCached {
-		l.cached = v.index.matched(pos, req.Blocks) * req.BlockTokens
-		if v.cache != nil && req.TokenBlocks != nil {
+		precise := v.cache != nil && req.TokenBlocks != nil
+		l.cached = sentTokens(v.index.matched(pos, req.Blocks), req.BlockTokens, req.Tokens, req.PromptBytes, precise)
+		if precise {
 			// As the pick counted it (depths.cachedTokens).
 			if held < 0 {
 				held = v.cache.Held(v.slots[i], req.TokenBlocks)

@@ -40,6 +40,11 @@ type Request struct {
 	// sent. Tokens is then the exact count.
 	TokenBlocks    []uint64
 	TokenBlockSize int
+	// PromptBytes, with TokenBlocks, is the length of the text Blocks were
+	// cut from: a block pdx sent counts as its share of those bytes in
+	// Tokens, not as BlockTokens (escapes and the request's JSON make the
+	// byte estimate run ahead of the engine's count).
+	PromptBytes int
 	// NeedCached makes a decode lease tell what its endpoint had cached
 	// (Lease.Cached), which costs an index lookup; a prefill lease always
 	// does, since it counts the uncached tokens.
