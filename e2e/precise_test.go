@@ -203,3 +203,40 @@ func TestDecodeSideReuse(t *testing.T) {
 func servedAlone(st *stack.Stack, text string) int {
 	return recordedOn(st.Decode, enginesim.KindPlain, text)
 }
+
+// TestDecodeSideReuseCountsNewTokens: a turn that adds more than
+// min_uncached_tokens to a conversation its decode engine holds takes the
+// prefill leg, also when pdx sent that engine the conversation itself and
+// the conversation's JSON runs long (each "<" and ">" is 6 bytes): what
+// pdx sent counts as its share of the prompt's bytes in the engine's
+// tokens, not at 4 bytes of JSON a token, which would make the new turn
+// look held.
+func TestDecodeSideReuseCountsNewTokens(t *testing.T) {
+	c := enginesim.ReferenceCapacity(1, 1)
+	st := startStack(t, stack.Options{Prefill: 1, Decode: 1, KVEvents: "dial", Engine: enginesim.Config{Capacity: &c},
+		ConfigYAML: "engine_metrics: {disabled: true}",
+		PoolYAML:   "disaggregation: {min_uncached_tokens: 64}\n"})
+	hc := &http.Client{Timeout: 30 * time.Second}
+	t.Cleanup(hc.CloseIdleConnections)
+	first := "a conversation so far: " + strings.Repeat("<turn> of the conversation. ", 200)
+	a := post(t, hc, "http://"+st.Decode[0].Addr()+"/v1/chat/completions", chatBody(first))
+	require.Equal(t, 200, a.status, a.body)
+	waitKVBlocks(t, st, len(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: first}}))/(4*c.BlockTokens))
+
+	// A short turn: served alone, and now sent there by pdx.
+	second := first + " And the next question?"
+	a = post(t, hc, st.URL()+"/v1/chat/completions", chatBody(second))
+	require.Equal(t, 200, a.status, a.body)
+	require.Equal(t, 0, servedAlone(st, second), "a short turn is served by the decode engine alone")
+
+	// A turn of ~120 new tokens, written as the conversation is: the
+	// prefill leg.
+	third := second + " " + strings.Repeat("<turn> tell me more. ", 24)
+	a = post(t, hc, st.URL()+"/v1/chat/completions", chatBody(third))
+	require.Equal(t, 200, a.status, a.body)
+	require.Equal(t, 0, prefilledOn(t, st, third), "a long new turn takes the prefill leg")
+	require.Equal(t, -1, servedAlone(st, third))
+	for _, e := range st.Engines() {
+		require.Zero(t, e.Tally().Rejected, e.Addr())
+	}
+}
