@@ -207,36 +207,45 @@ func servedAlone(st *stack.Stack, text string) int {
 // TestDecodeSideReuseCountsNewTokens: a turn that adds more than
 // min_uncached_tokens to a conversation its decode engine holds takes the
 // prefill leg, also when pdx sent that engine the conversation itself and
-// the conversation's JSON runs long (each "<" and ">" is 6 bytes): what
-// pdx sent counts as its share of the prompt's bytes in the engine's
-// tokens, not at 4 bytes of JSON a token, which would make the new turn
-// look held.
+// the conversation's JSON runs long (each "<" and ">" is 6 bytes). The
+// decider reads the engine's events, not what pdx sent: a byte estimate
+// of what was sent, at 4 bytes of JSON a token or as its share of the
+// prompt's bytes, makes the new turn look held when the history's bytes a
+// token exceed the new turn's.
 func TestDecodeSideReuseCountsNewTokens(t *testing.T) {
-	c := enginesim.ReferenceCapacity(1, 1)
-	st := startStack(t, stack.Options{Prefill: 1, Decode: 1, KVEvents: "dial", Engine: enginesim.Config{Capacity: &c},
-		ConfigYAML: "engine_metrics: {disabled: true}",
-		PoolYAML:   "disaggregation: {min_uncached_tokens: 64}\n"})
-	hc := &http.Client{Timeout: 30 * time.Second}
-	t.Cleanup(hc.CloseIdleConnections)
-	first := "a conversation so far: " + strings.Repeat("<turn> of the conversation. ", 200)
-	a := post(t, hc, "http://"+st.Decode[0].Addr()+"/v1/chat/completions", chatBody(first))
-	require.Equal(t, 200, a.status, a.body)
-	waitKVBlocks(t, st, len(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: first}}))/(4*c.BlockTokens))
+	for _, tt := range []struct {
+		name, history, turn string
+	}{
+		{"written alike", "<turn> of the conversation. ", "<turn> tell me more. "},
+		{"dense history, plain turn", "<<<<>>>> ", "tell me more about it. "},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c := enginesim.ReferenceCapacity(1, 1)
+			st := startStack(t, stack.Options{Prefill: 1, Decode: 1, KVEvents: "dial", Engine: enginesim.Config{Capacity: &c},
+				ConfigYAML: "engine_metrics: {disabled: true}",
+				PoolYAML:   "disaggregation: {min_uncached_tokens: 64}\n"})
+			hc := &http.Client{Timeout: 30 * time.Second}
+			t.Cleanup(hc.CloseIdleConnections)
+			first := "a conversation so far: " + strings.Repeat(tt.history, 200)
+			a := post(t, hc, "http://"+st.Decode[0].Addr()+"/v1/chat/completions", chatBody(first))
+			require.Equal(t, 200, a.status, a.body)
+			waitKVBlocks(t, st, len(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: first}}))/(4*c.BlockTokens))
 
-	// A short turn: served alone, and now sent there by pdx.
-	second := first + " And the next question?"
-	a = post(t, hc, st.URL()+"/v1/chat/completions", chatBody(second))
-	require.Equal(t, 200, a.status, a.body)
-	require.Equal(t, 0, servedAlone(st, second), "a short turn is served by the decode engine alone")
+			// A short turn: served alone, and now sent there by pdx.
+			second := first + " And the next question?"
+			a = post(t, hc, st.URL()+"/v1/chat/completions", chatBody(second))
+			require.Equal(t, 200, a.status, a.body)
+			require.Equal(t, 0, servedAlone(st, second), "a short turn is served by the decode engine alone")
 
-	// A turn of ~120 new tokens, written as the conversation is: the
-	// prefill leg.
-	third := second + " " + strings.Repeat("<turn> tell me more. ", 24)
-	a = post(t, hc, st.URL()+"/v1/chat/completions", chatBody(third))
-	require.Equal(t, 200, a.status, a.body)
-	require.Equal(t, 0, prefilledOn(t, st, third), "a long new turn takes the prefill leg")
-	require.Equal(t, -1, servedAlone(st, third))
-	for _, e := range st.Engines() {
-		require.Zero(t, e.Tally().Rejected, e.Addr())
+			// A turn of ~120 new tokens: the prefill leg.
+			third := second + " " + strings.Repeat(tt.turn, 24)
+			a = post(t, hc, st.URL()+"/v1/chat/completions", chatBody(third))
+			require.Equal(t, 200, a.status, a.body)
+			require.Equal(t, 0, prefilledOn(t, st, third), "a long new turn takes the prefill leg")
+			require.Equal(t, -1, servedAlone(st, third))
+			for _, e := range st.Engines() {
+				require.Zero(t, e.Tally().Rejected, e.Addr())
+			}
+		})
 	}
 }

@@ -65,8 +65,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	if !pool.Traits.Prefills {
 		return "", nil
 	}
-	// Cached is what the decode engine held before this request added to it.
-	if d := pool.Decider; d.MinUncachedTokens > 0 && r.tokens-r.decode.Cached() < d.MinUncachedTokens {
+	if d := pool.Decider; d.MinUncachedTokens > 0 && r.tokens-r.decodeCached() < d.MinUncachedTokens {
 		return reasonShort, nil
 	}
 	if pool.Prefill.Set.Saturated(ep.Group) {
@@ -78,6 +77,19 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 		}
 	}
 	return reasonDisaggregated, nil
+}
+
+// decodeCached is how many of the prompt's tokens the decode engine held
+// before this request added to it, as the decider counts them: the
+// engine's own word where its events were read. What pdx sent there
+// counts only without them: it is a byte estimate, and counting too much
+// would serve a long new turn decode-alone (its TPOT), where counting too
+// little costs only a prefill leg.
+func (r *request) decodeCached() int {
+	if held, ok := r.decode.Held(); ok {
+		return held
+	}
+	return r.decode.Cached()
 }
 
 // pick is what the request's picks know of it.

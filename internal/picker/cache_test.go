@@ -77,11 +77,16 @@ func TestPreciseMatching(t *testing.T) {
 				require.True(t, ok)
 				require.Equal(t, eps[2], l.Endpoint(), "the engine holding more of the prompt's tokens than pdx sent anywhere")
 				require.Equal(t, 600, l.Cached(), "three blocks of 200 tokens")
+				held, ok := l.Held()
+				require.True(t, ok)
+				require.Equal(t, 600, held)
 				l.End(Succeeded)
 			}
 			l, ok := leg.Pick(Request{Blocks: sent, BlockTokens: 64, Tokens: 1000})
 			require.True(t, ok)
 			require.Equal(t, warm.Endpoint(), l.Endpoint(), "without tokens: where pdx sent the prompt")
+			_, ok = l.Held()
+			require.False(t, ok, "no events read without tokens")
 			l.End(Succeeded)
 		})
 	}
@@ -104,6 +109,9 @@ func TestPreciseFallsBackToWhatWasSent(t *testing.T) {
 		require.True(t, ok)
 		require.Equal(t, first.Endpoint(), l.Endpoint())
 		require.Equal(t, 256, l.Cached(), "as pdx sent it: the engines' events may be late")
+		held, ok := l.Held()
+		require.True(t, ok)
+		require.Zero(t, held, "the engine's word leaves out what pdx sent")
 		l.End(Succeeded)
 	}
 }

@@ -33,6 +33,9 @@ type Lease struct {
 	// rank is the DP rank counted, none without one.
 	rank           endpoint.Rank
 	tokens, cached int
+	// held is what the engine reported it held of the prompt, in tokens,
+	// -1 where the pick did not read its events.
+	held int
 	// prefill is a prefill leg's lease, which the endpoint's fluid model
 	// counts.
 	prefill bool
@@ -45,7 +48,7 @@ type Lease struct {
 // as the pick read it, or -1.
 func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	h, pos := v.states[i], v.first[i]
-	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, blocks: req.Blocks}
+	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, held: -1, blocks: req.Blocks}
 	// What the endpoint has cached is read before this prompt counts as
 	// sent there.
 	if role == RolePrefill || req.NeedCached {
@@ -56,7 +59,8 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 			if held < 0 {
 				held = v.cache.Held(v.slots[i], req.TokenBlocks)
 			}
-			l.cached = min(max(l.cached, held*req.TokenBlockSize), req.Tokens)
+			l.held = min(held*req.TokenBlockSize, req.Tokens)
+			l.cached = min(max(l.cached, l.held), req.Tokens)
 		}
 	}
 	if role == RolePrefill {
@@ -91,6 +95,12 @@ func (l *Lease) Tokens() int { return l.tokens }
 // pick, as far as this pdx knows (what it sent there): a prefill lease
 // always tells, a decode lease when the request asked (NeedCached).
 func (l *Lease) Cached() int { return l.cached }
+
+// Held is how many of the prompt's tokens the endpoint's engine reported
+// it held at the pick (its KV events), and whether the pick read them: only
+// a precise pick does, and only for a lease that tells Cached. Unlike
+// Cached it leaves out what pdx sent there, which is an estimate.
+func (l *Lease) Held() (int, bool) { return l.held, l.held >= 0 }
 
 // Open reports whether the lease has not ended.
 func (l *Lease) Open() bool { return l.set != nil }
