@@ -220,7 +220,7 @@ func TestParseErrors(t *testing.T) {
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
 			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds, kv_events)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
-			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks, render)`}},
+			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks, render, flow_control, session_affinity, lora)`}},
 		{"dp_size too big", pools(pool(`prefill: [{address: "10.0.0.1:8000", dp_size: 2000}]`, `decode: [{address: "10.0.0.2:8000", dp_size: 1}, {address: "10.0.0.3:8000", dp_size: 1025}]`)), []string{
 			`config: pools[0].prefill[0].dp_size: 2000 is over the maximum of 1024 data-parallel ranks`,
 			`config: pools[0].decode[1].dp_size: 1025 is over the maximum of 1024 data-parallel ranks`}},

@@ -850,7 +850,18 @@ type Pool struct {
 	DecodeFallbacks uint32 `protobuf:"varint,23,opt,name=decode_fallbacks,json=decodeFallbacks,proto3" json:"decode_fallbacks,omitempty"`
 	// Getting the prompt's tokens from the engines (see Render). Default:
 	// on when the config has kv_events, else off.
-	Render        *Render `protobuf:"bytes,24,opt,name=render,proto3" json:"render,omitempty"`
+	Render *Render `protobuf:"bytes,24,opt,name=render,proto3" json:"render,omitempty"`
+	// How requests wait when every endpoint of a leg is saturated: in
+	// priority bands by their objective, fairly across flows (see
+	// FlowControl). Unset: one band, one flow, first come first served,
+	// bounded by saturation.max_queue_time.
+	FlowControl *FlowControl `protobuf:"bytes,25,opt,name=flow_control,json=flowControl,proto3" json:"flow_control,omitempty"`
+	// Keeping a session on the engines it used (see SessionAffinity).
+	// Unset: off.
+	SessionAffinity *SessionAffinity `protobuf:"bytes,26,opt,name=session_affinity,json=sessionAffinity,proto3" json:"session_affinity,omitempty"`
+	// The LoRA adapters the pool's engines serve (see LoRA). Unset: a model
+	// name that is not one of the pool's models is picked blind to adapters.
+	Lora          *LoRA `protobuf:"bytes,27,opt,name=lora,proto3" json:"lora,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1053,6 +1064,418 @@ func (x *Pool) GetRender() *Render {
 	return nil
 }
 
+func (x *Pool) GetFlowControl() *FlowControl {
+	if x != nil {
+		return x.FlowControl
+	}
+	return nil
+}
+
+func (x *Pool) GetSessionAffinity() *SessionAffinity {
+	if x != nil {
+		return x.SessionAffinity
+	}
+	return nil
+}
+
+func (x *Pool) GetLora() *LoRA {
+	if x != nil {
+		return x.Lora
+	}
+	return nil
+}
+
+// FlowControl orders the requests waiting for a saturated leg (see
+// saturation), as llm-d's flow control does. A request names its
+// objective in x-llm-d-inference-objective (or the older
+// x-gateway-inference-objective) and its flow in
+// x-llm-d-inference-fairness-id (x-gateway-inference-fairness-id); pdx
+// strips these headers before the engines see the request. Requests wait
+// in bands by their objective's priority, higher first; within a band,
+// flows take turns (fairness); within a flow, ordering decides. A request
+// waits at most its band's max_queue_time, then gets 429 with
+// retry-after.
+type FlowControl struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The objectives requests may name, each with its priority. An unknown
+	// or absent objective has priority 0. Objectives from Kubernetes
+	// (kubernetes_objectives) are added to these; a name in both takes the
+	// one listed here.
+	Objectives []*Objective `protobuf:"bytes,1,rep,name=objectives,proto3" json:"objectives,omitempty"`
+	// How flows of one band share the leg: "round_robin" (the default: each
+	// flow with a waiting request in turn) or "token_usage" (the flow that
+	// has had the fewest prompt tokens served, a virtual token counter as
+	// Kthena's and AIBrix's fairness use; a new flow starts level with the
+	// band's least served). A request without a fairness id is in its
+	// objective's flow, or in the band's default flow without one.
+	Fairness string `protobuf:"bytes,2,opt,name=fairness,proto3" json:"fairness,omitempty"`
+	// How requests of one flow are ordered: "fcfs" (the default: by
+	// arrival) or "edf" (earliest deadline first: arrival plus the
+	// request's x-llm-d-slo-ttft-ms, which pdx also strips; a request
+	// without one after those with one, by arrival).
+	Ordering string `protobuf:"bytes,3,opt,name=ordering,proto3" json:"ordering,omitempty"`
+	// Bounds of the pool's waiting requests: how many (default 10,000) and
+	// how many bytes of their bodies (default 1 GiB). A request that would
+	// exceed them displaces the newest waiting request of the lowest band
+	// below its own (which gets 429); if there is none it gets 429 itself.
+	MaxRequests uint32 `protobuf:"varint,4,opt,name=max_requests,json=maxRequests,proto3" json:"max_requests,omitempty"`
+	MaxBytes    uint64 `protobuf:"varint,5,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
+	// Each band's longest wait, by priority. A band not listed waits
+	// saturation.max_queue_time.
+	Bands []*Band `protobuf:"bytes,6,rep,name=bands,proto3" json:"bands,omitempty"`
+	// Read objectives from the InferenceObjective objects (llm-d.ai/v1alpha2)
+	// of a namespace whose spec.poolRef names this inference pool. Unset:
+	// only objectives.
+	KubernetesObjectives *KubernetesObjectives `protobuf:"bytes,7,opt,name=kubernetes_objectives,json=kubernetesObjectives,proto3" json:"kubernetes_objectives,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
+}
+
+func (x *FlowControl) Reset() {
+	*x = FlowControl{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *FlowControl) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*FlowControl) ProtoMessage() {}
+
+func (x *FlowControl) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use FlowControl.ProtoReflect.Descriptor instead.
+func (*FlowControl) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *FlowControl) GetObjectives() []*Objective {
+	if x != nil {
+		return x.Objectives
+	}
+	return nil
+}
+
+func (x *FlowControl) GetFairness() string {
+	if x != nil {
+		return x.Fairness
+	}
+	return ""
+}
+
+func (x *FlowControl) GetOrdering() string {
+	if x != nil {
+		return x.Ordering
+	}
+	return ""
+}
+
+func (x *FlowControl) GetMaxRequests() uint32 {
+	if x != nil {
+		return x.MaxRequests
+	}
+	return 0
+}
+
+func (x *FlowControl) GetMaxBytes() uint64 {
+	if x != nil {
+		return x.MaxBytes
+	}
+	return 0
+}
+
+func (x *FlowControl) GetBands() []*Band {
+	if x != nil {
+		return x.Bands
+	}
+	return nil
+}
+
+func (x *FlowControl) GetKubernetesObjectives() *KubernetesObjectives {
+	if x != nil {
+		return x.KubernetesObjectives
+	}
+	return nil
+}
+
+// Objective is one request objective (llm-d's InferenceObjective).
+type Objective struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The name requests give in x-llm-d-inference-objective. Required.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// Higher is served first; negative is sheddable: served after every
+	// band at 0 or above, and refused first when the pool's wait is full.
+	Priority      int32 `protobuf:"varint,2,opt,name=priority,proto3" json:"priority,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Objective) Reset() {
+	*x = Objective{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Objective) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Objective) ProtoMessage() {}
+
+func (x *Objective) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Objective.ProtoReflect.Descriptor instead.
+func (*Objective) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *Objective) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *Objective) GetPriority() int32 {
+	if x != nil {
+		return x.Priority
+	}
+	return 0
+}
+
+// Band sets what differs in one priority band.
+type Band struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Priority int32                  `protobuf:"varint,1,opt,name=priority,proto3" json:"priority,omitempty"`
+	// The longest a request of the band waits; at most 1m.
+	MaxQueueTime  *durationpb.Duration `protobuf:"bytes,2,opt,name=max_queue_time,json=maxQueueTime,proto3" json:"max_queue_time,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Band) Reset() {
+	*x = Band{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Band) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Band) ProtoMessage() {}
+
+func (x *Band) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Band.ProtoReflect.Descriptor instead.
+func (*Band) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *Band) GetPriority() int32 {
+	if x != nil {
+		return x.Priority
+	}
+	return 0
+}
+
+func (x *Band) GetMaxQueueTime() *durationpb.Duration {
+	if x != nil {
+		return x.MaxQueueTime
+	}
+	return nil
+}
+
+// KubernetesObjectives watches InferenceObjective objects.
+type KubernetesObjectives struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Namespace of the objects. Required.
+	Namespace string `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// The InferencePool their spec.poolRef.name must name. Required.
+	Pool          string `protobuf:"bytes,2,opt,name=pool,proto3" json:"pool,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KubernetesObjectives) Reset() {
+	*x = KubernetesObjectives{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KubernetesObjectives) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KubernetesObjectives) ProtoMessage() {}
+
+func (x *KubernetesObjectives) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KubernetesObjectives.ProtoReflect.Descriptor instead.
+func (*KubernetesObjectives) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
+}
+
+func (x *KubernetesObjectives) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *KubernetesObjectives) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+// SessionAffinity keeps the requests of a session on the engines its
+// earlier requests used, on both legs, the same on every pdx replica
+// without shared state (rendezvous hashing of the session over the leg's
+// endpoints). A session yields its engine while that one is saturated or
+// ejected, and returns when it has room again.
+type SessionAffinity struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The request header that names the session. Required, e.g.
+	// "x-session-id".
+	Header        string `protobuf:"bytes,1,opt,name=header,proto3" json:"header,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *SessionAffinity) Reset() {
+	*x = SessionAffinity{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *SessionAffinity) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*SessionAffinity) ProtoMessage() {}
+
+func (x *SessionAffinity) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use SessionAffinity.ProtoReflect.Descriptor instead.
+func (*SessionAffinity) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *SessionAffinity) GetHeader() string {
+	if x != nil {
+		return x.Header
+	}
+	return ""
+}
+
+// LoRA is what pdx knows of a pool's adapters. A request's "model" is an
+// adapter when it is listed here or an engine reports it
+// (vllm:lora_requests_info); picking then prefers engines that have it
+// loaded, then ones with a free adapter slot (max_lora), on both legs.
+type LoRA struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The adapters the pool serves, besides models. A request for one of
+	// them goes to this pool.
+	Adapters      []string `protobuf:"bytes,1,rep,name=adapters,proto3" json:"adapters,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LoRA) Reset() {
+	*x = LoRA{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LoRA) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LoRA) ProtoMessage() {}
+
+func (x *LoRA) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LoRA.ProtoReflect.Descriptor instead.
+func (*LoRA) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *LoRA) GetAdapters() []string {
+	if x != nil {
+		return x.Adapters
+	}
+	return nil
+}
+
 // Picker selects the picking policy of one leg of a pool.
 type Picker struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1085,7 +1508,7 @@ type Picker struct {
 
 func (x *Picker) Reset() {
 	*x = Picker{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1097,7 +1520,7 @@ func (x *Picker) String() string {
 func (*Picker) ProtoMessage() {}
 
 func (x *Picker) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1110,7 +1533,7 @@ func (x *Picker) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Picker.ProtoReflect.Descriptor instead.
 func (*Picker) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Picker) GetPolicy() string {
@@ -1152,7 +1575,7 @@ type Weights struct {
 
 func (x *Weights) Reset() {
 	*x = Weights{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1164,7 +1587,7 @@ func (x *Weights) String() string {
 func (*Weights) ProtoMessage() {}
 
 func (x *Weights) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1177,7 +1600,7 @@ func (x *Weights) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Weights.ProtoReflect.Descriptor instead.
 func (*Weights) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Weights) GetPrefix() float64 {
@@ -1226,7 +1649,7 @@ type Disaggregation struct {
 
 func (x *Disaggregation) Reset() {
 	*x = Disaggregation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1238,7 +1661,7 @@ func (x *Disaggregation) String() string {
 func (*Disaggregation) ProtoMessage() {}
 
 func (x *Disaggregation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1251,7 +1674,7 @@ func (x *Disaggregation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Disaggregation.ProtoReflect.Descriptor instead.
 func (*Disaggregation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Disaggregation) GetMinUncachedTokens() uint32 {
@@ -1295,7 +1718,7 @@ type Saturation struct {
 
 func (x *Saturation) Reset() {
 	*x = Saturation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1307,7 +1730,7 @@ func (x *Saturation) String() string {
 func (*Saturation) ProtoMessage() {}
 
 func (x *Saturation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1320,7 +1743,7 @@ func (x *Saturation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Saturation.ProtoReflect.Descriptor instead.
 func (*Saturation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Saturation) GetDisabled() bool {
@@ -1432,7 +1855,7 @@ type KubernetesDiscovery struct {
 
 func (x *KubernetesDiscovery) Reset() {
 	*x = KubernetesDiscovery{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1444,7 +1867,7 @@ func (x *KubernetesDiscovery) String() string {
 func (*KubernetesDiscovery) ProtoMessage() {}
 
 func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1457,7 +1880,7 @@ func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
 func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{11}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *KubernetesDiscovery) GetNamespace() string {
@@ -1592,7 +2015,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1604,7 +2027,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1617,7 +2040,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{12}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -1710,7 +2133,8 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\bkey_file\x18\x02 \x01(\tR\akeyFile\x12$\n" +
 	"\x0eclient_ca_file\x18\x03 \x01(\tR\fclientCaFile\x12\x1f\n" +
 	"\vself_signed\x18\x04 \x01(\bR\n" +
-	"selfSigned\"\xbe\t\n" +
+	"selfSigned\"\xf1\n" +
+	"\n" +
 	"\x04Pool\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x16\n" +
 	"\x06models\x18\x02 \x03(\tR\x06models\x12\x18\n" +
@@ -1740,7 +2164,33 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"saturation\x12.\n" +
 	"\x13prefix_block_tokens\x18\x16 \x01(\rR\x11prefixBlockTokens\x12)\n" +
 	"\x10decode_fallbacks\x18\x17 \x01(\rR\x0fdecodeFallbacks\x12-\n" +
-	"\x06render\x18\x18 \x01(\v2\x15.pdx.config.v1.RenderR\x06render\"s\n" +
+	"\x06render\x18\x18 \x01(\v2\x15.pdx.config.v1.RenderR\x06render\x12=\n" +
+	"\fflow_control\x18\x19 \x01(\v2\x1a.pdx.config.v1.FlowControlR\vflowControl\x12I\n" +
+	"\x10session_affinity\x18\x1a \x01(\v2\x1e.pdx.config.v1.SessionAffinityR\x0fsessionAffinity\x12'\n" +
+	"\x04lora\x18\x1b \x01(\v2\x13.pdx.config.v1.LoRAR\x04lora\"\xc4\x02\n" +
+	"\vFlowControl\x128\n" +
+	"\n" +
+	"objectives\x18\x01 \x03(\v2\x18.pdx.config.v1.ObjectiveR\n" +
+	"objectives\x12\x1a\n" +
+	"\bfairness\x18\x02 \x01(\tR\bfairness\x12\x1a\n" +
+	"\bordering\x18\x03 \x01(\tR\bordering\x12!\n" +
+	"\fmax_requests\x18\x04 \x01(\rR\vmaxRequests\x12\x1b\n" +
+	"\tmax_bytes\x18\x05 \x01(\x04R\bmaxBytes\x12)\n" +
+	"\x05bands\x18\x06 \x03(\v2\x13.pdx.config.v1.BandR\x05bands\x12X\n" +
+	"\x15kubernetes_objectives\x18\a \x01(\v2#.pdx.config.v1.KubernetesObjectivesR\x14kubernetesObjectives\";\n" +
+	"\tObjective\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1a\n" +
+	"\bpriority\x18\x02 \x01(\x05R\bpriority\"c\n" +
+	"\x04Band\x12\x1a\n" +
+	"\bpriority\x18\x01 \x01(\x05R\bpriority\x12?\n" +
+	"\x0emax_queue_time\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\fmaxQueueTime\"H\n" +
+	"\x14KubernetesObjectives\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04pool\x18\x02 \x01(\tR\x04pool\")\n" +
+	"\x0fSessionAffinity\x12\x16\n" +
+	"\x06header\x18\x01 \x01(\tR\x06header\"\"\n" +
+	"\x04LoRA\x12\x1a\n" +
+	"\badapters\x18\x01 \x03(\tR\badapters\"s\n" +
 	"\x06Picker\x12\x16\n" +
 	"\x06policy\x18\x01 \x01(\tR\x06policy\x120\n" +
 	"\aweights\x18\x02 \x01(\v2\x16.pdx.config.v1.WeightsR\aweights\x12\x1f\n" +
@@ -1814,57 +2264,70 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 }
 
 var file_pdx_config_v1_config_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_pdx_config_v1_config_proto_goTypes = []any{
-	(PrefillFailure)(0),         // 0: pdx.config.v1.PrefillFailure
-	(SaturationAction)(0),       // 1: pdx.config.v1.SaturationAction
-	(*Config)(nil),              // 2: pdx.config.v1.Config
-	(*KVEvents)(nil),            // 3: pdx.config.v1.KVEvents
-	(*Render)(nil),              // 4: pdx.config.v1.Render
-	(*Xds)(nil),                 // 5: pdx.config.v1.Xds
-	(*EngineMetrics)(nil),       // 6: pdx.config.v1.EngineMetrics
-	(*TLS)(nil),                 // 7: pdx.config.v1.TLS
-	(*Pool)(nil),                // 8: pdx.config.v1.Pool
-	(*Picker)(nil),              // 9: pdx.config.v1.Picker
-	(*Weights)(nil),             // 10: pdx.config.v1.Weights
-	(*Disaggregation)(nil),      // 11: pdx.config.v1.Disaggregation
-	(*Saturation)(nil),          // 12: pdx.config.v1.Saturation
-	(*KubernetesDiscovery)(nil), // 13: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),            // 14: pdx.config.v1.Endpoint
-	nil,                         // 15: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil), // 16: google.protobuf.Duration
+	(PrefillFailure)(0),          // 0: pdx.config.v1.PrefillFailure
+	(SaturationAction)(0),        // 1: pdx.config.v1.SaturationAction
+	(*Config)(nil),               // 2: pdx.config.v1.Config
+	(*KVEvents)(nil),             // 3: pdx.config.v1.KVEvents
+	(*Render)(nil),               // 4: pdx.config.v1.Render
+	(*Xds)(nil),                  // 5: pdx.config.v1.Xds
+	(*EngineMetrics)(nil),        // 6: pdx.config.v1.EngineMetrics
+	(*TLS)(nil),                  // 7: pdx.config.v1.TLS
+	(*Pool)(nil),                 // 8: pdx.config.v1.Pool
+	(*FlowControl)(nil),          // 9: pdx.config.v1.FlowControl
+	(*Objective)(nil),            // 10: pdx.config.v1.Objective
+	(*Band)(nil),                 // 11: pdx.config.v1.Band
+	(*KubernetesObjectives)(nil), // 12: pdx.config.v1.KubernetesObjectives
+	(*SessionAffinity)(nil),      // 13: pdx.config.v1.SessionAffinity
+	(*LoRA)(nil),                 // 14: pdx.config.v1.LoRA
+	(*Picker)(nil),               // 15: pdx.config.v1.Picker
+	(*Weights)(nil),              // 16: pdx.config.v1.Weights
+	(*Disaggregation)(nil),       // 17: pdx.config.v1.Disaggregation
+	(*Saturation)(nil),           // 18: pdx.config.v1.Saturation
+	(*KubernetesDiscovery)(nil),  // 19: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),             // 20: pdx.config.v1.Endpoint
+	nil,                          // 21: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil),  // 22: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
 	8,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
 	7,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	16, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	22, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
 	6,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
 	5,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
 	3,  // 5: pdx.config.v1.Config.kv_events:type_name -> pdx.config.v1.KVEvents
-	16, // 6: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
-	16, // 7: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	16, // 8: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	14, // 9: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	14, // 10: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	16, // 11: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	16, // 12: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	22, // 6: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
+	22, // 7: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	22, // 8: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	20, // 9: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	20, // 10: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	22, // 11: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	22, // 12: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
 	0,  // 13: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
-	16, // 14: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	13, // 15: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	9,  // 16: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	9,  // 17: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	11, // 18: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	12, // 19: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	22, // 14: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	19, // 15: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	15, // 16: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	15, // 17: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	17, // 18: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	18, // 19: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
 	4,  // 20: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
-	10, // 21: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	1,  // 22: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
-	16, // 23: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	15, // 24: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	25, // [25:25] is the sub-list for method output_type
-	25, // [25:25] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	9,  // 21: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
+	13, // 22: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
+	14, // 23: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
+	10, // 24: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
+	11, // 25: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
+	12, // 26: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
+	22, // 27: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
+	16, // 28: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	1,  // 29: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
+	22, // 30: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	21, // 31: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	32, // [32:32] is the sub-list for method output_type
+	32, // [32:32] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -1879,7 +2342,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   14,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   0,
 		},
