@@ -41,8 +41,10 @@ func setHeader(key, value string) *corev3.HeaderValueOption {
 // which an ORIGINAL_DST cluster reads when it names no header, is not among
 // them: Envoy refuses ext_proc mutations of x-envoy-* headers by default,
 // and pdx's clusters name DestinationHeader.) Nor does a client get to pin
-// an engine's DP rank: RankHeader is pdx's to set.
-var clientRoutingHeaders = []string{DestinationHeader, RankHeader}
+// an engine's DP rank: RankHeader is pdx's to set. The flow-control
+// headers (flow.go) are pdx's to read, not the engines'.
+var clientRoutingHeaders = []string{DestinationHeader, RankHeader,
+	ObjectiveHeader, objectiveHeaderOld, FairnessHeader, fairnessHeaderOld, SLOTTFTHeader}
 
 // routeHeaders answers the headers of a request.
 func routeHeaders() *extprocv3.ProcessingResponse {

@@ -14,6 +14,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 )
@@ -38,6 +39,9 @@ type recorder interface {
 	// decided notes the disaggregation decider's decision (placement.go);
 	// "" for a pool without a prefill leg.
 	decided(p *routing.Pool, reason string)
+	// waited notes a request that waited for room on leg, or was refused
+	// it (err), in the band of priority.
+	waited(p *routing.Pool, leg string, priority int, d time.Duration, err error)
 	// tokenized notes where placement got the prompt's tokens
 	// (render.go's sources).
 	tokenized(p *routing.Pool, source string)
@@ -93,6 +97,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
 func (noRecord) tokenized(*routing.Pool, string)                              {}
+func (noRecord) waited(*routing.Pool, string, int, time.Duration, error)      {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
 func (noRecord) served(*routing.Pool, string, bool)                           {}
 func (noRecord) failed(string)                                                {}
@@ -176,6 +181,25 @@ func (o *observation) tokenized(p *routing.Pool, source string) {
 	o.metrics.Pool(p).Tokenized(source)
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.prompt_tokens", source))
+	}
+}
+
+func (o *observation) waited(p *routing.Pool, leg string, priority int, d time.Duration, err error) {
+	outcome := "admitted"
+	switch {
+	case errors.Is(err, flowcontrol.ErrTimedOut):
+		outcome = "timed_out"
+	case errors.Is(err, flowcontrol.ErrFull):
+		outcome = "full"
+	case errors.Is(err, flowcontrol.ErrDisplaced):
+		outcome = "displaced"
+	case err != nil:
+		outcome = "cancelled"
+	}
+	o.metrics.Pool(p).Waited(leg, priority, outcome, d)
+	if o.span != nil {
+		o.span.AddEvent("waited for room", trace.WithAttributes(attribute.String("pdx.leg", leg),
+			attribute.Int("pdx.band", priority), attribute.String("pdx.outcome", outcome)))
 	}
 }
 

@@ -2,9 +2,6 @@ package processor
 
 import (
 	"context"
-	"errors"
-	"fmt"
-	"time"
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
@@ -50,10 +47,12 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	r.tokens, r.promptBytes = len(text)/picker.BytesPerToken, len(text)
 	r.tokenBlocks = r.tokenBlocks[:0]
 	r.rendered, r.tokenBlockSize = r.tokenize(ctx, pool, creq, model), pool.KVBlockSize
-	if err := r.awaitRoom(ctx, pool, pool.Decode.Set, "", "decode"); err != nil {
+	t, err := r.awaitRoom(ctx, pool, pool.Decode.Set, "", "decode")
+	if err != nil {
 		return "", err
 	}
 	lease, err := pool.PickDecode(r.pick())
+	t.Release()
 	if err != nil {
 		return "", err
 	}
@@ -68,14 +67,15 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	if d := pool.Decider; d.MinUncachedTokens > 0 && r.tokens-r.decodeCached() < d.MinUncachedTokens {
 		return reasonShort, nil
 	}
-	if pool.Prefill.Set.Saturated(ep.Group) {
-		if pool.Decider.WhenPrefillSaturated {
-			return reasonPrefillSaturated, nil
-		}
-		if err := r.awaitRoom(ctx, pool, pool.Prefill.Set, ep.Group, "prefill"); err != nil {
-			return "", err
-		}
+	if pool.Decider.WhenPrefillSaturated && pool.Prefill.Set.Saturated(ep.Group) {
+		return reasonPrefillSaturated, nil
 	}
+	t, err = r.awaitRoom(ctx, pool, pool.Prefill.Set, ep.Group, "prefill")
+	if err != nil {
+		return "", err
+	}
+	// Released once the prefill pick counts (prefillWithRetries, handoff).
+	r.prefillTicket = t
 	return reasonDisaggregated, nil
 }
 
@@ -99,29 +99,4 @@ func (r *request) pick() picker.Request {
 		req.TokenBlocks, req.TokenBlockSize, req.PromptBytes = r.tokenBlocks, r.tokenBlockSize, r.promptBytes
 	}
 	return req
-}
-
-// awaitRoom waits until some endpoint of set (in group) is not saturated,
-// for up to the pool's queueing time, and fails with 429 if none is by
-// then. It returns at once when saturation is off or the leg has room.
-func (r *request) awaitRoom(ctx context.Context, pool *routing.Pool, set *picker.Set, group, leg string) error {
-	shed := pool.Saturated
-	if shed == nil {
-		return nil
-	}
-	err := set.AwaitRoom(ctx, group, shed.MaxWait)
-	if errors.Is(err, picker.ErrSaturated) {
-		return overloaded(pool, leg, shed.MaxWait)
-	}
-	return err
-}
-
-// overloaded is the 429 of a request shed because every endpoint of a leg
-// is saturated.
-func overloaded(pool *routing.Pool, leg string, waited time.Duration) *apiError {
-	msg := fmt.Sprintf("every %s engine of pool %s is saturated", leg, pool.Name)
-	if waited > 0 {
-		msg += fmt.Sprintf(" and none had room within %s", waited)
-	}
-	return &apiError{status: 429, typ: typeServer, code: "overloaded", msg: msg + "; retry later", retryAfter: 1}
 }

@@ -80,6 +80,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	var earlier []string // for the message
 	for n := range pool.Attempts {
 		lease, err := pool.PickPrefill(creq.Decode, r.pick(), tried...)
+		r.prefillTicket.Release()
 		if err != nil {
 			if last == nil {
 				last = err // no attempt: say why (e.g. the decode's group has no prefill)

@@ -10,6 +10,7 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
@@ -63,6 +64,11 @@ type request struct {
 	tokenBlocks    []uint64
 	tokenBlockSize int
 	rendered       bool
+	// flow is what flow control knows of the request (flow.go);
+	// prefillTicket its admission to the prefill leg, released once the
+	// prefill pick counts.
+	flow          flowcontrol.Request
+	prefillTicket flowcontrol.Ticket
 	// decode counts the request on its decode endpoint until its stream
 	// ends, or until it is detached (letGo).
 	decode picker.Lease

@@ -57,6 +57,9 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 	if err := r.checkHeaderRoom(h); err != nil {
 		return nil, err
 	}
+	if err := r.flowHeaders(h); err != nil {
+		return nil, err
+	}
 	if passThrough && h.GetEndOfStream() {
 		// No body (GET): the decode endpoint is known now.
 		pool, _ := r.table.PassThrough(path, "")
@@ -188,6 +191,7 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		return decision{}, nil, err
 	}
 	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body, KVHosts: pool.KVHosts}
+	r.flow.Bytes = len(raw)
 	h, err := r.handoff(ctx, pool, creq, model)
 	if err != nil {
 		return decision{}, nil, err
@@ -262,6 +266,8 @@ func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connect
 	default:
 		h = r.decodeAlone(creq)
 	}
+	// A concurrent connector picked in Prepare.
+	r.prefillTicket.Release()
 	r.obs.decided(pool, reason)
 	if err != nil && pool.Fallback && fallbackable(ctx, err) {
 		// The decode engine can compute the prompt itself: slower, but the

@@ -178,6 +178,16 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].saturation.kv_usage: 1.5 is not in (0, 1]`,
 			`config: pools[0].saturation.action: "shed" is not "queue" or "reject"`,
 			`config: pools[0].saturation.max_queue_time: 2m0s exceeds the maximum of 1m0s`}},
+		{"flow_control", pools(pool(`flow_control: {fairness: vtc, ordering: lifo, objectives: [{name: a, priority: 1}, {priority: 2}, {name: a}], bands: [{priority: 1, max_queue_time: 2m}, {priority: 1, max_queue_time: -1s}]}`),
+			pool("name: q", "models: [q]", "saturation: {disabled: true}", "flow_control: {}")), []string{
+			`config: pools[0].flow_control.fairness: "vtc" is not round_robin or token_usage`,
+			`config: pools[0].flow_control.ordering: "lifo" is not fcfs or edf`,
+			`config: pools[0].flow_control.objectives[1].name: is required`,
+			`config: pools[0].flow_control.objectives[2].name: "a" is listed twice`,
+			`config: pools[0].flow_control.bands[0].max_queue_time: 2m0s exceeds the maximum of 1m0s`,
+			`config: pools[0].flow_control.bands[1].priority: 1 is listed twice`,
+			`config: pools[0].flow_control.bands[1].max_queue_time: -1s must not be negative`,
+			`config: pools[1].flow_control: needs saturation, which is disabled: nothing would ever wait`}},
 		{"disaggregation without a prefill leg", pools(pool("connector: none", "prefill: []", "disaggregation: {min_uncached_tokens: 16}")), []string{
 			`config: pools[0].disaggregation: not valid with connector "none", which has no prefill leg`}},
 		{"decode_fallbacks with connectors that cannot", pools(pool("connector: sglang", "decode_fallbacks: 1"), pool("name: q", "models: [q]", "connector: p2p-nccl", "decode_fallbacks: 1"),

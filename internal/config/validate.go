@@ -229,6 +229,9 @@ func (v *validator) placement(path string, p *configv1.Pool, traits connectors.T
 			v.fail(path+".saturation.max_queue_time", "%v exceeds the maximum of %v", d, MaxMaxQueueTime)
 		}
 	}
+	if fc := p.GetFlowControl(); fc != nil {
+		v.flowControl(path+".flow_control", fc, p.GetSaturation())
+	}
 	if n := p.GetPrefixBlockTokens(); n > 4096 {
 		v.fail(path+".prefix_block_tokens", "%d exceeds the maximum of 4096", n)
 	}
@@ -243,6 +246,49 @@ func (v *validator) placement(path string, p *configv1.Pool, traits connectors.T
 			if _, _, err := net.SplitHostPort(a); err != nil {
 				v.fail(path+".render.address", "%q is not host:port: %v", a, err)
 			}
+		}
+	}
+}
+
+// flowControl checks a pool's flow control, which orders the requests
+// that saturation makes wait.
+func (v *validator) flowControl(path string, fc *configv1.FlowControl, s *configv1.Saturation) {
+	if s.GetDisabled() {
+		v.fail(path, "needs saturation, which is disabled: nothing would ever wait")
+	}
+	switch fc.GetFairness() {
+	case "", "round_robin", "token_usage":
+	default:
+		v.fail(path+".fairness", "%q is not round_robin or token_usage", fc.GetFairness())
+	}
+	switch fc.GetOrdering() {
+	case "", "fcfs", "edf":
+	default:
+		v.fail(path+".ordering", "%q is not fcfs or edf", fc.GetOrdering())
+	}
+	names := map[string]bool{}
+	for i, o := range fc.GetObjectives() {
+		at := fmt.Sprintf("%s.objectives[%d]", path, i)
+		switch {
+		case o.GetName() == "":
+			v.fail(at+".name", "is required")
+		case names[o.GetName()]:
+			v.fail(at+".name", "%q is listed twice", o.GetName())
+		}
+		names[o.GetName()] = true
+	}
+	bands := map[int32]bool{}
+	for i, b := range fc.GetBands() {
+		at := fmt.Sprintf("%s.bands[%d]", path, i)
+		if bands[b.GetPriority()] {
+			v.fail(at+".priority", "%d is listed twice", b.GetPriority())
+		}
+		bands[b.GetPriority()] = true
+		switch d := b.GetMaxQueueTime().AsDuration(); {
+		case d < 0:
+			v.fail(at+".max_queue_time", "%v must not be negative", d)
+		case d > MaxMaxQueueTime:
+			v.fail(at+".max_queue_time", "%v exceeds the maximum of %v", d, MaxMaxQueueTime)
 		}
 	}
 }

@@ -10,6 +10,7 @@ package metrics
 
 import (
 	"net/http"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -59,6 +60,7 @@ type Metrics struct {
 	tokenSrc   *prometheus.CounterVec   // pool, source
 	scrapes    *prometheus.CounterVec   // endpoint
 	served     *prometheus.CounterVec   // pool, endpoint, fallback
+	flowWait   *prometheus.HistogramVec // pool, leg, band, outcome
 	inFlight   prometheus.Gauge
 
 	// pools maps a pool name to its resolved children. It is replaced, never
@@ -132,12 +134,17 @@ func New() *Metrics {
 			Name: "pdx_decode_served_total",
 			Help: "Decode answers by pool, the decode endpoint that served (as Envoy reports it) and whether it was pdx's first choice (fallback=first) or one Envoy retried on (fallback=fallback); counted only when Envoy sends pdx the response headers with upstream.address (the decode-fallback profile).",
 		}, []string{"pool", "endpoint", "fallback"}),
+		flowWait: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "pdx_flow_control_wait_seconds",
+			Help:    "Requests that waited for room on a saturated leg, or were refused it, by pool, leg (prefill, decode), band (their objective's priority) and outcome: admitted, timed_out (429), full (429: the pool's queue at its bound), displaced (429: a higher band took the place), cancelled (the client went away).",
+			Buckets: routeBuckets,
+		}, []string{"pool", "leg", "band", "outcome"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "pdx_streams_in_flight",
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -324,6 +331,14 @@ func (p *Pool) Tokenized(source string) {
 	}
 }
 
+// Waited records a request that waited for room on leg, or was refused
+// it, in the band of priority: outcome is one of pdx_flow_control_wait_seconds's.
+func (p *Pool) Waited(leg string, priority int, outcome string, d time.Duration) {
+	if p != nil && p.name != "" {
+		p.m.flowWait.WithLabelValues(p.name, leg, strconv.Itoa(priority), outcome).Observe(d.Seconds())
+	}
+}
+
 // Values of pdx_decode_served_total's fallback label.
 const (
 	ServedFirst    = "first"
@@ -444,6 +459,9 @@ var (
 	healthyDesc = prometheus.NewDesc("pdx_endpoint_healthy",
 		"1 if the endpoint is admitted by its pool's picker, 0 while passive health checking has ejected it (decode endpoints are never ejected).",
 		[]string{"pool", "role", "endpoint"}, nil)
+	waitingDesc = prometheus.NewDesc("pdx_flow_control_waiting",
+		"Requests waiting for room on a saturated leg of the pool now, by band (their objective's priority).",
+		[]string{"pool", "band"}, nil)
 	inFlightDesc = prometheus.NewDesc("pdx_endpoint_in_flight",
 		"Requests this pdx counts on the endpoint: prefills running, and decodes whose stream it holds until Envoy finishes their response (a decode detached at routing is the engine's metrics' to count).",
 		[]string{"pool", "role", "endpoint"}, nil)
@@ -456,6 +474,7 @@ type endpointCollector struct {
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- healthyDesc
 	ch <- inFlightDesc
+	ch <- waitingDesc
 }
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
@@ -466,6 +485,11 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 	type key struct{ pool, role, endpoint string }
 	seen := map[key]bool{} // a config may list an endpoint twice
 	for _, p := range t.Pools() {
+		if s := p.Saturated; s != nil {
+			s.Flow.Waiting(func(priority, n int) {
+				ch <- prometheus.MustNewConstMetric(waitingDesc, prometheus.GaugeValue, float64(n), p.Name, strconv.Itoa(priority))
+			})
+		}
 		for _, side := range []struct {
 			role string
 			set  *picker.Set

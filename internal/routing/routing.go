@@ -16,6 +16,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/kvcache"
 	"github.com/pdx-router/pdx/internal/picker"
 )
@@ -157,6 +158,36 @@ type Decider struct {
 // saturated: wait up to MaxWait for room (0: not at all), then be refused.
 type Shedding struct {
 	MaxWait time.Duration
+	// Flow orders the requests that wait, by their objectives' bands and
+	// flows (MaxWait is its default band's wait).
+	Flow *flowcontrol.Controller
+}
+
+// flowControl is the flow control of a pool's config fc (nil: one band,
+// one flow), whose bands wait maxWait unless fc says otherwise.
+func flowControl(fc *configv1.FlowControl, maxWait time.Duration) *flowcontrol.Controller {
+	cfg := flowcontrol.Config{
+		MaxRequests: int(fc.GetMaxRequests()), MaxBytes: int64(fc.GetMaxBytes()), MaxWaitDefault: maxWait,
+	}
+	if fc.GetFairness() == "token_usage" {
+		cfg.Fairness = flowcontrol.TokenUsage
+	}
+	if fc.GetOrdering() == "edf" {
+		cfg.Ordering = flowcontrol.EDF
+	}
+	if o := fc.GetObjectives(); len(o) > 0 {
+		cfg.Priorities = make(map[string]int, len(o))
+		for _, obj := range o {
+			cfg.Priorities[obj.GetName()] = int(obj.GetPriority())
+		}
+	}
+	if b := fc.GetBands(); len(b) > 0 {
+		cfg.MaxWait = make(map[int]time.Duration, len(b))
+		for _, band := range b {
+			cfg.MaxWait[int(band.GetPriority())] = band.GetMaxQueueTime().AsDuration()
+		}
+	}
+	return flowcontrol.New(cfg)
 }
 
 // PickDecode leases the decode endpoint of a request (req.Group and Tried
@@ -430,6 +461,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		if s.GetAction() != configv1.SaturationAction_SATURATION_ACTION_REJECT {
 			shedding.MaxWait = s.GetMaxQueueTime().AsDuration()
 		}
+		shedding.Flow = flowControl(pc.GetFlowControl(), shedding.MaxWait)
 	}
 	prefillHealth, decodeHealth := health, health
 	prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())

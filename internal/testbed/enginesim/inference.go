@@ -68,7 +68,7 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
 		x := &exchange{
 			seq: s.arrive(),
-			rec: Record{RequestID: r.Header.Get(headerReqID), Path: r.URL.Path},
+			rec: Record{RequestID: r.Header.Get(headerReqID), Path: r.URL.Path, Headers: headerNames(r.Header)},
 			w:   w,
 			r:   r,
 		}
@@ -716,4 +716,14 @@ func sleep(ctx context.Context, d time.Duration) error {
 	case <-t.C:
 		return nil
 	}
+}
+
+// headerNames are the names of h, lower case, sorted.
+func headerNames(h http.Header) []string {
+	names := make([]string, 0, len(h))
+	for k := range h {
+		names = append(names, strings.ToLower(k))
+	}
+	slices.Sort(names)
+	return names
 }

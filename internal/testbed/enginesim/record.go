@@ -32,9 +32,12 @@ type Record struct {
 	DPRankNamed bool `json:"dp_rank_named,omitempty"`
 	// RID is the request id a client set in the body (SGLang's rid; for
 	// KindAbort the rid asked to abort); "" when the engine made one up.
-	RID   string          `json:"rid,omitempty"`
-	Error string          `json:"error,omitempty"`
-	Body  json.RawMessage `json:"body"` // the request body as received (compact)
+	RID string `json:"rid,omitempty"`
+	// Headers are the names of the request's headers, lower case, sorted:
+	// what reached the engine of a client's headers.
+	Headers []string        `json:"headers,omitempty"`
+	Error   string          `json:"error,omitempty"`
+	Body    json.RawMessage `json:"body"` // the request body as received (compact)
 }
 
 // Record kinds. An inference request refused with an error status is

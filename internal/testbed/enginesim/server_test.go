@@ -219,9 +219,9 @@ func TestRecords(t *testing.T) {
 	post(t, s, "/v1/chat/completions", "req-2", chatBody("x").with("model", nil))
 
 	want := []Record{
-		{RequestID: "req-1", Path: "/v1/completions", Kind: KindPlain, Fingerprint: Fingerprint("p"), KV: KVRecomputed, Status: 200,
+		{RequestID: "req-1", Path: "/v1/completions", Headers: []string{"accept-encoding", "content-length", "content-type", "user-agent", "x-request-id"}, Kind: KindPlain, Fingerprint: Fingerprint("p"), KV: KVRecomputed, Status: 200,
 			Body: json.RawMessage(`{"model":"m","prompt":"p","max_tokens":2,"x_big":18446744073709551615,"x_unknown":{"a":[1,2]}}`)},
-		{RequestID: "req-2", Path: "/v1/chat/completions", Kind: KindRejected, Status: 400, Error: "model is required",
+		{RequestID: "req-2", Path: "/v1/chat/completions", Headers: []string{"accept-encoding", "content-length", "content-type", "user-agent", "x-request-id"}, Kind: KindRejected, Status: 400, Error: "model is required",
 			Body: json.RawMessage(`{"messages":[{"content":"x","role":"user"}]}`)},
 	}
 	require.Equal(t, want, s.Records())
