@@ -53,6 +53,8 @@ func run(ctx context.Context, args []string) error {
 		tenantRequests = fs.Int("tenant-requests", 2000, "window of the "+replay.TenantsTrace+" trace: its 150 tenants are each visited about N/150 times, so that first visits (misses no policy avoids) are a few percent of requests, as in llm-d's long runs")
 		replicas       = fs.String("replicas", "1,3", "pdx replica counts of the prefix-affinity experiment (empty skips it)")
 		quick          = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
+		flow           = fs.Bool("flow", false, "run the flow-control experiment instead (tenants sharing a saturated pool: priorities, fairness), into <out>/flow")
+		flowWindow     = fs.Duration("flow-window", 20*time.Second, "how long each priority run of --flow sends (its fairness runs: half)")
 	)
 	fs.IntVar(&plan.Requests, "requests", 500, "trace window: the first N requests of each trace")
 	fs.IntVar(&plan.Rig.Prefill, "prefill", 4, "prefill engines")
@@ -79,6 +81,9 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 		defer pprof.StopCPUProfile()
+	}
+	if *flow {
+		return runFlow(ctx, replay.FlowPlan{Rig: plan.Rig, Window: *flowWindow, Progress: os.Stdout}, filepath.Join(*out, "flow"))
 	}
 	var err error
 	if plan.Loads, err = floats("loads", *loads); err != nil {
@@ -126,6 +131,26 @@ func run(ctx context.Context, args []string) error {
 		if err == nil {
 			err = rep.Violations()
 		}
+	}
+	return err
+}
+
+// runFlow runs the flow-control experiment and writes its report to dir.
+func runFlow(ctx context.Context, p replay.FlowPlan, dir string) error {
+	if p.Rig.EnvoyBin == "" {
+		bin, err := envoyproc.Binary()
+		if err != nil {
+			return err
+		}
+		p.Rig.EnvoyBin = bin
+	}
+	rep, err := replay.RunFlow(ctx, p)
+	if rep != nil {
+		rep.Machine = fmt.Sprintf("%s/%s, %d CPUs, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.Version())
+		if werr := rep.Write(dir); werr != nil {
+			return errors.Join(err, werr)
+		}
+		fmt.Printf("wrote %s in %s\n", filepath.Join(dir, "{results.json,summary.md}"), time.Duration(rep.WallSec*float64(time.Second)).Round(time.Second))
 	}
 	return err
 }

@@ -90,6 +90,12 @@ func send(ctx context.Context, client *http.Client, url string, r Request) Outco
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("X-Request-Id", "replay-"+strconv.Itoa(r.Index)+"-"+strconv.FormatInt(time.Now().UnixNano(), 36))
+	if r.Objective != "" {
+		req.Header.Set("X-Llm-D-Inference-Objective", r.Objective)
+	}
+	if r.Flow != "" {
+		req.Header.Set("X-Llm-D-Inference-Fairness-Id", r.Flow)
+	}
 	start := time.Now()
 	resp, err := client.Do(req)
 	if err != nil {

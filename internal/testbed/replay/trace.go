@@ -171,6 +171,9 @@ type Request struct {
 	MaxTokens int
 	// At is the arrival offset in the trace, before compression.
 	At time.Duration
+	// Objective and Flow, when set, go in the request's flow-control
+	// headers (x-llm-d-inference-objective, x-llm-d-inference-fairness-id).
+	Objective, Flow string
 }
 
 // Requests scales a trace window; arrival offsets start at the window's
