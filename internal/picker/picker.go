@@ -52,6 +52,10 @@ type Request struct {
 	// NoRank: the request names no DP rank (a pass-through path), so its
 	// lease counts it on none.
 	NoRank bool
+	// Session, when not 0, is the key of the request's session
+	// (SessionKey): the pick is the first endpoint in the session's order
+	// that the shared rules admit, whatever the policy (see session.go).
+	Session uint64
 }
 
 // PrefixCache is what the engines report their KV caches hold, learned
