@@ -15,6 +15,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -41,6 +42,10 @@ type recorder interface {
 	// tokenized notes where placement got the prompt's tokens
 	// (render.go's sources).
 	tokenized(p *routing.Pool, source string)
+	// session notes what became of the request's session on a pick of
+	// its leg of role: every pick, a prefill's retries too; nothing for a
+	// request without one (picker.NoSession).
+	session(p *routing.Pool, role picker.Role, outcome picker.SessionOutcome)
 	// routed notes that pdx sent the request on to decode.
 	routed(decode endpoint.Endpoint)
 	// served notes the decode endpoint that answered, as Envoy told it;
@@ -93,6 +98,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
 func (noRecord) tokenized(*routing.Pool, string)                              {}
+func (noRecord) session(*routing.Pool, picker.Role, picker.SessionOutcome)    {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
 func (noRecord) served(*routing.Pool, string, bool)                           {}
 func (noRecord) failed(string)                                                {}
@@ -176,6 +182,16 @@ func (o *observation) tokenized(p *routing.Pool, source string) {
 	o.metrics.Pool(p).Tokenized(source)
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.prompt_tokens", source))
+	}
+}
+
+func (o *observation) session(p *routing.Pool, role picker.Role, outcome picker.SessionOutcome) {
+	if outcome == picker.NoSession {
+		return
+	}
+	o.metrics.Pool(p).Session(role, outcome)
+	if o.span != nil {
+		o.span.SetAttributes(attribute.String("pdx.session."+role.String(), outcome.String()))
 	}
 }
 
