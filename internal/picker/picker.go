@@ -6,7 +6,8 @@
 // returns a Lease, which counts the request on the endpoint until it ends
 // with an outcome. The rules every pick shares (group, subset hint, tried,
 // health, saturation, panic mode) are the Set's, so that they hold whatever
-// the policy; policies are registered by name (Spec).
+// the policy; policies are registered by name (Spec). A request of a
+// session is the session's, not the policy's (session.go).
 package picker
 
 import (
