@@ -16,6 +16,7 @@ import (
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -45,6 +46,10 @@ type recorder interface {
 	// tokenized notes where placement got the prompt's tokens
 	// (render.go's sources).
 	tokenized(p *routing.Pool, source string)
+	// session notes what became of the request's session on a pick of
+	// its leg of role: every pick, a prefill's retries too; nothing for a
+	// request without one (picker.NoSession).
+	session(p *routing.Pool, role picker.Role, outcome picker.SessionOutcome)
 	// routed notes that pdx sent the request on to decode.
 	routed(decode endpoint.Endpoint)
 	// served notes the decode endpoint that answered, as Envoy told it;
@@ -98,6 +103,7 @@ func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
 func (noRecord) tokenized(*routing.Pool, string)                              {}
 func (noRecord) waited(*routing.Pool, string, int, time.Duration, error)      {}
+func (noRecord) session(*routing.Pool, picker.Role, picker.SessionOutcome)    {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
 func (noRecord) served(*routing.Pool, string, bool)                           {}
 func (noRecord) failed(string)                                                {}
@@ -200,6 +206,16 @@ func (o *observation) waited(p *routing.Pool, leg string, priority int, d time.D
 	if o.span != nil {
 		o.span.AddEvent("waited for room", trace.WithAttributes(attribute.String("pdx.leg", leg),
 			attribute.Int("pdx.band", priority), attribute.String("pdx.outcome", outcome)))
+	}
+}
+
+func (o *observation) session(p *routing.Pool, role picker.Role, outcome picker.SessionOutcome) {
+	if outcome == picker.NoSession {
+		return
+	}
+	o.metrics.Pool(p).Session(role, outcome)
+	if o.span != nil {
+		o.span.SetAttributes(attribute.String("pdx.session."+role.String(), outcome.String()))
 	}
 }
 

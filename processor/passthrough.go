@@ -21,10 +21,12 @@ import (
 // at its headers.
 func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse, error) {
 	r.obs.pool(pool)
-	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true})
+	r.session = r.sessionIn(pool)
+	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true, Session: r.session})
 	if err != nil {
 		return nil, err
 	}
+	r.obs.session(pool, picker.RoleDecode, lease.Session())
 	r.decode = lease
 	r.named(pool, lease.Endpoint())
 	r.enter(statePassThrough)
@@ -57,10 +59,12 @@ func (r *request) passBody(raw []byte) (decision, error) {
 			msg: fmt.Sprintf("no API at %s for model %q", r.path, model)}
 	}
 	r.obs.pool(pool)
-	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true})
+	r.session = r.sessionIn(pool)
+	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true, Session: r.session})
 	if err != nil {
 		return decision{}, err
 	}
+	r.obs.session(pool, picker.RoleDecode, lease.Session())
 	r.decode = lease
 	r.named(pool, lease.Endpoint())
 	return decision{decode: lease.Endpoint(), body: body, unchanged: bytes.Equal(body, raw)}, nil

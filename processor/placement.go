@@ -94,7 +94,7 @@ func (r *request) decodeCached() int {
 
 // pick is what the request's picks know of it.
 func (r *request) pick() picker.Request {
-	req := picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset}
+	req := picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset, Session: r.session}
 	if r.rendered {
 		req.TokenBlocks, req.TokenBlockSize, req.PromptBytes = r.tokenBlocks, r.tokenBlockSize, r.promptBytes
 	}

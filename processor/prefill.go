@@ -88,6 +88,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 			break // every endpoint the decode pairs with has been tried
 		}
 		pf.counted = lease
+		r.obs.session(pool, picker.RolePrefill, lease.Session())
 		if n > 0 {
 			if sleep(pf.ctx, retryBackoff(n)) != nil {
 				pf.counted.End(picker.Released)

@@ -40,6 +40,10 @@ type request struct {
 	// subset is the gateway's subset hint: the decode endpoints the request
 	// may go to; nil: any (subset.go).
 	subset []string
+	// headers are the request's headers until its pool reads its session
+	// from them; session is its key there, 0 for none (session.go).
+	headers *extprocv3.HttpHeaders
+	session uint64
 
 	// fallback: the prefill failed, and the decode computes the prompt.
 	fallback bool

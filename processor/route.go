@@ -15,6 +15,7 @@ import (
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -27,6 +28,7 @@ const modelsPath = "/v1/models"
 func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) (*extprocv3.ProcessingResponse, error) {
 	path, _, _ := strings.Cut(header(h, ":path"), "?")
 	r.path = path
+	r.headers = h
 	r.clientID = clientRequestID(header(h, "x-request-id"))
 	r.id = newRequestID()
 	r.log = r.log.With(slog.String("request_id", r.clientID), slog.String("path", path))
@@ -252,8 +254,10 @@ func (r *request) parseBody(raw []byte) (jsonedit.Object, string, *routing.Pool,
 // prefill, or to compute the prompt itself when the decider says so or the
 // prefill failed on a pool that falls back.
 func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connectors.Request, model string) (connectors.Handoff, error) {
+	r.session = r.sessionIn(pool)
 	// A discovered pool may have no decode endpoint at the moment: 503.
 	reason, err := r.place(ctx, pool, creq, model)
+	r.obs.session(pool, picker.RoleDecode, r.decode.Session())
 	if err != nil {
 		return connectors.Handoff{}, err
 	}

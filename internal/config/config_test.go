@@ -226,6 +226,14 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].pass_through[1]: "/v1/y?z=1" is not a path`,
 			`config: pools[0].pass_through[2]: "/v1/completions" is routed by pdx itself`,
 			`config: pools[0].pass_through[4]: duplicate path "/v1/e"`}},
+		{"session_affinity", pools(pool("session_affinity: {}"), pool("name: q", "models: [q]", "session_affinity: {header: X-Session}"),
+			pool("name: r", "models: [r]", `session_affinity: {header: "x session"}`), pool("name: s", "models: [s]", "session_affinity: {header: x-gateway-destination-endpoint}"),
+			pool("name: t", "models: [t]", "session_affinity: {header: x-request-id}")), []string{
+			`config: pools[0].session_affinity.header: required`,
+			`config: pools[1].session_affinity.header: "X-Session" is not a lower-case HTTP header name`,
+			`config: pools[2].session_affinity.header: "x session" is not a lower-case HTTP header name`,
+			`config: pools[3].session_affinity.header: "x-gateway-destination-endpoint" is a header pdx sets or routes by itself`,
+			`config: pools[4].session_affinity.header: "x-request-id" is a header pdx sets or routes by itself`}},
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
 			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds, kv_events)`}},

@@ -145,6 +145,7 @@ func validate(cfg *configv1.Config) []error {
 		v.failureHandling(path, p)
 		v.decodeFallbacks(path, p, traits)
 		v.passThrough(path, p.GetPassThrough())
+		v.sessionAffinity(path, p.GetSessionAffinity())
 
 		switch d := p.GetPrefillTimeout().AsDuration(); {
 		case d <= 0:
@@ -474,6 +475,32 @@ func (v *validator) passThrough(path string, paths []string) {
 			v.fail(pp, "duplicate path %q", p)
 		}
 		seen[p] = true
+	}
+}
+
+// headerNameRE is a lower-case HTTP field name (RFC 9110's token): Envoy
+// hands pdx header names in lower case.
+var headerNameRE = regexp.MustCompile("^[a-z0-9!#$%&'*+.^_`|~-]+$")
+
+// pdxHeaders are the request headers pdx sets or reads for its own
+// routing, which cannot name a client's session.
+var pdxHeaders = []string{
+	"x-gateway-destination-endpoint", "x-gateway-destination-endpoint-served", "x-gateway-destination-endpoint-subset",
+	"x-data-parallel-rank", "x-request-id", "content-length", "traceparent", "tracestate",
+}
+
+// sessionAffinity checks a pool's session_affinity.
+func (v *validator) sessionAffinity(path string, s *configv1.SessionAffinity) {
+	if s == nil {
+		return
+	}
+	switch h := s.GetHeader(); {
+	case h == "":
+		v.fail(path+".session_affinity.header", "required")
+	case !headerNameRE.MatchString(h):
+		v.fail(path+".session_affinity.header", "%q is not a lower-case HTTP header name", h)
+	case slices.Contains(pdxHeaders, h):
+		v.fail(path+".session_affinity.header", "%q is a header pdx sets or routes by itself", h)
 	}
 }
 

@@ -61,6 +61,7 @@ type Metrics struct {
 	scrapes    *prometheus.CounterVec   // endpoint
 	served     *prometheus.CounterVec   // pool, endpoint, fallback
 	flowWait   *prometheus.HistogramVec // pool, leg, band, outcome
+	sessions   *prometheus.CounterVec   // pool, leg, outcome
 	inFlight   prometheus.Gauge
 
 	// pools maps a pool name to its resolved children. It is replaced, never
@@ -139,12 +140,16 @@ func New() *Metrics {
 			Help:    "Requests that waited for room on a saturated leg, or were refused it, by pool, leg (prefill, decode), band (their objective's priority) and outcome: admitted, timed_out (429), full (429: the pool's queue at its bound), displaced (429: a higher band took the place), cancelled (the client went away).",
 			Buckets: routeBuckets,
 		}, []string{"pool", "leg", "band", "outcome"}),
+		sessions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_session_picks_total",
+			Help: "Picks of requests that named a session (pools with session_affinity), by leg (prefill, decode) and outcome: kept (the session's first engine by its rendezvous order among the leg's, for a prefill its decode engine's group's) or moved (that engine could not take it: saturated, ejected, outside the gateway's subset hint or tried, and the next in the session's order did).",
+		}, []string{"pool", "leg", "outcome"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "pdx_streams_in_flight",
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.sessions, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -243,7 +248,8 @@ type Pool struct {
 	// use, so that the others do not export empty series.
 	ttfb, decodeDur, fallbackDur, errorDur atomic.Pointer[prometheus.Observer]
 	handoff, ttft                          atomic.Pointer[prometheus.Observer]
-	tokens                                 atomic.Pointer[[3]prometheus.Counter] // prompt, cached, completion
+	tokens                                 atomic.Pointer[[3]prometheus.Counter]    // prompt, cached, completion
+	sessions                               atomic.Pointer[[2][2]prometheus.Counter] // by leg (picker.Role), kept and moved
 }
 
 // Request counts a finished request by outcome and, for requests pdx routed
@@ -356,6 +362,31 @@ func (p *Pool) DecodeServed(endpoint string, fallback bool) {
 		label = ServedFallback
 	}
 	p.m.served.WithLabelValues(p.name, endpoint, label).Inc()
+}
+
+// Session counts the pick of a request of a session on its leg of role:
+// kept on the session's first engine, or moved.
+func (p *Pool) Session(role picker.Role, outcome picker.SessionOutcome) {
+	if p == nil || p.name == "" || outcome == picker.NoSession || role > picker.RoleDecode {
+		return
+	}
+	c := p.sessions.Load()
+	if c == nil {
+		// Resolved together on first use: pools without sessions export
+		// none.
+		c = new([2][2]prometheus.Counter)
+		for _, role := range []picker.Role{picker.RolePrefill, picker.RoleDecode} {
+			for i, o := range []picker.SessionOutcome{picker.SessionKept, picker.SessionMoved} {
+				c[role][i] = p.m.sessions.WithLabelValues(p.name, role.String(), o.String())
+			}
+		}
+		p.sessions.Store(c)
+	}
+	if outcome == picker.SessionKept {
+		c[role][0].Inc()
+	} else {
+		c[role][1].Inc()
+	}
 }
 
 // ScrapeFailed counts a failed scrape of the metrics of the engine at

@@ -290,3 +290,29 @@ func roundRobin(eps ...endpoint.Endpoint) picker.Leg {
 	}
 	return l
 }
+
+// Session picks count by leg and outcome, allocating nothing once the
+// pool's first one resolved them; requests without a session count
+// nothing, and a pool none of whose requests named one exports nothing.
+func TestSessionPicks(t *testing.T) {
+	m := New()
+	table := testTable(t)
+	a := table.Pools()[0]
+	m.Pool(table.Pools()[1]).Session(picker.RoleDecode, picker.NoSession)
+	m.Pool(a).Session(picker.RoleDecode, picker.SessionKept)
+	m.Pool(a).Session(picker.RoleDecode, picker.SessionKept)
+	m.Pool(a).Session(picker.RoleDecode, picker.SessionMoved)
+	m.Pool(a).Session(picker.RolePrefill, picker.SessionMoved)
+	m.Pool(a).Session(picker.RolePrefill, picker.NoSession)
+	var none *Pool
+	none.Session(picker.RoleDecode, picker.SessionKept)
+	require.NoError(t, testutil.CollectAndCompare(m.sessions, strings.NewReader(`
+# HELP pdx_session_picks_total Picks of requests that named a session (pools with session_affinity), by leg (prefill, decode) and outcome: kept (the session's first engine by its rendezvous order among the leg's, for a prefill its decode engine's group's) or moved (that engine could not take it: saturated, ejected, outside the gateway's subset hint or tried, and the next in the session's order did).
+# TYPE pdx_session_picks_total counter
+pdx_session_picks_total{leg="decode",outcome="kept",pool="a"} 2
+pdx_session_picks_total{leg="decode",outcome="moved",pool="a"} 1
+pdx_session_picks_total{leg="prefill",outcome="kept",pool="a"} 0
+pdx_session_picks_total{leg="prefill",outcome="moved",pool="a"} 1
+`)))
+	require.Zero(t, testing.AllocsPerRun(100, func() { m.Pool(a).Session(picker.RolePrefill, picker.SessionKept) }))
+}

@@ -133,7 +133,8 @@ func TestContract(t *testing.T) {
 					l.saturate(tc.saturated...)
 					tried := endpointsOf(tc.tried...)
 					for k := range 12 {
-						req := Request{Group: tc.group, Subset: tc.subset, Tried: tried, Blocks: blocksOf(k%4, k), BlockTokens: 64, Tokens: 128}
+						req := Request{Group: tc.group, Subset: tc.subset, Tried: tried, Blocks: blocksOf(k%4, k), BlockTokens: 64, Tokens: 128,
+							Session: uint64(k%2) * SessionKey([]byte{byte(k)})} // every other pick a session's
 						ep, ok := l.pick(req)
 						if tc.picks == nil {
 							require.False(t, ok, "pick %d: %v", k, ep)

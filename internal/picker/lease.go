@@ -39,6 +39,8 @@ type Lease struct {
 	// prefill is a prefill leg's lease, which the endpoint's fluid model
 	// counts.
 	prefill bool
+	// session is what became of the request's session, if it has one.
+	session SessionOutcome
 	// blocks are the prompt's, for Move to index them where it moves.
 	blocks []uint64
 }
@@ -101,6 +103,11 @@ func (l *Lease) Cached() int { return l.cached }
 // a precise pick does, and only for a lease that tells Cached. Unlike
 // Cached it leaves out what pdx sent there, which is an estimate.
 func (l *Lease) Held() (int, bool) { return l.held, l.held >= 0 }
+
+// Session is what became of the request's session at the pick: kept on
+// its first endpoint, moved down its order, or NoSession for a request
+// without one.
+func (l *Lease) Session() SessionOutcome { return l.session }
 
 // Open reports whether the lease has not ended.
 func (l *Lease) Open() bool { return l.set != nil }

@@ -58,7 +58,11 @@ func (l *Leg) Pick(req Request) (Lease, bool) {
 	if !ok {
 		return Lease{}, false
 	}
-	return l.lease(v, i, held, &req, l.role), true
+	lease := l.lease(v, i, held, &req, l.role)
+	if req.Session != 0 {
+		lease.session = v.sessionOutcome(&req, i)
+	}
+	return lease, true
 }
 
 // Next returns the endpoint a decode fallback after the last of req.Tried
@@ -83,15 +87,20 @@ func (l *Leg) pick(req *Request, fallback bool) (*view, int, int, bool) {
 		return nil, 0, -1, false
 	}
 	var k int
-	if fallback && l.successor != nil {
+	switch {
+	case req.Session != 0:
+		// A fallback's too: the next in the session's order.
+		k = c.session(req.Session)
+	case fallback && l.successor != nil:
 		k = l.successor.Next(c)
-	} else {
+	default:
 		k = l.policy.Choose(c)
 	}
-	if k < 0 || k >= c.n || !c.Usable(k) {
+	if k < 0 || k >= c.n || !c.Usable(k) && req.Session == 0 {
 		// None is usable, or the policy broke its contract: the shared
 		// rules hold all the same. A fallback's order goes on from the
-		// last endpoint tried.
+		// last endpoint tried. (A session's saturated pick is its
+		// panic mode: see session.go.)
 		from := c.after
 		if !fallback {
 			from = c.Start()

@@ -6,7 +6,8 @@
 // returns a Lease, which counts the request on the endpoint until it ends
 // with an outcome. The rules every pick shares (group, subset hint, tried,
 // health, saturation, panic mode) are the Set's, so that they hold whatever
-// the policy; policies are registered by name (Spec).
+// the policy; policies are registered by name (Spec). A request of a
+// session is the session's, not the policy's (session.go).
 package picker
 
 import (
@@ -52,6 +53,10 @@ type Request struct {
 	// NoRank: the request names no DP rank (a pass-through path), so its
 	// lease counts it on none.
 	NoRank bool
+	// Session, when not 0, is the key of the request's session
+	// (SessionKey): the pick is the first endpoint in the session's order
+	// that the shared rules admit, whatever the policy (see session.go).
+	Session uint64
 }
 
 // PrefixCache is what the engines report their KV caches hold, learned

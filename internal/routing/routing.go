@@ -75,6 +75,10 @@ type Pool struct {
 	Render      *Render
 	Cache       *kvcache.Index
 	KVBlockSize int
+	// SessionHeader, when not empty, is the request header naming a
+	// session, which keeps the session on its engines
+	// (picker.Request.Session).
+	SessionHeader string
 
 	// update serializes SetEndpoints.
 	update sync.Mutex
@@ -495,6 +499,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		Render:          render,
 		Cache:           cache,
 		KVBlockSize:     blockSize,
+		SessionHeader:   pc.GetSessionAffinity().GetHeader(),
 	}
 	if p.BlockTokens <= 0 { // a config not through config.Parse
 		p.BlockTokens = config.DefaultPrefixBlockTokens

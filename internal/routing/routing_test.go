@@ -2,6 +2,7 @@ package routing
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 	"testing"
 
@@ -348,3 +349,56 @@ var (
 	knownConnectors = strings.Join(connectors.Names(), ", ")
 	knownPolicies   = strings.Join(picker.Policies(), ", ")
 )
+
+// Two tables of one config (two pdx replicas) send a session to the same
+// decode engine and the same prefill engine of its group, request after
+// request; each session's prefill is in its decode's group.
+func TestSessionPicks(t *testing.T) {
+	cfg, err := config.Parse([]byte(`
+pools:
+- name: p
+  default: true
+  connector: nixl
+  session_affinity: {header: x-session-id}
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:5}]
+`))
+	require.NoError(t, err)
+	// Groups come from discovery, in an order of each replica's own.
+	prefill := []endpoint.Endpoint{{Address: "127.0.0.1:1", Group: "a"}, {Address: "127.0.0.1:2", Group: "a"}, {Address: "127.0.0.1:3", Group: "b"}, {Address: "127.0.0.1:4", Group: "b"}}
+	decode := []endpoint.Endpoint{{Address: "127.0.0.1:5", Group: "a"}, {Address: "127.0.0.1:6", Group: "a"}, {Address: "127.0.0.1:7", Group: "b"}}
+	var replicas [2]*Pool
+	for i := range replicas {
+		table, err := New(cfg)
+		require.NoError(t, err)
+		replicas[i] = table.Pools()[0]
+		require.Equal(t, "x-session-id", replicas[i].SessionHeader)
+		replicas[i].SetEndpoints(prefill, decode)
+		slices.Reverse(prefill)
+		slices.Reverse(decode)
+	}
+	decodes, prefills := map[endpoint.Endpoint]bool{}, map[endpoint.Endpoint]bool{}
+	for n := range 60 {
+		req := picker.Request{Session: picker.SessionKey(fmt.Appendf(nil, "s%d", n))}
+		var decode, prefill endpoint.Endpoint
+		for i, p := range append(replicas[:], replicas[:]...) {
+			d, err := p.PickDecode(req)
+			require.NoError(t, err)
+			pf, err := p.PickPrefill(d.Endpoint(), req)
+			require.NoError(t, err)
+			require.Equal(t, d.Endpoint().Group, pf.Endpoint().Group, "session %d: the prefill is in its decode's group", n)
+			require.Equal(t, picker.SessionKept, d.Session())
+			require.Equal(t, picker.SessionKept, pf.Session())
+			if i == 0 {
+				decode, prefill = d.Endpoint(), pf.Endpoint()
+			}
+			require.Equal(t, decode, d.Endpoint(), "session %d, pick %d", n, i)
+			require.Equal(t, prefill, pf.Endpoint(), "session %d, pick %d", n, i)
+			d.End(picker.Released)
+			pf.End(picker.Released)
+		}
+		decodes[decode], prefills[prefill] = true, true
+	}
+	require.Len(t, decodes, 3, "the sessions spread over the decode engines")
+	require.Len(t, prefills, 4, "and over the prefill engines")
+}

@@ -341,7 +341,10 @@ func (rep *FlowReport) Summary() string {
 		fmt.Fprintf(&b, "- The critical tenant's TTFT p90 under the batch burst, over its TTFT p90 alone (goal ≤ 1.25): one band %.2f, bands %.2f.\n",
 			before.TTFT.P90/alone.TTFT.P90, after.TTFT.P90/alone.TTFT.P90)
 		fmt.Fprintf(&b, "- 429s of the critical (non-sheddable) tenant while the sheddable one waited (goal 0): %d; the batch tenant's 429s: %d.\n",
-			after.Shed, func() int { t, _ := rep.tenantOf("priority", "bands: chat 10, batch -1 (sheddable)", "batch"); return t.Shed }())
+			after.Shed, func() int {
+				t, _ := rep.tenantOf("priority", "bands: chat 10, batch -1 (sheddable)", "batch")
+				return t.Shed
+			}())
 	}
 	for _, sc := range []string{"one flow (no fairness ids)", "round robin across fairness ids"} {
 		h, okh := rep.tenantOf("fairness", sc, "heavy")
