@@ -52,6 +52,10 @@ type Request struct {
 	// NoRank: the request names no DP rank (a pass-through path), so its
 	// lease counts it on none.
 	NoRank bool
+	// Adapter is the LoRA adapter the request is for, "" for the base
+	// model: the pick prefers endpoints that have it loaded, then those
+	// with a free adapter slot (lora.go).
+	Adapter string
 }
 
 // PrefixCache is what the engines report their KV caches hold, learned
