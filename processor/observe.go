@@ -15,6 +15,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -38,6 +39,9 @@ type recorder interface {
 	// decided notes the disaggregation decider's decision (placement.go);
 	// "" for a pool without a prefill leg.
 	decided(p *routing.Pool, reason string)
+	// picked notes how a pick of leg (prefill, decode) went for the
+	// request's LoRA adapter.
+	picked(p *routing.Pool, leg string, o picker.LoRAOutcome)
 	// tokenized notes where placement got the prompt's tokens
 	// (render.go's sources).
 	tokenized(p *routing.Pool, source string)
@@ -92,6 +96,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 }
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
+func (noRecord) picked(*routing.Pool, string, picker.LoRAOutcome)             {}
 func (noRecord) tokenized(*routing.Pool, string)                              {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
 func (noRecord) served(*routing.Pool, string, bool)                           {}
@@ -176,6 +181,16 @@ func (o *observation) tokenized(p *routing.Pool, source string) {
 	o.metrics.Pool(p).Tokenized(source)
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.prompt_tokens", source))
+	}
+}
+
+func (o *observation) picked(p *routing.Pool, leg string, lo picker.LoRAOutcome) {
+	if lo == picker.LoRANone {
+		return
+	}
+	o.metrics.Pool(p).LoRAPick(leg, lo)
+	if o.span != nil {
+		o.span.SetAttributes(attribute.String("pdx."+leg+".lora", lo.String()))
 	}
 }
 

@@ -86,6 +86,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 			}
 			break // every endpoint the decode pairs with has been tried
 		}
+		r.obs.picked(pool, "prefill", lease.LoRA())
 		pf.counted = lease
 		if n > 0 {
 			if sleep(pf.ctx, retryBackoff(n)) != nil {

@@ -39,6 +39,9 @@ type request struct {
 	// subset is the gateway's subset hint: the decode endpoints the request
 	// may go to; nil: any (subset.go).
 	subset []string
+	// adapter is the LoRA adapter the request's model names in its pool,
+	// "" for a base model (routing.Pool.Adapter).
+	adapter string
 
 	// fallback: the prefill failed, and the decode computes the prompt.
 	fallback bool

@@ -59,6 +59,7 @@ type Metrics struct {
 	tokenSrc   *prometheus.CounterVec   // pool, source
 	scrapes    *prometheus.CounterVec   // endpoint
 	served     *prometheus.CounterVec   // pool, endpoint, fallback
+	loraPicks  *prometheus.CounterVec   // pool, leg, outcome
 	inFlight   prometheus.Gauge
 
 	// pools maps a pool name to its resolved children. It is replaced, never
@@ -132,12 +133,16 @@ func New() *Metrics {
 			Name: "pdx_decode_served_total",
 			Help: "Decode answers by pool, the decode endpoint that served (as Envoy reports it) and whether it was pdx's first choice (fallback=first) or one Envoy retried on (fallback=fallback); counted only when Envoy sends pdx the response headers with upstream.address (the decode-fallback profile).",
 		}, []string{"pool", "endpoint", "fallback"}),
+		loraPicks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_lora_picks_total",
+			Help: "Picks for requests naming a LoRA adapter, by pool, leg (prefill, decode) and outcome: loaded (an endpoint with the adapter loaded, by its vllm:lora_requests_info or what pdx sent it), free_slot (one with fewer adapters than max_lora), blind (neither was usable; picked as any request).",
+		}, []string{"pool", "leg", "outcome"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "pdx_streams_in_flight",
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.loraPicks, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -314,6 +319,13 @@ func (p *Pool) addEndpoint(endpoint string) prometheus.Counter {
 func (p *Pool) Decision(decision string) {
 	if p != nil && p.name != "" {
 		p.m.decisions.WithLabelValues(p.name, decision).Inc()
+	}
+}
+
+// LoRAPick counts a pick of leg for a request naming a LoRA adapter.
+func (p *Pool) LoRAPick(leg string, o picker.LoRAOutcome) {
+	if p != nil && p.name != "" && o != picker.LoRANone {
+		p.m.loraPicks.WithLabelValues(p.name, leg, o.String()).Inc()
 	}
 }
 
