@@ -79,6 +79,14 @@ func TestLoRAEngine(t *testing.T) {
 		l, ok := latestLoRA(t, s)
 		return ok && l["running_lora_adapters"] == "sql" && l["waiting_lora_adapters"] == "chat" && l["max_lora"] == "1"
 	}, 10*time.Second, 5*time.Millisecond)
+	// vLLM skips the held-back request, not the queue: a base-model
+	// request behind it is served meanwhile.
+	post(t, s, "/v1/completions", "behind", req("base")).decode(t)
+	select {
+	case <-waiting:
+		t.Fatal("the chat request ran while sql held the only slot")
+	default:
+	}
 	cancel()
 	<-long
 	<-waiting
