@@ -43,6 +43,9 @@ type recorder interface {
 	// waited notes a request that waited for room on leg, or was refused
 	// it (err), in the band of priority.
 	waited(p *routing.Pool, leg string, priority int, d time.Duration, err error)
+	// picked notes how a pick of leg (prefill, decode) went for the
+	// request's LoRA adapter.
+	picked(p *routing.Pool, leg string, o picker.LoRAOutcome)
 	// tokenized notes where placement got the prompt's tokens
 	// (render.go's sources).
 	tokenized(p *routing.Pool, source string)
@@ -101,6 +104,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 }
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
+func (noRecord) picked(*routing.Pool, string, picker.LoRAOutcome)             {}
 func (noRecord) tokenized(*routing.Pool, string)                              {}
 func (noRecord) waited(*routing.Pool, string, int, time.Duration, error)      {}
 func (noRecord) session(*routing.Pool, picker.Role, picker.SessionOutcome)    {}
@@ -216,6 +220,16 @@ func (o *observation) session(p *routing.Pool, role picker.Role, outcome picker.
 	o.metrics.Pool(p).Session(role, outcome)
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.session."+role.String(), outcome.String()))
+	}
+}
+
+func (o *observation) picked(p *routing.Pool, leg string, lo picker.LoRAOutcome) {
+	if lo == picker.LoRANone {
+		return
+	}
+	o.metrics.Pool(p).LoRAPick(leg, lo)
+	if o.span != nil {
+		o.span.SetAttributes(attribute.String("pdx."+leg+".lora", lo.String()))
 	}
 }
 

@@ -56,6 +56,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	if err != nil {
 		return "", err
 	}
+	r.obs.picked(pool, "decode", lease.LoRA())
 	r.decode = lease
 	ep := lease.Endpoint()
 	creq.Decode = ep
@@ -94,7 +95,7 @@ func (r *request) decodeCached() int {
 
 // pick is what the request's picks know of it.
 func (r *request) pick() picker.Request {
-	req := picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset, Session: r.session}
+	req := picker.Request{Blocks: r.blocks, BlockTokens: r.blockTokens, Tokens: r.tokens, Subset: r.subset, Session: r.session, Adapter: r.adapter}
 	if r.rendered {
 		req.TokenBlocks, req.TokenBlockSize, req.PromptBytes = r.tokenBlocks, r.tokenBlockSize, r.promptBytes
 	}

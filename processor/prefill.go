@@ -87,6 +87,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 			}
 			break // every endpoint the decode pairs with has been tried
 		}
+		r.obs.picked(pool, "prefill", lease.LoRA())
 		pf.counted = lease
 		r.obs.session(pool, picker.RolePrefill, lease.Session())
 		if n > 0 {

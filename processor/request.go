@@ -44,6 +44,9 @@ type request struct {
 	// from them; session is its key there, 0 for none (session.go).
 	headers *extprocv3.HttpHeaders
 	session uint64
+	// adapter is the LoRA adapter the request's model names in its pool,
+	// "" for a base model (routing.Pool.Adapter).
+	adapter string
 
 	// fallback: the prefill failed, and the decode computes the prompt.
 	fallback bool

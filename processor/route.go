@@ -255,6 +255,7 @@ func (r *request) parseBody(raw []byte) (jsonedit.Object, string, *routing.Pool,
 // prefill failed on a pool that falls back.
 func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connectors.Request, model string) (connectors.Handoff, error) {
 	r.session = r.sessionIn(pool)
+	r.adapter = pool.Adapter(model)
 	// A discovered pool may have no decode endpoint at the moment: 503.
 	reason, err := r.place(ctx, pool, creq, model)
 	r.obs.session(pool, picker.RoleDecode, r.decode.Session())

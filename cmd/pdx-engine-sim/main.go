@@ -15,6 +15,7 @@ import (
 	"os/signal"
 	"strings"
 	"syscall"
+	"time"
 
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 )
@@ -59,6 +60,9 @@ func run(ctx context.Context, args []string) error {
 	capacity := fs.Bool("capacity", false, "model an engine under load: Llama-3-8B on one H100 (batch, queues, prefix cache, KV pulls; see docs/simulator.md)")
 	tokenScale := fs.Float64("token-scale", 1, "with --capacity: prompts and outputs have 1/this of the real tokens")
 	timeScale := fs.Float64("time-scale", 1, "with --capacity: the engine runs this many times the real time")
+	loraModules := fs.String("lora-modules", "", "comma-separated LoRA adapter names the engine serves (vLLM's --lora-modules names): a request whose model is one uses it")
+	maxLoRAs := fs.Int("max-loras", 0, "with --capacity: adapter slots (vLLM's --max-loras): adapters on the GPU, distinct adapters in one batch; 0: no adapter model")
+	loraLoad := fs.Duration("lora-load", 50*time.Millisecond, "with --capacity and --max-loras: time to load an adapter that is not on the GPU (an assumption, not a measurement)")
 	var kv enginesim.KVEvents
 	fs.StringVar(&kv.Endpoint, "kv-events-endpoint", "", "with --capacity: publish the prefix cache's changes as vLLM's KV events on this ZMQ PUB endpoint (e.g. tcp://127.0.0.1:5557; port 0: a free one)")
 	fs.BoolVar(&kv.Connect, "kv-events-connect", false, "dial --kv-events-endpoint (a subscriber that binds, e.g. pdx's or llm-d's central socket) instead of binding it")
@@ -75,7 +79,11 @@ func run(ctx context.Context, args []string) error {
 	cfg.Role = enginesim.Role(*role)
 	if *capacity {
 		c := enginesim.ReferenceCapacity(*tokenScale, *timeScale)
+		c.MaxLoRA, c.LoRALoad = *maxLoRAs, *loraLoad
 		cfg.Capacity = &c
+	}
+	if *loraModules != "" {
+		cfg.LoRAModules = strings.Split(*loraModules, ",")
 	}
 	if kv.Endpoint != "" {
 		cfg.KVEvents = &kv

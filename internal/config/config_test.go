@@ -289,6 +289,16 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].models[1]: duplicate model "m" (also pools[0].models[0])`}},
 		{"duplicate model across pools", pools(pool(), pool("name: q", "models: [x, m]")), []string{
 			`config: pools[1].models[1]: duplicate model "m" (also pools[0].models[0]): a model may appear in only one pool`}},
+		{"empty adapter name", pools(pool(`lora: {adapters: [sql, ""]}`)), []string{
+			`config: pools[0].lora.adapters[1]: empty adapter name`}},
+		{"duplicate adapter", pools(pool("lora: {adapters: [sql, sql]}")), []string{
+			`config: pools[0].lora.adapters[1]: adapter "sql" is also pools[0].lora.adapters[0]`}},
+		{"adapter named as the pool's model", pools(pool("lora: {adapters: [m]}")), []string{
+			`config: pools[0].lora.adapters[0]: adapter "m" is also pools[0].models[0]`}},
+		{"adapter of another pool's model", pools(pool(), pool("name: q", "models: [x]", "lora: {adapters: [m]}")), []string{
+			`config: pools[1].lora.adapters[0]: adapter "m" is also pools[0].models[0]`}},
+		{"model of another pool's adapter", pools(pool("lora: {adapters: [sql]}"), pool("name: q", "models: [sql]")), []string{
+			`config: pools[1].models[0]: duplicate model "sql" (also pools[0].lora.adapters[0])`}},
 		{"two default pools", pools(pool("default: true"), pool("name: q", "models: [x]", "default: true")), []string{
 			`config: pools[1].default: more than one default pool (also pools[0].default)`}},
 		{"missing connector", pools(pool(`connector: ""`)), []string{`config: pools[0].connector: required`}},

@@ -101,6 +101,19 @@ func validate(cfg *configv1.Config) []error {
 				models[m] = mp
 			}
 		}
+		// An adapter routes like a model (to its pool), so it shares
+		// models' namespace.
+		for j, a := range p.GetLora().GetAdapters() {
+			ap := fmt.Sprintf("%s.lora.adapters[%d]", path, j)
+			switch {
+			case a == "":
+				v.fail(ap, "empty adapter name")
+			case models[a] != "":
+				v.fail(ap, "adapter %q is also %s: a model or adapter may appear only once", a, models[a])
+			default:
+				models[a] = ap
+			}
+		}
 
 		if p.GetDefault() {
 			if defaultPath != "" {

@@ -8,6 +8,8 @@ import (
 	"fmt"
 	"io"
 	"math"
+	"strconv"
+	"strings"
 
 	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
@@ -19,7 +21,23 @@ type Sample struct {
 	Waiting int     // requests queued in the engine
 	Running int     // requests in its running batch
 	KVUsage float64 // KV cache usage, 0–1; -1 when the engine does not say
+	// LoRA is what the engine says of its LoRA adapters; MaxLoRA is 0
+	// when it says nothing (no vllm:lora_requests_info: LoRA not enabled).
+	LoRA LoRA
 }
+
+// LoRA is vLLM's vllm:lora_requests_info gauge (vllm/v1/metrics/loggers.py):
+// the adapters of the running batch and of the waiting queue, and
+// max_lora, how many distinct adapters one batch may use (--max-loras).
+type LoRA struct {
+	Running, Waiting []string
+	MaxLoRA          int
+}
+
+// loraFamily is vLLM's adapter gauge. Its value is the time it was last
+// set; every label set it ever had stays a series, so the latest one is
+// the engine's state (as the Gateway API Inference Extension reads it).
+const loraFamily = "vllm:lora_requests_info"
 
 // What a family tells of the load.
 type signal int
@@ -105,7 +123,55 @@ func (p *parser) parse(r io.Reader) (Sample, error) {
 	if !found {
 		return Sample{}, ErrNoLoad
 	}
+	if mf, ok := mfs[loraFamily]; ok {
+		s.LoRA = parseLoRA(mf)
+	}
 	return s, nil
+}
+
+// parseLoRA reads the latest series of vllm:lora_requests_info. A series
+// whose max_lora is not a positive number says nothing.
+func parseLoRA(mf *dto.MetricFamily) LoRA {
+	var best *dto.Metric
+	at := math.Inf(-1)
+	for _, m := range mf.GetMetric() {
+		if v, ok := value(m); ok && v > at {
+			best, at = m, v
+		}
+	}
+	if best == nil {
+		return LoRA{}
+	}
+	var l LoRA
+	for _, lp := range best.GetLabel() {
+		switch lp.GetName() {
+		case "max_lora":
+			if n, err := strconv.Atoi(strings.TrimSpace(lp.GetValue())); err == nil && n > 0 {
+				l.MaxLoRA = n
+			}
+		case "running_lora_adapters":
+			l.Running = adapterList(lp.GetValue())
+		case "waiting_lora_adapters":
+			l.Waiting = adapterList(lp.GetValue())
+		}
+	}
+	if l.MaxLoRA == 0 {
+		return LoRA{}
+	}
+	return l
+}
+
+// adapterList splits vLLM's comma-joined adapter names, nil for none.
+// Spaces around a name are dropped (the endpoint-picker protocol's
+// example writes "adapter1, adapter2").
+func adapterList(s string) []string {
+	var out []string
+	for name := range strings.SplitSeq(s, ",") {
+		if name = strings.TrimSpace(name); name != "" {
+			out = append(out, name)
+		}
+	}
+	return out
 }
 
 // value is a series' number whatever TYPE the family declared (an engine

@@ -2,6 +2,8 @@ package enginemetrics
 
 import (
 	"os"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -132,4 +134,89 @@ func TestParseFails(t *testing.T) {
 			}
 		})
 	}
+}
+
+func TestParseLoRA(t *testing.T) {
+	t.Parallel()
+	const load = "vllm:num_requests_running 1\n"
+	tests := []struct {
+		name string
+		text string
+		want LoRA
+	}{
+		{name: "no gauge: LoRA not enabled", text: load, want: LoRA{}},
+		{
+			name: "vLLM's shape: names comma-joined, value the time set",
+			text: load + "# TYPE vllm:lora_requests_info gauge\n" +
+				`vllm:lora_requests_info{max_lora="4",running_lora_adapters="sql,chat",waiting_lora_adapters="code"} 1.7e+09` + "\n",
+			want: LoRA{Running: []string{"sql", "chat"}, Waiting: []string{"code"}, MaxLoRA: 4},
+		},
+		{
+			name: "every label set stays a series: the latest one counts",
+			text: load +
+				`vllm:lora_requests_info{max_lora="2",running_lora_adapters="old",waiting_lora_adapters=""} 1.70000001e+09` + "\n" +
+				`vllm:lora_requests_info{max_lora="2",running_lora_adapters="new",waiting_lora_adapters="w"} 1.70000002e+09` + "\n" +
+				`vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.70000000e+09` + "\n",
+			want: LoRA{Running: []string{"new"}, Waiting: []string{"w"}, MaxLoRA: 2},
+		},
+		{
+			name: "an idle engine: nothing running or waiting",
+			text: load + `vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7e+09` + "\n",
+			want: LoRA{MaxLoRA: 2},
+		},
+		{
+			name: "spaces around names, empty entries",
+			text: load + `vllm:lora_requests_info{max_lora="3",running_lora_adapters=" a, b ,,",waiting_lora_adapters=""} 1` + "\n",
+			want: LoRA{Running: []string{"a", "b"}, MaxLoRA: 3},
+		},
+		{
+			name: "max_lora 0 or not a number says nothing",
+			text: load + `vllm:lora_requests_info{max_lora="x",running_lora_adapters="a",waiting_lora_adapters=""} 1` + "\n",
+			want: LoRA{},
+		},
+		{
+			name: "a NaN series is ignored",
+			text: load +
+				`vllm:lora_requests_info{max_lora="2",running_lora_adapters="nan",waiting_lora_adapters=""} NaN` + "\n" +
+				`vllm:lora_requests_info{max_lora="2",running_lora_adapters="a",waiting_lora_adapters=""} 5` + "\n",
+			want: LoRA{Running: []string{"a"}, MaxLoRA: 2},
+		},
+		{
+			name: "the testdata exposition of vLLM without LoRA (max_lora 0)",
+			text: readTestdata(t, "vllm.txt"),
+			want: LoRA{},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			got, err := Parse(strings.NewReader(tt.text))
+			require.NoError(t, err)
+			require.Equal(t, tt.want, got.LoRA)
+		})
+	}
+}
+
+func FuzzParseLoRA(f *testing.F) {
+	f.Add("4", "sql,chat", "code", "1.7e+09")
+	f.Add("", ",,", " ", "NaN")
+	f.Add("-1", "a", "", "-5")
+	f.Fuzz(func(t *testing.T, maxLoRA, running, waiting, value string) {
+		text := "vllm:num_requests_running 1\nvllm:lora_requests_info{max_lora=" + strconv.Quote(maxLoRA) +
+			",running_lora_adapters=" + strconv.Quote(running) + ",waiting_lora_adapters=" + strconv.Quote(waiting) + "} " + value + "\n"
+		s, err := Parse(strings.NewReader(text))
+		if err != nil {
+			return // not an exposition: Parse says so, it does not panic
+		}
+		l := s.LoRA
+		require.GreaterOrEqual(t, l.MaxLoRA, 0)
+		if l.MaxLoRA == 0 {
+			require.Equal(t, LoRA{}, l, "no max_lora, no adapters")
+		}
+		for _, a := range append(slices.Clone(l.Running), l.Waiting...) {
+			require.NotEmpty(t, a)
+			require.NotContains(t, a, ",")
+			require.Equal(t, strings.TrimSpace(a), a)
+		}
+	})
 }

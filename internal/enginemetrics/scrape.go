@@ -164,6 +164,7 @@ var filterQuery = func() string {
 	for _, name := range slices.Sorted(maps.Keys(families)) {
 		q.Add("name[]", name)
 	}
+	q.Add("name[]", loraFamily)
 	return q.Encode()
 }()
 

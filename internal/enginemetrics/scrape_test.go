@@ -470,3 +470,21 @@ func TestOptionsDefaults(t *testing.T) {
 	require.NotNil(t, o.Log)
 	require.NotPanics(t, func() { o.Failed("x", errors.New("y")) })
 }
+
+func TestRunFilterKeepsTheLoRAGauge(t *testing.T) {
+	t.Parallel()
+	text := "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running 2\n" +
+		"# TYPE vllm:lora_requests_info gauge\n" +
+		`vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql",waiting_lora_adapters=""} 1.7e+09` + "\n" +
+		"# TYPE process_open_fds gauge\nprocess_open_fds 87\n"
+	e := newEngine(t, promClient(text, false))
+	rec := newRecorder()
+	start(t, rec, Options{Targets: static(e.addr())})
+	require.Eventually(t, func() bool { n, _ := rec.counts(e.addr()); return n >= 2 }, eventually, poll)
+	rec.mu.Lock()
+	defer rec.mu.Unlock()
+	for _, s := range rec.stores[e.addr()] {
+		require.Equal(t, LoRA{Running: []string{"sql"}, MaxLoRA: 2}, s.LoRA, "name[] asks for the LoRA gauge too")
+	}
+	require.Zero(t, e.plain.Load(), "every scrape filtered")
+}

@@ -62,6 +62,7 @@ type Metrics struct {
 	served     *prometheus.CounterVec   // pool, endpoint, fallback
 	flowWait   *prometheus.HistogramVec // pool, leg, band, outcome
 	sessions   *prometheus.CounterVec   // pool, leg, outcome
+	loraPicks  *prometheus.CounterVec   // pool, leg, outcome
 	inFlight   prometheus.Gauge
 
 	// pools maps a pool name to its resolved children. It is replaced, never
@@ -144,12 +145,16 @@ func New() *Metrics {
 			Name: "pdx_session_picks_total",
 			Help: "Picks of requests that named a session (pools with session_affinity), by leg (prefill, decode) and outcome: kept (the session's first engine by its rendezvous order among the leg's, for a prefill its decode engine's group's) or moved (that engine could not take it: saturated, ejected, outside the gateway's subset hint or tried, and the next in the session's order did).",
 		}, []string{"pool", "leg", "outcome"}),
+		loraPicks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_lora_picks_total",
+			Help: "Picks for requests naming a LoRA adapter, by pool, leg (prefill, decode) and outcome: loaded (an endpoint with the adapter loaded, by its vllm:lora_requests_info or what pdx sent it), free_slot (one with fewer adapters than max_lora), blind (neither was usable; picked as any request).",
+		}, []string{"pool", "leg", "outcome"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "pdx_streams_in_flight",
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.sessions, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.sessions, m.loraPicks, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -327,6 +332,13 @@ func (p *Pool) addEndpoint(endpoint string) prometheus.Counter {
 func (p *Pool) Decision(decision string) {
 	if p != nil && p.name != "" {
 		p.m.decisions.WithLabelValues(p.name, decision).Inc()
+	}
+}
+
+// LoRAPick counts a pick of leg for a request naming a LoRA adapter.
+func (p *Pool) LoRAPick(leg string, o picker.LoRAOutcome) {
+	if p != nil && p.name != "" && o != picker.LoRANone {
+		p.m.loraPicks.WithLabelValues(p.name, leg, o.String()).Inc()
 	}
 }
 

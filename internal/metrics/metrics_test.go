@@ -94,6 +94,24 @@ pdx_prefill_attempts_total{endpoint="10.0.0.9:8000",pool="a",result="ok"} 2
 		histogramCounts(t, m, "pdx_prefill_duration_seconds", "pool", "outcome"))
 }
 
+func TestLoRAPicks(t *testing.T) {
+	m := New()
+	a := m.Pool(testTable(t).Pools()[0])
+	a.LoRAPick("decode", picker.LoRALoaded)
+	a.LoRAPick("decode", picker.LoRALoaded)
+	a.LoRAPick("prefill", picker.LoRAFreeSlot)
+	a.LoRAPick("prefill", picker.LoRABlind)
+	a.LoRAPick("prefill", picker.LoRANone) // a base-model request: not a LoRA pick
+	m.Pool(nil).LoRAPick("decode", picker.LoRALoaded)
+	require.NoError(t, testutil.CollectAndCompare(m.loraPicks, strings.NewReader(`
+# HELP pdx_lora_picks_total Picks for requests naming a LoRA adapter, by pool, leg (prefill, decode) and outcome: loaded (an endpoint with the adapter loaded, by its vllm:lora_requests_info or what pdx sent it), free_slot (one with fewer adapters than max_lora), blind (neither was usable; picked as any request).
+# TYPE pdx_lora_picks_total counter
+pdx_lora_picks_total{leg="decode",outcome="loaded",pool="a"} 2
+pdx_lora_picks_total{leg="prefill",outcome="blind",pool="a"} 1
+pdx_lora_picks_total{leg="prefill",outcome="free_slot",pool="a"} 1
+`)))
+}
+
 func TestDecodeLatenciesOnlyWhenObserved(t *testing.T) {
 	m := New()
 	a := m.Pool(testTable(t).Pools()[0])
@@ -188,6 +206,7 @@ func TestNilRecordsNothing(t *testing.T) {
 	p.DecodeDone(time.Second)
 	p.FirstByte(time.Second, time.Second)
 	p.Tokens(1, 1, 1)
+	p.LoRAPick("decode", picker.LoRALoaded)
 	require.Nil(t, m.Named("a", "nixl"))
 	m.StreamEnded()
 }

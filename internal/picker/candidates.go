@@ -46,6 +46,8 @@ type Candidates struct {
 	sentRead, heldRead bool
 	// start is Start's answer, -1 until asked.
 	start int
+	// tiers are the candidates' adapter tiers (preferAdapter), by index.
+	tiers []uint8
 }
 
 // freeCandidates keeps Candidates and their buffers between picks: a

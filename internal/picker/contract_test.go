@@ -203,7 +203,7 @@ func TestPoliciesDoNotAllocate(t *testing.T) {
 
 // peek is a pick that leases nothing: what a policy's tests look at.
 func (l *Leg) peek(req Request) (endpoint.Endpoint, bool) {
-	v, i, _, ok := l.pick(&req, false)
+	v, i, _, _, ok := l.pick(&req, false)
 	if !ok {
 		return endpoint.Endpoint{}, false
 	}

@@ -43,7 +43,11 @@ type health struct {
 	// work is a prefill endpoint's fluid model, on a line of its own that
 	// decode Sets never touch.
 	work fluid
-	_    [16]byte
+	// sent is what pdx sent the endpoint of the Set's adapters (lora.go),
+	// nil without Options.Adapters; on the second line, read only by picks
+	// for an adapter.
+	sent atomic.Pointer[adapterMemory]
+	_    [8]byte
 }
 
 // health fills two cache lines exactly (this fails to compile otherwise):

@@ -43,6 +43,10 @@ type Lease struct {
 	session SessionOutcome
 	// blocks are the prompt's, for Move to index them where it moves.
 	blocks []uint64
+	// adapter is the number of the request's adapter in the Set's table
+	// (-1: none, or not listed), for Move; lora how the pick went for it.
+	adapter int
+	lora    LoRAOutcome
 }
 
 // lease counts a request of role on the endpoint at position i of v (see
@@ -50,7 +54,11 @@ type Lease struct {
 // as the pick read it, or -1.
 func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	h, pos := v.states[i], v.first[i]
-	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, held: -1, blocks: req.Blocks}
+	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, held: -1, blocks: req.Blocks, adapter: -1}
+	if req.Adapter != "" {
+		l.adapter = s.adapters.index(req.Adapter)
+		s.sentAdapter(h, l.adapter)
+	}
 	// What the endpoint has cached is read before this prompt counts as
 	// sent there.
 	if role == RolePrefill || req.NeedCached {
@@ -79,6 +87,10 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	}
 	return l
 }
+
+// LoRA is how the pick went for the request's adapter (LoRANone: it has
+// none).
+func (l *Lease) LoRA() LoRAOutcome { return l.lora }
 
 // Endpoint is the leased endpoint.
 func (l *Lease) Endpoint() endpoint.Endpoint { return l.ep }
@@ -182,6 +194,7 @@ func (l *Lease) Move(ep endpoint.Endpoint) {
 	if i := v.position(ep); i >= 0 {
 		l.h = v.states[i]
 		s.count(l.h, l.tokens, l.prefill)
+		s.sentAdapter(l.h, l.adapter)
 		if len(l.blocks) > 0 {
 			v.index.add(i, l.blocks)
 		}

@@ -54,7 +54,7 @@ func newLeg(set *Set, p Policy, role Role) Leg {
 // Pick does not allocate when the request's slices are on the heap (its
 // Blocks stay with the lease).
 func (l *Leg) Pick(req Request) (Lease, bool) {
-	v, i, held, ok := l.pick(&req, false)
+	v, i, held, o, ok := l.pick(&req, false)
 	if !ok {
 		return Lease{}, false
 	}
@@ -62,6 +62,7 @@ func (l *Leg) Pick(req Request) (Lease, bool) {
 	if req.Session != 0 {
 		lease.session = v.sessionOutcome(&req, i)
 	}
+	lease.lora = o
 	return lease, true
 }
 
@@ -70,7 +71,7 @@ func (l *Leg) Pick(req Request) (Lease, bool) {
 // order, its turns left as they are), with Pick's rules. It leases nothing:
 // a fallback that serves takes the request's lease (Lease.Move).
 func (l *Leg) Next(req Request) (endpoint.Endpoint, bool) {
-	v, i, _, ok := l.pick(&req, true)
+	v, i, _, _, ok := l.pick(&req, true)
 	if !ok {
 		return endpoint.Endpoint{}, false
 	}
@@ -80,12 +81,14 @@ func (l *Leg) Next(req Request) (endpoint.Endpoint, bool) {
 // pick chooses req's endpoint (a fallback's when fallback) and returns its
 // position in the view it chose from, and how many of the prompt's token
 // blocks its engine reports holding when the policy asked (-1: not asked),
-// so that the lease need not match them again.
-func (l *Leg) pick(req *Request, fallback bool) (*view, int, int, bool) {
+// so that the lease need not match them again, and how the preference for
+// the request's adapter went.
+func (l *Leg) pick(req *Request, fallback bool) (*view, int, int, LoRAOutcome, bool) {
 	c := l.candidates(req, l.role)
 	if c == nil {
-		return nil, 0, -1, false
+		return nil, 0, -1, LoRANone, false
 	}
+	o := c.preferAdapter(req.Adapter)
 	var k int
 	switch {
 	case req.Session != 0:
@@ -117,5 +120,5 @@ func (l *Leg) pick(req *Request, fallback bool) (*view, int, int, bool) {
 		}
 	}
 	c.release()
-	return v, i, held, k >= 0
+	return v, i, held, o, k >= 0
 }

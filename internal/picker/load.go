@@ -28,6 +28,9 @@ type Load struct {
 	KVUsage float64
 	// At is when the engine said so.
 	At time.Time
+	// Adapters is what it said of its LoRA adapters; Observe keeps the
+	// slices, which the caller must not change after.
+	Adapters AdapterLoad
 }
 
 // load is a Load as picks read it: times in nanoseconds since Set.base.
@@ -40,6 +43,7 @@ type load struct {
 	ours int
 	// detached is health.detached when the load was stored.
 	detached uint32
+	lora     AdapterLoad
 }
 
 // Observe stores what the engine at address said of its load, for every
@@ -50,7 +54,7 @@ func (s *Set) Observe(address string, l Load) {
 	for i, ep := range v.endpoints {
 		if ep.Address == address {
 			h := v.states[i]
-			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load()})
+			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load(), lora: l.Adapters})
 		}
 	}
 	s.room.wake() // a lighter load may make room

@@ -57,6 +57,10 @@ type Request struct {
 	// (SessionKey): the pick is the first endpoint in the session's order
 	// that the shared rules admit, whatever the policy (see session.go).
 	Session uint64
+	// Adapter is the LoRA adapter the request is for, "" for the base
+	// model: the pick prefers endpoints that have it loaded, then those
+	// with a free adapter slot (lora.go).
+	Adapter string
 }
 
 // PrefixCache is what the engines report their KV caches hold, learned

@@ -53,6 +53,10 @@ type Options struct {
 	// TokenBlocks are matched against it. Inherit passes it on unless the
 	// new Options name another.
 	Cache PrefixCache
+	// Adapters are the LoRA adapters the pool serves (lora.go): the Set
+	// remembers which it sent each endpoint. Engines may report others;
+	// picks for those read the engines' word alone.
+	Adapters []string
 }
 
 // Set is a leg's endpoints and their passive health: an endpoint whose calls
@@ -87,7 +91,9 @@ type Set struct {
 	// indexBlocks is the capacity of each view's prefix index.
 	indexBlocks int
 	cache       PrefixCache
-	now         func() time.Time
+	// adapters numbers Options.Adapters; nil without.
+	adapters *adapterTable
+	now      func() time.Time
 	// base is the clock reading at construction. Times are stored as
 	// nanoseconds since base, so they fit in an atomic int64 and, with
 	// time.Now, are measured on the monotonic clock (immune to wall-clock
@@ -164,7 +170,9 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		room:        new(room),
 	}
 	var prev *view
+	var prevAdapters *adapterTable
 	if opts.Inherit != nil {
+		prevAdapters = opts.Inherit.adapters
 		// Shared health holds times relative to base, so share that too.
 		s.base = opts.Inherit.base
 		s.room = opts.Inherit.room
@@ -175,6 +183,7 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 	} else {
 		s.base = s.now()
 	}
+	s.adapters = newAdapterTable(opts.Adapters, prevAdapters)
 	s.view.Store(s.newView(endpoints, prev))
 	return s
 }
@@ -233,6 +242,7 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 				h = new(health)
 			}
 			h.seed = xxhash.Sum64String(ep.Address)
+			s.remember(h)
 			if h.ranks == nil && ep.DPSize > 1 {
 				// Endpoints with other DP sizes are other endpoints:
 				// an inherited health has its ranks already.

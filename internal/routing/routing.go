@@ -36,6 +36,12 @@ type Pool struct {
 	// models no pool lists.
 	Models  []string
 	Default bool
+	// Adapters are the LoRA adapters the pool lists (lora.adapters): a
+	// request for one comes to this pool. LoRA: the pool has a lora
+	// config, so a model it does not list among Models is an adapter its
+	// engines may report (see Adapter).
+	Adapters []string
+	LoRA     bool
 	// Prefill and Decode are the pool's two legs. Requests pick through
 	// PickDecode and PickPrefill, which pair them.
 	Prefill picker.Leg
@@ -84,6 +90,21 @@ type Pool struct {
 	update sync.Mutex
 	// changed, when set (NewTable sets it), is told of every SetEndpoints.
 	changed func()
+}
+
+// Adapter is the LoRA adapter a request for model uses in the pool, ""
+// for a base model: a listed adapter, or with a lora config any model
+// that is not one of Models (its engines report which they serve).
+func (p *Pool) Adapter(model string) string {
+	switch {
+	case model == "":
+		return ""
+	case slices.Contains(p.Adapters, model):
+		return model
+	case p.LoRA && !slices.Contains(p.Models, model):
+		return model
+	}
+	return ""
 }
 
 // Render is a pool's source of prompt tokens (the config's Render).
@@ -441,6 +462,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		FailureThreshold: int(pc.GetEjectAfterFailures()),
 		CoolDown:         pc.GetEjectDuration().AsDuration(),
 		StaleAfter:       staleAfter,
+		Adapters:         pc.GetLora().GetAdapters(),
 	}
 	var render *Render
 	if r := pc.GetRender(); r != nil && !r.GetDisabled() {
@@ -479,6 +501,8 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		Name:           pc.GetName(),
 		Models:         pc.GetModels(),
 		Default:        pc.GetDefault(),
+		Adapters:       pc.GetLora().GetAdapters(),
+		LoRA:           pc.GetLora() != nil,
 		ConnectorName:  pc.GetConnector(),
 		Connector:      conn,
 		Traits:         traits,
@@ -529,6 +553,11 @@ func NewTable(limits Limits, pools ...*Pool) *Table {
 		for _, m := range p.Models {
 			t.byModel[m] = p
 			t.models = append(t.models, m)
+		}
+		// GET /v1/models lists adapters as vLLM does, after the models.
+		for _, a := range p.Adapters {
+			t.byModel[a] = p
+			t.models = append(t.models, a)
 		}
 		if p.Default {
 			t.fallback = p

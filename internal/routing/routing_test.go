@@ -402,3 +402,59 @@ pools:
 	require.Len(t, decodes, 3, "the sessions spread over the decode engines")
 	require.Len(t, prefills, 4, "and over the prefill engines")
 }
+
+func TestLoRAAdapters(t *testing.T) {
+	cfg, err := config.Parse([]byte(`
+pools:
+- name: tuned
+  models: [base]
+  lora: {adapters: [sql, chat]}
+  connector: nixl
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:2}]
+- name: any
+  models: [other-base]
+  lora: {}
+  connector: nixl
+  prefill: [{address: 127.0.0.1:5}]
+  decode: [{address: 127.0.0.1:6}]
+- name: rest
+  default: true
+  connector: nixl
+  prefill: [{address: 127.0.0.1:3}]
+  decode: [{address: 127.0.0.1:4}]
+`))
+	require.NoError(t, err)
+	table, err := New(cfg)
+	require.NoError(t, err)
+
+	for _, tc := range []struct {
+		model, pool, adapter string
+	}{
+		{model: "sql", pool: "tuned", adapter: "sql"},
+		{model: "chat", pool: "tuned", adapter: "chat"},
+		{model: "base", pool: "tuned", adapter: ""},
+		{model: "other-base", pool: "any", adapter: ""},
+		{model: "unlisted", pool: "rest", adapter: ""}, // the default pool has no lora config
+	} {
+		p, ok := table.Lookup(tc.model)
+		require.True(t, ok, tc.model)
+		require.Equal(t, tc.pool, p.Name, tc.model)
+		require.Equal(t, tc.adapter, p.Adapter(tc.model), tc.model)
+	}
+	anyPool, _ := table.Pool("any")
+	require.Equal(t, "reported", anyPool.Adapter("reported"), "with a lora config, a model it does not list is an adapter its engines may report")
+	models, _ := table.Models()
+	require.Equal(t, []string{"base", "sql", "chat", "other-base"}, models, "adapters listed after their pool's models")
+
+	// Both legs remember the pool's adapters.
+	tuned, _ := table.Pool("tuned")
+	lease, err := tuned.PickDecode(picker.Request{Adapter: "sql"})
+	require.NoError(t, err)
+	require.Equal(t, picker.LoRAFreeSlot, lease.LoRA())
+	lease.End(picker.Released)
+	lease, err = tuned.PickDecode(picker.Request{Adapter: "sql"})
+	require.NoError(t, err)
+	require.Equal(t, picker.LoRALoaded, lease.LoRA(), "sent there last")
+	lease.End(picker.Released)
+}

@@ -89,6 +89,13 @@ type Capacity struct {
 	// is slowed down by them. 0 means no budget: prefill and decode do not
 	// share the GPU (the model before it existed).
 	MaxBatchedTokens int
+	// MaxLoRA is vLLM's --max-loras: the adapters (Config.LoRAModules) on
+	// the GPU, and at most that many distinct ones in the running batch
+	// (lora.go); 0 models no adapters. LoRALoad is the engine's time to
+	// load an adapter that is not on the GPU, spent before the request's
+	// prompt computes (a decode's before its first token).
+	MaxLoRA  int
+	LoRALoad time.Duration
 }
 
 // Figures of ReferenceCapacity, Llama-3-8B in 16-bit on one H100 SXM 80 GB.
@@ -189,6 +196,8 @@ func (c *Capacity) validate() error {
 		return fmt.Errorf("enginesim: Capacity.BlockTokens must be at least 1, got %d", c.BlockTokens)
 	case c.KVBlocks < 1:
 		return fmt.Errorf("enginesim: Capacity.KVBlocks must be at least 1, got %d", c.KVBlocks)
+	case c.MaxLoRA < 0:
+		return fmt.Errorf("enginesim: Capacity.MaxLoRA must not be negative (0: no adapters), got %d", c.MaxLoRA)
 	case c.MaxBatchedTokens < 0:
 		return fmt.Errorf("enginesim: Capacity.MaxBatchedTokens must not be negative (0: no step budget), got %d", c.MaxBatchedTokens)
 	case !(c.PrefillTokensPerSec > 0) || math.IsInf(c.PrefillTokensPerSec, 0):
@@ -197,6 +206,7 @@ func (c *Capacity) validate() error {
 	for name, d := range map[string]time.Duration{
 		"PrefillOverhead": c.PrefillOverhead, "DecodeStep": c.DecodeStep,
 		"DecodeStepPerSeq": c.DecodeStepPerSeq, "KVPullPerBlock": c.KVPullPerBlock,
+		"LoRALoad": c.LoRALoad,
 	} {
 		if d < 0 {
 			return fmt.Errorf("enginesim: Capacity.%s must not be negative, got %v", name, d)
@@ -302,6 +312,8 @@ type engineLoad struct {
 	// (share.go).
 	run    promptRun
 	shared time.Duration
+	// lora is the engine's adapters (Capacity.MaxLoRA).
+	lora loraSlots
 }
 
 func newEngineLoad(c *Capacity, pub *kvPublisher) *engineLoad {
@@ -310,6 +322,7 @@ func newEngineLoad(c *Capacity, pub *kvPublisher) *engineLoad {
 		cp := *c // the caller's Config may change; the model must not
 		m.capa = &cp
 		m.cache = newPrefixCache(cp.KVBlocks)
+		m.lora = newLoRASlots(&cp)
 		if pub != nil {
 			m.kvpub = pub
 			m.cache.events = &kvEventLog{blockTokens: cp.BlockTokens, tokenScale: pub.cfg.TokenScale}
@@ -332,6 +345,10 @@ type ticket struct {
 	// a decode's starting seat.paid: the prompt compute shared with the
 	// batch before it was admitted (share.go)
 	paid time.Duration
+	// adapter is the request's LoRA adapter, "" for the base model, and
+	// loadLoRA the time its load takes once granted (lora.go).
+	adapter  string
+	loadLoRA time.Duration
 }
 
 // busyClock accumulates the time a count was above zero.
@@ -436,28 +453,53 @@ func (m *engineLoad) lookup(p promptBlocks) int {
 // batch have room, in FIFO order (a head that does not fit blocks those
 // behind it, as in vLLM's FCFS scheduler). m.mu is held.
 func (m *engineLoad) dispatch() {
-	for m.prefilling == 0 && len(m.prefillQ) > 0 {
-		t := m.prefillQ[0]
-		m.prefillQ = m.prefillQ[1:]
+	for m.prefilling == 0 {
+		i := m.admissible(m.prefillQ)
+		if i < 0 {
+			break
+		}
+		t := m.prefillQ[i]
+		m.prefillQ = slices.Delete(m.prefillQ, i, i+1)
 		m.prefilling++
 		m.truth.current = t
-		t.granted = true
-		close(t.ready)
+		m.grant(t)
 	}
-	for len(m.decodeQ) > 0 {
-		t := m.decodeQ[0]
+	for {
+		i := m.admissible(m.decodeQ)
+		if i < 0 {
+			break
+		}
+		t := m.decodeQ[i]
 		if m.decoding >= m.capa.MaxRunning || (m.decoding > 0 && !m.cache.fits(t.hashes, t.private)) {
 			break
 		}
-		m.decodeQ = m.decodeQ[1:]
+		m.decodeQ = slices.Delete(m.decodeQ, i, i+1)
 		m.decoding++
 		m.cache.pin(t.hashes, t.ids, t.private)
 		t.paid = m.sharedAt(time.Now())
-		t.granted = true
-		close(t.ready)
+		m.grant(t)
 	}
 	m.flushKV()
 	m.changed()
+}
+
+// admissible is the first ticket of q the batch's adapters let in (vLLM
+// skips a waiting request whose adapter would exceed max_loras and goes
+// on with those behind it), -1 when none does.
+func (m *engineLoad) admissible(q []*ticket) int {
+	for i, t := range q {
+		if m.lora.admits(t.adapter) {
+			return i
+		}
+	}
+	return -1
+}
+
+// grant hands t its place, its adapter now running (loaded if it must be).
+func (m *engineLoad) grant(t *ticket) {
+	t.loadLoRA = m.lora.start(t.adapter)
+	t.granted = true
+	close(t.ready)
 }
 
 // await waits for t, queued in q, to be granted. If ctx ends first, t leaves
@@ -473,8 +515,10 @@ func (m *engineLoad) await(ctx context.Context, t *ticket, q *[]*ticket, ungrant
 	defer m.mu.Unlock()
 	if t.granted {
 		ungrant()
+		m.lora.stop(t.adapter)
 	} else {
 		*q = slices.DeleteFunc(*q, func(o *ticket) bool { return o == t })
+		m.lora.unqueue(t.adapter)
 	}
 	m.dispatch()
 	return ctx.Err()
@@ -500,18 +544,30 @@ func (s *Server) computePrompt(ctx context.Context, req *inferenceRequest) error
 		}()
 		return sleep(ctx, s.prefillTime(req))
 	}
-	return m.prefill(ctx, blocksOf(req.prompt, m.capa.BlockTokens))
+	return m.prefill(ctx, blocksOf(req.prompt, m.capa.BlockTokens), s.adapterOf(req))
 }
 
-// prefill computes p on the FIFO prefill server.
-func (m *engineLoad) prefill(ctx context.Context, p promptBlocks) error {
-	t := &ticket{ready: make(chan struct{}), prompt: &p}
+// prefill computes p, a prompt of adapter ("": the base model's), on the
+// FIFO prefill server.
+func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string) error {
+	t := &ticket{ready: make(chan struct{}), prompt: &p, adapter: adapter}
 	m.mu.Lock()
 	m.prefillQ = append(m.prefillQ, t)
+	m.lora.queue(adapter)
 	m.truth.queued()
 	m.dispatch()
 	m.mu.Unlock()
 	if err := m.await(ctx, t, &m.prefillQ, func() { m.prefilling-- }); err != nil {
+		return err
+	}
+	// Loading the adapter holds the prefill server, as it holds vLLM's
+	// step.
+	if err := sleep(ctx, t.loadLoRA); err != nil {
+		m.mu.Lock()
+		m.prefilling--
+		m.lora.stop(adapter)
+		m.dispatch()
+		m.mu.Unlock()
 		return err
 	}
 
@@ -554,6 +610,7 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks) error {
 		m.cache.insert(p.hashes, p.ids)
 	}
 	m.prefilling--
+	m.lora.stop(adapter)
 	m.dispatch()
 	return err
 }
@@ -583,7 +640,7 @@ func (s *Server) transferKV(ctx context.Context, req *inferenceRequest) error {
 // admit waits for a place in the decode batch for req's sequence and
 // returns it (its leave gives it back). Without Capacity it only counts the
 // sequence. The error is ctx's.
-func (m *engineLoad) admit(ctx context.Context, req *inferenceRequest) (*seat, error) {
+func (m *engineLoad) admit(ctx context.Context, req *inferenceRequest, adapter string) (*seat, error) {
 	if m.capa == nil {
 		m.mu.Lock()
 		m.decoding++
@@ -599,16 +656,27 @@ func (m *engineLoad) admit(ctx context.Context, req *inferenceRequest) (*seat, e
 	bt := m.capa.BlockTokens
 	p := blocksOf(req.prompt, bt)
 	total := (p.tokens + req.maxTokens + bt - 1) / bt
-	t := &ticket{ready: make(chan struct{}), hashes: p.hashes, ids: p.ids, private: total - len(p.hashes)}
+	t := &ticket{ready: make(chan struct{}), hashes: p.hashes, ids: p.ids, private: total - len(p.hashes), adapter: adapter}
 	release := func() {
 		m.decoding--
 		m.cache.unpin(t.hashes, t.private)
+		m.lora.stop(adapter)
 	}
 	m.mu.Lock()
 	m.decodeQ = append(m.decodeQ, t)
+	m.lora.queue(adapter)
 	m.dispatch()
 	m.mu.Unlock()
-	if err := m.await(ctx, t, &m.decodeQ, release); err != nil {
+	if err := m.await(ctx, t, &m.decodeQ, func() { m.decoding--; m.cache.unpin(t.hashes, t.private) }); err != nil {
+		return nil, err
+	}
+	// A decode engine needs the adapter too: loading it delays the
+	// sequence's first step.
+	if err := sleep(ctx, t.loadLoRA); err != nil {
+		m.mu.Lock()
+		release()
+		m.dispatch()
+		m.mu.Unlock()
 		return nil, err
 	}
 	return &seat{m: m, paid: t.paid, leave: func() {
@@ -642,7 +710,7 @@ func (m *engineLoad) batchStep(n int) time.Duration {
 func (s *Server) generateBatched(x *exchange) {
 	toks := outputTokens(x.rec.Fingerprint, x.req.maxTokens)
 	work := x.workContext()
-	seat, err := s.load.admit(work, x.req)
+	seat, err := s.load.admit(work, x.req, s.adapterOf(x.req))
 	if err != nil {
 		s.interrupted(x, work, nil)
 		return

@@ -422,7 +422,7 @@ func (s *Server) generate(x *exchange) {
 		s.generateBatched(x)
 		return
 	}
-	seat, _ := s.load.admit(x.r.Context(), x.req) // without Capacity it only counts
+	seat, _ := s.load.admit(x.r.Context(), x.req, s.adapterOf(x.req)) // without Capacity it only counts
 	defer seat.leave()
 	toks := outputTokens(x.rec.Fingerprint, x.req.maxTokens)
 	if x.req.stream {

@@ -151,6 +151,9 @@ func (c loadCollector) Collect(ch chan<- prometheus.Metric) {
 func (s *Server) metricsHandler() http.Handler {
 	reg := prometheus.NewRegistry()
 	reg.MustRegister(loadCollector{s: s, metrics: engineMetrics(s.cfg.Connector)})
+	if s.load.lora.on() && s.cfg.Connector != ConnectorSGLang && s.cfg.Connector != ConnectorTRTLLM {
+		reg.MustRegister(loraCollector{m: s.load})
+	}
 	return promhttp.HandlerFor(reg, promhttp.HandlerOpts{})
 }
 

@@ -134,6 +134,11 @@ type Config struct {
 	// server, a decode batch, a prefix cache and KV pull times (see
 	// Capacity). GET /metrics reports its queues and cache either way.
 	Capacity *Capacity
+	// LoRAModules are the LoRA adapters the engine serves (vLLM's
+	// --lora-modules names, with --enable-lora): a request whose model is
+	// one of them uses it, and under Capacity.MaxLoRA competes for the
+	// engine's adapter slots (lora.go). GET /v1/models lists them.
+	LoRAModules []string
 	// ServedModelName is the model GET /v1/models lists (vLLM's
 	// --served-model-name); default ModelName. Requests may name any.
 	ServedModelName string
@@ -159,6 +164,9 @@ type Tally struct {
 	// prefills wrongly leaves behind, since vLLM serves both. They are
 	// counted with or without TallyOnly (see State too).
 	LongPrefill, StreamedPrefill int
+	// LoRALoads counts adapters loaded onto the GPU (Capacity.MaxLoRA),
+	// with or without TallyOnly.
+	LoRALoads int
 }
 
 const (
@@ -616,10 +624,15 @@ func (s *Server) count(rec Record) {
 // Tally returns the counts of an engine started with TallyOnly (and, in
 // any mode, LongPrefill and StreamedPrefill).
 func (s *Server) Tally() Tally {
+	m := s.load
+	m.mu.Lock()
+	loads := int(m.lora.loads)
+	m.mu.Unlock()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	t := s.tally
 	t.LongPrefill, t.StreamedPrefill = s.longPrefills, s.streamedPrefills
+	t.LoRALoads = loads
 	return t
 }
 
@@ -710,13 +723,18 @@ func (s *Server) handleModels(w http.ResponseWriter, _ *http.Request) {
 	if name == "" {
 		name = ModelName
 	}
-	writeJSON(w, http.StatusOK, map[string]any{
-		"object": "list",
-		"data": []map[string]any{{
-			"id": name, "object": "model", "created": time.Now().Unix(),
-			"owned_by": "pdx", "root": name,
-		}},
-	})
+	data := []map[string]any{{
+		"id": name, "object": "model", "created": time.Now().Unix(),
+		"owned_by": "pdx", "root": name,
+	}}
+	// vLLM lists its LoRA modules after the base model, their parent.
+	for _, a := range s.cfg.LoRAModules {
+		data = append(data, map[string]any{
+			"id": a, "object": "model", "created": time.Now().Unix(),
+			"owned_by": "pdx", "root": a, "parent": name,
+		})
+	}
+	writeJSON(w, http.StatusOK, map[string]any{"object": "list", "data": data})
 }
 
 // ModelName is the model /v1/models lists by default
