@@ -16,6 +16,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/metrics"
+	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -168,6 +169,7 @@ func registered(t *testing.T) map[string]dto.MetricType {
 		Prefill:        []*configv1.Endpoint{{Address: "127.0.0.1:8100"}},
 		Decode:         []*configv1.Endpoint{{Address: "127.0.0.1:8200"}},
 		PrefillTimeout: durationpb.New(time.Second),
+		Saturation:     &configv1.Saturation{QueueDepth: 5, KvUsage: 0.8, MaxQueueTime: durationpb.New(time.Second)},
 	}}})
 	require.NoError(t, err)
 	m := metrics.New()
@@ -183,6 +185,9 @@ func registered(t *testing.T) map[string]dto.MetricType {
 	pool.DecodeDone(time.Millisecond)
 	pool.FirstByte(time.Millisecond, time.Millisecond)
 	pool.Tokens(3, 2, 1)
+	pool.Waited("decode", 0, "admitted", time.Millisecond)
+	pool.LoRAPick("decode", picker.LoRALoaded)
+	pool.Session(picker.RoleDecode, picker.SessionKept)
 	m.ScrapeFailed("127.0.0.1:8200")
 	families, err := m.Registry().Gather()
 	require.NoError(t, err)
@@ -292,7 +297,8 @@ func TestDashboardUsesPdxMetrics(t *testing.T) {
 	// What the issue asks the dashboard to show.
 	for _, name := range []string{"pdx_requests_total", "pdx_prefill_duration_seconds", "pdx_handoff_duration_seconds",
 		"pdx_ttft_seconds", "pdx_decode_duration_seconds", "pdx_tokens_total", "pdx_endpoint_in_flight",
-		"pdx_engine_metrics_failures_total", "pdx_disaggregation_decisions_total"} {
+		"pdx_engine_metrics_failures_total", "pdx_disaggregation_decisions_total",
+		"pdx_flow_control_waiting", "pdx_flow_control_wait_seconds", "pdx_lora_picks_total", "pdx_session_picks_total"} {
 		require.True(t, seen[name], "the dashboard shows %s", name)
 	}
 }

@@ -177,11 +177,23 @@ func (c *Controller) MaxWait(priority int) time.Duration {
 }
 
 // Waiting calls fn with the number of requests waiting in each band, by
-// priority, every leg and group together.
+// priority, every leg and group together: the bands the config names (0,
+// its objectives', its bands') always, others while requests wait in them.
 func (c *Controller) Waiting(fn func(priority, n int)) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	n := map[int]int{}
+	n := map[int]int{0: 0}
+	for _, p := range c.cfg.Priorities {
+		n[p] = 0
+	}
+	for p := range c.cfg.MaxWait {
+		n[p] = 0
+	}
+	if m := c.objectives.Load(); m != nil {
+		for _, p := range *m {
+			n[p] = 0
+		}
+	}
 	for _, q := range c.queues {
 		for _, b := range q.bands {
 			n[b.priority] += b.n

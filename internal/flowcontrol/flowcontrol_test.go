@@ -251,7 +251,7 @@ func TestBounds(t *testing.T) {
 	enqueue(t, t.Context(), c, r, "batch-2", Request{Objective: "batch"}, out)
 	bands := map[int]int{}
 	c.Waiting(func(p, n int) { bands[p] = n })
-	require.Equal(t, map[int]int{-2: 1, -1: 2}, bands)
+	require.Equal(t, map[int]int{-2: 1, -1: 2, 0: 0}, bands, "the config's bands always, empty or not")
 
 	// Full: a sheddable newcomer displaces only a lower band; a request
 	// of band 0 the newest of the lowest band.
@@ -275,7 +275,7 @@ func TestBounds(t *testing.T) {
 
 	clear(bands)
 	c.Waiting(func(p, n int) { bands[p] = n })
-	require.Equal(t, map[int]int{0: 3}, bands)
+	require.Equal(t, map[int]int{-2: 0, -1: 0, 0: 3}, bands)
 	require.Equal(t, []string{"chat", "chat-2", "chat-3"}, admitOrder(t, r, out, 3))
 }
 
