@@ -26,7 +26,7 @@ const (
 	// vLLM, runs every request it is sent at once, sharing its compute,
 	// up to max_num_seqs: its waiting count, the default signal, stays
 	// 0.) KV usage is no signal here: unique prompts fill the caches.
-	flowSaturation = "saturation: {max_in_flight: 3, kv_usage: 1, max_queue_time: %s}\n"
+	flowSaturation = "saturation: {max_in_flight: 2, kv_usage: 1, max_queue_time: %s}\n"
 	// flowCalibration is the burst that measures the rig's capacity, per
 	// prefill engine.
 	flowCalibration = 50
