@@ -83,9 +83,16 @@ bench: envoy vllm-router
 ## oracle that reads the simulators' state (tens of minutes);
 ## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
 ## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
-.PHONY: replay
+## Then the flow-control experiment (tenants sharing a saturated pool, a
+## few minutes) into bench/replay/flow/.
+.PHONY: replay replay-flow
 replay: envoy vllm-router
 	$(GO) run ./cmd/pdx-replay --out bench/replay $(REPLAY_ARGS)
+	$(GO) run ./cmd/pdx-replay --flow --out bench/replay
+
+## replay-flow: the flow-control experiment alone.
+replay-flow: envoy
+	$(GO) run ./cmd/pdx-replay --flow --out bench/replay
 
 ## k8s-translate: Envoy Gateway's own translator (egctl, the go.mod's version
 ## of github.com/envoyproxy/gateway, built into .tools/egctl) turns
