@@ -48,7 +48,15 @@ func newFlowClient(t *testing.T, st *stack.Stack) *flowClient {
 	return &flowClient{t: t, st: st, hc: hc, got: map[string]answer{}}
 }
 
-func flowText(name string) string { return "request " + name + " of the flow-control test" }
+// flowText is request name's prompt: a long one (about 900 tokens) for
+// names that start with "big".
+func flowText(name string) string {
+	text := "request " + name + " of the flow-control test"
+	if strings.HasPrefix(name, "big") {
+		text += strings.Repeat(" a long prompt", 250)
+	}
+	return text
+}
 
 // send sends request name with headers (name, value, ...) on ctx. A
 // request that is to wait (queued) is sent once pdx counts it waiting.
@@ -156,6 +164,18 @@ func TestFlowControlOrder(t *testing.T) {
 		}
 		require.Equal(t, []string{"first", "a0", "b0", "a1", "b1", "a2", "a3"},
 			c.served("first", "a0", "a1", "a2", "a3", "b0", "b1"))
+	})
+	t.Run("token usage: the flow served fewest tokens first", func(t *testing.T) {
+		st := flowStack(t, "{fairness: token_usage}")
+		c := newFlowClient(t, st)
+		c.send(t.Context(), "first", false)
+		for _, n := range []string{"big0", "big1", "small0", "small1", "small2"} {
+			c.send(t.Context(), n, true, "x-llm-d-inference-fairness-id", strings.TrimRight(n, "0123456789"))
+		}
+		// big0 is served first (the flows are level), and its ~900
+		// tokens let small's three go before big1.
+		require.Equal(t, []string{"first", "big0", "small0", "small1", "small2", "big1"},
+			c.served("first", "big0", "big1", "small0", "small1", "small2"))
 	})
 	t.Run("the headers reach no engine", func(t *testing.T) {
 		st := flowStack(t, "{}")

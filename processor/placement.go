@@ -47,6 +47,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	r.tokens, r.promptBytes = len(text)/picker.BytesPerToken, len(text)
 	r.tokenBlocks = r.tokenBlocks[:0]
 	r.rendered, r.tokenBlockSize = r.tokenize(ctx, pool, creq, model), pool.KVBlockSize
+	r.flow.Tokens = r.tokens // token-usage fairness counts them
 	t, err := r.awaitRoom(ctx, pool, pool.Decode.Set, "", "decode")
 	if err != nil {
 		return "", err
