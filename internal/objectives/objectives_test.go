@@ -172,7 +172,7 @@ func TestWatcher(t *testing.T) {
 			want:  map[string]int{"bad": 0, "ok": 4, "other": 1}, wantLog: `spec.priority is not an integer`},
 		{name: "fractional priority is malformed", existing: []runtime.Object{objective(llmd, "bad", "pool-a", 1.5)},
 			want: map[string]int{"bad": 0}, wantLog: `priority=1.5`},
-		{name: "out of int32 range is malformed", existing: []runtime.Object{objective(llmd, "bad", "pool-a", int64(1) << 40)},
+		{name: "out of int32 range is malformed", existing: []runtime.Object{objective(llmd, "bad", "pool-a", int64(1)<<40)},
 			want: map[string]int{"bad": 0}, wantLog: `priority=1099511627776`},
 		{name: "config entry wins", configured: map[string]int{"critical": 100},
 			existing: []runtime.Object{objective(llmd, "critical", "pool-a", int64(10)), objective(llmd, "batch", "pool-a", int64(-5))},
