@@ -54,6 +54,7 @@ import (
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/discovery"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/objectives"
 	"github.com/pdx-router/pdx/processor"
 )
 
@@ -521,6 +522,26 @@ func TestChartRenders(t *testing.T) {
 				require.Equal(t, namespace, p.cfg.GetPools()[1].GetKubernetes().GetNamespace(), "the release namespace, filled in")
 			},
 		},
+		{
+			// Static endpoints, objectives from another namespace: a Role
+			// there, and none in the release's.
+			name: "objectives from the cluster",
+			values: map[string]any{"config": map[string]any{"pools": []any{
+				map[string]any{
+					"name": "a", "models": []any{"a"}, "connector": "nixl",
+					"prefill": []any{map[string]any{"address": "10.0.0.1:8000"}}, "decode": []any{map[string]any{"address": "10.0.0.2:8000"}},
+					"flow_control": map[string]any{"kubernetes_objectives": map[string]any{"namespace": "tenants", "pool": "pool-a"}},
+				},
+			}}},
+			kinds: pdxKinds,
+			check: func(t *testing.T, r rendered, p pdx) {
+				var ns []string
+				for _, role := range all[*rbacv1.Role](r.objs) {
+					ns = append(ns, role.Namespace)
+				}
+				require.Equal(t, []string{"tenants"}, ns)
+			},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -654,8 +675,20 @@ func checkRBAC(t *testing.T, objs []object, p pdx) {
 	}
 	sa := get[*corev1.ServiceAccount](t, objs, p.dep.Spec.Template.Spec.ServiceAccountName)
 	rules := boundRules(t, objs, sa)
+	objectiveNamespaces := 0
+	for _, pool := range p.cfg.GetPools() {
+		if k := pool.GetFlowControl().GetKubernetesObjectives(); k != nil {
+			objectiveNamespaces++
+			for _, res := range objectives.Resources {
+				require.True(t, grants(rules[k.GetNamespace()], res.Group, res.Resource),
+					"pool %s reads %s in namespace %s: the chart must grant get, list and watch", pool.GetName(), res.GroupResource(), k.GetNamespace())
+			}
+		}
+	}
 	if len(targets) == 0 {
-		require.Empty(t, rules, "no pool discovers engines: pdx needs no rights")
+		if objectiveNamespaces == 0 {
+			require.Empty(t, rules, "no pool discovers engines or objectives: pdx needs no rights")
+		}
 		return
 	}
 	asked, err := discover(t, targets, rules, 10*time.Second)
@@ -679,6 +712,15 @@ func checkRBAC(t *testing.T, objs []object, p pdx) {
 	}
 	_, err = discover(t, targets, fewer, 300*time.Millisecond)
 	require.Error(t, err)
+}
+
+// grants reports whether rules allow get, list and watch of resource in
+// group.
+func grants(rules []rbacv1.PolicyRule, group, resource string) bool {
+	return slices.ContainsFunc(rules, func(r rbacv1.PolicyRule) bool {
+		return slices.Contains(r.APIGroups, group) && slices.Contains(r.Resources, resource) &&
+			slices.Contains(r.Verbs, "get") && slices.Contains(r.Verbs, "list") && slices.Contains(r.Verbs, "watch")
+	})
 }
 
 // boundRules are the rules of the Roles bound to sa, by the Role's

@@ -601,7 +601,10 @@ func TestPdxWorkload(t *testing.T) {
 			}
 		}
 	}
-	want := map[string]bool{"/pods": true, "discovery.k8s.io/endpointslices": true}
+	want := map[string]bool{
+		"/pods": true, "discovery.k8s.io/endpointslices": true,
+		"llm-d.ai/inferenceobjectives": true, "inference.networking.x-k8s.io/inferenceobjectives": true,
+	}
 	got := map[string]bool{}
 	for _, r := range bound {
 		require.ElementsMatch(t, []string{"get", "list", "watch"}, r.Verbs, "pdx only reads")
@@ -612,7 +615,7 @@ func TestPdxWorkload(t *testing.T) {
 			}
 		}
 	}
-	require.Equal(t, want, got, "pdx's Role: get/list/watch pods and discovery.k8s.io endpointslices")
+	require.Equal(t, want, got, "pdx's Role: get/list/watch pods, discovery.k8s.io endpointslices and inferenceobjectives")
 	// ... in every namespace a pool discovers its engines in.
 	for _, pool := range loadPdx(t, objs).cfg.GetPools() {
 		if k := pool.GetKubernetes(); k != nil {

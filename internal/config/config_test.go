@@ -188,6 +188,12 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[0].flow_control.bands[1].priority: 1 is listed twice`,
 			`config: pools[0].flow_control.bands[1].max_queue_time: -1s must not be negative`,
 			`config: pools[1].flow_control: needs saturation, which is disabled: nothing would ever wait`}},
+		{"flow_control.kubernetes_objectives", pools(pool(`flow_control: {kubernetes_objectives: {}}`),
+			pool("name: q", "models: [q]", `flow_control: {kubernetes_objectives: {namespace: Team_A, pool: "pool/x"}}`)), []string{
+			`config: pools[0].flow_control.kubernetes_objectives.namespace: required`,
+			`config: pools[0].flow_control.kubernetes_objectives.pool: required: the InferencePool the objects' spec.poolRef names`,
+			`config: pools[1].flow_control.kubernetes_objectives.namespace: "Team_A" is not valid`,
+			`config: pools[1].flow_control.kubernetes_objectives.pool: "pool/x" is not valid`}},
 		{"disaggregation without a prefill leg", pools(pool("connector: none", "prefill: []", "disaggregation: {min_uncached_tokens: 16}")), []string{
 			`config: pools[0].disaggregation: not valid with connector "none", which has no prefill leg`}},
 		{"decode_fallbacks with connectors that cannot", pools(pool("connector: sglang", "decode_fallbacks: 1"), pool("name: q", "models: [q]", "connector: p2p-nccl", "decode_fallbacks: 1"),

@@ -305,6 +305,20 @@ func (v *validator) flowControl(path string, fc *configv1.FlowControl, s *config
 			v.fail(at+".max_queue_time", "%v exceeds the maximum of %v", d, MaxMaxQueueTime)
 		}
 	}
+	if k := fc.GetKubernetesObjectives(); k != nil {
+		at := path + ".kubernetes_objectives"
+		if ns := k.GetNamespace(); ns == "" {
+			v.fail(at+".namespace", "required")
+		} else {
+			v.k8sName(at+".namespace", ns, validation.IsDNS1123Label(ns))
+		}
+		// An InferencePool's name is an object name: a DNS subdomain.
+		if p := k.GetPool(); p == "" {
+			v.fail(at+".pool", "required: the InferencePool the objects' spec.poolRef names")
+		} else {
+			v.k8sName(at+".pool", p, validation.IsDNS1123Subdomain(p))
+		}
+	}
 }
 
 // kvEventPorts checks the endpoints' own publisher ports.

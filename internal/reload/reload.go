@@ -22,11 +22,13 @@ import (
 	"time"
 
 	"google.golang.org/protobuf/proto"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/discovery"
+	"github.com/pdx-router/pdx/internal/objectives"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -53,6 +55,13 @@ type Options struct {
 	SyncTimeout time.Duration
 	// Discovery configures the discovery; its Log defaults to Log.
 	Discovery discovery.Options
+	// Dynamic makes the Kubernetes client that watches InferenceObjectives
+	// for pools with flow_control.kubernetes_objectives. It is called once,
+	// when the first such pool is loaded; nil rejects such configs.
+	Dynamic func() (dynamic.Interface, error)
+	// Objectives configures the InferenceObjective watcher; its Log
+	// defaults to Log.
+	Objectives objectives.Options
 }
 
 // Reloader owns the current routing table and the discovery feeding it.
@@ -73,6 +82,7 @@ type Reloader struct {
 	// readErr is the last error reading the file, logged once.
 	readErr error
 	disc    *discovery.Discovery
+	objs    *objectives.Watcher
 
 	table atomic.Pointer[routing.Table]
 }
@@ -92,6 +102,9 @@ func New(ctx context.Context, opts Options) (*Reloader, error) {
 	}
 	if opts.Discovery.Log == nil {
 		opts.Discovery.Log = opts.Log
+	}
+	if opts.Objectives.Log == nil {
+		opts.Objectives.Log = opts.Log
 	}
 	r := &Reloader{opts: opts, log: opts.Log}
 	data, err := os.ReadFile(opts.Path)
@@ -239,6 +252,11 @@ func (r *Reloader) build(ctx context.Context, cfg *configv1.Config) (table *rout
 	if err != nil {
 		return nil, false, err
 	}
+	// Objectives first: should discovery then fail, the running table's
+	// pools keep their endpoints' updates, and lose only objectives'.
+	if passing, err := r.watchObjectives(ctx, cfg, table); err != nil {
+		return nil, passing, err
+	}
 	var targets []discovery.Target
 	for _, pc := range cfg.GetPools() {
 		if pc.GetKubernetes() == nil {
@@ -270,12 +288,52 @@ func (r *Reloader) build(ctx context.Context, cfg *configv1.Config) (table *rout
 	return table, false, nil
 }
 
-// Close stops the discovery: the table's discovered pools keep the
-// endpoints they have.
+// watchObjectives points the InferenceObjective watcher at the flow
+// control of table's pools that learn objectives from the cluster. r.mu is
+// held, or r is not shared yet.
+func (r *Reloader) watchObjectives(ctx context.Context, cfg *configv1.Config, table *routing.Table) (passing bool, err error) {
+	var targets []objectives.Target
+	for _, pc := range cfg.GetPools() {
+		k := pc.GetFlowControl().GetKubernetesObjectives()
+		if k == nil {
+			continue
+		}
+		pool, _ := table.Pool(pc.GetName())
+		if pool.Saturated == nil || pool.Saturated.Flow == nil {
+			continue // config.Parse refuses flow control without saturation
+		}
+		targets = append(targets, objectives.Target{Pool: pc.GetName(), Spec: k, Set: pool.Saturated.Flow.SetObjectives})
+	}
+	if len(targets) > 0 && r.objs == nil {
+		if r.opts.Dynamic == nil {
+			return false, fmt.Errorf("config: pools learn objectives from Kubernetes, but pdx has no Kubernetes client")
+		}
+		client, err := r.opts.Dynamic()
+		if err != nil {
+			return false, fmt.Errorf("kubernetes client: %w", err)
+		}
+		r.objs = objectives.New(client, r.opts.Objectives)
+	}
+	if r.objs != nil {
+		// Also with no target: namespaces no longer used stop being watched.
+		sctx, cancel := context.WithTimeout(ctx, r.opts.SyncTimeout)
+		defer cancel()
+		if err := r.objs.SetTargets(sctx, targets); err != nil {
+			return true, err
+		}
+	}
+	return false, nil
+}
+
+// Close stops the discovery and the objectives' watcher: the table's pools
+// keep the endpoints and objectives they have.
 func (r *Reloader) Close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.disc != nil {
 		r.disc.Close()
+	}
+	if r.objs != nil {
+		r.objs.Close()
 	}
 }

@@ -18,14 +18,19 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime"
+	"k8s.io/apimachinery/pkg/runtime/schema"
 	k8stypes "k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
+	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/kubernetes/fake"
 	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/pdx-router/pdx/internal/discovery"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/objectives"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -385,4 +390,95 @@ func TestPollWaitsForSettledContent(t *testing.T) {
 	require.Equal(t, 1, strings.Count(logs.String(), "cannot read the file"))
 	_, err = r.Reload(t.Context(), a.apply)
 	require.ErrorIs(t, err, os.ErrNotExist)
+}
+
+// objectivesConfig is a static pool that learns objectives from the
+// cluster; %d is its prefill_attempts, to make reloads differ.
+const objectivesConfig = `
+pools:
+- name: p
+  models: [m]
+  connector: nixl
+  prefill_attempts: %d
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:9}]
+  flow_control:
+    objectives: [{name: pinned, priority: 50}]
+    kubernetes_objectives: {namespace: team, pool: pool-a}
+`
+
+func inferenceObjective(name string, priority int64) *unstructured.Unstructured {
+	return &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective",
+		"metadata": map[string]any{"name": name, "namespace": "team"},
+		"spec":     map[string]any{"priority": priority, "poolRef": map[string]any{"name": "pool-a"}},
+	}}
+}
+
+// TestReloadObjectives: a pool's flow control has the cluster's objectives
+// when its table is handed over, on start and after a reload (a new
+// Controller), and follows the cluster; back to a config without
+// kubernetes_objectives, nothing is watched.
+func TestReloadObjectives(t *testing.T) {
+	kinds := map[schema.GroupVersionResource]string{}
+	for _, r := range objectives.Resources {
+		kinds[r] = "InferenceObjectiveList"
+	}
+	client := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), kinds,
+		inferenceObjective("critical", 10), inferenceObjective("pinned", -1))
+	events := make(chan objectives.Event, 100)
+	path := filepath.Join(t.TempDir(), "pdx.yaml")
+	write(t, path, fmt.Sprintf(objectivesConfig, 1))
+	clients := 0
+	r, err := New(t.Context(), Options{
+		Path:       path,
+		Dynamic:    func() (dynamic.Interface, error) { clients++; return client, nil },
+		Objectives: objectives.Options{Handled: func(ev objectives.Event) { events <- ev }},
+	})
+	require.NoError(t, err)
+	defer r.Close()
+	first := lookup(t, r.Table(), "m").Saturated.Flow
+	require.Equal(t, 10, first.Priority("critical"))
+	require.Equal(t, 50, first.Priority("pinned"), "the config's entry wins")
+
+	write(t, path, fmt.Sprintf(objectivesConfig, 2))
+	var a applied
+	changed, err := r.Reload(t.Context(), a.apply)
+	require.NoError(t, err)
+	require.True(t, changed)
+	second := lookup(t, r.Table(), "m").Saturated.Flow
+	require.NotSame(t, first, second)
+	require.Equal(t, 10, second.Priority("critical"), "fed before it is handed over")
+	require.Equal(t, 1, clients, "one client for all reloads")
+
+	res := client.Resource(objectives.Resources[1]).Namespace("team")
+	_, err = res.Update(t.Context(), inferenceObjective("critical", 3), metav1.UpdateOptions{})
+	require.NoError(t, err)
+	for timeout := time.After(10 * time.Second); ; {
+		select {
+		case ev := <-events:
+			if ev.Op != "update" {
+				continue // the initial listing's
+			}
+		case <-timeout:
+			t.Fatal("the update was not handled")
+		}
+		break
+	}
+	require.Equal(t, 3, second.Priority("critical"), "the new pool follows the cluster")
+	require.Equal(t, 10, first.Priority("critical"), "the old one is left alone")
+
+	write(t, path, static)
+	changed, err = r.Reload(t.Context(), a.apply)
+	require.NoError(t, err)
+	require.True(t, changed)
+	for len(events) > 0 {
+		<-events
+	}
+	require.NoError(t, res.Delete(t.Context(), "critical", metav1.DeleteOptions{}))
+	select {
+	case ev := <-events:
+		t.Fatalf("%+v handled: the namespace is still watched", ev)
+	case <-time.After(300 * time.Millisecond):
+	}
 }

@@ -80,7 +80,8 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 		return err
 	}
 	// The table follows the file's changes, and discovered pools the cluster.
-	rl, err := reload.New(ctx, reload.Options{Path: *path, Interval: *pollEvery, Log: log, Kube: kubeClient(*kubeconfig, log)})
+	rl, err := reload.New(ctx, reload.Options{Path: *path, Interval: *pollEvery, Log: log, Kube: kubeClient(*kubeconfig, log),
+		Dynamic: dynamicClient(*kubeconfig, log)})
 	if err != nil {
 		return err
 	}

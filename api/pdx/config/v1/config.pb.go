@@ -1120,9 +1120,13 @@ type FlowControl struct {
 	MaxBytes    uint64 `protobuf:"varint,5,opt,name=max_bytes,json=maxBytes,proto3" json:"max_bytes,omitempty"`
 	// Each band's longest wait, by priority. A band not listed waits
 	// saturation.max_queue_time.
-	Bands         []*Band `protobuf:"bytes,6,rep,name=bands,proto3" json:"bands,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Bands []*Band `protobuf:"bytes,6,rep,name=bands,proto3" json:"bands,omitempty"`
+	// Objectives learnt from the cluster's InferenceObjective objects (see
+	// KubernetesObjectives), under those listed in objectives, which win.
+	// Unset: only the listed objectives.
+	KubernetesObjectives *KubernetesObjectives `protobuf:"bytes,7,opt,name=kubernetes_objectives,json=kubernetesObjectives,proto3" json:"kubernetes_objectives,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
 }
 
 func (x *FlowControl) Reset() {
@@ -1197,6 +1201,75 @@ func (x *FlowControl) GetBands() []*Band {
 	return nil
 }
 
+func (x *FlowControl) GetKubernetesObjectives() *KubernetesObjectives {
+	if x != nil {
+		return x.KubernetesObjectives
+	}
+	return nil
+}
+
+// KubernetesObjectives reads objectives from InferenceObjective objects
+// (llm-d.ai/v1alpha2, and the Gateway API Inference Extension's older
+// inference.networking.x-k8s.io/v1alpha2), watched as discovery watches
+// pods: a request names an object by its metadata.name, and gets the
+// object's spec.priority (unset: 0). Objects whose spec.poolRef (or an
+// entry of spec.poolRefs) names another InferencePool are ignored. pdx
+// needs get, list and watch on inferenceobjectives in the namespace.
+type KubernetesObjectives struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The namespace of the InferenceObjective objects. Required.
+	Namespace string `protobuf:"bytes,1,opt,name=namespace,proto3" json:"namespace,omitempty"`
+	// The name of the InferencePool the objects' spec.poolRef names: the
+	// objects of this pool are the pool's objectives. Required.
+	Pool          string `protobuf:"bytes,2,opt,name=pool,proto3" json:"pool,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *KubernetesObjectives) Reset() {
+	*x = KubernetesObjectives{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *KubernetesObjectives) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*KubernetesObjectives) ProtoMessage() {}
+
+func (x *KubernetesObjectives) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use KubernetesObjectives.ProtoReflect.Descriptor instead.
+func (*KubernetesObjectives) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *KubernetesObjectives) GetNamespace() string {
+	if x != nil {
+		return x.Namespace
+	}
+	return ""
+}
+
+func (x *KubernetesObjectives) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
 // Objective is one request objective (llm-d's InferenceObjective).
 type Objective struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -1211,7 +1284,7 @@ type Objective struct {
 
 func (x *Objective) Reset() {
 	*x = Objective{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1223,7 +1296,7 @@ func (x *Objective) String() string {
 func (*Objective) ProtoMessage() {}
 
 func (x *Objective) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1236,7 +1309,7 @@ func (x *Objective) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Objective.ProtoReflect.Descriptor instead.
 func (*Objective) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *Objective) GetName() string {
@@ -1265,7 +1338,7 @@ type Band struct {
 
 func (x *Band) Reset() {
 	*x = Band{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1277,7 +1350,7 @@ func (x *Band) String() string {
 func (*Band) ProtoMessage() {}
 
 func (x *Band) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1290,7 +1363,7 @@ func (x *Band) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Band.ProtoReflect.Descriptor instead.
 func (*Band) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Band) GetPriority() int32 {
@@ -1323,7 +1396,7 @@ type SessionAffinity struct {
 
 func (x *SessionAffinity) Reset() {
 	*x = SessionAffinity{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1335,7 +1408,7 @@ func (x *SessionAffinity) String() string {
 func (*SessionAffinity) ProtoMessage() {}
 
 func (x *SessionAffinity) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1348,7 +1421,7 @@ func (x *SessionAffinity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionAffinity.ProtoReflect.Descriptor instead.
 func (*SessionAffinity) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *SessionAffinity) GetHeader() string {
@@ -1373,7 +1446,7 @@ type LoRA struct {
 
 func (x *LoRA) Reset() {
 	*x = LoRA{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1385,7 +1458,7 @@ func (x *LoRA) String() string {
 func (*LoRA) ProtoMessage() {}
 
 func (x *LoRA) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1398,7 +1471,7 @@ func (x *LoRA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoRA.ProtoReflect.Descriptor instead.
 func (*LoRA) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{11}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *LoRA) GetAdapters() []string {
@@ -1440,7 +1513,7 @@ type Picker struct {
 
 func (x *Picker) Reset() {
 	*x = Picker{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1452,7 +1525,7 @@ func (x *Picker) String() string {
 func (*Picker) ProtoMessage() {}
 
 func (x *Picker) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1465,7 +1538,7 @@ func (x *Picker) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Picker.ProtoReflect.Descriptor instead.
 func (*Picker) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{12}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Picker) GetPolicy() string {
@@ -1507,7 +1580,7 @@ type Weights struct {
 
 func (x *Weights) Reset() {
 	*x = Weights{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1519,7 +1592,7 @@ func (x *Weights) String() string {
 func (*Weights) ProtoMessage() {}
 
 func (x *Weights) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1532,7 +1605,7 @@ func (x *Weights) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Weights.ProtoReflect.Descriptor instead.
 func (*Weights) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{13}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Weights) GetPrefix() float64 {
@@ -1581,7 +1654,7 @@ type Disaggregation struct {
 
 func (x *Disaggregation) Reset() {
 	*x = Disaggregation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1593,7 +1666,7 @@ func (x *Disaggregation) String() string {
 func (*Disaggregation) ProtoMessage() {}
 
 func (x *Disaggregation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1606,7 +1679,7 @@ func (x *Disaggregation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Disaggregation.ProtoReflect.Descriptor instead.
 func (*Disaggregation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{14}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Disaggregation) GetMinUncachedTokens() uint32 {
@@ -1650,7 +1723,7 @@ type Saturation struct {
 
 func (x *Saturation) Reset() {
 	*x = Saturation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1662,7 +1735,7 @@ func (x *Saturation) String() string {
 func (*Saturation) ProtoMessage() {}
 
 func (x *Saturation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1675,7 +1748,7 @@ func (x *Saturation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Saturation.ProtoReflect.Descriptor instead.
 func (*Saturation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{15}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Saturation) GetDisabled() bool {
@@ -1787,7 +1860,7 @@ type KubernetesDiscovery struct {
 
 func (x *KubernetesDiscovery) Reset() {
 	*x = KubernetesDiscovery{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1799,7 +1872,7 @@ func (x *KubernetesDiscovery) String() string {
 func (*KubernetesDiscovery) ProtoMessage() {}
 
 func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1812,7 +1885,7 @@ func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
 func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{16}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *KubernetesDiscovery) GetNamespace() string {
@@ -1947,7 +2020,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1959,7 +2032,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1972,7 +2045,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{17}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -2099,7 +2172,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x06render\x18\x18 \x01(\v2\x15.pdx.config.v1.RenderR\x06render\x12=\n" +
 	"\fflow_control\x18\x19 \x01(\v2\x1a.pdx.config.v1.FlowControlR\vflowControl\x12I\n" +
 	"\x10session_affinity\x18\x1a \x01(\v2\x1e.pdx.config.v1.SessionAffinityR\x0fsessionAffinity\x12'\n" +
-	"\x04lora\x18\x1b \x01(\v2\x13.pdx.config.v1.LoRAR\x04lora\"\xea\x01\n" +
+	"\x04lora\x18\x1b \x01(\v2\x13.pdx.config.v1.LoRAR\x04lora\"\xc4\x02\n" +
 	"\vFlowControl\x128\n" +
 	"\n" +
 	"objectives\x18\x01 \x03(\v2\x18.pdx.config.v1.ObjectiveR\n" +
@@ -2108,7 +2181,11 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\bordering\x18\x03 \x01(\tR\bordering\x12!\n" +
 	"\fmax_requests\x18\x04 \x01(\rR\vmaxRequests\x12\x1b\n" +
 	"\tmax_bytes\x18\x05 \x01(\x04R\bmaxBytes\x12)\n" +
-	"\x05bands\x18\x06 \x03(\v2\x13.pdx.config.v1.BandR\x05bands\";\n" +
+	"\x05bands\x18\x06 \x03(\v2\x13.pdx.config.v1.BandR\x05bands\x12X\n" +
+	"\x15kubernetes_objectives\x18\a \x01(\v2#.pdx.config.v1.KubernetesObjectivesR\x14kubernetesObjectives\"H\n" +
+	"\x14KubernetesObjectives\x12\x1c\n" +
+	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x12\n" +
+	"\x04pool\x18\x02 \x01(\tR\x04pool\";\n" +
 	"\tObjective\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1a\n" +
 	"\bpriority\x18\x02 \x01(\x05R\bpriority\"c\n" +
@@ -2192,68 +2269,70 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 }
 
 var file_pdx_config_v1_config_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_pdx_config_v1_config_proto_goTypes = []any{
-	(PrefillFailure)(0),         // 0: pdx.config.v1.PrefillFailure
-	(SaturationAction)(0),       // 1: pdx.config.v1.SaturationAction
-	(*Config)(nil),              // 2: pdx.config.v1.Config
-	(*KVEvents)(nil),            // 3: pdx.config.v1.KVEvents
-	(*Render)(nil),              // 4: pdx.config.v1.Render
-	(*Xds)(nil),                 // 5: pdx.config.v1.Xds
-	(*EngineMetrics)(nil),       // 6: pdx.config.v1.EngineMetrics
-	(*TLS)(nil),                 // 7: pdx.config.v1.TLS
-	(*Pool)(nil),                // 8: pdx.config.v1.Pool
-	(*FlowControl)(nil),         // 9: pdx.config.v1.FlowControl
-	(*Objective)(nil),           // 10: pdx.config.v1.Objective
-	(*Band)(nil),                // 11: pdx.config.v1.Band
-	(*SessionAffinity)(nil),     // 12: pdx.config.v1.SessionAffinity
-	(*LoRA)(nil),                // 13: pdx.config.v1.LoRA
-	(*Picker)(nil),              // 14: pdx.config.v1.Picker
-	(*Weights)(nil),             // 15: pdx.config.v1.Weights
-	(*Disaggregation)(nil),      // 16: pdx.config.v1.Disaggregation
-	(*Saturation)(nil),          // 17: pdx.config.v1.Saturation
-	(*KubernetesDiscovery)(nil), // 18: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),            // 19: pdx.config.v1.Endpoint
-	nil,                         // 20: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil), // 21: google.protobuf.Duration
+	(PrefillFailure)(0),          // 0: pdx.config.v1.PrefillFailure
+	(SaturationAction)(0),        // 1: pdx.config.v1.SaturationAction
+	(*Config)(nil),               // 2: pdx.config.v1.Config
+	(*KVEvents)(nil),             // 3: pdx.config.v1.KVEvents
+	(*Render)(nil),               // 4: pdx.config.v1.Render
+	(*Xds)(nil),                  // 5: pdx.config.v1.Xds
+	(*EngineMetrics)(nil),        // 6: pdx.config.v1.EngineMetrics
+	(*TLS)(nil),                  // 7: pdx.config.v1.TLS
+	(*Pool)(nil),                 // 8: pdx.config.v1.Pool
+	(*FlowControl)(nil),          // 9: pdx.config.v1.FlowControl
+	(*KubernetesObjectives)(nil), // 10: pdx.config.v1.KubernetesObjectives
+	(*Objective)(nil),            // 11: pdx.config.v1.Objective
+	(*Band)(nil),                 // 12: pdx.config.v1.Band
+	(*SessionAffinity)(nil),      // 13: pdx.config.v1.SessionAffinity
+	(*LoRA)(nil),                 // 14: pdx.config.v1.LoRA
+	(*Picker)(nil),               // 15: pdx.config.v1.Picker
+	(*Weights)(nil),              // 16: pdx.config.v1.Weights
+	(*Disaggregation)(nil),       // 17: pdx.config.v1.Disaggregation
+	(*Saturation)(nil),           // 18: pdx.config.v1.Saturation
+	(*KubernetesDiscovery)(nil),  // 19: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),             // 20: pdx.config.v1.Endpoint
+	nil,                          // 21: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil),  // 22: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
 	8,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
 	7,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	21, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	22, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
 	6,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
 	5,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
 	3,  // 5: pdx.config.v1.Config.kv_events:type_name -> pdx.config.v1.KVEvents
-	21, // 6: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
-	21, // 7: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	21, // 8: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	19, // 9: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	19, // 10: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	21, // 11: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	21, // 12: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	22, // 6: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
+	22, // 7: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	22, // 8: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	20, // 9: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	20, // 10: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	22, // 11: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	22, // 12: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
 	0,  // 13: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
-	21, // 14: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	18, // 15: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	14, // 16: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	14, // 17: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	16, // 18: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	17, // 19: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	22, // 14: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	19, // 15: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	15, // 16: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	15, // 17: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	17, // 18: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	18, // 19: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
 	4,  // 20: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
 	9,  // 21: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
-	12, // 22: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
-	13, // 23: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
-	10, // 24: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
-	11, // 25: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
-	21, // 26: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
-	15, // 27: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	1,  // 28: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
-	21, // 29: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	20, // 30: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	31, // [31:31] is the sub-list for method output_type
-	31, // [31:31] is the sub-list for method input_type
-	31, // [31:31] is the sub-list for extension type_name
-	31, // [31:31] is the sub-list for extension extendee
-	0,  // [0:31] is the sub-list for field type_name
+	13, // 22: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
+	14, // 23: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
+	11, // 24: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
+	12, // 25: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
+	10, // 26: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
+	22, // 27: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
+	16, // 28: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	1,  // 29: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
+	22, // 30: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	21, // 31: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	32, // [32:32] is the sub-list for method output_type
+	32, // [32:32] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -2268,7 +2347,7 @@ func file_pdx_config_v1_config_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   19,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

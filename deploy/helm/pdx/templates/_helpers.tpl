@@ -112,14 +112,17 @@ self-signed TLS in inferencePool mode.
 {{- end }}
 
 {{/*
-The namespaces pdx's pools discover engines in, comma-separated: pdx's
-Role is needed in each.
+The namespaces pdx's pools discover engines or read InferenceObjectives
+in, comma-separated: pdx's Role is needed in each.
 */}}
 {{- define "pdx.discoveryNamespaces" -}}
 {{- $ns := list }}
 {{- range $pool := dig "pools" (list) .Values.config }}
 {{- if and (kindIs "map" $pool) (kindIs "map" (dig "kubernetes" "" $pool)) }}
 {{- $ns = append $ns (default $.Release.Namespace (dig "kubernetes" "namespace" "" $pool)) }}
+{{- end }}
+{{- if and (kindIs "map" $pool) (kindIs "map" (dig "flow_control" "kubernetes_objectives" "" $pool)) }}
+{{- $ns = append $ns (default $.Release.Namespace (dig "flow_control" "kubernetes_objectives" "namespace" "" $pool)) }}
 {{- end }}
 {{- end }}
 {{- $ns | uniq | sortAlpha | join "," }}
