@@ -207,16 +207,13 @@ func (c *Controller) Waiting(fn func(priority, n int)) {
 // Ticket is a request's admission to a leg. The zero Ticket (admitted at
 // once) needs no Release, though it may be given one.
 type Ticket struct {
-	w *waiter
+	w *waiter // nil unless admitted after waiting
+	// waited is how long the request waited, admitted or not.
+	waited time.Duration
 }
 
-// Waited is how long the request waited.
-func (t Ticket) Waited() time.Duration {
-	if t.w == nil {
-		return 0
-	}
-	return t.w.waited
-}
+// Waited is how long the request waited, also when Wait failed.
+func (t Ticket) Waited() time.Duration { return t.waited }
 
 // Release tells the queue that the admitted request counts on the leg now
 // (it picked) or will not (it failed), so that the next may be admitted.
@@ -286,18 +283,18 @@ func (c *Controller) Wait(ctx context.Context, room Room, group string, req *Req
 	if w.state == stateWaiting {
 		// Gone before its turn: it leaves the queue at once.
 		c.remove(w)
-		return Ticket{}, err
+		return Ticket{waited: w.waited}, err
 	}
 	if w.state == stateDisplaced {
-		return Ticket{}, ErrDisplaced
+		return Ticket{waited: w.waited}, ErrDisplaced
 	}
 	// Admitted, perhaps just as it gave up: a client gone gives its turn
 	// back at once.
 	if ctx.Err() != nil {
 		w.release()
-		return Ticket{}, ctx.Err()
+		return Ticket{waited: w.waited}, ctx.Err()
 	}
-	return Ticket{w}, nil
+	return Ticket{w: w, waited: w.waited}, nil
 }
 
 // makeRoom makes room for a request of priority and bytes within the

@@ -215,8 +215,9 @@ func TestLeaving(t *testing.T) {
 		c := New(Config{MaxWaitDefault: time.Minute, MaxWait: map[int]time.Duration{-1: 20 * time.Millisecond},
 			Priorities: map[string]int{"batch": -1}})
 		r := newRoom(0)
-		_, err := c.Wait(t.Context(), r, "", &Request{Objective: "batch"})
+		tk, err := c.Wait(t.Context(), r, "", &Request{Objective: "batch"})
 		require.ErrorIs(t, err, ErrTimedOut)
+		require.GreaterOrEqual(t, tk.Waited(), 20*time.Millisecond, "what it waited, though refused")
 		waitFor(t, c, 0)
 	})
 	t.Run("a wait of 0 refuses at once", func(t *testing.T) {

@@ -22,11 +22,11 @@ const (
 	flowOutputTokens = 64
 	// flowSaturation keeps the engines' own queues short, so that the wait
 	// is pdx's, where flow control orders it: an engine holding
-	// max_in_flight of pdx's requests is saturated. (The simulator, like
+	// max_in_flight (FlowPlan.MaxInFlight) of pdx's requests is saturated. (The simulator, like
 	// vLLM, runs every request it is sent at once, sharing its compute,
 	// up to max_num_seqs: its waiting count, the default signal, stays
 	// 0.) KV usage is no signal here: unique prompts fill the caches.
-	flowSaturation = "saturation: {max_in_flight: 2, kv_usage: 1, max_queue_time: %s}\n"
+	flowSaturation = "saturation: {max_in_flight: %d, kv_usage: 1, max_queue_time: %s}\n"
 	// flowCalibration is the burst that measures the rig's capacity, per
 	// prefill engine.
 	flowCalibration = 50
@@ -37,8 +37,13 @@ type FlowPlan struct {
 	Rig Rig
 	// Window is how long the priority runs send (default 20 s); the
 	// fairness runs send for half of it.
-	Window   time.Duration
-	Progress io.Writer
+	Window time.Duration
+	// MaxInFlight is the pool's saturation.max_in_flight (default 2): how
+	// many of pdx's requests an engine runs at once, the rest waiting in
+	// pdx. Fewer: a critical request shares its engine with fewer batch
+	// ones, and the engine runs less at once.
+	MaxInFlight int
+	Progress    io.Writer
 }
 
 // FlowReport is the experiment's result.
@@ -51,11 +56,13 @@ type FlowReport struct {
 	OutputTokens int     `json:"output_tokens"`
 	// Capacity is the rig's throughput of the experiment's requests, in
 	// requests a second, from a burst with saturation off.
-	Capacity float64   `json:"capacity_rps"`
-	WindowS  float64   `json:"window_s"`
-	Runs     []FlowRun `json:"runs"`
-	WallSec  float64   `json:"wall_s"`
-	Machine  string    `json:"machine,omitempty"`
+	Capacity float64 `json:"capacity_rps"`
+	WindowS  float64 `json:"window_s"`
+	// MaxInFlight is the pool's saturation.max_in_flight.
+	MaxInFlight int       `json:"max_in_flight"`
+	Runs        []FlowRun `json:"runs"`
+	WallSec     float64   `json:"wall_s"`
+	Machine     string    `json:"machine,omitempty"`
 }
 
 // FlowRun is one run: a scenario's tenants and what each got.
@@ -102,6 +109,9 @@ func RunFlow(ctx context.Context, p FlowPlan) (*FlowReport, error) {
 	if p.Window <= 0 {
 		p.Window = 20 * time.Second
 	}
+	if p.MaxInFlight <= 0 {
+		p.MaxInFlight = 2
+	}
 	// One engine of each role: the heavy tenant sends at six times the
 	// rig's capacity, which a larger rig's load client and Envoy could not
 	// on a small machine.
@@ -109,6 +119,7 @@ func RunFlow(ctx context.Context, p FlowPlan) (*FlowReport, error) {
 	rep := &FlowReport{
 		Prefill: p.Rig.Prefill, Decode: p.Rig.Decode, TokenScale: p.Rig.Scale.TokenScale, TimeScale: p.Rig.TimeScale,
 		InputTokens: flowInputTokens, OutputTokens: flowOutputTokens, WindowS: p.Window.Seconds(),
+		MaxInFlight: p.MaxInFlight,
 	}
 	c, err := p.capacity(ctx)
 	if err != nil {
@@ -122,14 +133,14 @@ func RunFlow(ctx context.Context, p FlowPlan) (*FlowReport, error) {
 	w := p.Window
 	chat := tenant{name: "chat", objective: "chat", rate: 0.3 * c, to: w}
 	batch := tenant{name: "batch", objective: "batch", rate: 2 * c, from: w / 4, to: 3 * w / 4}
-	sat := fmt.Sprintf(flowSaturation, "30s")
+	sat := fmt.Sprintf(flowSaturation, p.MaxInFlight, "30s")
 	bands := sat + "flow_control: {objectives: [{name: chat, priority: 10}, {name: batch, priority: -1}]}\n"
 	oneBand := sat + "flow_control: {}\n"
 	// Fairness: two tenants of one band at 10:1, each above its half.
 	fw := w / 2
 	heavy := tenant{name: "heavy", flow: "heavy", rate: 6 * c, to: fw}
 	light := tenant{name: "light", flow: "light", rate: 0.6 * c, to: fw}
-	fsat := fmt.Sprintf(flowSaturation, "10s") + "flow_control: {}\n"
+	fsat := fmt.Sprintf(flowSaturation, p.MaxInFlight, "10s") + "flow_control: {}\n"
 	noFlows := func(t tenant) tenant { t.flow = ""; return t }
 	for _, s := range []struct {
 		experiment, scenario, pool string
@@ -317,8 +328,8 @@ func (rep *FlowReport) Summary() string {
 	fmt.Fprintf(&b, "# Flow control: tenants sharing a saturated pool\n\n")
 	fmt.Fprintf(&b, "Real Envoy + pdx, %d prefill + %d decode simulated NIXL engines, fresh per run; token scale %d, time scale %g. "+
 		"Every request is a prompt of its own (%d tokens, %d out: no shared prefix, so placement plays no part). "+
-		"Capacity %.1f req/s (a burst of %d with saturation off). Wall time %.0f s",
-		rep.Prefill, rep.Decode, rep.TokenScale, rep.TimeScale, rep.InputTokens, rep.OutputTokens, rep.Capacity, flowCalibration*rep.Prefill, rep.WallSec)
+		"Capacity %.1f req/s (a burst of %d with saturation off). The pool's saturation: `max_in_flight: %d`. Wall time %.0f s",
+		rep.Prefill, rep.Decode, rep.TokenScale, rep.TimeScale, rep.InputTokens, rep.OutputTokens, rep.Capacity, flowCalibration*rep.Prefill, rep.MaxInFlight, rep.WallSec)
 	if rep.Machine != "" {
 		fmt.Fprintf(&b, " on %s", rep.Machine)
 	}
