@@ -170,6 +170,9 @@ var errorCases = []errorCase{
 	{400, "unsupported_value", `"n" is 2`, func(t *testing.T, e *errorEnv) answer {
 		return e.post(t, "/v1/completions", `{"model":"demo-model","prompt":"x","n":2}`)
 	}},
+	{400, "invalid_header", "x-llm-d-slo-ttft-ms", func(t *testing.T, e *errorEnv) answer {
+		return e.post(t, "/v1/completions", completion("demo-model"), "x-llm-d-slo-ttft-ms", "1.5")
+	}},
 	{400, "bad_request", "path_normalization_failed", func(t *testing.T, e *errorEnv) answer {
 		return rawHTTP(t, e.st, "POST /v1%2Fcompletions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
 	}},
