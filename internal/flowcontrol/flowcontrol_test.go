@@ -76,24 +76,19 @@ type result struct {
 }
 
 // enqueue starts a request named name that waits on r, takes a place when
-// admitted and releases its ticket; what became of it goes to out.
+// admitted and releases its ticket; what became of it goes to out. It
+// returns once the request is queued: each is queued before the next
+// starts.
 func enqueue(t *testing.T, ctx context.Context, c *Controller, r *room, name string, req Request, out chan<- result) {
 	t.Helper()
 	before := c.waiting.Load()
-	go func() {
-		tk, err := c.Wait(ctx, r, "", &req)
-		if err == nil {
-			r.take()
-			tk.Release()
-		}
-		out <- result{name, err}
-	}()
-	// In order: each request is queued before the next starts.
+	start(ctx, c, r, name, req, out)
 	require.Eventually(t, func() bool { return c.waiting.Load() == before+1 }, 5*time.Second, time.Millisecond)
 }
 
-// start is enqueue for a request that displaces another: the queue's
-// length stays, and the displaced one's answer tells it is queued.
+// start is enqueue without the wait, for a request that displaces
+// another: the queue's length stays, and the displaced one's answer tells
+// that it is queued.
 func start(ctx context.Context, c *Controller, r *room, name string, req Request, out chan<- result) {
 	go func() {
 		tk, err := c.Wait(ctx, r, "", &req)
