@@ -177,6 +177,15 @@ func TestFlowControlOrder(t *testing.T) {
 		require.Equal(t, []string{"first", "big0", "small0", "small1", "small2", "big1"},
 			c.served("first", "big0", "big1", "small0", "small1", "small2"))
 	})
+	t.Run("edf: the earliest deadline first", func(t *testing.T) {
+		st := flowStack(t, "{ordering: edf}")
+		c := newFlowClient(t, st)
+		c.send(t.Context(), "first", false)
+		c.send(t.Context(), "none", true)
+		c.send(t.Context(), "late", true, "x-llm-d-slo-ttft-ms", "60000")
+		c.send(t.Context(), "soon", true, "x-llm-d-slo-ttft-ms", "20000")
+		require.Equal(t, []string{"first", "soon", "late", "none"}, c.served("first", "none", "late", "soon"))
+	})
 	t.Run("the headers reach no engine", func(t *testing.T) {
 		st := flowStack(t, "{}")
 		hc := &http.Client{Timeout: 30 * time.Second}
