@@ -55,7 +55,7 @@ func run(ctx context.Context, args []string) error {
 		quick          = fs.Bool("quick", false, "a short smoke run: 150 requests, the middle load only, no replica experiment")
 		flow           = fs.Bool("flow", false, "run the flow-control experiment instead (tenants sharing a saturated pool: priorities, fairness), into <out>/flow")
 		flowWindow     = fs.Duration("flow-window", 20*time.Second, "how long each priority run of --flow sends (its fairness runs: half)")
-		flowInFlight   = fs.Int("flow-max-in-flight", 2, "--flow's saturation.max_in_flight: how many requests an engine runs at once, the rest waiting in pdx")
+		flowInFlight   = fs.Int("flow-max-in-flight", 1, "--flow's saturation.prefill_max_in_flight: how many prefills an engine runs at once, the rest waiting in pdx")
 	)
 	fs.IntVar(&plan.Requests, "requests", 500, "trace window: the first N requests of each trace")
 	fs.IntVar(&plan.Rig.Prefill, "prefill", 4, "prefill engines")

@@ -233,6 +233,9 @@ func (v *validator) placement(path string, p *configv1.Pool, traits connectors.T
 		v.fail(path+".disaggregation", "not valid with connector %q, which has no prefill leg", p.GetConnector())
 	}
 	if s := p.GetSaturation(); !s.GetDisabled() {
+		if s.GetPrefillMaxInFlight() > 0 && !traits.Prefills {
+			v.fail(path+".saturation.prefill_max_in_flight", "not valid with connector %q, which has no prefill leg", p.GetConnector())
+		}
 		if u := s.GetKvUsage(); u <= 0 || u > 1 {
 			v.fail(path+".saturation.kv_usage", "%v is not in (0, 1]", u)
 		}

@@ -490,6 +490,9 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		shedding.Flow = flowControl(pc.GetFlowControl(), shedding.MaxWait)
 	}
 	prefillHealth, decodeHealth := health, health
+	if n := pc.GetSaturation().GetPrefillMaxInFlight(); n > 0 && !pc.GetSaturation().GetDisabled() {
+		prefillHealth.Saturation.MaxInFlight = int(n)
+	}
 	prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())
 	if old != nil {
 		prefillHealth.Inherit, decodeHealth.Inherit = old.Prefill.Set, old.Decode.Set

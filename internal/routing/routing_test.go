@@ -458,3 +458,35 @@ pools:
 	require.Equal(t, picker.LoRALoaded, lease.LoRA(), "sent there last")
 	lease.End(picker.Released)
 }
+
+func TestPrefillMaxInFlight(t *testing.T) {
+	tests := []struct {
+		name                              string
+		saturation                        string
+		prefillSaturated, decodeSaturated bool
+	}{
+		{"one bound for both legs", "{max_in_flight: 1}", true, true},
+		{"prefill's own bound", "{prefill_max_in_flight: 1}", true, false},
+		{"prefill's bound replaces the pool's", "{max_in_flight: 1, prefill_max_in_flight: 2}", false, true},
+		{"saturation disabled", "{disabled: true, prefill_max_in_flight: 1}", false, false},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			cfg, err := config.Parse([]byte("pools:\n- name: p\n  default: true\n  connector: nixl\n  saturation: " + tc.saturation +
+				"\n  prefill: [{address: 127.0.0.1:1}]\n  decode: [{address: 127.0.0.1:2}]\n"))
+			require.NoError(t, err)
+			table, err := New(cfg)
+			require.NoError(t, err)
+			p, ok := table.Pool("p")
+			require.True(t, ok)
+			decode, err := p.PickDecode(picker.Request{})
+			require.NoError(t, err)
+			prefill, err := p.PickPrefill(decode.Endpoint(), picker.Request{})
+			require.NoError(t, err)
+			require.Equal(t, tc.prefillSaturated, p.Prefill.Set.Saturated(""), "prefill leg saturated with one request on it")
+			require.Equal(t, tc.decodeSaturated, p.Decode.Set.Saturated(""), "decode leg saturated with one request on it")
+			prefill.End(picker.Succeeded)
+			decode.End(picker.Succeeded)
+		})
+	}
+}

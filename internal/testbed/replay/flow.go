@@ -22,11 +22,12 @@ const (
 	flowOutputTokens = 64
 	// flowSaturation keeps the engines' own queues short, so that the wait
 	// is pdx's, where flow control orders it: an engine holding
-	// max_in_flight (FlowPlan.MaxInFlight) of pdx's requests is saturated. (The simulator, like
+	// prefill_max_in_flight (FlowPlan.MaxInFlight) of pdx's prefills is
+	// saturated, and the decode leg is left to its metrics. (The simulator, like
 	// vLLM, runs every request it is sent at once, sharing its compute,
 	// up to max_num_seqs: its waiting count, the default signal, stays
 	// 0.) KV usage is no signal here: unique prompts fill the caches.
-	flowSaturation = "saturation: {max_in_flight: %d, kv_usage: 1, max_queue_time: %s}\n"
+	flowSaturation = "saturation: {prefill_max_in_flight: %d, kv_usage: 1, max_queue_time: %s}\n"
 	// flowCalibration is the burst that measures the rig's capacity, per
 	// prefill engine.
 	flowCalibration = 50
@@ -38,10 +39,10 @@ type FlowPlan struct {
 	// Window is how long the priority runs send (default 20 s); the
 	// fairness runs send for half of it.
 	Window time.Duration
-	// MaxInFlight is the pool's saturation.max_in_flight (default 2): how
-	// many of pdx's requests an engine runs at once, the rest waiting in
-	// pdx. Fewer: a critical request shares its engine with fewer batch
-	// ones, and the engine runs less at once.
+	// MaxInFlight is the pool's saturation.prefill_max_in_flight (default
+	// 1): how many of pdx's prefills an engine runs at once, the rest
+	// waiting in pdx. Fewer: a critical request waits behind fewer batch
+	// prefills, and the engine runs less at once.
 	MaxInFlight int
 	Progress    io.Writer
 }
@@ -58,8 +59,8 @@ type FlowReport struct {
 	// requests a second, from a burst with saturation off.
 	Capacity float64 `json:"capacity_rps"`
 	WindowS  float64 `json:"window_s"`
-	// MaxInFlight is the pool's saturation.max_in_flight.
-	MaxInFlight int       `json:"max_in_flight"`
+	// MaxInFlight is the pool's saturation.prefill_max_in_flight.
+	MaxInFlight int       `json:"prefill_max_in_flight"`
 	Runs        []FlowRun `json:"runs"`
 	WallSec     float64   `json:"wall_s"`
 	Machine     string    `json:"machine,omitempty"`
@@ -110,7 +111,7 @@ func RunFlow(ctx context.Context, p FlowPlan) (*FlowReport, error) {
 		p.Window = 20 * time.Second
 	}
 	if p.MaxInFlight <= 0 {
-		p.MaxInFlight = 2
+		p.MaxInFlight = 1
 	}
 	// One engine of each role: the heavy tenant sends at six times the
 	// rig's capacity, which a larger rig's load client and Envoy could not
@@ -328,7 +329,7 @@ func (rep *FlowReport) Summary() string {
 	fmt.Fprintf(&b, "# Flow control: tenants sharing a saturated pool\n\n")
 	fmt.Fprintf(&b, "Real Envoy + pdx, %d prefill + %d decode simulated NIXL engines, fresh per run; token scale %d, time scale %g. "+
 		"Every request is a prompt of its own (%d tokens, %d out: no shared prefix, so placement plays no part). "+
-		"Capacity %.1f req/s (a burst of %d with saturation off). The pool's saturation: `max_in_flight: %d`. Wall time %.0f s",
+		"Capacity %.1f req/s (a burst of %d with saturation off). The pool's saturation: `prefill_max_in_flight: %d` (the decode leg unbounded). Wall time %.0f s",
 		rep.Prefill, rep.Decode, rep.TokenScale, rep.TimeScale, rep.InputTokens, rep.OutputTokens, rep.Capacity, flowCalibration*rep.Prefill, rep.MaxInFlight, rep.WallSec)
 	if rep.Machine != "" {
 		fmt.Fprintf(&b, " on %s", rep.Machine)

@@ -1716,9 +1716,16 @@ type Saturation struct {
 	// carries retry-after.
 	Action SaturationAction `protobuf:"varint,5,opt,name=action,proto3,enum=pdx.config.v1.SaturationAction" json:"action,omitempty"`
 	// Default: 1s; at most 1m.
-	MaxQueueTime  *durationpb.Duration `protobuf:"bytes,6,opt,name=max_queue_time,json=maxQueueTime,proto3" json:"max_queue_time,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	MaxQueueTime *durationpb.Duration `protobuf:"bytes,6,opt,name=max_queue_time,json=maxQueueTime,proto3" json:"max_queue_time,omitempty"`
+	// Bounds the prefill leg alone, in place of max_in_flight there: 0 (the
+	// default) uses max_in_flight. A prefill lease ends with its prefill
+	// while a decode lease lasts the whole stream, so one bound for both
+	// either leaves prefill engines flooded or starves decode of streams;
+	// with this, a pool can hold a burst in pdx's queue (and its priority
+	// bands) at the prefill engines and leave the decode leg to its metrics.
+	PrefillMaxInFlight uint32 `protobuf:"varint,7,opt,name=prefill_max_in_flight,json=prefillMaxInFlight,proto3" json:"prefill_max_in_flight,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
 }
 
 func (x *Saturation) Reset() {
@@ -1791,6 +1798,13 @@ func (x *Saturation) GetMaxQueueTime() *durationpb.Duration {
 		return x.MaxQueueTime
 	}
 	return nil
+}
+
+func (x *Saturation) GetPrefillMaxInFlight() uint32 {
+	if x != nil {
+		return x.PrefillMaxInFlight
+	}
+	return 0
 }
 
 // KubernetesDiscovery finds a pool's engines among the pods of one namespace.
@@ -2208,7 +2222,7 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\tin_flight\x18\x04 \x01(\x01R\binFlight\"v\n" +
 	"\x0eDisaggregation\x12.\n" +
 	"\x13min_uncached_tokens\x18\x01 \x01(\rR\x11minUncachedTokens\x124\n" +
-	"\x16when_prefill_saturated\x18\x02 \x01(\bR\x14whenPrefillSaturated\"\x82\x02\n" +
+	"\x16when_prefill_saturated\x18\x02 \x01(\bR\x14whenPrefillSaturated\"\xb5\x02\n" +
 	"\n" +
 	"Saturation\x12\x1a\n" +
 	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12\x1f\n" +
@@ -2217,7 +2231,8 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\bkv_usage\x18\x03 \x01(\x01R\akvUsage\x12\"\n" +
 	"\rmax_in_flight\x18\x04 \x01(\rR\vmaxInFlight\x127\n" +
 	"\x06action\x18\x05 \x01(\x0e2\x1f.pdx.config.v1.SaturationActionR\x06action\x12?\n" +
-	"\x0emax_queue_time\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\fmaxQueueTime\"\x99\x04\n" +
+	"\x0emax_queue_time\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\fmaxQueueTime\x121\n" +
+	"\x15prefill_max_in_flight\x18\a \x01(\rR\x12prefillMaxInFlight\"\x99\x04\n" +
 	"\x13KubernetesDiscovery\x12\x1c\n" +
 	"\tnamespace\x18\x01 \x01(\tR\tnamespace\x12\x18\n" +
 	"\aservice\x18\x02 \x01(\tR\aservice\x12V\n" +
