@@ -271,3 +271,52 @@ func TestFlowControlShedding(t *testing.T) {
 		}
 	})
 }
+
+// With when_prefill_saturated by band (prefill_saturated_min_priority), a
+// critical request goes to its decode engine alone while batch requests
+// hold and wait for the one prefill slot (prefill_max_in_flight), through
+// the real Envoy: the decode engine computes its prompt, and the batch
+// requests are prefilled in their turn.
+func TestFlowControlLocalPrefillByBand(t *testing.T) {
+	st := startStack(t, stack.Options{
+		Prefill: 1, Decode: 1,
+		// Each prefill holds the prefill engine for 3 s; a prompt the
+		// decode engine computes itself takes no time.
+		Tune: func(role enginesim.Role, _ int, c *enginesim.Config) {
+			if role == enginesim.RolePrefill {
+				c.PrefillLatency = 3 * time.Second
+			}
+		},
+		PoolYAML: "saturation: {prefill_max_in_flight: 1, max_queue_time: 30s}\n" +
+			"flow_control: {objectives: [{name: chat, priority: 10}, {name: batch, priority: -1}]}\n" +
+			"disaggregation: {when_prefill_saturated: true, prefill_saturated_min_priority: 1}\n",
+	})
+	admin := "http://" + st.Pdx.AdminAddr() + "/metrics"
+	c := newFlowClient(t, st)
+	c.send(t.Context(), "first", false, "x-llm-d-inference-objective", "batch")
+	require.Eventually(t, func() bool {
+		return value(scrape(t, admin), "pdx_endpoint_in_flight", map[string]string{"role": "prefill"}) >= 1
+	}, 10*time.Second, 5*time.Millisecond, "the first request holds the prefill engine")
+	c.send(t.Context(), "batch", true, "x-llm-d-inference-objective", "batch")
+
+	hc := &http.Client{Timeout: 30 * time.Second}
+	t.Cleanup(hc.CloseIdleConnections)
+	a := post(t, hc, st.URL()+"/v1/chat/completions", chatBody(flowText("chat")), "x-llm-d-inference-objective", "chat")
+	require.Equal(t, 200, a.status, a.body)
+	require.Equal(t, float64(1), value(scrape(t, admin), "pdx_flow_control_waiting", nil),
+		"the chat request was served while the batch one still waited")
+
+	require.Equal(t, []string{"first", "batch"}, c.served("first", "batch", "chat"), "the prefill engine saw the batch requests alone")
+	for _, n := range []string{"first", "batch"} {
+		require.Equal(t, 200, c.answer(n).status, n)
+	}
+	chat := enginesim.Fingerprint(enginesim.ChatPromptText([]enginesim.Message{{Role: "user", Content: flowText("chat")}}))
+	var kinds []string
+	for _, r := range st.Decode[0].Records() {
+		if r.Fingerprint == chat {
+			kinds = append(kinds, r.Kind)
+		}
+	}
+	require.Equal(t, []string{enginesim.KindPlain}, kinds, "the decode engine computed the chat prompt itself")
+	require.Equal(t, float64(1), value(scrape(t, admin), "pdx_disaggregation_decisions_total", map[string]string{"decision": "prefill_saturated"}))
+}

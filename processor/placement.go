@@ -69,7 +69,7 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	if d := pool.Decider; d.MinUncachedTokens > 0 && r.tokens-r.decodeCached() < d.MinUncachedTokens {
 		return reasonShort, nil
 	}
-	if pool.Decider.WhenPrefillSaturated && pool.Prefill.Set.Saturated(ep.Group) {
+	if d := pool.Decider; d.WhenPrefillSaturated && r.priority(pool) >= d.SaturatedMinPriority && pool.Prefill.Set.Saturated(ep.Group) {
 		return reasonPrefillSaturated, nil
 	}
 	t, err = r.awaitRoom(ctx, pool, pool.Prefill.Set, ep.Group, "prefill")
@@ -79,6 +79,15 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	// Released once the prefill pick counts (prefillWithRetries, handoff).
 	r.prefillTicket = t
 	return reasonDisaggregated, nil
+}
+
+// priority is the request's priority in pool: its objective's, 0 in a
+// pool without flow control.
+func (r *request) priority(pool *routing.Pool) int {
+	if pool.Saturated == nil {
+		return 0
+	}
+	return pool.Saturated.Flow.Priority(r.flow.Objective)
 }
 
 // decodeCached is how many of the prompt's tokens the decode engine held

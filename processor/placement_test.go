@@ -95,6 +95,54 @@ func TestDisaggregationDecider(t *testing.T) {
 	}
 }
 
+// With prefill_saturated_min_priority, only bands at or above it go to the
+// decode engine alone while the prefill leg is saturated; the others wait
+// for it (here: are refused at once).
+func TestPrefillSaturatedMinPriority(t *testing.T) {
+	const pool = `  saturation: {action: reject}
+  flow_control: {objectives: [{name: chat, priority: 10}, {name: low, priority: 1}, {name: batch, priority: -1}]}
+  disaggregation: {when_prefill_saturated: true, prefill_saturated_min_priority: 1}`
+	long := chatOf(4000, "the quick brown fox ")
+	for _, tc := range []struct {
+		objective   string
+		decodeAlone bool
+	}{
+		{objective: "chat", decodeAlone: true},
+		{objective: "low", decodeAlone: true},
+		{objective: "", decodeAlone: false}, // priority 0
+		{objective: "batch", decodeAlone: false},
+	} {
+		t.Run(orNone(tc.objective), func(t *testing.T) {
+			table, p := placementTable(t, pool)
+			p.Prefill.Set.Observe(prefillEP.Address, picker.Load{Waiting: 9, At: time.Now()})
+			eng := answering(fakeengine.Reply{Body: kvAnswer})
+			var extra []string
+			if tc.objective != "" {
+				extra = []string{ObjectiveHeader, tc.objective}
+			}
+			out := run(t, table, eng, headers("POST", "/v1/chat/completions", false, extra...), body(long, true))
+			require.Len(t, out, 2)
+			require.Empty(t, eng.Calls(), "no prefill either way")
+			if !tc.decodeAlone {
+				status, e := immediateOf(t, out[1])
+				require.Equal(t, 429, status)
+				require.Contains(t, e.Error.Message, "every prefill engine of pool p is saturated")
+				return
+			}
+			br := out[1].GetRequestBody().GetResponse()
+			require.Equal(t, decodeEP.Address, setHeaders(br.GetHeaderMutation())[DestinationHeader])
+			require.NotContains(t, string(br.GetBodyMutation().GetBody()), "kv_transfer_params")
+		})
+	}
+}
+
+func orNone(s string) string {
+	if s == "" {
+		return "none"
+	}
+	return s
+}
+
 func TestShedding(t *testing.T) {
 	saturate := func(pool *routing.Pool) {
 		pool.Decode.Set.Observe(decodeEP.Address, picker.Load{Waiting: 5, At: time.Now()})

@@ -196,6 +196,8 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[1].flow_control.kubernetes_objectives.pool: "pool/x" is not valid`}},
 		{"disaggregation without a prefill leg", pools(pool("connector: none", "prefill: []", "disaggregation: {min_uncached_tokens: 16}")), []string{
 			`config: pools[0].disaggregation: not valid with connector "none", which has no prefill leg`}},
+		{"prefill_saturated_min_priority without when_prefill_saturated", pools(pool("disaggregation: {prefill_saturated_min_priority: 1}")), []string{
+			`config: pools[0].disaggregation.prefill_saturated_min_priority: has no effect without when_prefill_saturated`}},
 		{"prefill_max_in_flight without a prefill leg", pools(pool("connector: none", "prefill: []", "saturation: {prefill_max_in_flight: 2}")), []string{
 			`config: pools[0].saturation.prefill_max_in_flight: not valid with connector "none", which has no prefill leg`}},
 		{"decode_fallbacks with connectors that cannot", pools(pool("connector: sglang", "decode_fallbacks: 1"), pool("name: q", "models: [q]", "connector: p2p-nccl", "decode_fallbacks: 1"),

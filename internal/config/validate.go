@@ -232,6 +232,9 @@ func (v *validator) placement(path string, p *configv1.Pool, traits connectors.T
 	if p.GetDisaggregation() != nil && !traits.Prefills {
 		v.fail(path+".disaggregation", "not valid with connector %q, which has no prefill leg", p.GetConnector())
 	}
+	if d := p.GetDisaggregation(); d != nil && d.PrefillSaturatedMinPriority != nil && !d.GetWhenPrefillSaturated() {
+		v.fail(path+".disaggregation.prefill_saturated_min_priority", "has no effect without when_prefill_saturated")
+	}
 	if s := p.GetSaturation(); !s.GetDisabled() {
 		if s.GetPrefillMaxInFlight() > 0 && !traits.Prefills {
 			v.fail(path+".saturation.prefill_max_in_flight", "not valid with connector %q, which has no prefill leg", p.GetConnector())

@@ -7,6 +7,7 @@ package routing
 import (
 	"errors"
 	"fmt"
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -175,8 +176,23 @@ type Decider struct {
 	// is shorter goes to the decode engine alone. 0: off.
 	MinUncachedTokens int
 	// WhenPrefillSaturated sends a request to its decode engine alone when
-	// every prefill endpoint is saturated.
+	// every prefill endpoint is saturated, if its priority is at least
+	// SaturatedMinPriority.
 	WhenPrefillSaturated bool
+	SaturatedMinPriority int
+}
+
+// decider is d's Decider.
+func decider(d *configv1.Disaggregation) Decider {
+	out := Decider{
+		MinUncachedTokens:    int(d.GetMinUncachedTokens()),
+		WhenPrefillSaturated: d.GetWhenPrefillSaturated(),
+		SaturatedMinPriority: math.MinInt,
+	}
+	if d != nil && d.PrefillSaturatedMinPriority != nil {
+		out.SaturatedMinPriority = int(d.GetPrefillSaturatedMinPriority())
+	}
+	return out
 }
 
 // Shedding is what a request does when every endpoint of a leg is
@@ -501,25 +517,22 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		}
 	}
 	p := &Pool{
-		Name:           pc.GetName(),
-		Models:         pc.GetModels(),
-		Default:        pc.GetDefault(),
-		Adapters:       pc.GetLora().GetAdapters(),
-		LoRA:           pc.GetLora() != nil,
-		ConnectorName:  pc.GetConnector(),
-		Connector:      conn,
-		Traits:         traits,
-		PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
-		AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
-		Attempts:       max(1, int(pc.GetPrefillAttempts())),
-		Fallback:       pc.GetOnPrefillFailure() == configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
-		PassThrough:    pc.GetPassThrough(),
-		KVHosts:        kvHosts,
-		BlockTokens:    int(pc.GetPrefixBlockTokens()),
-		Decider: Decider{
-			MinUncachedTokens:    int(pc.GetDisaggregation().GetMinUncachedTokens()),
-			WhenPrefillSaturated: pc.GetDisaggregation().GetWhenPrefillSaturated(),
-		},
+		Name:            pc.GetName(),
+		Models:          pc.GetModels(),
+		Default:         pc.GetDefault(),
+		Adapters:        pc.GetLora().GetAdapters(),
+		LoRA:            pc.GetLora() != nil,
+		ConnectorName:   pc.GetConnector(),
+		Connector:       conn,
+		Traits:          traits,
+		PrefillTimeout:  pc.GetPrefillTimeout().AsDuration(),
+		AttemptTimeout:  pc.GetPrefillAttemptTimeout().AsDuration(),
+		Attempts:        max(1, int(pc.GetPrefillAttempts())),
+		Fallback:        pc.GetOnPrefillFailure() == configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
+		PassThrough:     pc.GetPassThrough(),
+		KVHosts:         kvHosts,
+		BlockTokens:     int(pc.GetPrefixBlockTokens()),
+		Decider:         decider(pc.GetDisaggregation()),
 		Saturated:       shedding,
 		DecodeFallbacks: int(pc.GetDecodeFallbacks()),
 		Ranked:          ranked(pc),

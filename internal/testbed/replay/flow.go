@@ -31,6 +31,10 @@ const (
 	// flowCalibration is the burst that measures the rig's capacity, per
 	// prefill engine.
 	flowCalibration = 50
+
+	// The priority experiment's scenarios with bands, which its goals read.
+	scenarioBands = "bands: chat 10, batch -1 (sheddable)"
+	scenarioLocal = "bands, and chat prefilled on its decode engine while the prefill engine is saturated"
 )
 
 // FlowPlan is the flow-control experiment's parameters.
@@ -90,6 +94,9 @@ type FlowTenant struct {
 	Broken   int         `json:"broken"`
 	MixUps   int         `json:"mix_ups"`
 	TTFT     Percentiles `json:"ttft"`
+	// TPOT is the time per output token after the first: what prompts
+	// computed on the decode engine cost its batch.
+	TPOT Percentiles `json:"tpot"`
 	// Served counts the tenant's requests whose first token came while
 	// every tenant was still sending (the run's shortest sending span):
 	// its service while all compete. Share is its share of all tenants'.
@@ -137,6 +144,9 @@ func RunFlow(ctx context.Context, p FlowPlan) (*FlowReport, error) {
 	sat := fmt.Sprintf(flowSaturation, p.MaxInFlight, "30s")
 	bands := sat + "flow_control: {objectives: [{name: chat, priority: 10}, {name: batch, priority: -1}]}\n"
 	oneBand := sat + "flow_control: {}\n"
+	// Conditional disaggregation by band: the critical tenant's prompts go
+	// to the decode engine alone while the prefill engine is saturated.
+	local := bands + "disaggregation: {when_prefill_saturated: true, prefill_saturated_min_priority: 1}\n"
 	// Fairness: two tenants of one band at 10:1, each above its half.
 	fw := w / 2
 	heavy := tenant{name: "heavy", flow: "heavy", rate: 6 * c, to: fw}
@@ -149,7 +159,8 @@ func RunFlow(ctx context.Context, p FlowPlan) (*FlowReport, error) {
 	}{
 		{"priority", "critical alone", bands, []tenant{chat}},
 		{"priority", "one band (flow control without objectives)", oneBand, []tenant{chat, batch}},
-		{"priority", "bands: chat 10, batch -1 (sheddable)", bands, []tenant{chat, batch}},
+		{"priority", scenarioBands, bands, []tenant{chat, batch}},
+		{"priority", scenarioLocal, local, []tenant{chat, batch}},
 		{"fairness", "one flow (no fairness ids)", fsat, []tenant{noFlows(heavy), noFlows(light)}},
 		{"fairness", "round robin across fairness ids", fsat, []tenant{heavy, light}},
 	} {
@@ -259,7 +270,7 @@ func (p FlowPlan) run(ctx context.Context, experiment, scenario, pool string, te
 		span = min(span, t.to)
 	}
 	run := FlowRun{Experiment: experiment, Scenario: scenario, PoolYAML: strings.TrimSpace(pool)}
-	ttfts := make([][]time.Duration, len(tenants))
+	ttfts, tpots := make([][]time.Duration, len(tenants)), make([][]time.Duration, len(tenants))
 	for _, t := range tenants {
 		run.Tenants = append(run.Tenants, FlowTenant{Name: t.name, Objective: t.objective, Flow: t.flow, Rate: t.rate,
 			FromS: t.from.Seconds(), ToS: t.to.Seconds()})
@@ -275,6 +286,9 @@ func (p FlowPlan) run(ctx context.Context, experiment, scenario, pool string, te
 		case o.OK():
 			t.OK++
 			ttfts[ti] = append(ttfts[ti], o.TTFT)
+			if d := o.TPOT(); d > 0 {
+				tpots[ti] = append(tpots[ti], d)
+			}
 			if o.Sent+o.TTFT <= span {
 				t.Served++
 				served++
@@ -286,7 +300,7 @@ func (p FlowPlan) run(ctx context.Context, experiment, scenario, pool string, te
 		}
 	}
 	for i := range run.Tenants {
-		run.Tenants[i].TTFT = percentiles(ttfts[i])
+		run.Tenants[i].TTFT, run.Tenants[i].TPOT = percentiles(ttfts[i]), percentiles(tpots[i])
 		if served > 0 {
 			run.Tenants[i].Share = float64(run.Tenants[i].Served) / float64(served)
 		}
@@ -336,25 +350,33 @@ func (rep *FlowReport) Summary() string {
 	}
 	b.WriteString(".\n\n")
 	b.WriteString("Served is a tenant's requests whose first token came while every tenant of the run was still sending, and share its part of all of them: the service each got while all competed.\n\n")
-	b.WriteString("| experiment | scenario | tenant | objective / flow | rate req/s | sending s | sent | ok | 429 | broken | mix-ups | TTFT p50/p90/p99 ms | served (share) |\n")
-	b.WriteString("|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---|---|\n")
+	b.WriteString("| experiment | scenario | tenant | objective / flow | rate req/s | sending s | sent | ok | 429 | broken | mix-ups | TTFT p50/p90/p99 ms | TPOT p50/p90 ms | served (share) |\n")
+	b.WriteString("|---|---|---|---|---:|---|---:|---:|---:|---:|---:|---|---|---|\n")
 	for _, r := range rep.Runs {
 		for _, t := range r.Tenants {
-			fmt.Fprintf(&b, "| %s | %s | %s | %s / %s | %.1f | %.0f–%.0f | %d | %d | %d | %d | %d | %.0f / %.0f / %.0f | %d (%.1f%%) |\n",
+			fmt.Fprintf(&b, "| %s | %s | %s | %s / %s | %.1f | %.0f–%.0f | %d | %d | %d | %d | %d | %.0f / %.0f / %.0f | %.2f / %.2f | %d (%.1f%%) |\n",
 				r.Experiment, r.Scenario, t.Name, orDash(t.Objective), orDash(t.Flow), t.Rate, t.FromS, t.ToS, t.Requests, t.OK, t.Shed, t.Broken, t.MixUps,
-				t.TTFT.P50, t.TTFT.P90, t.TTFT.P99, t.Served, 100*t.Share)
+				t.TTFT.P50, t.TTFT.P90, t.TTFT.P99, t.TPOT.P50, t.TPOT.P90, t.Served, 100*t.Share)
 		}
 	}
 	b.WriteString("\n## The goals\n\n")
 	alone, ok1 := rep.tenantOf("priority", "critical alone", "chat")
 	before, ok2 := rep.tenantOf("priority", "one band (flow control without objectives)", "chat")
-	after, ok3 := rep.tenantOf("priority", "bands: chat 10, batch -1 (sheddable)", "chat")
+	after, ok3 := rep.tenantOf("priority", scenarioBands, "chat")
 	if ok1 && ok2 && ok3 && alone.TTFT.P90 > 0 {
-		fmt.Fprintf(&b, "- The critical tenant's TTFT p90 under the batch burst, over its TTFT p90 alone (goal ≤ 1.25): one band %.2f, bands %.2f.\n",
+		fmt.Fprintf(&b, "- The critical tenant's TTFT p90 under the batch burst, over its TTFT p90 alone (goal ≤ 1.25): one band %.2f, bands %.2f",
 			before.TTFT.P90/alone.TTFT.P90, after.TTFT.P90/alone.TTFT.P90)
+		if local, ok := rep.tenantOf("priority", scenarioLocal, "chat"); ok {
+			batchQ, _ := rep.tenantOf("priority", scenarioBands, "batch")
+			batchL, _ := rep.tenantOf("priority", scenarioLocal, "batch")
+			fmt.Fprintf(&b, ", bands with the critical tenant's prompts on its decode engine while the prefill engine is saturated %.2f. "+
+				"What that cost the decode engine's batch: the batch tenant's TPOT p90 %.2f ms, against %.2f ms when the critical tenant waits in its band",
+				local.TTFT.P90/alone.TTFT.P90, batchL.TPOT.P90, batchQ.TPOT.P90)
+		}
+		b.WriteString(".\n")
 		fmt.Fprintf(&b, "- 429s of the critical (non-sheddable) tenant while the sheddable one waited (goal 0): %d; the batch tenant's 429s: %d.\n",
 			after.Shed, func() int {
-				t, _ := rep.tenantOf("priority", "bands: chat 10, batch -1 (sheddable)", "batch")
+				t, _ := rep.tenantOf("priority", scenarioBands, "batch")
 				return t.Shed
 			}())
 	}

@@ -46,15 +46,18 @@ func TestFlowSummary(t *testing.T) {
 		{Experiment: "priority", Scenario: "critical alone", Tenants: []FlowTenant{{Name: "chat", TTFT: Percentiles{P90: 40}}}},
 		{Experiment: "priority", Scenario: "one band (flow control without objectives)", Tenants: []FlowTenant{
 			{Name: "chat", TTFT: Percentiles{P90: 200}}, {Name: "batch"}}},
-		{Experiment: "priority", Scenario: "bands: chat 10, batch -1 (sheddable)", Tenants: []FlowTenant{
-			{Name: "chat", TTFT: Percentiles{P90: 48}}, {Name: "batch", Shed: 3}}},
+		{Experiment: "priority", Scenario: scenarioBands, Tenants: []FlowTenant{
+			{Name: "chat", TTFT: Percentiles{P90: 48}}, {Name: "batch", Shed: 3, TPOT: Percentiles{P90: 1.5}}}},
+		{Experiment: "priority", Scenario: scenarioLocal, Tenants: []FlowTenant{
+			{Name: "chat", TTFT: Percentiles{P90: 30}}, {Name: "batch", TPOT: Percentiles{P90: 2.25}}}},
 		{Experiment: "fairness", Scenario: "round robin across fairness ids", Tenants: []FlowTenant{
 			{Name: "heavy", Share: 0.52}, {Name: "light", Share: 0.48}}},
 	}}
 	s := rep.Summary()
-	require.Contains(t, s, "one band 5.00, bands 1.20")
+	require.Contains(t, s, "one band 5.00, bands 1.20, bands with the critical tenant's prompts on its decode engine while the prefill engine is saturated 0.75.")
+	require.Contains(t, s, "the batch tenant's TPOT p90 2.25 ms, against 1.50 ms when the critical tenant waits")
 	require.Contains(t, s, "(goal 0): 0; the batch tenant's 429s: 3")
 	require.Contains(t, s, "round robin across fairness ids: the heavy tenant's share 52.0%, the light one's 48.0%")
 	require.NotContains(t, s, "one flow (no fairness ids):", "a run not made is not reported")
-	require.Equal(t, 7, strings.Count(s, "| priority |")+strings.Count(s, "| fairness |"), "a row a tenant")
+	require.Equal(t, 9, strings.Count(s, "| priority |")+strings.Count(s, "| fairness |"), "a row a tenant")
 }

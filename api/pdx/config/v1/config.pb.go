@@ -1648,8 +1648,16 @@ type Disaggregation struct {
 	// decode engine is not, the request goes to it alone instead of waiting
 	// for a prefill engine.
 	WhenPrefillSaturated bool `protobuf:"varint,2,opt,name=when_prefill_saturated,json=whenPrefillSaturated,proto3" json:"when_prefill_saturated,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// With when_prefill_saturated, only requests whose priority (their
+	// objective's, see flow_control) is at least this go to the decode
+	// engine alone; the others wait for a prefill engine in their band.
+	// Unset: every request. A prompt computed on a decode engine slows its
+	// batch down, so a pool that holds a batch tenant's burst in pdx's
+	// queue can spend that on its latency-critical bands alone (NVIDIA
+	// Dynamo's conditional disaggregation, by band).
+	PrefillSaturatedMinPriority *int32 `protobuf:"varint,3,opt,name=prefill_saturated_min_priority,json=prefillSaturatedMinPriority,proto3,oneof" json:"prefill_saturated_min_priority,omitempty"`
+	unknownFields               protoimpl.UnknownFields
+	sizeCache                   protoimpl.SizeCache
 }
 
 func (x *Disaggregation) Reset() {
@@ -1694,6 +1702,13 @@ func (x *Disaggregation) GetWhenPrefillSaturated() bool {
 		return x.WhenPrefillSaturated
 	}
 	return false
+}
+
+func (x *Disaggregation) GetPrefillSaturatedMinPriority() int32 {
+	if x != nil && x.PrefillSaturatedMinPriority != nil {
+		return *x.PrefillSaturatedMinPriority
+	}
+	return 0
 }
 
 // Saturation: an endpoint is saturated when its fresh metrics show
@@ -2219,10 +2234,12 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x06prefix\x18\x01 \x01(\x01R\x06prefix\x12\x14\n" +
 	"\x05queue\x18\x02 \x01(\x01R\x05queue\x12\x19\n" +
 	"\bkv_usage\x18\x03 \x01(\x01R\akvUsage\x12\x1b\n" +
-	"\tin_flight\x18\x04 \x01(\x01R\binFlight\"v\n" +
+	"\tin_flight\x18\x04 \x01(\x01R\binFlight\"\xe3\x01\n" +
 	"\x0eDisaggregation\x12.\n" +
 	"\x13min_uncached_tokens\x18\x01 \x01(\rR\x11minUncachedTokens\x124\n" +
-	"\x16when_prefill_saturated\x18\x02 \x01(\bR\x14whenPrefillSaturated\"\xb5\x02\n" +
+	"\x16when_prefill_saturated\x18\x02 \x01(\bR\x14whenPrefillSaturated\x12H\n" +
+	"\x1eprefill_saturated_min_priority\x18\x03 \x01(\x05H\x00R\x1bprefillSaturatedMinPriority\x88\x01\x01B!\n" +
+	"\x1f_prefill_saturated_min_priority\"\xb5\x02\n" +
 	"\n" +
 	"Saturation\x12\x1a\n" +
 	"\bdisabled\x18\x01 \x01(\bR\bdisabled\x12\x1f\n" +
@@ -2356,6 +2373,7 @@ func file_pdx_config_v1_config_proto_init() {
 		return
 	}
 	file_pdx_config_v1_config_proto_msgTypes[0].OneofWrappers = []any{}
+	file_pdx_config_v1_config_proto_msgTypes[15].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
