@@ -13,7 +13,7 @@ ENV CGO_ENABLED=0 GOFLAGS=-mod=readonly
 COPY go.mod go.sum ./
 RUN go mod download
 COPY . .
-RUN go build -trimpath -ldflags='-s -w' -o /out/pdx ./cmd/pdx && \
+RUN go build -trimpath -tags vtprotobuf -ldflags='-s -w' -o /out/pdx ./cmd/pdx && \
     go build -trimpath -ldflags='-s -w' -o /out/pdx-engine-sim ./cmd/pdx-engine-sim
 
 # ---- run ----

@@ -3,6 +3,10 @@
 
 SHELL := /bin/bash
 GO ?= go
+# go-control-plane's vtprotobuf marshalling of the ext_proc messages is
+# behind this build tag; pdx's gRPC codec uses it when it is compiled in
+# (internal/server/codec.go), and marshals by reflection otherwise.
+export GOFLAGS := $(strip $(GOFLAGS) -tags=vtprotobuf)
 TOOLS ?= $(CURDIR)/.tools
 PYTHON ?= python3
 
