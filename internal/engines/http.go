@@ -11,7 +11,6 @@ import (
 	"net"
 	"net/http"
 	"net/url"
-	"strconv"
 	"time"
 
 	"go.opentelemetry.io/otel/propagation"
@@ -23,9 +22,11 @@ import (
 // kv_transfer_params (block ids of long prompts run to a few hundred KB).
 const maxAnswerBytes = 8 << 20
 
-// HTTP is the [Engine] pdx uses in production: one shared client whose
-// connection pool is sized for thousands of concurrent prefill calls.
+// HTTP is the [Engine] pdx uses in production: one shared connection pool
+// sized for thousands of concurrent prefill calls (conns.go), and
+// net/http's client for the few GETs.
 type HTTP struct {
+	conns  pool
 	client *http.Client
 }
 
@@ -34,9 +35,10 @@ func NewHTTP() *HTTP {
 	return &HTTP{client: &http.Client{Transport: NewTransport()}}
 }
 
-// NewTransport returns the transport for engine calls. Go's default keeps
-// only 2 idle connections per host; under load every further request then
-// dials anew, which costs hundreds of milliseconds at p99.
+// NewTransport returns the transport for engine GETs (Post has its own
+// connections, conns.go). Go's default keeps only 2 idle connections per
+// host; under load every further request then dials anew, which costs
+// hundreds of milliseconds at p99.
 func NewTransport() *http.Transport {
 	return &http.Transport{
 		Proxy: nil, // engines are addressed directly, never through a proxy
@@ -51,38 +53,37 @@ func NewTransport() *http.Transport {
 		ExpectContinueTimeout: 0,
 		DisableCompression:    true, // answers are small; gzip only costs CPU
 		ForceAttemptHTTP2:     false,
-		// Every prefill in flight holds a connection of its own (engines
-		// speak HTTP/1.1), and with it these two buffers: Go's 4 KiB each
-		// were a third of pdx's memory per request. Prompts bypass the
-		// write buffer (they are written in large pieces), and answers are
-		// a few hundred bytes to a few KiB.
+		// GETs and their answers are small.
 		WriteBufferSize: 1 << 10,
 		ReadBufferSize:  2 << 10,
 	}
 }
 
 // CloseIdleConnections closes the pool's idle connections.
-func (e *HTTP) CloseIdleConnections() { e.client.CloseIdleConnections() }
+func (e *HTTP) CloseIdleConnections() {
+	e.conns.closeIdle()
+	e.client.CloseIdleConnections()
+}
 
 // Post implements [Engine].
 func (e *HTTP) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID string, rank endpoint.Rank, body net.Buffers) ([]byte, error) {
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, "http://"+ep.Address+path, nil)
+	if !headerSafe(path) || !headerSafe(requestID) {
+		return nil, &Error{Endpoint: ep, Err: fmt.Errorf("%w: %q, %q", errHeaderValue, path, requestID)}
+	}
+	var length int64
+	for _, p := range body {
+		length += int64(len(p))
+	}
+	n, hasRank := rank.Get()
+	head := requestHead(ctx, make([]byte, 0, 256), ep.Address, path, requestID, n, hasRank, length)
+	status, answer, err := e.conns.post(ctx, ep.Address, head, body)
 	if err != nil {
+		if status != 0 {
+			return nil, &Error{Endpoint: ep, Status: status, Message: "reading answer", Err: err}
+		}
 		return nil, &Error{Endpoint: ep, Err: err}
 	}
-	for _, p := range body {
-		req.ContentLength += int64(len(p))
-	}
-	req.Body = &piecesReader{pieces: body}
-	// The transport may send a request again on a fresh connection when
-	// the kept-alive one it chose was closed under it.
-	req.GetBody = func() (io.ReadCloser, error) { return &piecesReader{pieces: body}, nil }
-	req.Header.Set("Content-Type", "application/json")
-	req.Header.Set("X-Request-Id", requestID)
-	if n, ok := rank.Get(); ok {
-		req.Header.Set(RankHeader, strconv.Itoa(n))
-	}
-	return e.do(req, ep)
+	return checkAnswer(ep, status, answer)
 }
 
 // RankHeader names the DP rank that is to serve a request. vLLM's OpenAI
@@ -90,31 +91,6 @@ func (e *HTTP) Post(ctx context.Context, ep endpoint.Endpoint, path, requestID s
 // _get_data_parallel_rank); header names are case-insensitive, and the
 // canonical spelling costs Header.Set no allocation.
 const RankHeader = "X-Data-Parallel-Rank"
-
-// piecesReader reads pieces one after another without changing them (unlike
-// net.Buffers, whose reads consume it), so the same pieces can be sent again.
-type piecesReader struct {
-	pieces [][]byte
-	off    int // into pieces[0]
-}
-
-func (r *piecesReader) Read(p []byte) (int, error) {
-	n := 0
-	for n < len(p) && len(r.pieces) > 0 {
-		c := copy(p[n:], r.pieces[0][r.off:])
-		n += c
-		r.off += c
-		if r.off == len(r.pieces[0]) {
-			r.pieces, r.off = r.pieces[1:], 0
-		}
-	}
-	if n == 0 && len(r.pieces) == 0 {
-		return 0, io.EOF
-	}
-	return n, nil
-}
-
-func (r *piecesReader) Close() error { return nil }
 
 // do sends req and reads a bounded answer, turning every failure into an
 // *Error.
@@ -132,11 +108,17 @@ func (e *HTTP) do(req *http.Request, ep endpoint.Endpoint) ([]byte, error) {
 	if err != nil {
 		return nil, &Error{Endpoint: ep, Status: resp.StatusCode, Message: "reading answer", Err: unwrapURLError(err)}
 	}
+	return checkAnswer(ep, resp.StatusCode, answer)
+}
+
+// checkAnswer returns an answer read whole with a 2xx status, or the
+// error it is.
+func checkAnswer(ep endpoint.Endpoint, status int, answer []byte) ([]byte, error) {
 	if len(answer) > maxAnswerBytes {
-		return nil, &Error{Endpoint: ep, Status: resp.StatusCode, Err: fmt.Errorf("%w: answer over %d bytes", ErrBadAnswer, maxAnswerBytes)}
+		return nil, &Error{Endpoint: ep, Status: status, Err: fmt.Errorf("%w: answer over %d bytes", ErrBadAnswer, maxAnswerBytes)}
 	}
-	if resp.StatusCode/100 != 2 {
-		return nil, &Error{Endpoint: ep, Status: resp.StatusCode, Message: engineMessage(answer)}
+	if status/100 != 2 {
+		return nil, &Error{Endpoint: ep, Status: status, Message: engineMessage(answer)}
 	}
 	return answer, nil
 }

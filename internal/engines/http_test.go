@@ -1,6 +1,7 @@
 package engines
 
 import (
+	"bufio"
 	"context"
 	"errors"
 	"fmt"
@@ -310,22 +311,133 @@ func TestNewTransport(t *testing.T) {
 	require.Nil(t, tr.Proxy)
 }
 
-func TestPiecesReader(t *testing.T) {
-	pieces := net.Buffers{[]byte(`{"a":`), nil, []byte(`1`), []byte(``), []byte(`,"b":"xyz"}`)}
-	for _, size := range []int{1, 3, 64} {
-		for range 2 { // the pieces are unchanged by reading, so read twice
-			var got []byte
-			r := &piecesReader{pieces: pieces}
-			buf := make([]byte, size)
-			for {
-				n, err := r.Read(buf)
-				got = append(got, buf[:n]...)
-				if err == io.EOF {
-					break
-				}
-				require.NoError(t, err)
+// rawEngine is an HTTP/1.1 engine on a bare listener: serve handles each
+// connection, and conns counts them.
+func rawEngine(t *testing.T, serve func(c net.Conn, br *bufio.Reader)) (endpoint.Endpoint, *atomic.Int64) {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	t.Cleanup(func() { l.Close() })
+	var conns atomic.Int64
+	go func() {
+		for {
+			c, err := l.Accept()
+			if err != nil {
+				return
 			}
-			require.Equal(t, `{"a":1,"b":"xyz"}`, string(got), "read %d at a time", size)
+			conns.Add(1)
+			go func() {
+				defer c.Close()
+				serve(c, bufio.NewReader(c))
+			}()
+		}
+	}()
+	return endpoint.Endpoint{Address: l.Addr().String()}, &conns
+}
+
+// answerOK reads one request from br and answers it with a kept-alive 200.
+func answerOK(t *testing.T, c net.Conn, br *bufio.Reader) bool {
+	req, err := http.ReadRequest(br)
+	if err != nil {
+		return false
+	}
+	_, _ = io.Copy(io.Discard, req.Body)
+	_, err = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{\"ok\":true}")
+	return err == nil
+}
+
+// An engine that closes a kept-alive connection after its answer, without
+// saying so (as an HTTP server's idle timeout does): the next call finds
+// the connection dead before a byte of its answer came and is sent again
+// on a new one.
+func TestHTTPPostRetriesAClosedIdleConnection(t *testing.T) {
+	ep, conns := rawEngine(t, func(c net.Conn, br *bufio.Reader) { answerOK(t, c, br) })
+	e := newEngine(t)
+	for i := range 3 {
+		out, err := e.Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+		require.NoError(t, err, "call %d", i)
+		require.JSONEq(t, `{"ok":true}`, string(out))
+		time.Sleep(20 * time.Millisecond) // the engine's close arrives
+	}
+	require.EqualValues(t, 3, conns.Load(), "a connection for each call")
+}
+
+// An engine that closes a connection in the middle of its answer is not
+// sent the request again: it may be computing it.
+func TestHTTPPostDoesNotRetryAPartialAnswer(t *testing.T) {
+	var calls atomic.Int64
+	ep, _ := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for {
+			if calls.Add(1) > 1 {
+				req, err := http.ReadRequest(br)
+				if err != nil {
+					return
+				}
+				_, _ = io.Copy(io.Discard, req.Body)
+				_, _ = io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{\"partial")
+				return
+			}
+			if !answerOK(t, c, br) {
+				return
+			}
+		}
+	})
+	e := newEngine(t)
+	_, err := e.Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+	require.NoError(t, err)
+	_, err = e.Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+	ee, ok := errors.AsType[*Error](err)
+	require.True(t, ok, "want *Error, got %T: %v", err, err)
+	require.Equal(t, 200, ee.Status)
+	require.Equal(t, "reading answer", ee.Message)
+	require.ErrorIs(t, err, io.ErrUnexpectedEOF)
+	require.EqualValues(t, 2, calls.Load(), "sent once")
+}
+
+// Connections idle longer than the engines' keep-alive timeout are not
+// used again, and an answer that asks to close its connection closes it.
+func TestHTTPPostIdleConnections(t *testing.T) {
+	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("X-Request-Id") == "close" {
+			w.Header().Set("Connection", "close")
+		}
+		io.WriteString(w, `{"ok":true}`)
+	}))
+	var conns atomic.Int64
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
 		}
 	}
+	srv.Start()
+	defer srv.Close()
+	e := newEngine(t)
+	e.conns.maxIdleTime = 50 * time.Millisecond
+	post := func(id string) {
+		_, err := e.Post(t.Context(), endpointOf(srv), "/v1/completions", id, endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+		require.NoError(t, err)
+	}
+	post("a")
+	post("b")
+	require.EqualValues(t, 1, conns.Load(), "kept alive")
+	time.Sleep(100 * time.Millisecond)
+	post("c")
+	require.EqualValues(t, 2, conns.Load(), "too long idle: a new one")
+	post("close")
+	post("d")
+	require.EqualValues(t, 3, conns.Load(), "closed at the engine's word")
+}
+
+// What goes into the request line and headers as it is must be one token.
+func TestHTTPPostRefusesHeaderInjection(t *testing.T) {
+	ep, conns := rawEngine(t, func(c net.Conn, br *bufio.Reader) { answerOK(t, c, br) })
+	e := newEngine(t)
+	for _, tc := range []struct{ path, id string }{
+		{"/v1/completions", "r\r\nX-Evil: 1"},
+		{"/v1/completions HTTP/1.0\r\n", "r"},
+	} {
+		_, err := e.Post(t.Context(), ep, tc.path, tc.id, endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+		require.ErrorIs(t, err, errHeaderValue, "%q %q", tc.path, tc.id)
+	}
+	require.Zero(t, conns.Load(), "nothing was sent")
 }
