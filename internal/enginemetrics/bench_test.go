@@ -21,6 +21,26 @@ func BenchmarkParseFiltered(b *testing.B) {
 	benchParse(b, filteredVLLM(b))
 }
 
+// BenchmarkParseReused parses as a scrape loop does, with one parser kept
+// from scrape to scrape.
+func BenchmarkParseReused(b *testing.B) {
+	for _, bench := range []struct{ name, text string }{
+		{"full", readTestdata(b, "vllm.txt")},
+		{"filtered", filteredVLLM(b)},
+	} {
+		b.Run(bench.name, func(b *testing.B) {
+			b.SetBytes(int64(len(bench.text)))
+			b.ReportAllocs()
+			p := newParser()
+			for b.Loop() {
+				if _, err := p.parse(strings.NewReader(bench.text)); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
+
 func benchParse(b *testing.B, text string) {
 	b.SetBytes(int64(len(text)))
 	b.ReportAllocs()

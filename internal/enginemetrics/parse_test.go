@@ -77,6 +77,33 @@ vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.9
 			text: "{\"some.dotted.metric\"} 1\nvllm:num_requests_running 2\n",
 			want: Sample{Running: 2, KVUsage: -1},
 		},
+		{
+			name: "names quoted, or inside the label set, with quoted label names",
+			text: "\"vllm:num_requests_running\"{\"model.name\"=\"m\"} 2\n" +
+				"{\"vllm:num_requests_waiting\", model_name=\"m\"} 3\n" +
+				"{model_name=\"m\", \"vllm:kv_cache_usage_perc\"} 0.5\n" +
+				"{trtllm_num_requests_running} 4\n",
+			want: Sample{Waiting: 3, Running: 6, KVUsage: 0.5},
+		},
+		{
+			name: "escapes in label values, timestamps, blanks and tabs",
+			text: "  vllm:num_requests_running {a=\"x\\\"}\\\\\\n\" , b = \"\"} 2 1700000000000\n" +
+				"vllm:num_requests_waiting\t+3\t-5\n\n   \n",
+			want: Sample{Waiting: 3, Running: 2, KVUsage: -1},
+		},
+		{
+			name: "a family declared but without series is absent",
+			text: "# HELP vllm:kv_cache_usage_perc KV-cache usage.\n# TYPE vllm:kv_cache_usage_perc gauge\n" +
+				"vllm:num_requests_running 2\n",
+			want: Sample{Running: 2, KVUsage: -1},
+		},
+		{
+			name: "counters count; a family typed summary or histogram says nothing",
+			text: "# TYPE vllm:num_requests_running counter\nvllm:num_requests_running 2\n" +
+				"# TYPE vllm:num_requests_waiting summary\nvllm:num_requests_waiting{quantile=\"0.5\"} 9\nvllm:num_requests_waiting_count 9\n" +
+				"# TYPE vllm:kv_cache_usage_perc histogram\nvllm:kv_cache_usage_perc_bucket{le=\"1\"} 9\n",
+			want: Sample{Running: 2, KVUsage: -1},
+		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -132,6 +159,117 @@ func TestParseFails(t *testing.T) {
 			if tt.errText != "" {
 				require.ErrorContains(t, err, tt.errText)
 			}
+		})
+	}
+}
+
+func TestParserKeptFromScrapeToScrape(t *testing.T) {
+	t.Parallel()
+	p := newParser()
+	texts := []struct {
+		text string
+		want Sample
+	}{
+		{loraSeed, Sample{Running: 1, KVUsage: -1, LoRA: LoRA{Running: []string{`a\b`}, MaxLoRA: 2}}},
+		// The same HELP and TYPE lines again, and no LoRA gauge.
+		{loraSeed[:strings.Index(loraSeed, "vllm:lora")], Sample{Running: 1, KVUsage: -1}},
+		{strings.Repeat("# "+strings.Repeat("x", 1000)+"\n", 2000) + "sglang:num_queue_reqs 3\n", Sample{Waiting: 3, KVUsage: -1}},
+		{readTestdata(t, "vllm.txt"), Sample{Waiting: 7, Running: 12, KVUsage: 0.6312}},
+	}
+	for _, tt := range texts {
+		got, err := p.parse(strings.NewReader(tt.text))
+		require.NoError(t, err)
+		require.Equal(t, tt.want, got)
+	}
+	require.LessOrEqual(t, p.body.Cap(), keepBytes, "a 2 MB body is not kept")
+}
+
+// TestParseMalformed lists malformed lines of the families Parse reads:
+// each must fail the parse, as it fails expfmt's, naming its line.
+func TestParseMalformed(t *testing.T) {
+	t.Parallel()
+	const before = "# HELP process_open_fds Open fds.\nprocess_open_fds 87\n" // the line tested is line 3
+	tests := []struct {
+		name, line, errText string
+	}{
+		{"label set not terminated", `vllm:num_requests_running{model_name="m" 3`, "expected ',' or '}'"},
+		{"label set cut short", `vllm:num_requests_running{model_name="m"`, "label set not terminated"},
+		{"label value not terminated", `vllm:num_requests_running{a="b} 3`, "label value not terminated"},
+		{"label value not quoted", `vllm:num_requests_running{a=b} 3`, "not quoted"},
+		{"unknown escape in a label value", `vllm:num_requests_running{a="\x"} 3`, "escape"},
+		{"label without a value", `vllm:num_requests_running{a} 3`, "expected '='"},
+		{"empty label name", `vllm:num_requests_running{""="x"} 3`, "invalid label name"},
+		{"label name not UTF-8", "vllm:num_requests_running{\"\xff\"=\"x\"} 3", "UTF-8"},
+		{"label value not UTF-8", "vllm:num_requests_running{a=\"\xff\"} 3", "UTF-8"},
+		{"duplicate label", `vllm:num_requests_running{a="1",a="2"} 3`, "duplicate"},
+		{"__name__ label", `vllm:num_requests_running{__name__="x"} 3`, "reserved"},
+		{"two names in the label set", `{"vllm:num_requests_running","x"} 3`, "second metric name"},
+		{"label set without a name", `{model_name="vllm:num_requests_running"} 3`, "no metric name"},
+		{"quoted name not terminated", `"vllm:num_requests_running 3`, "not terminated"},
+		{"no value", "vllm:num_requests_running", "not a float"},
+		{"value not a number", "vllm:num_requests_running seven", "not a float"},
+		{"hex value", "vllm:num_requests_running 0x1p3", "not a float"},
+		{"value with underscores", "vllm:num_requests_running 1_000", "not a float"},
+		{"value out of range", "vllm:num_requests_running 1e999", "not a float"},
+		{"value and junk", `vllm:num_requests_running{a="b"} 3}`, "not a float"},
+		{"carriage return", "vllm:num_requests_running 3\r", "not a float"},
+		{"blank after the value", "vllm:num_requests_running 3 ", "timestamp"},
+		{"timestamp not an integer", "vllm:num_requests_running 3 1.5", "timestamp"},
+		{"text after the timestamp", "vllm:num_requests_running 3 1 2", "after timestamp"},
+		{"unknown type", "# TYPE vllm:num_requests_running bogus", "unknown metric type"},
+		{"TYPE after samples", "vllm:num_requests_running 3\n# TYPE vllm:num_requests_running gauge", "TYPE"},
+		{"second HELP", "# HELP vllm:num_requests_running a\n# HELP vllm:num_requests_running b", "second HELP"},
+		{"unknown escape in HELP", `# HELP vllm:num_requests_running a \x b`, "escape"},
+		{"name in a comment ends badly", "# TYPE vllm:num_requests_running{} gauge", "invalid metric name"},
+		{"negative histogram count", "# TYPE vllm:kv_cache_usage_perc histogram\nvllm:kv_cache_usage_perc_count -1", "negative"},
+		{"negative bucket", "# TYPE vllm:kv_cache_usage_perc histogram\nvllm:kv_cache_usage_perc_bucket{le=\"1\"} -1", "negative"},
+		{"le not a number", "# TYPE vllm:kv_cache_usage_perc histogram\nvllm:kv_cache_usage_perc_bucket{le=\"x\"} 1", "not a float"},
+		{"quantile not a number", "# TYPE vllm:num_requests_running summary\nvllm:num_requests_running{quantile=\"x\"} 1", "not a float"},
+		{"LoRA gauge label set not terminated", `vllm:lora_requests_info{max_lora="2" 1`, "expected ',' or '}'"},
+		{"no newline at the end", "vllm:num_requests_running 3", "unexpected end of input"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			text := before + tt.line
+			if tt.name != "no newline at the end" {
+				text += "\n"
+			}
+			_, err := referenceParse(strings.NewReader(text))
+			require.Error(t, err, "expfmt accepts it")
+			require.NotErrorIs(t, err, ErrNoLoad, "expfmt accepts it")
+
+			_, err = Parse(strings.NewReader(text))
+			require.Error(t, err)
+			require.NotErrorIs(t, err, ErrNoLoad)
+			line := 3 + strings.Count(tt.line, "\n")
+			require.ErrorContains(t, err, "enginemetrics: line "+strconv.Itoa(line)+": ")
+			require.ErrorContains(t, err, tt.errText)
+		})
+	}
+}
+
+// TestParseSkipsOtherFamilies lists lines that expfmt rejects but Parse
+// skips: they are of families it does not read.
+func TestParseSkipsOtherFamilies(t *testing.T) {
+	t.Parallel()
+	tests := []struct{ name, line string }{
+		{"malformed labels", `process_open_fds{fd=3 87`},
+		{"value not a number", "process_open_fds many"},
+		{"unknown type", "# TYPE process_open_fds bogus"},
+		{"unknown escape in HELP", `# HELP process_open_fds \x`},
+		{"second TYPE", "# TYPE process_open_fds gauge\n# TYPE process_open_fds counter"},
+		{"suffixed name of an untyped family is a family of its own", "vllm:num_requests_running_count"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			text := "vllm:num_requests_running 2\n" + tt.line + "\n"
+			_, err := referenceParse(strings.NewReader(text))
+			require.Error(t, err, "expfmt accepts it")
+			got, err := Parse(strings.NewReader(text))
+			require.NoError(t, err)
+			require.Equal(t, Sample{Running: 2, KVUsage: -1}, got)
 		})
 	}
 }

@@ -232,8 +232,8 @@ func (w *worker) logChange(err error) {
 // errStatus is a scrape answered with something other than 200 OK.
 var errStatus = errors.New("enginemetrics: unexpected status")
 
-// accept asks for the classic text format: expfmt's text parser reads it,
-// and prometheus_client would otherwise pick one from the Accept header.
+// accept asks for the classic text format, the one Parse reads:
+// prometheus_client picks the format it answers in from the Accept header.
 const accept = "text/plain;version=0.0.4"
 
 // scrape reads the engine's load once; ctx is the worker's.

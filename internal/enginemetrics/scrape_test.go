@@ -271,7 +271,7 @@ func TestRunBadAnswersFail(t *testing.T) {
 		{
 			name:    "malformed exposition",
 			handler: serveText("vllm:num_requests_waiting{model_name=\"m\" 3\n"),
-			check:   func(t *testing.T, err error) { require.ErrorContains(t, err, "text format parsing error") },
+			check:   func(t *testing.T, err error) { require.ErrorContains(t, err, "enginemetrics: line 1: ") },
 		},
 		{
 			name:    "no known family",
