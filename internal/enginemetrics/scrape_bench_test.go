@@ -12,6 +12,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"runtime"
 	"strconv"
 	"sync/atomic"
 	"syscall"
@@ -113,10 +114,10 @@ func cpuTime(b *testing.B) time.Duration {
 // this process runs only Run, and its own CPU time (getrusage, user+sys) is
 // measured. Every iteration is one 3 s window of scraping, after a 1 s
 // warm-up in which connections are dialled; -benchtime=Nx runs N windows.
-// %core is CPU time over wall time, in percent of one core. "filtered":
-// the engines honour name[] (vLLM, one API server); "full": they send the
-// whole 40 KB exposition (SGLang, TensorRT-LLM, vLLM with several API
-// servers). A scrape that times out because the scraper cannot keep up is
+// %core is CPU time over wall time, in percent of one core; allocs/scrape
+// counts the whole process's heap allocations. "filtered": the engines
+// honour name[] (vLLM, one API server); "full": they send the whole 40 KB
+// exposition (SGLang, TensorRT-LLM, vLLM with several API servers). A scrape that times out because the scraper cannot keep up is
 // counted in failed/s, not an error: it is part of the measurement.
 func BenchmarkScrape64Engines(b *testing.B) {
 	for _, mode := range []string{"filtered", "full"} {
@@ -150,15 +151,21 @@ func benchScrape(b *testing.B, engines int, mode string) {
 
 	var cpu, wall time.Duration
 	var scrapes int64
+	var allocs uint64
+	var mem runtime.MemStats
 	for b.Loop() {
-		c0, t0, s0 := cpuTime(b), time.Now(), stores.Load()
+		runtime.ReadMemStats(&mem)
+		c0, t0, s0, a0 := cpuTime(b), time.Now(), stores.Load(), mem.Mallocs
 		time.Sleep(window)
 		cpu += cpuTime(b) - c0
 		wall += time.Since(t0)
 		scrapes += stores.Load() - s0
+		runtime.ReadMemStats(&mem)
+		allocs += mem.Mallocs - a0
 	}
 	b.ReportMetric(float64(fails.Load()-f0)/wall.Seconds(), "failed/s")
 	b.ReportMetric(100*cpu.Seconds()/wall.Seconds(), "%core")
 	b.ReportMetric(float64(scrapes)/wall.Seconds(), "scrapes/s")
 	b.ReportMetric(float64(cpu.Microseconds())/float64(max(scrapes, 1)), "µs-cpu/scrape")
+	b.ReportMetric(float64(allocs)/float64(max(scrapes, 1)), "allocs/scrape")
 }
