@@ -5,7 +5,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"net"
 	"net/http"
 	"os"
@@ -23,6 +22,10 @@ type direct struct {
 	conn    net.Conn
 	br      *bufio.Reader
 	unwatch func() bool // stops the context.AfterFunc that aborts I/O
+	// req is the request for target: a worker sends the same one every
+	// scrape, so it is built once.
+	target string
+	req    []byte
 }
 
 // deadlinePast makes any I/O on a connection fail at once.
@@ -31,15 +34,15 @@ var deadlinePast = time.Unix(1, 0)
 // do sends one GET for target (path and query) and returns the answer; the
 // caller reads and closes the body, then calls done. ctx is the worker's:
 // when it ends, so does a scrape in flight.
-func (d *direct) do(ctx context.Context, target, accept string, timeout time.Duration) (*http.Response, error) {
+func (d *direct) do(ctx context.Context, target string, timeout time.Duration) (*http.Response, error) {
 	deadline := time.Now().Add(timeout)
 	reused := d.conn != nil
-	resp, err := d.try(ctx, target, accept, deadline)
+	resp, err := d.try(ctx, target, deadline)
 	if err != nil && reused && ctx.Err() == nil && !errors.Is(err, os.ErrDeadlineExceeded) {
 		// The engine (or a proxy before it) may have closed the idle
 		// connection as the request went out: once more on a new one, as
 		// net/http does.
-		resp, err = d.try(ctx, target, accept, deadline)
+		resp, err = d.try(ctx, target, deadline)
 	}
 	if err != nil {
 		if errors.Is(err, os.ErrDeadlineExceeded) && ctx.Err() == nil {
@@ -51,7 +54,7 @@ func (d *direct) do(ctx context.Context, target, accept string, timeout time.Dur
 	return resp, nil
 }
 
-func (d *direct) try(ctx context.Context, target, accept string, deadline time.Time) (*http.Response, error) {
+func (d *direct) try(ctx context.Context, target string, deadline time.Time) (*http.Response, error) {
 	if d.conn == nil {
 		if err := d.dial(ctx, deadline); err != nil {
 			return nil, err
@@ -65,9 +68,12 @@ func (d *direct) try(ctx context.Context, target, accept string, deadline time.T
 	if err := ctx.Err(); err != nil {
 		return nil, err
 	}
-	req := "GET " + target + " HTTP/1.1\r\nHost: " + d.address +
-		"\r\nUser-Agent: pdx-enginemetrics\r\nAccept: " + accept + "\r\n\r\n"
-	if _, err := io.WriteString(d.conn, req); err != nil {
+	if target != d.target || d.req == nil {
+		d.target = target
+		d.req = []byte("GET " + target + " HTTP/1.1\r\nHost: " + d.address +
+			"\r\nUser-Agent: pdx-enginemetrics\r\nAccept: " + accept + "\r\n\r\n")
+	}
+	if _, err := d.conn.Write(d.req); err != nil {
 		d.close()
 		return nil, err
 	}

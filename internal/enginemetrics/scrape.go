@@ -143,12 +143,14 @@ type worker struct {
 	address string
 	cancel  context.CancelFunc
 	done    chan struct{}
-	// filter is whether to ask for only the families Parse reads; false
-	// once the engine has shown it does not honour it.
-	filter  bool
-	direct  *direct // when Options.Client is nil
-	parser  *parser
-	failing bool
+	// filter is whether to ask for only the families Parse reads (at
+	// filtered, Path with filterQuery); false once the engine has shown it
+	// does not honour it.
+	filter   bool
+	filtered string
+	direct   *direct // when Options.Client is nil
+	parser   *parser
+	failing  bool
 }
 
 // filterQuery asks prometheus_client (which vLLM, SGLang and TensorRT-LLM
@@ -180,6 +182,7 @@ func (w *worker) stopped() bool {
 func (w *worker) run(ctx context.Context) {
 	defer close(w.done)
 	w.filter = true
+	w.filtered = w.opts.Path + "?" + filterQuery
 	w.parser = newParser()
 	if w.opts.Client == nil {
 		w.direct = &direct{address: w.address}
@@ -241,7 +244,7 @@ func (w *worker) scrape(ctx context.Context) (Sample, error) {
 	if !w.filter {
 		return w.get(ctx, w.opts.Path)
 	}
-	s, err := w.get(ctx, w.opts.Path+"?"+filterQuery)
+	s, err := w.get(ctx, w.filtered)
 	if errors.Is(err, ErrNoLoad) {
 		// Filtered to nothing: a multi-process registry. (An engine that
 		// has no series yet loses the filter too; it then costs more
@@ -279,7 +282,7 @@ func (w *worker) get(ctx context.Context, target string) (s Sample, err error) {
 // the body was read to its end.
 func (w *worker) send(ctx context.Context, target string) (*http.Response, func(readAll bool), error) {
 	if w.direct != nil {
-		resp, err := w.direct.do(ctx, target, accept, w.opts.Timeout)
+		resp, err := w.direct.do(ctx, target, w.opts.Timeout)
 		if err != nil {
 			return nil, nil, err
 		}
