@@ -195,10 +195,12 @@ func (c *conn) roundTrip(ctx context.Context, head []byte, body net.Buffers) (st
 	}()
 	c.read = 0
 	c.bufs = append(append(c.bufs[:0], head), body...)
-	if _, err := c.bufs.WriteTo(c.Conn); err != nil {
+	w := c.bufs // WriteTo consumes its slice; c.bufs keeps the array
+	_, err = w.WriteTo(c.Conn)
+	clear(c.bufs) // keeps no reference to the body
+	if err != nil {
 		return 0, nil, false, err
 	}
-	clear(c.bufs[:cap(c.bufs)]) // keeps no reference to the body
 	resp, err := http.ReadResponse(c.br, nil)
 	if err != nil {
 		return 0, nil, false, err

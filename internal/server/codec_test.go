@@ -74,6 +74,22 @@ func TestCodecMarshalsPooled(t *testing.T) {
 	}
 }
 
+// A message without vtprotobuf code (the health service's, the tag left
+// out) is marshalled by reflection.
+func TestCodecMarshalsOthers(t *testing.T) {
+	msg, err := structpb.NewStruct(map[string]any{"status": "SERVING"})
+	require.NoError(t, err)
+	_, isVT := any(msg).(vtMessage)
+	require.False(t, isVT)
+	wire, err := codec{}.Marshal(msg)
+	require.NoError(t, err)
+	var back structpb.Struct
+	require.NoError(t, codec{}.Unmarshal(wire, &back))
+	require.True(t, proto.Equal(msg, &back))
+	_, err = codec{}.Marshal("not a message")
+	require.Error(t, err)
+}
+
 func TestDirtyPool(t *testing.T) {
 	p := newDirtyPool(4<<10, 64<<10)
 	for _, tc := range []struct{ n, capacity int }{
@@ -88,7 +104,7 @@ func TestDirtyPool(t *testing.T) {
 	odd := make([]byte, 5<<10)
 	p.Put(&odd) // not a class's capacity: dropped, never handed out short
 	for range 100 {
-		require.GreaterOrEqual(t, cap(*p.Get(8<<10)), 8<<10)
+		require.GreaterOrEqual(t, cap(*p.Get(8 << 10)), 8<<10)
 	}
 }
 
