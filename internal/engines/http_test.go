@@ -270,9 +270,24 @@ func TestHTTPPostContextEnds(t *testing.T) {
 	}
 }
 
+// countingServer serves handler and counts the connections it accepts.
+func countingServer(t *testing.T, handler http.HandlerFunc) (*httptest.Server, *atomic.Int64) {
+	t.Helper()
+	srv := httptest.NewUnstartedServer(handler)
+	var conns atomic.Int64
+	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
+		if s == http.StateNew {
+			conns.Add(1)
+		}
+	}
+	srv.Start()
+	t.Cleanup(srv.Close)
+	return srv, &conns
+}
+
 func TestHTTPReusesConnections(t *testing.T) {
-	var conns, calls atomic.Int64
-	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, _ *http.Request) {
+	var calls atomic.Int64
+	srv, conns := countingServer(t, func(w http.ResponseWriter, _ *http.Request) {
 		// Every other answer is an error: reading error answers to the end
 		// must keep their connections reusable too.
 		if calls.Add(1)%2 == 0 {
@@ -280,14 +295,7 @@ func TestHTTPReusesConnections(t *testing.T) {
 			return
 		}
 		io.WriteString(w, `{"ok":true}`)
-	}))
-	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			conns.Add(1)
-		}
-	}
-	srv.Start()
-	defer srv.Close()
+	})
 
 	e := newEngine(t)
 	for i := range 20 {
@@ -398,20 +406,12 @@ func TestHTTPPostDoesNotRetryAPartialAnswer(t *testing.T) {
 // Connections idle longer than the engines' keep-alive timeout are not
 // used again, and an answer that asks to close its connection closes it.
 func TestHTTPPostIdleConnections(t *testing.T) {
-	srv := httptest.NewUnstartedServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	srv, conns := countingServer(t, func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("X-Request-Id") == "close" {
 			w.Header().Set("Connection", "close")
 		}
 		io.WriteString(w, `{"ok":true}`)
-	}))
-	var conns atomic.Int64
-	srv.Config.ConnState = func(_ net.Conn, s http.ConnState) {
-		if s == http.StateNew {
-			conns.Add(1)
-		}
-	}
-	srv.Start()
-	defer srv.Close()
+	})
 	e := newEngine(t)
 	e.conns.maxIdleTime = 50 * time.Millisecond
 	post := func(id string) {
