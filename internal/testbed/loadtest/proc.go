@@ -17,8 +17,8 @@ import (
 // on every Linux architecture Go supports.
 const clockTicks = 100
 
-// cpuSeconds is the user+system CPU time pid has used so far.
-func cpuSeconds(pid int) (float64, error) {
+// CPUSeconds is the user+system CPU time pid has used so far.
+func CPUSeconds(pid int) (float64, error) {
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
 	if err != nil {
 		return 0, err
@@ -127,6 +127,6 @@ func cpuOf(pid int) float64 {
 	if pid == 0 {
 		return 0
 	}
-	s, _ := cpuSeconds(pid)
+	s, _ := CPUSeconds(pid)
 	return s
 }
