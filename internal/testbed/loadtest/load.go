@@ -36,6 +36,13 @@ const (
 	// the client sends to it directly.
 	PeerRoundRobin Scenario = "vllm-router-round-robin"
 	PeerCacheAware Scenario = "vllm-router-cache-aware"
+	// FloorAtPdxRate is the floor again, its clients paced to the
+	// throughput pdx's whole path had at the same point: Envoy alone at
+	// pdx's load. Envoy's CPU per request falls as it gets busier (more
+	// events per wake-up), and the floor runs 2–3 times pdx's throughput,
+	// so only this floor's Envoy compares with pdx's at the same load.
+	// It runs after the others, as its rate is pdx's.
+	FloorAtPdxRate Scenario = "floor-at-pdx-rate"
 )
 
 // Scenarios in the order each point runs them (the peers only when the
@@ -44,6 +51,9 @@ var Scenarios = []Scenario{Floor, NoPrefill, NoPrefillDuplex, PD, PeerRoundRobin
 
 // peerPolicy is the vllm-router --policy of each peer scenario.
 var peerPolicy = map[Scenario]string{PeerRoundRobin: "round_robin", PeerCacheAware: "cache_aware"}
+
+// Floor reports whether s is Envoy alone.
+func (s Scenario) Floor() bool { return s == Floor || s == FloorAtPdxRate }
 
 // Peer reports whether s is vllm-router's.
 func (s Scenario) Peer() bool { return peerPolicy[s] != "" }
@@ -63,7 +73,7 @@ type target struct {
 
 func (r *rig) target(s Scenario) target {
 	switch s {
-	case Floor:
+	case Floor, FloorAtPdxRate:
 		return target{url: r.floor.URL(), model: modelAgg, dest: func(n uint64) string {
 			return r.decode[n%uint64(len(r.decode))].Addr()
 		}}
@@ -109,9 +119,21 @@ const maxWarmup = 60 * time.Second
 // had an answer (at thousands of clients the first answers take seconds),
 // then measures the requests that complete within the next window: their
 // count is the throughput, their durations the latencies. Errors anywhere
-// count. windowStarts, if set, is called as the window starts.
-func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte, stream bool, c int, warmup, window time.Duration, windowStarts func()) loadResult {
+// count. windowStarts, if set, is called as the window starts. A rate above
+// 0 paces the clients: the k-th request is not sent before k/rate seconds
+// from the start, so the throughput is at most rate.
+func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte, stream bool, c int, rate float64, warmup, window time.Duration, windowStarts func()) loadResult {
 	start := time.Now()
+	var paced atomic.Int64
+	pace := func() {
+		if rate <= 0 {
+			return
+		}
+		at := start.Add(time.Duration(float64(paced.Add(1)-1) / rate * float64(time.Second)))
+		if d := time.Until(at); d > 0 {
+			sleep(ctx, d)
+		}
+	}
 	type sample struct {
 		end       time.Time
 		lat, ttfb time.Duration
@@ -134,6 +156,7 @@ func closedLoop(ctx context.Context, client *http.Client, tg target, body []byte
 			var mine []sample
 			first := true
 			for time.Now().UnixNano() < until.Load() && ctx.Err() == nil {
+				pace()
 				t0 := time.Now()
 				ttfb, err := send(ctx, client, tg, body, stream, n.Add(1))
 				t1 := time.Now()

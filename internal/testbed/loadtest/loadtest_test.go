@@ -5,6 +5,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"testing"
 	"time"
 
@@ -49,7 +50,7 @@ func TestRunSmall(t *testing.T) {
 	require.NoError(t, err)
 
 	require.Equal(t, vllmrouter.Version, rep.VLLMRouter)
-	require.Len(t, rep.Points, 3*len(Scenarios)) // (1, 2K), (4, 2K), (4, 512)
+	require.Len(t, rep.Points, 3*(len(Scenarios)+1)) // (1, 2K), (4, 2K), (4, 512), each with FloorAtPdxRate
 	for _, p := range rep.Points {
 		require.Zero(t, p.Errors, "%+v", p)
 		require.Positive(t, p.Requests, "%+v", p)
@@ -63,8 +64,18 @@ func TestRunSmall(t *testing.T) {
 		} else {
 			require.Zero(t, p.KVPulled, "%+v", p)
 		}
+		if p.Scenario == FloorAtPdxRate {
+			// Paced to pdx's throughput at the same point: no more than
+			// its rate, but for the clients' last requests of the window.
+			i := slices.IndexFunc(rep.Points, func(q Point) bool {
+				return q.Scenario == PD && q.Concurrency == p.Concurrency && q.BodyBytes == p.BodyBytes
+			})
+			require.GreaterOrEqual(t, i, 0)
+			pd := rep.Points[i]
+			require.LessOrEqual(t, p.Throughput, 1.1*pd.Throughput+float64(p.Concurrency)/p.Seconds+2, "paced to %v: %+v", pd.Throughput, p)
+		}
 		switch {
-		case p.Scenario == Floor:
+		case p.Scenario.Floor():
 			require.Zero(t, p.AddedP50Ms)
 			require.Zero(t, p.PdxCPUPer1k, "%+v", p)
 			require.Equal(t, p.EnvoyCPUPer1k, p.RouterCPUPer1k, "%+v", p)

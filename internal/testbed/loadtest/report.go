@@ -64,14 +64,14 @@ func (rep *Report) Markdown(w io.Writer) {
 				continue
 			}
 			added := func(v float64) string {
-				if p.Scenario == Floor {
+				if p.Scenario.Floor() {
 					return "-"
 				}
 				return fmt.Sprintf("%+.2f", v)
 			}
 			// pdx and Envoy have no share in the scenarios they do not serve.
 			pdx := func(format string, v float64) string {
-				if p.Scenario == Floor || p.Scenario.Peer() {
+				if p.Scenario.Floor() || p.Scenario.Peer() {
 					return "-"
 				}
 				return fmt.Sprintf(format, v)
@@ -88,6 +88,7 @@ func (rep *Report) Markdown(w io.Writer) {
 		fmt.Fprintln(w)
 	}
 	rep.peerMarkdown(w)
+	rep.envoyMarkdown(w)
 	if len(rep.Memory) > 0 {
 		fmt.Fprintln(w, "## pdx memory with requests parked in prefill")
 		fmt.Fprintln(w)
@@ -165,6 +166,48 @@ func (rep *Report) peerMarkdown(w io.Writer) {
 		}
 		fmt.Fprintln(w)
 	}
+}
+
+// envoyMarkdown puts pdx's Envoy next to Envoy alone at the same point,
+// once at the floor's own (higher) load and once paced to pdx's.
+func (rep *Report) envoyMarkdown(w io.Writer) {
+	find := func(pd Point, sc Scenario) (Point, bool) {
+		i := slices.IndexFunc(rep.Points, func(p Point) bool {
+			return p.Profile == pd.Profile && p.Scenario == sc && p.Concurrency == pd.Concurrency && p.BodyBytes == pd.BodyBytes && p.Stream == pd.Stream
+		})
+		if i < 0 {
+			return Point{}, false
+		}
+		return rep.Points[i], true
+	}
+	var rows []string
+	for _, pd := range rep.Points {
+		if pd.Scenario != PD {
+			continue
+		}
+		floor, ok1 := find(pd, Floor)
+		paced, ok2 := find(pd, FloorAtPdxRate)
+		if !ok1 || !ok2 {
+			continue
+		}
+		rows = append(rows, fmt.Sprintf("| %s | %d | %s | %t | %.0f / %.3f | %.0f / %.3f | %.0f / %.3f | %s | %s |",
+			pd.Profile, pd.Concurrency, size(pd.BodyBytes), pd.Stream, pd.Throughput, pd.EnvoyCPUPer1k,
+			floor.Throughput, floor.EnvoyCPUPer1k, paced.Throughput, paced.EnvoyCPUPer1k,
+			ratio(pd.EnvoyCPUPer1k, floor.EnvoyCPUPer1k), ratio(pd.EnvoyCPUPer1k, paced.EnvoyCPUPer1k)))
+	}
+	if len(rows) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "## pdx's Envoy and Envoy alone")
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "Envoy's CPU per request falls as it gets busier, and the floor serves more than pdx: the floor's clients paced to pdx's throughput (floor-at-pdx-rate) give Envoy alone at pdx's load.")
+	fmt.Fprintln(w)
+	fmt.Fprintln(w, "| engines | conc | body | stream | pdx: req/s / Envoy CPU s/1k | floor | floor at pdx's rate | pdx's Envoy ÷ floor's | ÷ floor's at pdx's rate |")
+	fmt.Fprintln(w, "|---|---:|---:|---|---:|---:|---:|---:|---:|")
+	for _, r := range rows {
+		fmt.Fprintln(w, r)
+	}
+	fmt.Fprintln(w)
 }
 
 func (rep *Report) hasPeer() bool {

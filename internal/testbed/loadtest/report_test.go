@@ -85,3 +85,30 @@ func TestMarkdownPeer(t *testing.T) {
 		})
 	}
 }
+
+func TestMarkdownEnvoyAtPdxRate(t *testing.T) {
+	pt := func(sc Scenario, rps, envoyCPU float64) Point {
+		return Point{Profile: ZeroLatency.Name, Scenario: sc, Concurrency: 512, BodyBytes: 32 << 10, Throughput: rps, EnvoyCPUPer1k: envoyCPU}
+	}
+	pd, floor, paced := pt(PD, 400, 0.9), pt(Floor, 1000, 0.3), pt(FloorAtPdxRate, 398, 0.45)
+	for _, tc := range []struct {
+		name   string
+		points []Point
+		want   string // a line of the output; "" when there is no table
+	}{
+		{"both floors", []Point{floor, pd, paced}, "| zero | 512 | 32K | false | 400 / 0.900 | 1000 / 0.300 | 398 / 0.450 | 3.00 | 2.00 |"},
+		{"without the paced floor", []Point{floor, pd}, ""},
+		{"the paced floor of another point", []Point{floor, pd, func() Point { p := paced; p.Concurrency = 64; return p }()}, ""},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rep := &Report{Profiles: []Profile{ZeroLatency}, Points: tc.points}
+			var b strings.Builder
+			rep.Markdown(&b)
+			if tc.want == "" {
+				require.NotContains(t, b.String(), "## pdx's Envoy and Envoy alone")
+				return
+			}
+			require.Contains(t, strings.Split(b.String(), "\n"), tc.want)
+		})
+	}
+}

@@ -138,7 +138,7 @@ func (r *rig) startPeers(ctx context.Context) error {
 // and memory are the scenario's.
 func (r *rig) servers(sc Scenario) (pdx, envoy, peer int) {
 	switch sc {
-	case Floor:
+	case Floor, FloorAtPdxRate:
 		return 0, r.floor.Pid(), 0
 	case NoPrefillDuplex:
 		return r.pdx.pid(), r.duplex.Pid(), 0

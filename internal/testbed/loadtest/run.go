@@ -228,15 +228,27 @@ func runProfile(ctx context.Context, plan Plan, prof Profile, rep *Report) error
 		rep.VLLMRouter = p.Version()
 	}
 	for _, sh := range plan.shapes() {
-		var floor Point
-		for _, sc := range plan.scenarios() {
-			pt, err := measure(ctx, plan, r, prof, sc, sh)
+		var floor, pd Point
+		scenarios := append(plan.scenarios(), FloorAtPdxRate)
+		for _, sc := range scenarios {
+			rate := 0.0
+			if sc == FloorAtPdxRate {
+				if pd.Throughput <= 0 {
+					continue // nothing to pace it to
+				}
+				rate = pd.Throughput
+			}
+			pt, err := measure(ctx, plan, r, prof, sc, sh, rate)
 			if err != nil {
 				return err
 			}
-			if sc == Floor {
+			switch sc {
+			case Floor:
 				floor = pt
-			} else {
+			case PD:
+				pd = pt
+			}
+			if !sc.Floor() {
 				pt.AddedP50Ms = pt.P50Ms - floor.P50Ms
 				pt.AddedP90Ms = pt.P90Ms - floor.P90Ms
 				pt.AddedP99Ms = pt.P99Ms - floor.P99Ms
@@ -261,8 +273,9 @@ func mismatch(p Point) string {
 	return ""
 }
 
-// measure runs one scenario at one shape.
-func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, sh shape) (Point, error) {
+// measure runs one scenario at one shape, its clients paced to rate
+// requests a second if rate is above 0.
+func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, sh shape, rate float64) (Point, error) {
 	tg := r.target(sc)
 	body := requestBody(tg.model, sh.body, sh.stream)
 	client := newClient(sh.c)
@@ -284,7 +297,7 @@ func measure(ctx context.Context, plan Plan, r *rig, prof Profile, sc Scenario, 
 	profile := plan.SaveProfile != nil && pdxPid != 0 && prof.Name == ZeroLatency.Name &&
 		sh.c == plan.SizeConcurrency && sh.body == plan.SweepBody && !sh.stream
 	started := false // the window started (not when ctx ended first)
-	res := closedLoop(ctx, client, tg, body, sh.stream, sh.c, plan.Warmup, plan.Window, func() {
+	res := closedLoop(ctx, client, tg, body, sh.stream, sh.c, rate, plan.Warmup, plan.Window, func() {
 		started = true
 		read(&cpu0)
 		go func() {
