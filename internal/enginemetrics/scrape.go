@@ -275,16 +275,37 @@ func (w *worker) scrape(ctx context.Context) (Sample, error) {
 }
 
 // get scrapes target (path and query) and parses the answer.
-func (w *worker) get(ctx context.Context, target string) (s Sample, err error) {
-	resp, finish, err := w.send(ctx, target)
+func (w *worker) get(ctx context.Context, target string) (Sample, error) {
+	if w.direct == nil {
+		return w.getClient(ctx, target)
+	}
+	a, err := w.direct.get(ctx, target, w.opts.Timeout)
+	if err != nil {
+		return Sample{}, err
+	}
+	if a.code != http.StatusOK {
+		return Sample{}, fmt.Errorf("%w %s from %s%s", errStatus, a.status, w.address, target)
+	}
+	return w.parser.parseBytes(a.body)
+}
+
+// getClient is get with Options.Client.
+func (w *worker) getClient(ctx context.Context, target string) (s Sample, err error) {
+	ctx, cancel := context.WithTimeout(ctx, w.opts.Timeout)
+	defer cancel()
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+w.address+target, nil)
+	if err != nil {
+		return Sample{}, err
+	}
+	req.Header.Set("Accept", accept)
+	resp, err := w.opts.Client.Do(req)
 	if err != nil {
 		return Sample{}, err
 	}
 	defer func() {
 		// Drain what is left (bounded) so the connection is reused.
-		_, drainErr := io.CopyN(io.Discard, resp.Body, 64<<10)
+		_, _ = io.CopyN(io.Discard, resp.Body, 64<<10)
 		_ = resp.Body.Close()
-		finish(drainErr == io.EOF)
 	}()
 	if resp.StatusCode != http.StatusOK {
 		return Sample{}, fmt.Errorf("%w %s from %s%s", errStatus, resp.Status, w.address, target)
@@ -295,29 +316,4 @@ func (w *worker) get(ctx context.Context, target string) (s Sample, err error) {
 		err = fmt.Errorf("enginemetrics: exposition from %s%s exceeds %d bytes", w.address, target, maxBodyBytes)
 	}
 	return s, err
-}
-
-// send sends the GET, directly or with Options.Client. finish tells whether
-// the body was read to its end.
-func (w *worker) send(ctx context.Context, target string) (*http.Response, func(readAll bool), error) {
-	if w.direct != nil {
-		resp, err := w.direct.do(ctx, target, w.opts.Timeout)
-		if err != nil {
-			return nil, nil, err
-		}
-		return resp, func(readAll bool) { w.direct.done(resp, readAll) }, nil
-	}
-	ctx, cancel := context.WithTimeout(ctx, w.opts.Timeout)
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+w.address+target, nil)
-	if err != nil {
-		cancel()
-		return nil, nil, err
-	}
-	req.Header.Set("Accept", accept)
-	resp, err := w.opts.Client.Do(req)
-	if err != nil {
-		cancel()
-		return nil, nil, err
-	}
-	return resp, func(bool) { cancel() }, nil
 }
