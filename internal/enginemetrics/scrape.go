@@ -100,8 +100,11 @@ func Run(ctx context.Context, opts Options) {
 
 	tick := time.NewTicker(opts.Interval)
 	defer tick.Stop()
+	// want is kept from tick to tick: a map of the fleet rebuilt every
+	// Interval was 6% of the scraper's CPU at 64 engines.
+	want := map[string]bool{}
 	for {
-		want := map[string]bool{}
+		clear(want)
 		if opts.Targets != nil {
 			for _, a := range opts.Targets() {
 				want[a] = true
