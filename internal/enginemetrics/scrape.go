@@ -199,7 +199,8 @@ func (w *worker) run(ctx context.Context) {
 		defer w.direct.close()
 	}
 	interval := w.opts.Interval
-	timer := time.NewTimer(w.untilTick(time.Now(), 0))
+	now := time.Now()
+	timer := time.NewTimer(nextTick(w.epoch, now, interval).Sub(now))
 	defer timer.Stop()
 	failures := 0
 	for {
@@ -213,27 +214,33 @@ func (w *worker) run(ctx context.Context) {
 		if ctx.Err() != nil {
 			return // stopped mid-scrape: not the engine's failure
 		}
-		var wait time.Duration // the next tick when healthy
 		if err != nil {
 			failures++
 			w.opts.Failed(w.address, err)
-			// Back off so a slow engine is not sent a new scrape while it
-			// may still be working on the one we gave up on.
-			wait = min(interval<<min(failures, 10), maxBackoff)
 		} else {
 			failures = 0
 			w.opts.Store(w.address, s, start)
 		}
 		w.logChange(err)
-		timer.Reset(w.untilTick(time.Now(), wait))
+		timer.Reset(w.untilNext(start, time.Now(), failures))
 	}
 }
 
-// untilTick is how long from now to the first tick at least wait after
-// now. A scrape longer than Interval skips the ticks it overlapped (scrapes
-// of one engine never overlap) rather than catching up with a burst.
-func (w *worker) untilTick(now time.Time, wait time.Duration) time.Duration {
-	return nextTick(w.epoch, now.Add(wait), w.opts.Interval).Sub(now)
+// untilNext is how long from now to wait before the next scrape, the last
+// having started at start and followed failures failed ones. A healthy
+// engine is scraped at the tick after start, or at once when its scrape
+// outlasted that tick: waiting for the next would leave its reading a whole
+// Interval staler (the scrapes of one engine never overlap, and the next
+// one is back on the tick). A failing one backs off from now, so that a
+// slow engine is not sent a new scrape while it may still be working on the
+// one we gave up on, and comes back on a tick too.
+func (w *worker) untilNext(start, now time.Time, failures int) time.Duration {
+	interval := w.opts.Interval
+	if failures == 0 {
+		return max(nextTick(w.epoch, start, interval).Sub(now), 0)
+	}
+	backoff := min(interval<<min(failures, 10), maxBackoff)
+	return nextTick(w.epoch, now.Add(backoff), interval).Sub(now)
 }
 
 // nextTick is the first epoch + k×interval strictly after t (k ≥ 1), so a

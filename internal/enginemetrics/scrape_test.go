@@ -504,13 +504,41 @@ func TestNextTick(t *testing.T) {
 		{"between ticks: the next", 20 * time.Millisecond, iv},
 		{"on a tick: the one after", iv, 2 * iv},
 		{"just after a tick (a timer fires late)", iv + time.Microsecond, 2 * iv},
-		{"after a long scrape: missed ticks skipped", 3*iv + 7*time.Millisecond, 4 * iv},
+		{"well after the epoch", 3*iv + 7*time.Millisecond, 4 * iv},
 		{"before the epoch (clock oddity): the first tick", -time.Second, iv},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			t.Parallel()
 			require.Equal(t, epoch.Add(tt.want), nextTick(epoch, epoch.Add(tt.t), iv))
+		})
+	}
+}
+
+func TestWorkerUntilNext(t *testing.T) {
+	t.Parallel()
+	epoch := time.Unix(1000, 0)
+	const iv = 50 * time.Millisecond
+	w := &worker{opts: &Options{Interval: iv}, epoch: epoch}
+	ms := time.Millisecond
+	tests := []struct {
+		name       string
+		start, now time.Duration // after epoch
+		failures   int
+		want       time.Duration
+	}{
+		{"healthy: the next tick", 2 * iv, 2*iv + 3*ms, 0, iv - 3*ms},
+		{"healthy, woken late: still the next tick", 2*iv + 4*ms, 2*iv + 9*ms, 0, iv - 9*ms},
+		{"healthy, scrape outlasted the tick: at once", 2 * iv, 3*iv + 20*ms, 0, 0},
+		{"healthy, outlasted several ticks: at once", 2 * iv, 6 * iv, 0, 0},
+		{"one failure: two intervals, on a tick", 2 * iv, 2*iv + 3*ms, 1, 3*iv - 3*ms},
+		{"failed late: backoff from now", 2 * iv, 6*iv + 10*ms, 1, 3*iv - 10*ms},
+		{"many failures: maxBackoff, on a tick", 2 * iv, 2*iv + 3*ms, 30, maxBackoff + iv - 3*ms},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			require.Equal(t, tt.want, w.untilNext(epoch.Add(tt.start), epoch.Add(tt.now), tt.failures))
 		})
 	}
 }
