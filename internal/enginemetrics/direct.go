@@ -14,7 +14,7 @@ import (
 
 // direct is one engine's kept-alive HTTP/1.1 connection, used without
 // net/http's Transport. A scrape is then one write and a read or two on the
-// worker's own goroutine; the Transport adds two goroutines per connection
+// worker's own goroutine (on Linux, raw system calls: see send); the Transport adds two goroutines per connection
 // and hands every request and answer between them, which at 64 engines
 // every 50 ms was a third of the scraper's CPU. The answer is read whole
 // into one buffer kept from scrape to scrape, and its head parsed for what
@@ -24,6 +24,7 @@ import (
 type direct struct {
 	address string
 	conn    net.Conn
+	sys     sendSys     // what send needs of conn, per OS
 	unwatch func() bool // stops the context.AfterFunc that aborts I/O
 	// req is the request for target: a worker sends the same one every
 	// scrape, so it is built once.
@@ -107,25 +108,26 @@ func (d *direct) try(ctx context.Context, target string, deadline time.Time) (a 
 		d.req = []byte("GET " + target + " HTTP/1.1\r\nHost: " + d.address +
 			"\r\nUser-Agent: pdx-enginemetrics\r\nAccept: " + accept + "\r\n\r\n")
 	}
-	if _, err := d.conn.Write(d.req); err != nil {
+	if cap(d.buf) < readSize {
+		d.buf = make([]byte, readSize)
+	}
+	n, err := d.send()
+	if err != nil {
 		d.close()
 		return answer{}, 0, err
 	}
-	a, got, keep, err := d.read()
+	a, got, keep, err := d.read(n)
 	if err != nil || !keep {
 		d.close()
 	}
 	return a, got, err
 }
 
-// read reads one answer into buf. keep is whether the connection may carry
-// the next scrape: the engine did not ask to close, and sent nothing after
-// the answer.
-func (d *direct) read() (a answer, got int, keep bool, err error) {
-	if cap(d.buf) < readSize {
-		d.buf = make([]byte, readSize)
-	}
-	r := reader{conn: d.conn, buf: d.buf[:cap(d.buf)]}
+// read reads one answer into buf, of which send read the first n bytes.
+// keep is whether the connection may carry the next scrape: the engine did
+// not ask to close, and sent nothing after the answer.
+func (d *direct) read(n int) (a answer, got int, keep bool, err error) {
+	r := reader{conn: d.conn, buf: d.buf[:cap(d.buf)], n: n}
 	defer func() { d.buf = r.buf }()
 
 	var h head
@@ -438,6 +440,10 @@ func (d *direct) dial(ctx context.Context, deadline time.Time) error {
 	defer cancel()
 	conn, err := (&net.Dialer{KeepAlive: 30 * time.Second}).DialContext(dialCtx, "tcp", d.address)
 	if err != nil {
+		return err
+	}
+	if err := d.sys.init(d, conn); err != nil {
+		_ = conn.Close()
 		return err
 	}
 	d.conn = conn

@@ -257,3 +257,21 @@ func TestDirectKeptAliveAllocatesNothing(t *testing.T) {
 	})
 	require.Less(t, allocs, 1.0)
 }
+
+func TestDirectRetriesAConnectionClosedWhileIdle(t *testing.T) {
+	t.Parallel()
+	// Answers keep-alive, then closes: the scraper finds out only when it
+	// sends the next request.
+	e := newRawEngine(t, true, "HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+	d := &direct{address: e.addr}
+	t.Cleanup(d.close)
+	for i := range 3 {
+		a, err := d.get(t.Context(), "/metrics", eventually)
+		require.NoError(t, err, "scrape %d", i)
+		require.Equal(t, "ok", string(a.body))
+		require.NotNil(t, d.conn, "the answer did not ask to close")
+		time.Sleep(10 * time.Millisecond) // the engine closes meanwhile
+	}
+	require.EqualValues(t, 3, e.conns.Load())
+	require.EqualValues(t, 3, e.reqs.Load(), "each request reached the engine once")
+}
