@@ -200,12 +200,18 @@ func (p *parser) parse(r io.Reader) (Sample, error) {
 	if _, err := p.body.ReadFrom(r); err != nil {
 		return Sample{}, fmt.Errorf("enginemetrics: %w", err)
 	}
+	return p.parseBytes(p.body.Bytes())
+}
+
+// parseBytes parses an exposition already in memory (direct's read buffer),
+// without copying it.
+func (p *parser) parseBytes(text []byte) (Sample, error) {
 	p.line = 0
 	p.sample = Sample{KVUsage: -1}
 	clear(p.fams)
 	p.lora = loraLabels{p.lora.maxLoRA[:0], p.lora.running[:0], p.lora.waiting[:0]}
 	p.loraAt = math.Inf(-1)
-	for rest := p.body.Bytes(); len(rest) > 0; {
+	for rest := text; len(rest) > 0; {
 		p.line++
 		line := rest
 		if i := bytes.IndexByte(rest, '\n'); i >= 0 {

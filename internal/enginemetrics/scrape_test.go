@@ -28,22 +28,24 @@ const (
 type recorder struct {
 	mu      sync.Mutex
 	stores  map[string][]Sample
+	ats     map[string][]time.Time // when each stored scrape was sent
 	fails   map[string][]error
 	stopped atomic.Bool // set once Run returned; a report after it is a bug
 	late    atomic.Int32
 }
 
 func newRecorder() *recorder {
-	return &recorder{stores: map[string][]Sample{}, fails: map[string][]error{}}
+	return &recorder{stores: map[string][]Sample{}, ats: map[string][]time.Time{}, fails: map[string][]error{}}
 }
 
-func (r *recorder) store(a string, s Sample, _ time.Time) {
+func (r *recorder) store(a string, s Sample, at time.Time) {
 	if r.stopped.Load() {
 		r.late.Add(1)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.stores[a] = append(r.stores[a], s)
+	r.ats[a] = append(r.ats[a], at)
 }
 
 func (r *recorder) failed(a string, err error) {
@@ -487,4 +489,151 @@ func TestRunFilterKeepsTheLoRAGauge(t *testing.T) {
 		require.Equal(t, LoRA{Running: []string{"sql"}, MaxLoRA: 2}, s.LoRA, "name[] asks for the LoRA gauge too")
 	}
 	require.Zero(t, e.plain.Load(), "every scrape filtered")
+}
+
+func TestNextTick(t *testing.T) {
+	t.Parallel()
+	epoch := time.Unix(1000, 0)
+	const iv = 50 * time.Millisecond
+	tests := []struct {
+		name string
+		t    time.Duration // after epoch
+		want time.Duration // after epoch
+	}{
+		{"at the epoch: the first tick", 0, iv},
+		{"between ticks: the next", 20 * time.Millisecond, iv},
+		{"on a tick: the one after", iv, 2 * iv},
+		{"just after a tick (a timer fires late)", iv + time.Microsecond, 2 * iv},
+		{"well after the epoch", 3*iv + 7*time.Millisecond, 4 * iv},
+		{"before the epoch (clock oddity): the first tick", -time.Second, iv},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			require.Equal(t, epoch.Add(tt.want), nextTick(epoch, epoch.Add(tt.t), iv))
+		})
+	}
+}
+
+func TestWorkerUntilNext(t *testing.T) {
+	t.Parallel()
+	epoch := time.Unix(1000, 0)
+	const iv = 50 * time.Millisecond
+	w := &worker{opts: &Options{Interval: iv}, epoch: epoch}
+	ms := time.Millisecond
+	tests := []struct {
+		name       string
+		start, now time.Duration // after epoch
+		failures   int
+		want       time.Duration
+	}{
+		{"healthy: the next tick", 2 * iv, 2*iv + 3*ms, 0, iv - 3*ms},
+		{"healthy, woken late: still the next tick", 2*iv + 4*ms, 2*iv + 9*ms, 0, iv - 9*ms},
+		{"healthy, scrape outlasted the tick: at once", 2 * iv, 3*iv + 20*ms, 0, 0},
+		{"healthy, outlasted several ticks: at once", 2 * iv, 6 * iv, 0, 0},
+		{"one failure: two intervals, on a tick", 2 * iv, 2*iv + 3*ms, 1, 3*iv - 3*ms},
+		{"failed late: backoff from now", 2 * iv, 6*iv + 10*ms, 1, 3*iv - 10*ms},
+		{"many failures: maxBackoff, on a tick", 2 * iv, 2*iv + 3*ms, 30, maxBackoff + iv - 3*ms},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			require.Equal(t, tt.want, w.untilNext(epoch.Add(tt.start), epoch.Add(tt.now), tt.failures))
+		})
+	}
+}
+
+// phase is how far t is from the nearest multiple of interval after ref.
+func phase(ref, t time.Time, interval time.Duration) time.Duration {
+	d := t.Sub(ref) % interval
+	if d < 0 {
+		d += interval
+	}
+	return min(d, interval-d)
+}
+
+func TestRunAlignsTheFleetsScrapes(t *testing.T) {
+	t.Parallel()
+	const interval = 50 * time.Millisecond
+	tests := []struct {
+		name string
+		slow bool // one engine never answers in time
+	}{
+		{"healthy fleet", false},
+		// The slow engine's own scrapes time out and back off; the others
+		// keep both their rate and their tick.
+		{"with a slow engine", true},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			var addrs []string
+			for range 12 {
+				addrs = append(addrs, newEngine(t, serveText("vllm:num_requests_running 1\n")).addr())
+			}
+			var slow *engine
+			if tt.slow {
+				slow = newEngine(t, func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() })
+				addrs = append(addrs, slow.addr())
+			}
+			rec := newRecorder()
+			start(t, rec, Options{
+				Interval: interval,
+				Timeout:  2 * interval,
+				Targets:  static(addrs...),
+			})
+			healthy := addrs[:12]
+			require.Eventually(t, func() bool {
+				for _, a := range healthy {
+					if n, _ := rec.counts(a); n < 10 {
+						return false
+					}
+				}
+				return true
+			}, eventually, poll)
+
+			rec.mu.Lock()
+			defer rec.mu.Unlock()
+			ref := rec.ats[healthy[0]][0]
+			var all, near int
+			for _, a := range healthy {
+				require.Empty(t, rec.fails[a])
+				for _, at := range rec.ats[a] {
+					all++
+					if phase(ref, at, interval) < interval/5 {
+						near++
+					}
+				}
+			}
+			// Random phases would put about 40% near ref's; a busy machine
+			// may make a few scrapes late.
+			require.GreaterOrEqual(t, float64(near)/float64(all), 0.9, "%d of %d scrapes on the fleet's tick", near, all)
+			if slow != nil {
+				require.Empty(t, rec.stores[slow.addr()])
+				require.NotEmpty(t, rec.fails[slow.addr()])
+				require.EqualValues(t, 1, slow.maxInflight.Load(), "scrapes of one engine overlapped")
+			}
+		})
+	}
+}
+
+func TestRunSlowEngineDoesNotDelayOthers(t *testing.T) {
+	t.Parallel()
+	// Holds every scrape until the scraper gives up, which with this
+	// Timeout is long after the test has ended.
+	slow := newEngine(t, func(_ http.ResponseWriter, r *http.Request) { <-r.Context().Done() })
+	fast := newEngine(t, serveText("vllm:num_requests_running 1\n"))
+	rec := newRecorder()
+	start(t, rec, Options{
+		Interval: 5 * time.Millisecond,
+		Timeout:  time.Minute,
+		Targets:  static(slow.addr(), fast.addr()),
+	})
+	require.Eventually(t, func() bool {
+		n, _ := rec.counts(fast.addr())
+		return n >= 50 && slow.inflight.Load() == 1
+	}, eventually, poll)
+	require.EqualValues(t, 1, slow.hits.Load(), "one scrape of the slow engine, still in flight")
+	_, fails := rec.counts(fast.addr())
+	require.Zero(t, fails)
 }
