@@ -605,9 +605,10 @@ func TestRunAlignsTheFleetsScrapes(t *testing.T) {
 					}
 				}
 			}
-			// Random phases would put about 40% near ref's; a busy machine
-			// may make a few scrapes late.
-			require.GreaterOrEqual(t, float64(near)/float64(all), 0.9, "%d of %d scrapes on the fleet's tick", near, all)
+			// Random phases put about 40% near ref's (42–62% in runs of
+			// the old scraper); a machine busy with other tests (CI runs
+			// packages in parallel, under -race) makes some scrapes late.
+			require.GreaterOrEqual(t, float64(near)/float64(all), 0.8, "%d of %d scrapes on the fleet's tick", near, all)
 			if slow != nil {
 				require.Empty(t, rec.stores[slow.addr()])
 				require.NotEmpty(t, rec.fails[slow.addr()])
