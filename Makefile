@@ -79,7 +79,7 @@ bench-compile:
 bench: envoy vllm-router
 	$(GO) build -o $(TOOLS)/bin/pdx ./cmd/pdx
 	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)
-	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics ./internal/kvevents | tee bench/go-bench.txt
+	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics ./internal/kvevents ./envoy | tee bench/go-bench.txt
 
 ## replay: the Mooncake FAST'25 traces and the generated tenants workload
 ## through Envoy + pdx and simulated engines, once per placement policy at
