@@ -78,13 +78,13 @@ func (r *request) awaitRoom(ctx context.Context, pool *routing.Pool, set *picker
 		return flowcontrol.Ticket{}, nil
 	}
 	t, err := shed.Flow.Wait(ctx, set, group, &r.flow)
+	priority := r.priority(pool)
 	if err != nil || t.Waited() > 0 {
-		r.obs.waited(pool, leg, shed.Flow.Priority(r.flow.Objective), t.Waited(), err)
+		r.obs.waited(pool, leg, priority, t.Waited(), err)
 	}
 	if err == nil || !errors.Is(err, flowcontrol.ErrTimedOut) && !errors.Is(err, flowcontrol.ErrFull) && !errors.Is(err, flowcontrol.ErrDisplaced) {
 		return t, err
 	}
-	priority := shed.Flow.Priority(r.flow.Objective)
 	why := ""
 	switch {
 	case errors.Is(err, flowcontrol.ErrFull):
