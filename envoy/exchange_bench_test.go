@@ -26,6 +26,7 @@ import (
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 	"github.com/pdx-router/pdx/internal/testbed/loadtest"
+	"github.com/pdx-router/pdx/processor"
 )
 
 // BenchmarkEnvoyExchange measures what each shape of the ext_proc exchange
@@ -276,7 +277,7 @@ func startBenchEngine(b *testing.B) *benchEngine {
 		case err != nil:
 			e.fail(err)
 		case len(got) != want.size || bytes.Contains(got, []byte(replacedMarker)) != want.replaced:
-			e.fail(fmt.Errorf("body of %d bytes, replaced %v; want %d, %v", len(got), !want.replaced, want.size, want.replaced))
+			e.fail(fmt.Errorf("body of %d bytes, replaced %v; want %d, %v", len(got), bytes.Contains(got, []byte(replacedMarker)), want.size, want.replaced))
 		case r.Header.Get("x-gateway-destination-endpoint") != e.addr:
 			e.fail(fmt.Errorf("destination %q", r.Header.Get("x-gateway-destination-endpoint")))
 		default:
@@ -322,8 +323,11 @@ func startBenchProcessor(b *testing.B, engine string) *benchProcessor {
 // The answers below are pdx's (processor/mutation.go), built here so that
 // each part of them can be left out.
 
-var clientRouting = []string{"x-gateway-destination-endpoint", "x-data-parallel-rank", "x-gateway-inference-objective",
-	"x-gateway-inference-fairness-id", "x-slo-ttft-ms", "x-gateway-model-objective", "x-gateway-fairness-id"}
+// clientRouting are the headers pdx removes from every request
+// (processor's clientRoutingHeaders: the two older spellings are its
+// unexported ones).
+var clientRouting = []string{processor.DestinationHeader, processor.RankHeader,
+	processor.ObjectiveHeader, "x-gateway-inference-objective", processor.FairnessHeader, "x-gateway-inference-fairness-id", processor.SLOTTFTHeader}
 
 func (p *benchProcessor) Process(stream extprocv3.ExternalProcessor_ProcessServer) error {
 	sh := p.shape.Load()

@@ -78,10 +78,11 @@ func (r *request) awaitRoom(ctx context.Context, pool *routing.Pool, set *picker
 		return flowcontrol.Ticket{}, nil
 	}
 	t, err := shed.Flow.Wait(ctx, set, group, &r.flow)
-	priority := r.priority(pool)
-	if err != nil || t.Waited() > 0 {
-		r.obs.waited(pool, leg, priority, t.Waited(), err)
+	if err == nil && t.Waited() == 0 {
+		return t, nil // admitted at once: nothing to record
 	}
+	priority := r.priority(pool)
+	r.obs.waited(pool, leg, priority, t.Waited(), err)
 	if err == nil || !errors.Is(err, flowcontrol.ErrTimedOut) && !errors.Is(err, flowcontrol.ErrFull) && !errors.Is(err, flowcontrol.ErrDisplaced) {
 		return t, err
 	}
