@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/tls"
 	"crypto/x509"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -11,6 +12,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -266,7 +268,12 @@ func TestShutdownCutsAdminConnections(t *testing.T) {
 
 	require.NoError(t, probe.SetReadDeadline(time.Now().Add(guard)))
 	_, err = probe.Read(make([]byte, 1))
-	require.ErrorIs(t, err, io.EOF, "the admin connection must be closed by Shutdown")
+	// Closed by Shutdown: a FIN, or a RST when the server closed it with
+	// the probe's unfinished request still unread (which one depends on
+	// whether its connection had read those bytes yet). A timeout means
+	// the connection was left open.
+	require.True(t, errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET),
+		"the admin connection must be closed by Shutdown, got %v", err)
 }
 
 // tls.self_signed: pdx serves a certificate of its own; a client that does
