@@ -1,18 +1,19 @@
 package engines
 
 import (
-	"bufio"
+	"bytes"
 	"cmp"
 	"context"
 	"errors"
-	"io"
+	"fmt"
 	"net"
-	"net/http"
 	"strconv"
 	"sync"
 	"time"
 
 	"go.opentelemetry.io/otel/propagation"
+
+	"github.com/pdx-router/pdx/internal/http1"
 )
 
 // Posts to engines, pdx's hot path (every prefill), go over kept-alive
@@ -22,8 +23,10 @@ import (
 // request to a connection's write goroutine and every answer back from its
 // read goroutine, and copies a body through a 32 KiB buffer it allocates
 // per request (its io.LimitReader hides the pieces from writev); under
-// load that was a fifth of pdx's CPU. Answers are still read by net/http
-// (http.ReadResponse): lengths, chunking and keep-alive as usual.
+// load that was a fifth of pdx's CPU. Answers are read into a buffer the
+// connection keeps (package http1: lengths, chunking, interim answers and
+// keep-alive as net/http reads them): http.ReadResponse and io.ReadAll were
+// 5% of pdx's CPU and a dozen allocations a call.
 //
 // Without a goroutine reading each idle connection, an engine's closing
 // one is seen only when it is next used: a connection idle longer than
@@ -40,25 +43,19 @@ const (
 	maxIdlePerHost = 1024
 	maxIdle        = 4096
 	dialTimeout    = 5 * time.Second
-	// readBufferSize holds an answer's head: answers are a few hundred
-	// bytes to a few KiB.
-	readBufferSize = 2 << 10
+	// keepBufferSize bounds the answer buffer an idle connection keeps:
+	// answers are a few hundred bytes to a few KiB; the kv_transfer_params
+	// of a long prompt's prefill can be hundreds of KiB.
+	keepBufferSize = 64 << 10
 )
 
 // conn is a kept-alive connection to one engine.
 type conn struct {
 	net.Conn
-	br        *bufio.Reader
-	read      int64 // bytes read since the request was written
+	buf       []byte // the answer is read into it
+	read      int    // bytes of the answer read
 	idleSince time.Time
 	bufs      net.Buffers // scratch for writev
-}
-
-// Read counts what the answer's reader takes from the connection.
-func (c *conn) Read(p []byte) (int, error) {
-	n, err := c.Conn.Read(p)
-	c.read += int64(n)
-	return n, err
 }
 
 // pool holds the idle connections, by address, the most recently used
@@ -107,9 +104,7 @@ func (p *pool) get(ctx context.Context, address string) (c *conn, reused bool, e
 	if err != nil {
 		return nil, false, err
 	}
-	c = &conn{Conn: nc}
-	c.br = bufio.NewReaderSize(c, readBufferSize)
-	return c, false, nil
+	return &conn{Conn: nc}, false, nil
 }
 
 // put keeps c for the next call to its address, or closes it when the
@@ -201,20 +196,21 @@ func (c *conn) roundTrip(ctx context.Context, head []byte, body net.Buffers) (st
 	if err != nil {
 		return 0, nil, false, err
 	}
-	resp, err := http.ReadResponse(c.br, nil)
+	a, buf, got, err := http1.Read(c.Conn, c.buf, 0, maxAnswerBytes)
+	c.read = got
+	if cap(buf) <= keepBufferSize {
+		c.buf = buf
+	} else {
+		c.buf = nil // a rare large answer's buffer is not kept idle
+	}
+	if errors.Is(err, http1.ErrTooLarge) {
+		return a.Code, nil, false, fmt.Errorf("%w: answer over %d bytes", ErrBadAnswer, maxAnswerBytes)
+	}
 	if err != nil {
-		return 0, nil, false, err
+		return a.Code, nil, false, err // the Code when only the body failed
 	}
-	answer, err = io.ReadAll(io.LimitReader(resp.Body, maxAnswerBytes+1))
-	if err != nil {
-		return resp.StatusCode, nil, false, err
-	}
-	if len(answer) > maxAnswerBytes {
-		// Not read to its end: the connection goes.
-		return resp.StatusCode, answer, false, nil
-	}
-	_ = resp.Body.Close()
-	return resp.StatusCode, answer, !resp.Close, nil
+	// The caller keeps the answer; the connection's buffer goes on.
+	return a.Code, bytes.Clone(a.Body), a.Keep, nil
 }
 
 // errHeaderValue refuses a request line or header that would not be one.

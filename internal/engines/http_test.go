@@ -403,6 +403,32 @@ func TestHTTPPostDoesNotRetryAPartialAnswer(t *testing.T) {
 	require.EqualValues(t, 2, calls.Load(), "sent once")
 }
 
+// An interim answer (103 Early Hints, or a 100 Continue pdx did not ask
+// for) is passed over for the final one, and the connection stays usable.
+func TestHTTPPostSkipsInterimAnswers(t *testing.T) {
+	ep, conns := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		for {
+			req, err := http.ReadRequest(br)
+			if err != nil {
+				return
+			}
+			_, _ = io.Copy(io.Discard, req.Body)
+			_, _ = io.WriteString(c, "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </x>\r\n\r\n")
+			time.Sleep(time.Millisecond)
+			if _, err := io.WriteString(c, "HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\n{\"ok\":true}"); err != nil {
+				return
+			}
+		}
+	})
+	e := newEngine(t)
+	for range 2 {
+		out, err := e.Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+		require.NoError(t, err)
+		require.JSONEq(t, `{"ok":true}`, string(out))
+	}
+	require.EqualValues(t, 1, conns.Load(), "one connection for both")
+}
+
 // Connections idle longer than the engines' keep-alive timeout are not
 // used again, and an answer that asks to close its connection closes it.
 func TestHTTPPostIdleConnections(t *testing.T) {
