@@ -341,14 +341,17 @@ func streamErr(ctx context.Context, err error) error {
 
 // growStack grows the stream's goroutine stack while it is shallow. A
 // routed request's work (its body's parse, placement, the prefill call,
-// the decode body) needs 8–16 KiB of stack, more than gRPC's new goroutine
-// starts with, and growing it there copies every frame below, which cost
-// pdx 14% of its CPU at 1 KiB prompts under load; here it is one small
-// copy. BenchmarkProcess runs each stream on a new goroutine to show it.
+// the decode body) needs 16–32 KiB of stack under gRPC's frames, more than
+// a new goroutine starts with, and growing it there copies every frame
+// below: 14% of pdx's CPU at 1 KiB prompts under load with no growStack,
+// 7% with an 8 KiB frame (which took the stack to 16 KiB, so it grew once
+// more in the prefill body's edit). A 16 KiB frame takes it to 32 KiB in
+// one small copy. BenchmarkProcess runs each stream on a new goroutine to
+// show it.
 //
 //go:noinline
 func growStack() byte {
-	var frame [8 << 10]byte
+	var frame [16 << 10]byte
 	return keepFrame(frame[:])
 }
 
