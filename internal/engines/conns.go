@@ -26,7 +26,7 @@ import (
 // load that was a fifth of pdx's CPU. Answers are read into a buffer the
 // connection keeps (package http1: lengths, chunking, interim answers and
 // keep-alive as net/http reads them): http.ReadResponse and io.ReadAll were
-// 5% of pdx's CPU and a dozen allocations a call.
+// 6% of pdx's CPU at 1 KiB prompts and 11 allocations a call.
 //
 // Without a goroutine reading each idle connection, an engine's closing
 // one is seen only when it is next used: a connection idle longer than

@@ -55,8 +55,8 @@ var (
 // ErrTooLarge, with the answer's Code set. After an error, the connection
 // is not to be used again.
 func Read(conn io.Reader, buf []byte, n, maxBody int) (a Answer, out []byte, got int, err error) {
-	if len(buf) < minBuffer {
-		grown := make([]byte, max(minBuffer, cap(buf)))
+	if cap(buf) < minBuffer {
+		grown := make([]byte, minBuffer)
 		copy(grown, buf[:n])
 		buf = grown
 	}
