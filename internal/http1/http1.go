@@ -38,6 +38,9 @@ const (
 	maxChunkLine = 4 << 10
 	// minBuffer is the least buffer Read reads into.
 	minBuffer = 2 << 10
+	// maxInterim bounds the interim answers before the final one
+	// (net/http's Transport allows 5).
+	maxInterim = 5
 )
 
 var (
@@ -74,18 +77,21 @@ type reader struct {
 }
 
 func (r *reader) read(maxBody int) (Answer, error) {
-	for {
+	for interim := 0; ; interim++ {
 		h, headLen, err := r.head()
 		if err != nil {
 			return Answer{}, err
 		}
-		if h.code/100 == 1 && h.code != 101 {
-			// An interim answer (100 Continue, 103 Early Hints): the
-			// final one follows.
-			r.n = copy(r.buf, r.buf[headLen:r.n])
-			continue
+		if h.code/100 != 1 || h.code == 101 {
+			return r.body(h, headLen, maxBody)
 		}
-		return r.body(h, headLen, maxBody)
+		// An interim answer (100 Continue, 103 Early Hints): the final
+		// one follows. Bounded as net/http bounds them, so that a server
+		// sending nothing else cannot keep a reader busy.
+		if interim == maxInterim {
+			return Answer{}, fmt.Errorf("%w: more than %d interim answers", ErrHead, maxInterim)
+		}
+		r.n = copy(r.buf, r.buf[headLen:r.n])
 	}
 }
 

@@ -216,6 +216,7 @@ func TestReadBadAnswersFail(t *testing.T) {
 		{"cut in the body", []string{"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nvllm:num_req"}, io.ErrUnexpectedEOF, "", 0},
 		{"cut in a chunk", []string{"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n10\r\nvllm:"}, io.ErrUnexpectedEOF, "", 0},
 		{"cut before the last chunk", []string{"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n"}, io.ErrUnexpectedEOF, "", 0},
+		{"too many interim answers", []string{strings.Repeat("HTTP/1.1 103 Early Hints\r\n\r\n", maxInterim+1) + "HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"}, ErrHead, "interim answers", 0},
 		{"cut after an interim answer", []string{"HTTP/1.1 100 Continue\r\n\r\n"}, io.ErrUnexpectedEOF, "", 25},
 	}
 	for _, tt := range tests {
