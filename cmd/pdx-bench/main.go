@@ -57,6 +57,7 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&plan.Window, "window", 4*time.Second, "measured time of each point")
 	fs.IntVar(&plan.MemoryConcurrency, "memory-concurrency", 256, "requests parked in pdx for the memory measurement")
 	fs.IntVar(&plan.OpenStreams, "open-streams", 10000, "concurrent ext_proc streams given to one pdx (0 skips it)")
+	fs.IntVar(&plan.GoalRounds, "goal-rounds", 3, "rounds of the floor and pdx side by side at issue 23's goal points, with the zero-latency engines (0 skips them)")
 	if err := fs.Parse(args); err != nil {
 		return err
 	}

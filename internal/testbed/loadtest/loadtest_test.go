@@ -44,6 +44,7 @@ func TestRunSmall(t *testing.T) {
 		// had already finished: 299 open at once).
 		ParkedPrefill: 3 * time.Second,
 		OpenStreams:   300,
+		GoalRounds:    1,
 		Progress:      t.Output(), // in the log of a failure
 	}
 	rep, err := Run(t.Context(), plan)
@@ -89,6 +90,16 @@ func TestRunSmall(t *testing.T) {
 			require.Greater(t, p.RouterPeakRSSMiB, p.PdxPeakRSSMiB, "pdx and its Envoy: %+v", p)
 		}
 	}
+	require.Len(t, rep.Goals, 2*len(GoalShapes), "the floor and pdx at each goal point")
+	for i, p := range rep.Goals {
+		g := GoalShapes[i/2]
+		require.Equal(t, []any{1, []Scenario{Floor, PD}[i%2], g.Concurrency, g.BodyBytes, false},
+			[]any{p.Round, p.Scenario, p.Concurrency, p.BodyBytes, p.Stream}, "%+v", p)
+		require.Zero(t, p.Errors, "%+v", p)
+		require.Positive(t, p.Requests, "%+v", p)
+		require.Positive(t, p.EnvoyCPUPer1k, "%+v", p)
+		require.Equal(t, map[Scenario]int{PD: p.Answered}[p.Scenario], p.KVPulled, "%+v", p)
+	}
 	require.Len(t, rep.Memory, 1)
 	require.Greater(t, rep.Memory[0].HeapMiB, rep.Memory[0].IdleHeapMiB, "parked requests hold memory")
 	require.Equal(t, &Streams{Streams: 300, Connections: streamConns, MaxOpen: rep.Streams.MaxOpen, Routed: 300,
@@ -102,6 +113,7 @@ func TestRunSmall(t *testing.T) {
 	require.NoError(t, err)
 	require.NoError(t, json.Unmarshal(b, &back))
 	require.Len(t, back.Points, len(rep.Points))
+	require.Len(t, back.Goals, len(rep.Goals))
 	for _, f := range []string{"summary.md", "latency-vs-concurrency.png", "overhead-vs-size.png"} {
 		st, err := os.Stat(filepath.Join(dir, f))
 		require.NoError(t, err)

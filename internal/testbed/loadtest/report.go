@@ -49,6 +49,7 @@ func (rep *Report) Markdown(w io.Writer) {
 			problems = append(problems, fmt.Sprintf("%s %s c=%d body=%s stream=%t: %s", p.Profile, p.Scenario, p.Concurrency, size(p.BodyBytes), p.Stream, pr))
 		}
 	}
+	problems = append(problems, rep.goalProblems()...)
 	if len(problems) == 0 {
 		fmt.Fprintf(w, "The engines' check: every answer of %s had its KV pulled, the other scenarios pulled none, no engine refused anything, and every prefill generated one token, unstreamed.\n", pd)
 	} else {
@@ -89,6 +90,7 @@ func (rep *Report) Markdown(w io.Writer) {
 	}
 	rep.peerMarkdown(w)
 	rep.envoyMarkdown(w)
+	rep.goalsMarkdown(w)
 	if len(rep.Memory) > 0 {
 		fmt.Fprintln(w, "## pdx memory with requests parked in prefill")
 		fmt.Fprintln(w)

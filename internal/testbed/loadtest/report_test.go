@@ -112,3 +112,79 @@ func TestMarkdownEnvoyAtPdxRate(t *testing.T) {
 		})
 	}
 }
+
+func TestMarkdownGoals(t *testing.T) {
+	pt := func(round int, sc Scenario, body int, pdxCPU, envoyCPU, p99 float64) Point {
+		return Point{Profile: ZeroLatency.Name, Scenario: sc, Round: round, Concurrency: 512, BodyBytes: body,
+			Throughput: 1000, PdxCPUPer1k: pdxCPU, EnvoyCPUPer1k: envoyCPU, P99Ms: p99, Answered: 5, KVPulled: map[Scenario]int{PD: 5}[sc]}
+	}
+	const k32, k1 = 32 << 10, 1 << 10
+	goals := []Point{
+		pt(1, Floor, k1, 0, 0.100, 10), pt(1, PD, k1, 0.130, 0.250, 20),
+		pt(1, Floor, k32, 0, 0.200, 10), pt(1, PD, k32, 0.400, 0.500, 15),
+		pt(2, Floor, k1, 0, 0.100, 10), pt(2, PD, k1, 0.150, 0.190, 30),
+		pt(2, Floor, k32, 0, 0.200, 10), pt(2, PD, k32, 0.500, 0.420, 25),
+		pt(3, Floor, k1, 0, 0.100, 10), pt(3, PD, k1, 0.140, 0.210, 40),
+		pt(3, Floor, k32, 0, 0.100, 10), pt(3, PD, k32, 0.300, 0.300, 35),
+	}
+	for _, tc := range []struct {
+		name   string
+		goals  []Point
+		want   []string
+		absent []string
+	}{
+		{
+			name:  "three rounds",
+			goals: goals,
+			want: []string{
+				"| 512 | 1K | 1 | 1000 / 0.100 | 1000 / 0.130 / 0.250 | 1.30 | 2.50 | 2.00 | 0 |",
+				"| 512 | 32K | 3 | 1000 / 0.100 | 1000 / 0.300 / 0.300 | 3.00 | 3.00 | 3.50 | 0 |",
+				// 1 KiB: pdx 1.3, 1.5, 1.4; Envoy 2.5, 1.9, 2.1; p99 2, 3, 4.
+				"| 512 | 1K | 3 | 1.40 (1.30–1.50) | ≤ 1.43: met | 2.10 (1.90–2.50) | ≤ 2.00: not met | 3.00 (2.00–4.00) |",
+				// 32 KiB: pdx 2, 2.5, 3; Envoy 2.5, 2.1, 3.
+				"| 512 | 32K | 3 | 2.50 (2.00–3.00) | ≤ 2.27: not met | 2.50 (2.10–3.00) | ≤ 2.00: not met | 2.50 (1.50–3.50) |",
+			},
+		},
+		{
+			name:   "a pdx point without its floor is left out",
+			goals:  append([]Point{pt(1, PD, k1, 0.9, 0.9, 90)}, goals[:2]...),
+			want:   []string{"| 512 | 1K | 1 | 1.30 (1.30–1.30) | ≤ 1.43: met | 2.50 (2.50–2.50) | ≤ 2.00: not met | 2.00 (2.00–2.00) |"},
+			absent: []string{"| 512 | 32K |", "0.900"},
+		},
+		{
+			name:   "no goal rounds",
+			absent: []string{"## Issue 23's goals"},
+		},
+		{
+			name:  "a goal round's engines' check",
+			goals: []Point{goals[0], func() Point { p := goals[1]; p.KVPulled = 4; return p }()},
+			want:  []string{"**The engines' check failed** at 1 points: goal round 1 pdx c=512 body=1K: 4 KV pulls for 5 answers."},
+		},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rep := &Report{Profiles: []Profile{ZeroLatency}, Goals: tc.goals}
+			var b strings.Builder
+			rep.Markdown(&b)
+			lines := strings.Split(b.String(), "\n")
+			for _, w := range tc.want {
+				require.Contains(t, lines, w, b.String())
+			}
+			for _, a := range tc.absent {
+				require.NotContains(t, b.String(), a)
+			}
+		})
+	}
+}
+
+func TestMedian(t *testing.T) {
+	for _, tc := range []struct {
+		xs   []float64
+		want float64
+	}{
+		{[]float64{3}, 3},
+		{[]float64{3, 1, 2}, 2},
+		{[]float64{4, 1, 3, 2}, 2.5},
+	} {
+		require.Equal(t, tc.want, median(tc.xs), "%v", tc.xs)
+	}
+}

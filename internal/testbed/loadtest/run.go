@@ -63,6 +63,11 @@ type Plan struct {
 	// OpenStreams is how many concurrent ext_proc streams one pdx is
 	// given at once, straight over gRPC (0 skips it).
 	OpenStreams int
+	// GoalRounds repeats, with the zero-latency engines, the floor and
+	// pdx's whole path side by side at the points issue 23's goals name
+	// (GoalShapes), this many rounds: one run's point is too noisy on a
+	// shared machine to hold a goal to (0 skips them).
+	GoalRounds int
 	// SaveProfile, when set, receives pdx's CPU profiles of the
 	// zero-latency, whole-answer points at SizeConcurrency and SweepBody,
 	// and its heap profiles with requests parked (see Memory).
@@ -92,6 +97,9 @@ type Point struct {
 	MeanMs        float64 `json:"mean_ms"`
 	MaxMs         float64 `json:"max_ms"`
 	TTFBP50Ms     float64 `json:"ttfb_p50_ms"`
+	// Round is the goal round of a Report.Goals point (1 on), 0 for the
+	// sweeps' points.
+	Round int `json:"round,omitempty"`
 	// Added latency against the floor at the same load.
 	AddedP50Ms float64 `json:"added_p50_ms"`
 	AddedP90Ms float64 `json:"added_p90_ms"`
@@ -148,6 +156,9 @@ type Report struct {
 	Points          []Point  `json:"points"`
 	Memory          []Memory `json:"memory,omitempty"`
 	Streams         *Streams `json:"streams,omitempty"`
+	// Goals are the goal rounds' points (Plan.GoalRounds), in the order
+	// measured.
+	Goals []Point `json:"goals,omitempty"`
 }
 
 // Run measures plan.
@@ -249,20 +260,70 @@ func runProfile(ctx context.Context, plan Plan, prof Profile, rep *Report) error
 				pd = pt
 			}
 			if !sc.Floor() {
-				pt.AddedP50Ms = pt.P50Ms - floor.P50Ms
-				pt.AddedP90Ms = pt.P90Ms - floor.P90Ms
-				pt.AddedP99Ms = pt.P99Ms - floor.P99Ms
+				pt.addedTo(floor)
 			}
 			rep.Points = append(rep.Points, pt)
-			if plan.Progress != nil {
-				fmt.Fprintf(plan.Progress, "%-9s %-26s c=%-5d body=%-8d stream=%-5t %8.0f req/s  p50 %7.2fms p99 %8.2fms  +p50 %6.2fms +p99 %7.2fms  cpu/1k pdx %.3fs envoy %.3fs router %.3fs  kv pulled %d of %d answered, rejected %d  errors %d %s%s\n",
-					pt.Profile, pt.Scenario, pt.Concurrency, pt.BodyBytes, pt.Stream, pt.Throughput, pt.P50Ms, pt.P99Ms,
-					pt.AddedP50Ms, pt.AddedP99Ms, pt.PdxCPUPer1k, pt.EnvoyCPUPer1k, pt.RouterCPUPer1k,
-					pt.KVPulled, pt.Answered, pt.EngineRejected, pt.Errors, pt.FirstError, mismatch(pt))
+			plan.progress(pt)
+		}
+	}
+	if prof.Name == ZeroLatency.Name {
+		return runGoals(ctx, plan, r, prof, rep)
+	}
+	return nil
+}
+
+// GoalShapes are the points issue 23's goals name: 512 clients, 1 KiB and
+// 32 KiB prompts, whole answers.
+var GoalShapes = []struct{ Concurrency, BodyBytes int }{{512, 1 << 10}, {512, 32 << 10}}
+
+// runGoals measures the goal rounds: in each, at every goal shape, the
+// floor and then pdx, so that each round's ratios come from neighbouring
+// windows.
+func runGoals(ctx context.Context, plan Plan, r *rig, prof Profile, rep *Report) error {
+	plan.SaveProfile = nil // the sweeps' profiles stand
+	for round := 1; round <= plan.GoalRounds; round++ {
+		for _, g := range GoalShapes {
+			sh := shape{c: g.Concurrency, body: g.BodyBytes}
+			var floor Point
+			for _, sc := range []Scenario{Floor, PD} {
+				pt, err := measure(ctx, plan, r, prof, sc, sh, 0)
+				if err != nil {
+					return fmt.Errorf("goal round %d: %w", round, err)
+				}
+				pt.Round = round
+				if sc == Floor {
+					floor = pt
+				} else {
+					pt.addedTo(floor)
+				}
+				rep.Goals = append(rep.Goals, pt)
+				plan.progress(pt)
 			}
 		}
 	}
 	return nil
+}
+
+// progress writes a line about pt to plan.Progress.
+func (p Plan) progress(pt Point) {
+	if p.Progress == nil {
+		return
+	}
+	round := ""
+	if pt.Round > 0 {
+		round = fmt.Sprintf("goal round %d: ", pt.Round)
+	}
+	fmt.Fprintf(p.Progress, "%s%-9s %-26s c=%-5d body=%-8d stream=%-5t %8.0f req/s  p50 %7.2fms p99 %8.2fms  +p50 %6.2fms +p99 %7.2fms  cpu/1k pdx %.3fs envoy %.3fs router %.3fs  kv pulled %d of %d answered, rejected %d  errors %d %s%s\n",
+		round, pt.Profile, pt.Scenario, pt.Concurrency, pt.BodyBytes, pt.Stream, pt.Throughput, pt.P50Ms, pt.P99Ms,
+		pt.AddedP50Ms, pt.AddedP99Ms, pt.PdxCPUPer1k, pt.EnvoyCPUPer1k, pt.RouterCPUPer1k,
+		pt.KVPulled, pt.Answered, pt.EngineRejected, pt.Errors, pt.FirstError, mismatch(pt))
+}
+
+// addedTo sets p's added latencies against floor's.
+func (p *Point) addedTo(floor Point) {
+	p.AddedP50Ms = p.P50Ms - floor.P50Ms
+	p.AddedP90Ms = p.P90Ms - floor.P90Ms
+	p.AddedP99Ms = p.P99Ms - floor.P99Ms
 }
 
 // mismatch flags a point the engines' counts disagree with.
