@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -162,4 +163,25 @@ func TestVLLMRouterRequestShape(t *testing.T) {
 			}
 		})
 	}
+}
+
+// Envoy closes an idle connection to a decode engine before the engine
+// does (its 4 s against the engines' keep-alive of 5 s, uvicorn's), so
+// it never sends a request on a connection the engine is closing; and
+// the next request, on a new connection, is served.
+func TestDecodeConnectionsCloseBeforeTheEngines(t *testing.T) {
+	st := startStack(t, stack.Options{Prefill: 1, Decode: 1})
+	_, hc := newClient(t, st)
+	const body = `{"model":"demo-model","prompt":"keep alive","max_tokens":2}`
+	a := post(t, hc, st.URL()+"/v1/completions", body)
+	require.Equal(t, 200, a.status, a.body)
+	admin := st.Envoy.AdminAddr()
+	require.Eventually(t, func() bool {
+		n, err := envoyStat(admin, "cluster.pdx_decode.upstream_cx_idle_timeout")
+		return err == nil && n == 1
+	}, 10*time.Second, 100*time.Millisecond, "Envoy closed its idle connection to the decode engine")
+	require.Zero(t, envoyCounter(t, admin, "cluster.pdx_decode.upstream_cx_destroy_remote"), "the engine closed none first")
+	a = post(t, hc, st.URL()+"/v1/completions", body)
+	require.Equal(t, 200, a.status, a.body)
+	require.Equal(t, 2, envoyCounter(t, admin, "cluster.pdx_decode.upstream_cx_total"))
 }

@@ -414,9 +414,6 @@ func orNoID(id string) string {
 	return id
 }
 
-// newPullClient is the default KV pull client. It only dials loopback
-// addresses: remote_host comes from the request, and a test fixture must not
-// be talked into sending traffic anywhere else.
 // headerTimeout bounds how long the simulator's servers wait for a request's
 // headers once a connection is open. The server starts that clock when it
 // accepts, so a peer whose goroutines a loaded machine starved for the
@@ -426,6 +423,9 @@ func orNoID(id string) string {
 // pull client's.
 const headerTimeout = 60 * time.Second
 
+// newPullClient is the default KV pull client. It only dials loopback
+// addresses: remote_host comes from the request, and a test fixture must not
+// be talked into sending traffic anywhere else.
 func newPullClient() *http.Client {
 	// Under a thousand concurrent hand-offs a loaded machine drops SYNs, and
 	// the kernel's retry comes after a second or three: the dial timeout

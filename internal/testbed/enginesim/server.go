@@ -94,6 +94,11 @@ type Config struct {
 	// noticed, and its request aborted, only at the next check. Default 4s
 	// for Connector "sglang"; the other engines notice at once.
 	DisconnectCheckInterval time.Duration
+	// KeepAlive is how long the API server keeps an idle connection open
+	// for the client's next request before it closes it: uvicorn's
+	// timeout_keep_alive, which vLLM (VLLM_HTTP_TIMEOUT_KEEP_ALIVE) and
+	// SGLang leave at 5 s. Default 5s.
+	KeepAlive time.Duration
 	// TamperKVParams is a JSON object whose members override those of the
 	// kv_transfer_params a NIXL prefill returns (e.g. a foreign remote_host):
 	// a misbehaving prefill engine, for testing a router's check of the KV
@@ -172,6 +177,7 @@ type Tally struct {
 const (
 	defaultKVTTL         = 2 * time.Minute
 	defaultKVWaitTimeout = 30 * time.Second
+	defaultKeepAlive     = 5 * time.Second
 	// defaultSGLangDisconnectCheck is SGLang's
 	// SGLANG_REQUEST_STATE_WAIT_TIMEOUT (environ.py; the literal timeout=4
 	// of tokenizer_manager.py's _wait_one_response in older releases).
@@ -205,7 +211,7 @@ func (c Config) withDefaults() (Config, error) {
 		"PrefillLatency": c.PrefillLatency, "PrefillPerToken": c.PrefillPerToken,
 		"DecodeLatency": c.DecodeLatency, "DecodePerToken": c.DecodePerToken, "KVTTL": c.KVTTL,
 		"KVWaitTimeout": c.KVWaitTimeout, "DecodeQueueLatency": c.DecodeQueueLatency,
-		"DisconnectCheckInterval": c.DisconnectCheckInterval,
+		"DisconnectCheckInterval": c.DisconnectCheckInterval, "KeepAlive": c.KeepAlive,
 	} {
 		if d < 0 {
 			return c, fmt.Errorf("enginesim: %s must not be negative, got %v", name, d)
@@ -234,6 +240,9 @@ func (c Config) withDefaults() (Config, error) {
 	}
 	if c.KVWaitTimeout == 0 {
 		c.KVWaitTimeout = defaultKVWaitTimeout
+	}
+	if c.KeepAlive == 0 {
+		c.KeepAlive = defaultKeepAlive
 	}
 	if c.BootstrapAddr == "" {
 		c.BootstrapAddr = defaultSideAddr
@@ -396,6 +405,7 @@ func Start(ctx context.Context, addr string, cfg Config) (*Server, error) {
 	s.srv = &http.Server{
 		Handler:           s.guard(mux),
 		ReadHeaderTimeout: headerTimeout,
+		IdleTimeout:       s.cfg.KeepAlive,
 		// Close cancels this to abort simulated work that outlives the grace period.
 		BaseContext: func(net.Listener) context.Context { return baseCtx },
 		ErrorLog:    errorLog,

@@ -4,6 +4,9 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"fmt"
+	"io"
+	"net"
 	"net/http"
 	"strings"
 	"testing"
@@ -390,4 +393,35 @@ func TestFailStatus(t *testing.T) {
 	recs := s.Records()
 	require.Len(t, recs, 1)
 	require.Equal(t, KindRejected, recs[0].Kind)
+}
+
+// TestKeepAlive: like uvicorn, the engine closes a connection that stays
+// idle past its keep-alive, and keeps one whose next request comes in time.
+func TestKeepAlive(t *testing.T) {
+	const keepAlive = 300 * time.Millisecond
+	s := startSim(t, Config{KeepAlive: keepAlive})
+	conn, err := net.Dial("tcp", s.Addr())
+	require.NoError(t, err)
+	defer conn.Close()
+	r := bufio.NewReader(conn)
+	get := func() {
+		t.Helper()
+		_, err := fmt.Fprintf(conn, "GET /health HTTP/1.1\r\nHost: engine\r\n\r\n")
+		require.NoError(t, err)
+		resp, err := http.ReadResponse(r, nil)
+		require.NoError(t, err)
+		_, err = io.Copy(io.Discard, resp.Body)
+		require.NoError(t, err)
+		require.NoError(t, resp.Body.Close())
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+	}
+	get()
+	time.Sleep(keepAlive / 3)
+	get() // within the keep-alive: the same connection serves it
+
+	start := time.Now()
+	require.NoError(t, conn.SetReadDeadline(time.Now().Add(10*keepAlive)))
+	_, err = r.ReadByte()
+	require.ErrorIs(t, err, io.EOF, "the engine closes the idle connection")
+	require.GreaterOrEqual(t, time.Since(start), keepAlive*9/10, "not before its keep-alive")
 }
