@@ -455,8 +455,10 @@ func TestClientAbortFreesItsPlace(t *testing.T) {
 			cancelA()
 			<-a
 			requireIdle(t, s)
+			// Each reply is the client's own cancellation; the handlers
+			// record after their requests leave the queues.
+			require.Eventually(t, func() bool { return len(s.Records()) == 2 }, 10*time.Second, 5*time.Millisecond)
 			recs := s.Records()
-			require.Len(t, recs, 2)
 			for _, rec := range recs {
 				require.Equal(t, statusClientGone, rec.Status)
 			}
@@ -478,6 +480,9 @@ func TestClientAbortFreesItsPlace(t *testing.T) {
 		cancel()
 		<-r
 		requireIdle(t, d)
+		// The client's reply is its own cancellation, and the request
+		// leaves the queue before its handler records it.
+		require.Eventually(t, func() bool { return len(d.Records()) > 0 }, 10*time.Second, 5*time.Millisecond)
 		require.Equal(t, statusClientGone, lastRecord(t, d).Status)
 	})
 }

@@ -442,7 +442,11 @@ func newPullClient() *http.Client {
 			DialContext:         dialer.DialContext,
 			MaxIdleConns:        4096,
 			MaxIdleConnsPerHost: 1024,
-			IdleConnTimeout:     30 * time.Second,
+			// Below the engines' keep-alive (Config.KeepAlive's default):
+			// the transport does not resend a POST whose reused
+			// connection the prefill closed, and a pull lost so would be
+			// the simulator's, not vLLM's (NIXL keeps no HTTP connections).
+			IdleConnTimeout: defaultKeepAlive - time.Second,
 		},
 	}
 }
