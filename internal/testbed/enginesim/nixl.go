@@ -140,6 +140,11 @@ func (s *Server) pullKV(ctx context.Context, src string, kv kvTransferParams, re
 	}
 	hreq.Header.Set("Content-Type", "application/json")
 	hreq.Header.Set(headerReqID, requestID)
+	// A NIXL read is idempotent and no HTTP request: with the key,
+	// net/http resends a pull whose kept connection the prefill's keep-alive
+	// closed as it was sent (on two loaded cores the pool's own 4 s does
+	// not always win that race), instead of failing the decode.
+	hreq.Header.Set("Idempotency-Key", requestID)
 	resp, err := s.client.Do(hreq)
 	if err != nil {
 		if ctx.Err() != nil {

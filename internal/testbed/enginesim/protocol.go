@@ -401,6 +401,9 @@ func (s *Server) sideCall(ctx context.Context, client *http.Client, what, url, r
 	hreq.Header.Set("Content-Type", "application/json")
 	if requestID != "" {
 		hreq.Header.Set(headerReqID, requestID)
+		// Side calls are idempotent: resent, as a pull is (pullKV), when
+		// a kept connection closed as they were sent.
+		hreq.Header.Set("Idempotency-Key", requestID)
 	}
 	return s.roundTrip(ctx, client, what, hreq, out)
 }
