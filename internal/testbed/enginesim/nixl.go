@@ -447,10 +447,9 @@ func newPullClient() *http.Client {
 			DialContext:         dialer.DialContext,
 			MaxIdleConns:        4096,
 			MaxIdleConnsPerHost: 1024,
-			// Below the engines' keep-alive (Config.KeepAlive's default):
-			// the transport does not resend a POST whose reused
-			// connection the prefill closed, and a pull lost so would be
-			// the simulator's, not vLLM's (NIXL keeps no HTTP connections).
+			// Below the engines' keep-alive (Config.KeepAlive's default),
+			// so the pool drops an idle connection before the prefill
+			// closes it; pullKV's Idempotency-Key covers the race left.
 			IdleConnTimeout: defaultKeepAlive - time.Second,
 		},
 	}

@@ -73,16 +73,23 @@ func TestMarkdownPeer(t *testing.T) {
 			if len(tc.points) > 1 {
 				rep.VLLMRouter = "0.1.17"
 			}
-			var b strings.Builder
-			rep.Markdown(&b)
-			lines := strings.Split(b.String(), "\n")
-			for _, w := range tc.want {
-				require.Contains(t, lines, w, b.String())
-			}
-			for _, a := range tc.absent {
-				require.NotContains(t, b.String(), a)
-			}
+			requireMarkdown(t, rep, tc.want, tc.absent)
 		})
+	}
+}
+
+// requireMarkdown checks that rep's Markdown has every line of want and
+// none of the strings of absent.
+func requireMarkdown(t *testing.T, rep *Report, want, absent []string) {
+	t.Helper()
+	var b strings.Builder
+	rep.Markdown(&b)
+	lines := strings.Split(b.String(), "\n")
+	for _, w := range want {
+		require.Contains(t, lines, w, b.String())
+	}
+	for _, a := range absent {
+		require.NotContains(t, b.String(), a)
 	}
 }
 
@@ -163,15 +170,7 @@ func TestMarkdownGoals(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			rep := &Report{Profiles: []Profile{ZeroLatency}, Goals: tc.goals}
-			var b strings.Builder
-			rep.Markdown(&b)
-			lines := strings.Split(b.String(), "\n")
-			for _, w := range tc.want {
-				require.Contains(t, lines, w, b.String())
-			}
-			for _, a := range tc.absent {
-				require.NotContains(t, b.String(), a)
-			}
+			requireMarkdown(t, rep, tc.want, tc.absent)
 		})
 	}
 }
