@@ -13,6 +13,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/engines"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
@@ -58,16 +59,26 @@ func (c concurrentConnector) Prepare(ctx context.Context, _ connectors.Env, _ *c
 // concurrentTraits are SGLang's.
 var concurrentTraits = connectors.Traits{Prefills: true, Concurrent: true}
 
+// decodeEP8200 is the decode endpoint of concurrentPool's tests.
+var decodeEP8200 = endpoint.Endpoint{Address: "127.0.0.1:8200"}
+
+// concurrentPool is the default pool of a concurrent connector conn, one
+// attempt of timeout on the prefill endpoint 127.0.0.1:8100, decoding on
+// decode.
+func concurrentPool(conn connectors.Connector, timeout time.Duration, decode endpoint.Endpoint) *routing.Pool {
+	return &routing.Pool{
+		Pool: &placement.Pool{Name: "p", Prefills: true,
+			Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}), Decode: roundRobin(decode)},
+		Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
+	}
+}
+
 // concurrentStream starts Process on a stream for a concurrent connector and
 // sends the request phase.
 func concurrentStream(t *testing.T, timeout time.Duration) (*fakeStream, concurrentConnector, context.CancelFunc, chan error) {
 	t.Helper()
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1), released: make(chan struct{}, 4)}
-	eps := []endpoint.Endpoint{{Address: "127.0.0.1:8100"}}
-	table := routing.NewTable(routing.Limits{}, &routing.Pool{
-		Name: "p", Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: timeout, AttemptTimeout: timeout, Attempts: 1,
-		Prefill: roundRobin(eps...), Decode: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
-	})
+	table := routing.NewTable(routing.Limits{}, concurrentPool(conn, timeout, decodeEP8200))
 	ctx, cancel := context.WithCancel(t.Context())
 	stream := newFakeStream(ctx)
 	done := make(chan error, 1)

@@ -297,11 +297,7 @@ func TestFullDuplexConcurrentPrefill(t *testing.T) {
 	start := func(t *testing.T, first ...*extprocv3.ProcessingRequest) (*fakeStream, concurrentConnector) {
 		t.Helper()
 		conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
-		table := routing.NewTable(routing.Limits{}, &routing.Pool{
-			Name: "p", Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-			Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}),
-			Decode:  roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
-		})
+		table := routing.NewTable(routing.Limits{}, concurrentPool(conn, time.Minute, decodeEP8200))
 		stream := newFakeStream(t.Context())
 		done := make(chan error, 1)
 		go func() {

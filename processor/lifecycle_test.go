@@ -113,12 +113,7 @@ func TestEnvoyAnswersWhilePdxWaitsForTheBody(t *testing.T) {
 // concurrentTable is a table whose pool has a concurrent connector: pdx asks
 // Envoy for the response headers.
 func concurrentTable() *routing.Table {
-	return routing.NewTable(routing.Limits{}, &routing.Pool{
-		Name: "p", Default: true, ConnectorName: "sglang", Connector: concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}, Traits: concurrentTraits,
-		PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-		Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}),
-		Decode:  roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
-	})
+	return routing.NewTable(routing.Limits{}, concurrentPool(concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}, time.Minute, decodeEP8200))
 }
 
 // releaseEngine answers prefills with kvAnswer after running onPrefill,

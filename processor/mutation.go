@@ -168,16 +168,16 @@ func (r *request) answer(d decision) *extprocv3.ProcessingResponse {
 // comma-separated (the override_host load balancing policy's list: each
 // attempt of Envoy's takes the next).
 func (r *request) destination(decode endpoint.Endpoint) string {
-	if len(r.decodes) < 2 || r.decodes[0] != decode {
+	if len(r.placed.Decodes) < 2 || r.placed.Decodes[0] != decode {
 		return decode.Address
 	}
-	n := len(r.decodes) - 1
-	for _, ep := range r.decodes {
+	n := len(r.placed.Decodes) - 1
+	for _, ep := range r.placed.Decodes {
 		n += len(ep.Address)
 	}
 	var b strings.Builder
 	b.Grow(n)
-	for i, ep := range r.decodes {
+	for i, ep := range r.placed.Decodes {
 		if i > 0 {
 			b.WriteByte(',')
 		}

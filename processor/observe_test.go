@@ -18,7 +18,6 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/structpb"
 
-	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
@@ -129,11 +128,7 @@ func TestMetricsConcurrentPrefillCancelled(t *testing.T) {
 func concurrentMetricsStream(t *testing.T) (*metrics.Metrics, *fakeStream, concurrentConnector, chan error, context.CancelFunc) {
 	t.Helper()
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
-	table := routing.NewTable(routing.Limits{}, &routing.Pool{
-		Name: "p", Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-		Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}),
-		Decode:  roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8200"}),
-	})
+	table := routing.NewTable(routing.Limits{}, concurrentPool(conn, time.Minute, decodeEP8200))
 	m := metrics.New()
 	ctx, cancel := context.WithCancel(t.Context())
 	t.Cleanup(cancel)

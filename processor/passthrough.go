@@ -22,15 +22,15 @@ import (
 func (r *request) passHeaders(pool *routing.Pool) (*extprocv3.ProcessingResponse, error) {
 	r.obs.pool(pool)
 	r.session = r.sessionIn(pool)
-	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true, Session: r.session})
+	r.pool = pool
+	pl, err := pool.PlaceDecode(r.subset, r.session)
+	r.placed = pl
 	if err != nil {
 		return nil, err
 	}
-	r.obs.session(pool, picker.RoleDecode, lease.Session())
-	r.decode = lease
-	r.named(pool, lease.Endpoint())
+	r.obs.session(pool, picker.RoleDecode, pl.Decode.Session())
 	r.enter(statePassThrough)
-	return r.answer(decision{decode: lease.Endpoint(), atHeaders: true}), nil
+	return r.answer(decision{decode: pl.Decode.Endpoint(), atHeaders: true}), nil
 }
 
 // passBody decides where a request on a pass-through path goes once its
@@ -60,14 +60,14 @@ func (r *request) passBody(raw []byte) (decision, error) {
 	}
 	r.obs.pool(pool)
 	r.session = r.sessionIn(pool)
-	lease, err := pool.PickDecode(picker.Request{Subset: r.subset, NoRank: true, Session: r.session})
+	r.pool = pool
+	pl, err := pool.PlaceDecode(r.subset, r.session)
+	r.placed = pl
 	if err != nil {
 		return decision{}, err
 	}
-	r.obs.session(pool, picker.RoleDecode, lease.Session())
-	r.decode = lease
-	r.named(pool, lease.Endpoint())
-	return decision{decode: lease.Endpoint(), body: body, unchanged: bytes.Equal(body, raw)}, nil
+	r.obs.session(pool, picker.RoleDecode, pl.Decode.Session())
+	return decision{decode: pl.Decode.Endpoint(), body: body, unchanged: bytes.Equal(body, raw)}, nil
 }
 
 // models answers GET /v1/models with the models the pools serve.

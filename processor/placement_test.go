@@ -14,6 +14,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
@@ -259,7 +260,7 @@ func TestMetricsRecordDecisions(t *testing.T) {
 	chat(chatOf(4000, "the quick brown fox ")) // long: disaggregated
 	pool.Prefill.Set.Observe(prefillEP.Address, picker.Load{Waiting: 9, At: time.Now()})
 	chat(chatOf(4000, "jumps over the lazy dog ")) // long, but the prefill leg is saturated
-	for decision, want := range map[string]float64{reasonShort: 1, reasonDisaggregated: 1, reasonPrefillSaturated: 1} {
+	for decision, want := range map[string]float64{placement.ReasonShort: 1, placement.ReasonDisaggregated: 1, placement.ReasonPrefillSaturated: 1} {
 		require.Equal(t, want, counterValue(t, m, "pdx_disaggregation_decisions_total", map[string]string{"pool": "p", "decision": decision}), decision)
 	}
 }

@@ -11,6 +11,7 @@ import (
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/kvevents"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
@@ -58,13 +59,13 @@ func TestRenderedPlacement(t *testing.T) {
 	tokens := []uint32{10, 11, 12, 13, 14, 15, 16, 17, 18}
 	holds(t, table, "127.0.0.1:8102", tokens)
 	eng := fakeengine.New().
-		On(http.MethodPost, "", renderChatPath, fakeengine.Reply{Body: `{"request_id":"chatcmpl-1","token_ids":[10,11,12,13,14,15,16,17,18,19]}`}).
+		On(http.MethodPost, "", placement.RenderChatPath, fakeengine.Reply{Body: `{"request_id":"chatcmpl-1","token_ids":[10,11,12,13,14,15,16,17,18,19]}`}).
 		On(http.MethodPost, "", "", fakeengine.Reply{Body: kvAnswer})
 	out := run(t, table, eng, headers("POST", "/v1/chat/completions", false), body(preciseClient, true))
 	require.Len(t, out, 2)
 	calls := eng.Calls()
 	require.Len(t, calls, 2)
-	require.Equal(t, renderChatPath, calls[0].Path)
+	require.Equal(t, placement.RenderChatPath, calls[0].Path)
 	require.Equal(t, "127.0.0.1:8100", calls[0].Endpoint.Address, "renders go to the pool's prefill engines in turn")
 	require.JSONEq(t, `{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":9}`, calls[0].Body)
 	require.Equal(t, "127.0.0.1:8102", calls[1].Endpoint.Address, "the engine that holds the prompt's first two blocks")
@@ -87,7 +88,7 @@ func TestRenderFallsBackToTheEstimate(t *testing.T) {
 			table := preciseTable(t, &configv1.Render{Timeout: durationpb.New(50 * time.Millisecond)})
 			holds(t, table, "127.0.0.1:8102", []uint32{10, 11, 12, 13})
 			eng := fakeengine.New().
-				On(http.MethodPost, "", renderCompletionsPath, tc.reply).
+				On(http.MethodPost, "", placement.RenderCompletionsPath, tc.reply).
 				On(http.MethodPost, "", "", fakeengine.Reply{Body: kvAnswer})
 			start := time.Now()
 			out := run(t, table, eng, headers("POST", "/v1/completions", false), body(`{"model":"m","prompt":"hi"}`, true))
@@ -96,7 +97,7 @@ func TestRenderFallsBackToTheEstimate(t *testing.T) {
 			require.Less(t, time.Since(start), 2*time.Second)
 			var prefills int
 			for _, c := range eng.Calls() {
-				if c.Path != renderCompletionsPath {
+				if c.Path != placement.RenderCompletionsPath {
 					prefills++
 					require.Equal(t, "127.0.0.1:8100", c.Endpoint.Address, "placed as without the engines' word")
 				}
@@ -106,52 +107,22 @@ func TestRenderFallsBackToTheEstimate(t *testing.T) {
 	}
 }
 
-func TestRenderedTokens(t *testing.T) {
-	for _, tc := range []struct {
-		answer string
-		want   []uint32
-		err    string
-	}{
-		{answer: `{"request_id":"chatcmpl-1","token_ids":[1,2,3],"sampling_params":{"n":1}}`, want: []uint32{1, 2, 3}},
-		{answer: ` [{"token_ids":[4]},{"token_ids":[5,6]}] `, want: []uint32{4}},
-		{answer: `[]`, err: "an empty list"},
-		{answer: `{"token_ids":[]}`, err: "no token_ids"},
-		{answer: `{"token_ids":[-1]}`, err: "render answer"},
-		{answer: `<html>`, err: "render answer"},
-		{answer: `{"token_ids": [ 0 ,4294967295 ]}`, want: []uint32{0, 4294967295}},
-		{answer: `{"token_ids":[4294967296]}`, err: "not an array of token ids"},
-		{answer: `{"token_ids":[1.5]}`, err: "not an array of token ids"},
-		{answer: `{"token_ids":[1e3]}`, err: "not an array of token ids"},
-		{answer: `{"token_ids":["1"]}`, err: "not an array of token ids"},
-		{answer: `{"token_ids":{"0":1}}`, err: "not an array of token ids"},
-		{answer: `{"token_ids":[1,2]`, err: "render answer"},
-	} {
-		got, err := renderedTokens([]byte(tc.answer))
-		if tc.err != "" {
-			require.ErrorContains(t, err, tc.err, tc.answer)
-			continue
-		}
-		require.NoError(t, err)
-		require.Equal(t, tc.want, got)
-	}
-}
-
 // Engines without a render API (SGLang's) cost a failed call for the first
-// requests only: renders pause after routing.RenderFailures in a row.
+// requests only: renders pause after placement.RenderFailures in a row.
 func TestRenderPausesAfterFailures(t *testing.T) {
 	table := preciseTable(t, &configv1.Render{Timeout: durationpb.New(time.Second)})
 	eng := fakeengine.New().
-		On(http.MethodPost, "", renderCompletionsPath, fakeengine.Reply{Err: errors.New("404 Not Found")}).
+		On(http.MethodPost, "", placement.RenderCompletionsPath, fakeengine.Reply{Err: errors.New("404 Not Found")}).
 		On(http.MethodPost, "", "", fakeengine.Reply{Body: kvAnswer})
-	for range routing.RenderFailures + 3 {
+	for range placement.RenderFailures + 3 {
 		out := run(t, table, eng, headers("POST", "/v1/completions", false), body(`{"model":"m","prompt":"hi"}`, true))
 		require.Len(t, out, 2)
 	}
 	renders := 0
 	for _, c := range eng.Calls() {
-		if c.Path == renderCompletionsPath {
+		if c.Path == placement.RenderCompletionsPath {
 			renders++
 		}
 	}
-	require.Equal(t, routing.RenderFailures, renders)
+	require.Equal(t, placement.RenderFailures, renders)
 }

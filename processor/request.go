@@ -9,10 +9,9 @@ import (
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 
 	"github.com/pdx-router/pdx/connectors"
-	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/metrics"
-	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -60,34 +59,19 @@ type request struct {
 	// trace is the request's trace context, which the decode request
 	// carries; empty when tracing is off.
 	trace traceContext
-	// blocks are the block hashes of the request's prompt, of blockTokens
-	// tokens each, tokens its length and promptBytes the bytes blocks are
-	// cut from (placement.go).
-	blocks                           []uint64
-	blockTokens, tokens, promptBytes int
-	// tokenBlocks, when rendered, are the hashes of the prompt's tokens as
-	// the engines tokenize them, in blocks of the pool's KV block size
-	// (render.go).
-	tokenBlocks    []uint64
-	tokenBlockSize int
-	rendered       bool
-	// flow is what flow control knows of the request (flow.go);
-	// prefillTicket its admission to the prefill leg, released once the
-	// prefill pick counts.
-	flow          flowcontrol.Request
-	prefillTicket flowcontrol.Ticket
-	// decode counts the request on its decode endpoint until its stream
-	// ends, or until it is detached (letGo).
-	decode picker.Lease
+	// flow is what flow control knows of the request (flow.go).
+	flow flowcontrol.Request
+	// placed is where the request goes (package placement): its decode
+	// lease counts it on its decode endpoint until its stream ends, or
+	// until it is detached (letGo); its decodes are the ones pdx named,
+	// its pick first and then the ones Envoy may retry on (the pool's
+	// decode_fallbacks); pool is the pool it was placed in. The decode
+	// that served is told by Envoy with the response headers (served.go).
+	placed placement.Placement
+	pool   *routing.Pool
 	// headersDue: pdx asked Envoy for the response headers, which have not
 	// come yet; responded: they came.
 	headersDue, responded bool
-	// decodes are the decode endpoints pdx named, its pick first and then
-	// the ones Envoy may retry on (the pool's decode_fallbacks); decodePool
-	// is their pool. The decode that served is told by Envoy with the
-	// response headers (served.go).
-	decodes    []endpoint.Endpoint
-	decodePool *routing.Pool
 	// observed: Envoy has an observability pass, which the routing answer
 	// tells what it needs (observer.go).
 	observed bool
@@ -277,7 +261,7 @@ func (r *request) letGo() bool {
 	case routing.EndWithResponse:
 		return false
 	}
-	return !r.headersDue && !r.observesResponse() && r.decode.Detach()
+	return !r.headersDue && !r.observesResponse() && r.placed.Decode.Detach()
 }
 
 // close ends whatever of the request still runs but its decode, and

@@ -16,6 +16,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -256,15 +257,17 @@ func (r *request) parseBody(raw []byte) (jsonedit.Object, string, *routing.Pool,
 func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connectors.Request, model string) (connectors.Handoff, error) {
 	r.session = r.sessionIn(pool)
 	r.adapter = pool.Adapter(model)
+	r.pool = pool
 	// A discovered pool may have no decode endpoint at the moment: 503.
-	reason, err := r.place(ctx, pool, creq, model)
-	r.obs.session(pool, picker.RoleDecode, r.decode.Session())
+	err := r.place(ctx, pool, creq, model)
+	r.obs.session(pool, picker.RoleDecode, r.placed.Decode.Session())
 	if err != nil {
 		return connectors.Handoff{}, err
 	}
 	var h connectors.Handoff
+	reason := r.placed.Reason
 	switch reason {
-	case reasonDisaggregated:
+	case placement.ReasonDisaggregated:
 		h, err = r.prefillWithRetries(ctx, pool, creq)
 	case "":
 		h, err = pool.Connector.Prepare(ctx, r.env, creq)
@@ -272,7 +275,7 @@ func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connect
 		h = r.decodeAlone(creq)
 	}
 	// A concurrent connector picked in Prepare.
-	r.prefillTicket.Release()
+	r.placed.Release()
 	r.obs.decided(pool, reason)
 	if err != nil && pool.Fallback && fallbackable(ctx, err) {
 		// The decode engine can compute the prompt itself: slower, but the
@@ -289,7 +292,7 @@ func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connect
 // the prompt itself: the client's body, protocol fields stripped, naming
 // no DP rank.
 func (r *request) decodeAlone(creq *connectors.Request) connectors.Handoff {
-	r.decode.DropRank()
+	r.placed.Decode.DropRank()
 	return connectors.Handoff{Decode: connectors.Decode{Body: connectors.Plain(creq.Body)}}
 }
 

@@ -30,7 +30,8 @@ const ServedKey = "x-gateway-destination-endpoint-served"
 // request's list failed (Envoy retried past them), which the decode leg's
 // passive health hears; and the request's in-flight count moves to it.
 func (r *request) served(ctx context.Context, msg *extprocv3.ProcessingRequest) {
-	if r.decodePool == nil || len(r.decodes) == 0 {
+	decodes := r.placed.Decodes
+	if r.pool == nil || len(decodes) == 0 {
 		return
 	}
 	addr := servedAddress(msg)
@@ -38,20 +39,20 @@ func (r *request) served(ctx context.Context, msg *extprocv3.ProcessingRequest) 
 		return // Envoy was not asked for it, or no upstream answered
 	}
 	status, _ := strconv.Atoi(header(msg.GetResponseHeaders(), ":status"))
-	at := slices.IndexFunc(r.decodes, func(ep endpoint.Endpoint) bool { return ep.Address == addr })
+	at := slices.IndexFunc(decodes, func(ep endpoint.Endpoint) bool { return ep.Address == addr })
 	if at < 0 {
 		// The list is Envoy's only source of hosts (override_host): a host
 		// outside it means a cluster that does not honour it.
 		r.log.LogAttrs(ctx, slog.LevelWarn, "a decode endpoint pdx did not name answered",
-			slog.String("served", addr), slog.String("named", r.destination(r.decodes[0])), slog.Int("status", status))
+			slog.String("served", addr), slog.String("named", r.destination(decodes[0])), slog.Int("status", status))
 		return
 	}
-	pool := r.decodePool
-	for _, ep := range r.decodes[:at] {
+	pool := r.pool
+	for _, ep := range decodes[:at] {
 		pool.Decode.Report(ep, false)
 	}
 	if at > 0 {
-		r.decode.Move(r.decodes[at])
+		r.placed.Decode.Move(decodes[at])
 	}
 	if status >= 500 {
 		// Every attempt failed; Envoy passes on the last one's error.
@@ -63,7 +64,7 @@ func (r *request) served(ctx context.Context, msg *extprocv3.ProcessingRequest) 
 		level = slog.LevelInfo
 	}
 	r.log.LogAttrs(ctx, level, "decode served", slog.String("pool", pool.Name), slog.String("decode", addr),
-		slog.Bool("fallback", at > 0), slog.String("first", r.decodes[0].Address), slog.Int("status", status))
+		slog.Bool("fallback", at > 0), slog.String("first", decodes[0].Address), slog.Int("status", status))
 }
 
 // servedAddress returns the endpoint that served, as Envoy tells it with

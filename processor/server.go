@@ -146,7 +146,7 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 		if !closed {
 			req.close()
 		}
-		req.decode.End(picker.Released)
+		req.placed.Decode.End(picker.Released)
 	}()
 	holding := false
 	var drained <-chan struct{} // the server's draining, once holding
@@ -172,7 +172,7 @@ func (s *Server) serve(ctx context.Context, stream extprocv3.ExternalProcessor_P
 		if !holding && req.finished() {
 			// Nothing more is asked of pdx. The decode count may move to
 			// the decode endpoint that served (served.go).
-			if !req.decode.Open() || req.letGo() {
+			if !req.placed.Decode.Open() || req.letGo() {
 				return nil
 			}
 			if !req.observesResponse() && !req.responded {

@@ -120,11 +120,7 @@ func requireRunning(t *testing.T, done <-chan error, when string) {
 func TestConcurrentStreamEndsAtTheResponse(t *testing.T) {
 	conn := concurrentConnector{outcome: make(chan error, 1), ended: make(chan error, 1)}
 	decodeEP := endpoint.Endpoint{Address: "127.0.0.1:8200"}
-	table := routing.NewTable(routing.Limits{}, &routing.Pool{
-		Name: "p", Default: true, ConnectorName: "sglang", Connector: conn, Traits: concurrentTraits, PrefillTimeout: time.Minute, AttemptTimeout: time.Minute, Attempts: 1,
-		Prefill: roundRobin(endpoint.Endpoint{Address: "127.0.0.1:8100"}),
-		Decode:  roundRobin(decodeEP),
-	})
+	table := routing.NewTable(routing.Limits{}, concurrentPool(conn, time.Minute, decodeEP))
 	table.Pools()[0].Decode.Set.Observe(decodeEP.Address, picker.Load{At: time.Now()})
 	stream := newFakeStream(t.Context())
 	done := make(chan error, 1)

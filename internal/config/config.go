@@ -24,6 +24,7 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 )
 
 // Defaults filled in for fields the file leaves unset.
@@ -56,27 +57,23 @@ const (
 
 // Defaults of placement: engine metrics, saturation and prefix hashing.
 const (
-	DefaultMetricsInterval   = 50 * time.Millisecond
-	MinMetricsInterval       = 10 * time.Millisecond
-	DefaultMetricsPath       = "/metrics"
-	DefaultQueueDepth        = 5
-	DefaultKVUsage           = 0.8
-	DefaultMaxQueueTime      = time.Second
-	MaxMaxQueueTime          = time.Minute
-	DefaultPrefixBlockTokens = 64
+	DefaultMetricsInterval = 50 * time.Millisecond
+	MinMetricsInterval     = 10 * time.Millisecond
+	DefaultMetricsPath     = "/metrics"
+	DefaultQueueDepth      = 5
+	DefaultKVUsage         = 0.8
+	DefaultMaxQueueTime    = time.Second
+	MaxMaxQueueTime        = time.Minute
 )
 
 // Defaults of precise placement: KV events and rendered tokens.
 const (
-	KVEventsDial = "dial"
-	KVEventsBind = "bind"
-	// DefaultKVBlockSize is vLLM's --block-size on GPUs.
-	DefaultKVBlockSize = 16
-	MaxKVBlockSize     = 1024
+	KVEventsDial   = "dial"
+	KVEventsBind   = "bind"
+	MaxKVBlockSize = 1024
 	// DefaultBindTopic is llm-d's topic prefix, kv@<pod>@<model>.
 	DefaultBindTopic          = "kv@"
 	DefaultMaxBlocksPerEngine = 1 << 20
-	DefaultRenderTimeout      = 100 * time.Millisecond
 	MaxRenderTimeout          = 10 * time.Second
 )
 
@@ -171,21 +168,13 @@ func applyDefaults(cfg *configv1.Config) {
 			k.Topic = DefaultBindTopic
 		}
 		if k.BlockSize == 0 {
-			k.BlockSize = DefaultKVBlockSize
+			k.BlockSize = placement.DefaultKVBlockSize
 		}
 		if k.MaxBlocksPerEngine == 0 {
 			k.MaxBlocksPerEngine = DefaultMaxBlocksPerEngine
 		}
 	}
 	for _, p := range cfg.Pools {
-		// Precise placement needs the engines' tokens: with KV events a
-		// pool renders unless told not to.
-		if p.Render == nil && cfg.KvEvents != nil {
-			p.Render = &configv1.Render{}
-		}
-		if r := p.Render; r != nil && !r.Disabled && r.Timeout == nil {
-			r.Timeout = durationpb.New(DefaultRenderTimeout)
-		}
 		if p.Saturation == nil {
 			p.Saturation = &configv1.Saturation{}
 		}
@@ -202,9 +191,6 @@ func applyDefaults(cfg *configv1.Config) {
 			if s.MaxQueueTime == nil {
 				s.MaxQueueTime = durationpb.New(DefaultMaxQueueTime)
 			}
-		}
-		if p.PrefixBlockTokens == 0 {
-			p.PrefixBlockTokens = DefaultPrefixBlockTokens
 		}
 		// A message field has presence, so an explicit "0s" stays and is
 		// rejected by validation rather than silently replaced.
@@ -231,11 +217,7 @@ func applyDefaults(cfg *configv1.Config) {
 			p.EjectDuration = durationpb.New(DefaultEjectDuration)
 		}
 		prefills := err != nil || spec.Traits(p).Prefills
-		// A connector without a prefill leg has no prefill picker.
-		if prefills {
-			p.PrefillPicker = pickerDefaults(p.PrefillPicker, picker.RolePrefill)
-		}
-		p.DecodePicker = pickerDefaults(p.DecodePicker, picker.RoleDecode)
+		placement.Defaults(p, cfg.KvEvents != nil, prefills)
 		// Roles mean nothing to a connector without a prefill leg, whose
 		// pods are all decode engines; validation rejects them there.
 		if k := p.GetKubernetes(); k != nil && prefills {
@@ -250,21 +232,6 @@ func applyDefaults(cfg *configv1.Config) {
 			}
 		}
 	}
-}
-
-// pickerDefaults fills in a leg's picking policy, and the policy's own
-// fields as its spec says.
-func pickerDefaults(p *configv1.Picker, role picker.Role) *configv1.Picker {
-	if p == nil {
-		p = &configv1.Picker{}
-	}
-	if p.Policy == "" {
-		p.Policy = picker.DefaultPolicy(role)
-	}
-	if spec, err := picker.Lookup(p.Policy); err == nil && spec.Defaults != nil {
-		spec.Defaults(p, role)
-	}
-	return p
 }
 
 // joinErrors prefixes each error with source and joins them, one per line.

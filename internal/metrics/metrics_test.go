@@ -13,6 +13,7 @@ import (
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -153,7 +154,7 @@ pdx_endpoint_healthy{endpoint="10.0.1.3:8000",pool="b",role="decode"} 1
 func TestEndpointListedTwice(t *testing.T) {
 	m := New()
 	eps := []endpoint.Endpoint{{Address: "10.0.0.1:8000"}, {Address: "10.0.0.1:8000"}}
-	table := routing.NewTable(routing.Limits{}, &routing.Pool{Name: "p", Default: true, Prefill: roundRobin(eps...), Decode: roundRobin(eps...)})
+	table := routing.NewTable(routing.Limits{}, &routing.Pool{Pool: &placement.Pool{Name: "p", Prefill: roundRobin(eps...), Decode: roundRobin(eps...)}, Default: true})
 	m.CollectEndpoints(func() *routing.Table { return table })
 	n, err := testutil.GatherAndCount(m.Registry(), "pdx_endpoint_healthy")
 	require.NoError(t, err)
@@ -168,7 +169,7 @@ func TestReloadedPool(t *testing.T) {
 	m.Warm(table)
 	first := m.Pool(a)
 	require.Same(t, first, m.Pool(a), "resolved once")
-	changed := &routing.Pool{Name: a.Name, ConnectorName: "http", Connector: a.Connector, Prefill: a.Prefill, Decode: a.Decode}
+	changed := &routing.Pool{Pool: &placement.Pool{Name: a.Name, Prefill: a.Prefill, Decode: a.Decode}, ConnectorName: "http", Connector: a.Connector}
 	second := m.Pool(changed)
 	require.NotSame(t, first, second)
 	second.Request(OutcomeRouted, time.Millisecond)

@@ -21,21 +21,14 @@ type Leg struct {
 // or nil p: DefaultPolicy of role), its fields' defaults applied. It fails
 // on a policy that is not registered.
 func NewLeg(set *Set, p *configv1.Picker, role Role) (Leg, error) {
-	name := p.GetPolicy()
-	if name == "" {
-		name = DefaultPolicy(role)
-	}
-	spec, err := Lookup(name)
-	if err != nil {
-		return Leg{}, err
-	}
 	pc := &configv1.Picker{}
 	if p != nil {
 		pc = proto.CloneOf(p)
 	}
-	pc.Policy = name
-	if spec.Defaults != nil {
-		spec.Defaults(pc, role)
+	pc = WithDefaults(pc, role)
+	spec, err := Lookup(pc.Policy)
+	if err != nil {
+		return Leg{}, err
 	}
 	return newLeg(set, spec.New(pc, role), role), nil
 }

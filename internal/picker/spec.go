@@ -81,3 +81,19 @@ func Claimants(field string) []string {
 	}
 	return names
 }
+
+// WithDefaults returns p with its policy and the policy's own fields
+// filled in where unset (DefaultPolicy of role, the spec's Defaults): p
+// itself, or a new Picker when p is nil.
+func WithDefaults(p *configv1.Picker, role Role) *configv1.Picker {
+	if p == nil {
+		p = &configv1.Picker{}
+	}
+	if p.Policy == "" {
+		p.Policy = DefaultPolicy(role)
+	}
+	if spec, err := Lookup(p.Policy); err == nil && spec.Defaults != nil {
+		spec.Defaults(p, role)
+	}
+	return p
+}

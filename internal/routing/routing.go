@@ -5,12 +5,9 @@
 package routing
 
 import (
-	"errors"
 	"fmt"
-	"math"
 	"slices"
 	"sync"
-	"sync/atomic"
 	"time"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
@@ -20,15 +17,17 @@ import (
 	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/kvcache"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 )
 
 // ErrNoEndpoint is the error of a pick that finds no endpoint to use.
-var ErrNoEndpoint = errors.New("no endpoint available")
+var ErrNoEndpoint = placement.ErrNoEndpoint
 
 // Pool is a set of prefill and decode engines serving some models with one
-// connector.
+// connector: what its requests are placed by (placement.Pool: its name,
+// legs, render and decider), and what they are routed and prepared with.
 type Pool struct {
-	Name          string
+	*placement.Pool
 	ConnectorName string
 	Connector     connectors.Connector
 	// Traits are the connector's protocol properties.
@@ -43,10 +42,6 @@ type Pool struct {
 	// engines may report (see Adapter).
 	Adapters []string
 	LoRA     bool
-	// Prefill and Decode are the pool's two legs. Requests pick through
-	// PickDecode and PickPrefill, which pair them.
-	Prefill picker.Leg
-	Decode  picker.Leg
 	// PrefillTimeout bounds all prefill attempts of a request together;
 	// AttemptTimeout bounds each.
 	PrefillTimeout time.Duration
@@ -62,26 +57,12 @@ type Pool struct {
 	// KVHosts are the hosts besides a prefill endpoint's own that its
 	// answers may name as the KV source.
 	KVHosts endpoint.HostSet
-	// BlockTokens is the size of the blocks a prompt is hashed in for
-	// placement (picker.Blocks).
-	BlockTokens int
-	// Decider says which requests skip the prefill leg.
-	Decider Decider
 	// Saturated is what a request does when every endpoint of a leg is
 	// saturated; nil when saturation is off.
 	Saturated *Shedding
-	// DecodeFallbacks is how many more decode endpoints a request names
-	// for Envoy to retry its decode on (DecodeFallbacks).
-	DecodeFallbacks int
 	// Ranked: the pool's engines may serve several DP ranks (a dp_size of
 	// its config), so its requests may carry a rank header.
 	Ranked bool
-	// Render, when not nil, is where the pool's prompts are tokenized for
-	// placement; Cache is what the engines report holding (nil without
-	// kv_events), matched in blocks of KVBlockSize tokens.
-	Render      *Render
-	Cache       *kvcache.Index
-	KVBlockSize int
 	// SessionHeader, when not empty, is the request header naming a
 	// session, which keeps the session on its engines
 	// (picker.Request.Session).
@@ -106,93 +87,6 @@ func (p *Pool) Adapter(model string) string {
 		return model
 	}
 	return ""
-}
-
-// Render is a pool's source of prompt tokens (the config's Render).
-type Render struct {
-	// Address is the render server; empty: the pool's engines in turn.
-	Address string
-	Timeout time.Duration
-	turn    atomic.Uint64
-	// failures counts renders failed in a row; pausedUntil (Unix
-	// nanoseconds) is when renders are tried again after RenderFailures.
-	failures    atomic.Int32
-	pausedUntil atomic.Int64
-}
-
-// Renders that fail RenderFailures times in a row pause for RenderPause:
-// a pool whose engines have no render API (SGLang's) does not pay a failed
-// call per request.
-const (
-	RenderFailures = 5
-	RenderPause    = 10 * time.Second
-)
-
-// Ready reports whether renders are tried now.
-func (r *Render) Ready() bool {
-	until := r.pausedUntil.Load()
-	return until == 0 || time.Now().UnixNano() >= until
-}
-
-// Failed counts a failed render and reports whether it paused renders.
-func (r *Render) Failed() bool {
-	if r.failures.Add(1) < RenderFailures {
-		return false
-	}
-	r.failures.Store(0)
-	r.pausedUntil.Store(time.Now().Add(RenderPause).UnixNano())
-	return true
-}
-
-// Succeeded ends a run of failures.
-func (r *Render) Succeeded() {
-	if r.failures.Load() != 0 {
-		r.failures.Store(0)
-	}
-}
-
-// RenderEndpoint is where the next render goes: the configured server, or
-// the pool's prefill engines (decode engines without a prefill leg) in
-// turn. False when the pool renders nowhere.
-func (p *Pool) RenderEndpoint() (endpoint.Endpoint, bool) {
-	r := p.Render
-	if r == nil {
-		return endpoint.Endpoint{}, false
-	}
-	if r.Address != "" {
-		return endpoint.Endpoint{Address: r.Address}, true
-	}
-	set := p.Prefill.Set
-	if !p.Traits.Prefills {
-		set = p.Decode.Set
-	}
-	return set.At(r.turn.Add(1) - 1)
-}
-
-// Decider decides per request whether the prefill leg pays (see the
-// config's Disaggregation).
-type Decider struct {
-	// MinUncachedTokens: a prompt whose uncached part on its decode engine
-	// is shorter goes to the decode engine alone. 0: off.
-	MinUncachedTokens int
-	// WhenPrefillSaturated sends a request to its decode engine alone when
-	// every prefill endpoint is saturated, if its priority is at least
-	// SaturatedMinPriority.
-	WhenPrefillSaturated bool
-	SaturatedMinPriority int
-}
-
-// decider is d's Decider.
-func decider(d *configv1.Disaggregation) Decider {
-	out := Decider{
-		MinUncachedTokens:    int(d.GetMinUncachedTokens()),
-		WhenPrefillSaturated: d.GetWhenPrefillSaturated(),
-		SaturatedMinPriority: math.MinInt,
-	}
-	if d != nil && d.PrefillSaturatedMinPriority != nil {
-		out.SaturatedMinPriority = int(d.GetPrefillSaturatedMinPriority())
-	}
-	return out
 }
 
 // Shedding is what a request does when every endpoint of a leg is
@@ -229,72 +123,6 @@ func flowControl(fc *configv1.FlowControl, maxWait time.Duration) *flowcontrol.C
 		}
 	}
 	return flowcontrol.New(cfg)
-}
-
-// PickDecode leases the decode endpoint of a request (req.Group and Tried
-// are not used: a decode is picked first, once), within req.Subset when
-// the gateway gave one; the lease tells what the endpoint had cached when
-// the pool's decider needs it. It fails, wrapping ErrNoEndpoint, when the
-// pool has none at the moment (a discovered pool whose decode pods are all
-// gone or not ready, or none in the subset).
-func (p *Pool) PickDecode(req picker.Request) (picker.Lease, error) {
-	req.Group, req.Tried = "", nil
-	req.NeedCached = p.Decider.MinUncachedTokens > 0
-	lease, ok := p.Decode.Pick(req)
-	switch {
-	case ok:
-		return lease, nil
-	case req.Subset != nil:
-		return picker.Lease{}, fmt.Errorf("%w: none of the %d endpoints of the gateway's subset hint is a decode endpoint of pool %s",
-			ErrNoEndpoint, len(req.Subset), p.Name)
-	}
-	return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
-}
-
-// PickFallbacks appends to out up to DecodeFallbacks decode endpoints other
-// than first, a request's decode pick, in the decode picker's order of
-// preference (each a pick with the ones before it tried): where Envoy
-// retries the request's decode when first fails. They are of first's
-// Group: the request's prefill hands its KV over within it. Fewer when
-// the pool (or group) has fewer endpoints.
-func (p *Pool) PickFallbacks(out []endpoint.Endpoint, req picker.Request, first endpoint.Endpoint) []endpoint.Endpoint {
-	if p.DecodeFallbacks == 0 {
-		return out
-	}
-	req.Group = first.Group
-	req.Tried = append(make([]endpoint.Endpoint, 0, 1+p.DecodeFallbacks), first)
-	for range p.DecodeFallbacks {
-		ep, ok := p.Decode.Next(req)
-		if !ok {
-			break
-		}
-		out = append(out, ep)
-		req.Tried = append(req.Tried, ep)
-	}
-	return out
-}
-
-// PickPrefill leases a prefill endpoint for a request (req: its prompt)
-// whose decode endpoint is decode, other than those in tried. A decode
-// endpoint with a Group pairs only with the prefill endpoints of that group;
-// when none is left the pick fails rather than use another group's, whose
-// engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint, when no
-// endpoint is left to try.
-func (p *Pool) PickPrefill(decode endpoint.Endpoint, req picker.Request, tried ...endpoint.Endpoint) (picker.Lease, error) {
-	// The subset hint names where the gateway may send the request: the
-	// decode. pdx calls the prefill itself.
-	req.Group, req.Tried, req.Subset = decode.Group, tried, nil
-	lease, ok := p.Prefill.Pick(req)
-	switch {
-	case ok:
-		return lease, nil
-	case len(tried) > 0:
-		return picker.Lease{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
-	case decode.Group != "":
-		return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
-			ErrNoEndpoint, p.Name, decode.Group, decode.Address)
-	}
-	return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint", ErrNoEndpoint, p.Name)
 }
 
 // SetEndpoints replaces the pool's endpoints (Kubernetes discovery calls it
@@ -474,81 +302,46 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 	if err != nil {
 		return nil, fmt.Errorf("allowed_kv_hosts: %w", err)
 	}
-	health := picker.Options{
-		FailureThreshold: int(pc.GetEjectAfterFailures()),
-		CoolDown:         pc.GetEjectDuration().AsDuration(),
-		StaleAfter:       staleAfter,
-		Adapters:         pc.GetLora().GetAdapters(),
-	}
-	var render *Render
-	if r := pc.GetRender(); r != nil && !r.GetDisabled() {
-		render = &Render{Address: r.GetAddress(), Timeout: r.GetTimeout().AsDuration()}
-		if render.Timeout <= 0 { // a config not through config.Parse
-			render.Timeout = config.DefaultRenderTimeout
-		}
-	}
-	if blockSize <= 0 {
-		blockSize = config.DefaultKVBlockSize
-	}
-	if cache != nil && render != nil {
-		// Only rendered prompts match the engines' blocks.
-		health.Cache = cache
-	}
 	var shedding *Shedding
 	if s := pc.GetSaturation(); s != nil && !s.GetDisabled() {
-		health.Saturation = picker.Saturation{
-			QueueDepth: int(s.GetQueueDepth()), KVUsage: s.GetKvUsage(), MaxInFlight: int(s.GetMaxInFlight()),
-		}
 		shedding = &Shedding{}
 		if s.GetAction() != configv1.SaturationAction_SATURATION_ACTION_REJECT {
 			shedding.MaxWait = s.GetMaxQueueTime().AsDuration()
 		}
 		shedding.Flow = flowControl(pc.GetFlowControl(), shedding.MaxWait)
 	}
-	prefillHealth, decodeHealth := health, health
-	if n := pc.GetSaturation().GetPrefillMaxInFlight(); n > 0 && !pc.GetSaturation().GetDisabled() {
-		prefillHealth.Saturation.MaxInFlight = int(n)
-	}
 	prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())
+	var prev *placement.Pool
 	if old != nil {
-		prefillHealth.Inherit, decodeHealth.Inherit = old.Prefill.Set, old.Decode.Set
+		prev = old.Pool
 		if pc.GetKubernetes() != nil {
 			prefill, decode = old.Prefill.Set.Endpoints(), old.Decode.Set.Endpoints()
 		}
 	}
+	placed, err := placement.New(pc, prefill, decode, prev, placement.Options{
+		StaleAfter: staleAfter, Cache: cache, KVBlockSize: blockSize, Prefills: traits.Prefills,
+	})
+	if err != nil {
+		return nil, err
+	}
 	p := &Pool{
-		Name:            pc.GetName(),
-		Models:          pc.GetModels(),
-		Default:         pc.GetDefault(),
-		Adapters:        pc.GetLora().GetAdapters(),
-		LoRA:            pc.GetLora() != nil,
-		ConnectorName:   pc.GetConnector(),
-		Connector:       conn,
-		Traits:          traits,
-		PrefillTimeout:  pc.GetPrefillTimeout().AsDuration(),
-		AttemptTimeout:  pc.GetPrefillAttemptTimeout().AsDuration(),
-		Attempts:        max(1, int(pc.GetPrefillAttempts())),
-		Fallback:        pc.GetOnPrefillFailure() == configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
-		PassThrough:     pc.GetPassThrough(),
-		KVHosts:         kvHosts,
-		BlockTokens:     int(pc.GetPrefixBlockTokens()),
-		Decider:         decider(pc.GetDisaggregation()),
-		Saturated:       shedding,
-		DecodeFallbacks: int(pc.GetDecodeFallbacks()),
-		Ranked:          ranked(pc),
-		Render:          render,
-		Cache:           cache,
-		KVBlockSize:     blockSize,
-		SessionHeader:   pc.GetSessionAffinity().GetHeader(),
-	}
-	if p.BlockTokens <= 0 { // a config not through config.Parse
-		p.BlockTokens = config.DefaultPrefixBlockTokens
-	}
-	if p.Prefill, err = picker.NewLeg(picker.NewSet(prefill, prefillHealth), pc.GetPrefillPicker(), picker.RolePrefill); err != nil {
-		return nil, fmt.Errorf("prefill_picker.policy: %w", err)
-	}
-	if p.Decode, err = picker.NewLeg(picker.NewSet(decode, decodeHealth), pc.GetDecodePicker(), picker.RoleDecode); err != nil {
-		return nil, fmt.Errorf("decode_picker.policy: %w", err)
+		Pool:           placed,
+		Models:         pc.GetModels(),
+		Default:        pc.GetDefault(),
+		Adapters:       pc.GetLora().GetAdapters(),
+		LoRA:           pc.GetLora() != nil,
+		ConnectorName:  pc.GetConnector(),
+		Connector:      conn,
+		Traits:         traits,
+		PrefillTimeout: pc.GetPrefillTimeout().AsDuration(),
+		AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
+		Attempts:       max(1, int(pc.GetPrefillAttempts())),
+		Fallback:       pc.GetOnPrefillFailure() == configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
+		PassThrough:    pc.GetPassThrough(),
+		KVHosts:        kvHosts,
+		Saturated:      shedding,
+		Ranked:         ranked(pc),
+		SessionHeader:  pc.GetSessionAffinity().GetHeader(),
 	}
 	if p.AttemptTimeout <= 0 { // a config not through config.Parse
 		p.AttemptTimeout = p.PrefillTimeout

@@ -13,6 +13,7 @@ import (
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 )
 
 func TestLookup(t *testing.T) {
@@ -128,7 +129,7 @@ func TestPick(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			p := &Pool{Name: "p", Prefill: leg(t, nil, picker.Options{}), Decode: leg(t, nil, picker.Options{})}
+			p := &Pool{Pool: &placement.Pool{Name: "p", Prefill: leg(t, nil, picker.Options{}), Decode: leg(t, nil, picker.Options{})}}
 			p.SetEndpoints(tc.prefill, tc.decode)
 			lease, err := p.PickDecode(picker.Request{})
 			d := lease.Endpoint()
@@ -157,8 +158,7 @@ func TestPick(t *testing.T) {
 
 func TestSetEndpointsKeepsHealth(t *testing.T) {
 	a, b, c := endpoint.Endpoint{Address: "127.0.0.1:1"}, endpoint.Endpoint{Address: "127.0.0.1:2"}, endpoint.Endpoint{Address: "127.0.0.1:3"}
-	p := &Pool{Name: "p", Prefill: leg(t, []endpoint.Endpoint{a, b}, picker.Options{FailureThreshold: 1}),
-		Decode: leg(t, []endpoint.Endpoint{c}, picker.Options{})}
+	p := &Pool{Pool: &placement.Pool{Name: "p", Prefill: leg(t, []endpoint.Endpoint{a, b}, picker.Options{FailureThreshold: 1}), Decode: leg(t, []endpoint.Endpoint{c}, picker.Options{})}}
 	p.Prefill.Report(a, false)
 	p.SetEndpoints([]endpoint.Endpoint{c, a}, []endpoint.Endpoint{b})
 	require.Equal(t, []endpoint.Endpoint{c, a}, p.Prefill.Set.Endpoints(), "the new set, not the union used on the way")

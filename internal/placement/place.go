@@ -1,0 +1,277 @@
+package placement
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/flowcontrol"
+	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/picker"
+)
+
+// Why a request skips its pool's prefill leg, or does not
+// (Placement.Reason, metrics' decision reasons).
+const (
+	ReasonDisaggregated    = "disaggregated"
+	ReasonShort            = "short_uncached"
+	ReasonPrefillSaturated = "prefill_saturated"
+)
+
+// Request is what placement knows of a request when its body is in.
+type Request struct {
+	// ID is the X-Request-Id the engines get; Path the API's path
+	// (without the query).
+	ID, Path string
+	Body     jsonedit.Object
+	Model    string
+	// Subset is the gateway's subset hint (nil: any decode endpoint);
+	// Session the request's session key (0: none); Adapter its LoRA
+	// adapter in the pool ("" for the base model).
+	Subset  []string
+	Session uint64
+	Adapter string
+	// Priority is the request's priority in the pool's flow control,
+	// which the decider compares with its SaturatedMinPriority.
+	Priority int
+	// Engine renders the prompt; Log is the request's logger.
+	Engine connectors.Engine
+	Log    *slog.Logger
+	// Admit, when not nil, waits for room on a leg of the pool (flow
+	// control), the prompt's tokens counting for token-usage fairness.
+	// The ticket is released once the leg's pick counts.
+	Admit func(ctx context.Context, set *picker.Set, group, leg string, tokens int) (flowcontrol.Ticket, error)
+}
+
+// Placement is one request's placement: where its decode goes and
+// whether, and where, it takes the prefill leg. Its stream owns it; it
+// is never shared.
+type Placement struct {
+	pool *Pool
+	// Decode counts the request on its decode endpoint until it ends
+	// (picker.Lease); Decodes are the decode endpoints the request names,
+	// Decode's first, then those Envoy may retry it on.
+	Decode  picker.Lease
+	Decodes []endpoint.Endpoint
+	// Reason is the decider's: ReasonDisaggregated takes the prefill leg;
+	// "" for a pool without one.
+	Reason string
+	// Source is where the prompt's token count came from: TokensRendered,
+	// TokensEstimate, or "" where the pool does not render.
+	Source string
+	// prompt is the request as its picks know it.
+	prompt picker.Request
+	// rendered: prompt has the engines' tokens.
+	rendered bool
+	// ticket admits the request to the prefill leg until its first pick
+	// there counts.
+	ticket flowcontrol.Ticket
+}
+
+// Pool is the pool the request was placed in, nil before.
+func (pl *Placement) Pool() *Pool { return pl.pool }
+
+// Tokens is the prompt's length in tokens: the engines' count when
+// rendered, else the byte estimate.
+func (pl *Placement) Tokens() int { return pl.prompt.Tokens }
+
+// Place places a request for which the pool's connector prepares creq:
+// it tokenizes the prompt, waits for room on the decode leg, picks the
+// decode endpoint and its fallbacks, and decides whether the request takes
+// the prefill leg, waiting for room there when it does (Reason). The
+// prefill endpoint is picked by Prefill, once per attempt. creq gets the
+// decode endpoint and its rank. An error is the client's answer (a pick
+// that finds no endpoint wraps picker's; flow control's refusals are
+// Admit's); the Placement then holds whatever it leased, for the request
+// to end.
+func (p *Pool) Place(ctx context.Context, req Request, creq *connectors.Request) (Placement, error) {
+	pl := Placement{pool: p}
+	text := prompt(creq.Body)
+	pl.prompt = picker.Request{
+		Blocks:      picker.Blocks(nil, text, p.BlockTokens),
+		BlockTokens: p.BlockTokens,
+		Tokens:      len(text) / picker.BytesPerToken,
+		Subset:      req.Subset, Session: req.Session, Adapter: req.Adapter,
+	}
+	pl.Source = p.tokenize(ctx, &req, &pl)
+	if pl.rendered {
+		pl.prompt.PromptBytes = len(text)
+	}
+	t, err := p.admit(ctx, &req, p.Decode.Set, "", "decode", pl.prompt.Tokens)
+	if err != nil {
+		return pl, err
+	}
+	lease, err := p.PickDecode(pl.pick())
+	t.Release()
+	if err != nil {
+		return pl, err
+	}
+	pl.named(lease)
+	ep := lease.Endpoint()
+	creq.Decode, creq.DecodeRank = ep, lease.Rank()
+	if !p.Prefills {
+		return pl, nil
+	}
+	d := p.Decider
+	switch {
+	case d.MinUncachedTokens > 0 && pl.prompt.Tokens-pl.decodeCached() < d.MinUncachedTokens:
+		pl.Reason = ReasonShort
+		return pl, nil
+	case d.WhenPrefillSaturated && req.Priority >= d.SaturatedMinPriority && p.Prefill.Set.Saturated(ep.Group):
+		pl.Reason = ReasonPrefillSaturated
+		return pl, nil
+	}
+	if pl.ticket, err = p.admit(ctx, &req, p.Prefill.Set, ep.Group, "prefill", pl.prompt.Tokens); err != nil {
+		return pl, err
+	}
+	pl.Reason = ReasonDisaggregated
+	return pl, nil
+}
+
+// PlaceDecode places a request that goes to a decode endpoint as it is
+// (a pass-through path): the decode pick and its fallbacks, nothing of a
+// prompt.
+func (p *Pool) PlaceDecode(subset []string, session uint64) (Placement, error) {
+	pl := Placement{pool: p, prompt: picker.Request{Subset: subset, NoRank: true, Session: session}}
+	lease, err := p.PickDecode(pl.prompt)
+	if err != nil {
+		return pl, err
+	}
+	pl.named(lease)
+	return pl, nil
+}
+
+// admit waits for room on a leg when the request has flow control.
+func (p *Pool) admit(ctx context.Context, req *Request, set *picker.Set, group, leg string, tokens int) (flowcontrol.Ticket, error) {
+	if req.Admit == nil {
+		return flowcontrol.Ticket{}, nil
+	}
+	return req.Admit(ctx, set, group, leg, tokens)
+}
+
+// named keeps the decode lease and names the endpoints the request's
+// decode goes to: the lease's, then the pool's fallbacks for it.
+func (pl *Placement) named(lease picker.Lease) {
+	pl.Decode = lease
+	first := lease.Endpoint()
+	pl.Decodes = pl.pool.PickFallbacks(append(pl.Decodes[:0], first), pl.pick(), first)
+}
+
+// Prefill leases the prefill endpoint of the request's next attempt: one
+// of its decode endpoint's group, other than those tried. The first call
+// ends the request's wait for room on the leg.
+func (pl *Placement) Prefill(tried ...endpoint.Endpoint) (picker.Lease, error) {
+	lease, err := pl.pool.PickPrefill(pl.Decode.Endpoint(), pl.pick(), tried...)
+	pl.ticket.Release()
+	return lease, err
+}
+
+// Release ends the request's wait for room on the prefill leg, if it
+// still holds one (a concurrent connector picks in its Prepare).
+func (pl *Placement) Release() { pl.ticket.Release() }
+
+// decodeCached is how many of the prompt's tokens the decode engine held
+// before this request added to it, as the decider counts them: the
+// engine's own word where its events were read. What pdx sent there
+// counts only without them: it is a byte estimate, and counting too much
+// would serve a long new turn decode-alone (its TPOT), where counting too
+// little costs only a prefill leg.
+func (pl *Placement) decodeCached() int {
+	if held, ok := pl.Decode.Held(); ok {
+		return held
+	}
+	return pl.Decode.Cached()
+}
+
+// pick is what the request's picks know of it.
+func (pl *Placement) pick() picker.Request {
+	req := pl.prompt
+	if !pl.rendered {
+		req.TokenBlocks, req.TokenBlockSize, req.PromptBytes = nil, 0, 0
+	}
+	return req
+}
+
+// PickDecode leases the decode endpoint of a request (req.Group and Tried
+// are not used: a decode is picked first, once), within req.Subset when
+// the gateway gave one; the lease tells what the endpoint had cached when
+// the pool's decider needs it. It fails, wrapping ErrNoEndpoint,
+// when the pool has none at the moment (a discovered pool whose decode
+// pods are all gone or not ready, or none in the subset).
+func (p *Pool) PickDecode(req picker.Request) (picker.Lease, error) {
+	req.Group, req.Tried = "", nil
+	req.NeedCached = p.Decider.MinUncachedTokens > 0
+	lease, ok := p.Decode.Pick(req)
+	switch {
+	case ok:
+		return lease, nil
+	case req.Subset != nil:
+		return picker.Lease{}, fmt.Errorf("%w: none of the %d endpoints of the gateway's subset hint is a decode endpoint of pool %s",
+			ErrNoEndpoint, len(req.Subset), p.Name)
+	}
+	return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready decode endpoint", ErrNoEndpoint, p.Name)
+}
+
+// PickFallbacks appends to out up to DecodeFallbacks decode endpoints other
+// than first, a request's decode pick, in the decode picker's order of
+// preference (each a pick with the ones before it tried): where Envoy
+// retries the request's decode when first fails. They are of first's
+// Group: the request's prefill hands its KV over within it. Fewer when
+// the pool (or group) has fewer endpoints.
+func (p *Pool) PickFallbacks(out []endpoint.Endpoint, req picker.Request, first endpoint.Endpoint) []endpoint.Endpoint {
+	if p.DecodeFallbacks == 0 {
+		return out
+	}
+	req.Group = first.Group
+	req.Tried = append(make([]endpoint.Endpoint, 0, 1+p.DecodeFallbacks), first)
+	for range p.DecodeFallbacks {
+		ep, ok := p.Decode.Next(req)
+		if !ok {
+			break
+		}
+		out = append(out, ep)
+		req.Tried = append(req.Tried, ep)
+	}
+	return out
+}
+
+// PickPrefill leases a prefill endpoint for a request (req: its prompt)
+// whose decode endpoint is decode, other than those in tried. A decode
+// endpoint with a Group pairs only with the prefill endpoints of that group;
+// when none is left the pick fails rather than use another group's, whose
+// engines cannot hand the KV over. It fails, wrapping ErrNoEndpoint,
+// when no endpoint is left to try.
+func (p *Pool) PickPrefill(decode endpoint.Endpoint, req picker.Request, tried ...endpoint.Endpoint) (picker.Lease, error) {
+	// The subset hint names where the gateway may send the request: the
+	// decode. pdx calls the prefill itself.
+	req.Group, req.Tried, req.Subset = decode.Group, tried, nil
+	lease, ok := p.Prefill.Pick(req)
+	switch {
+	case ok:
+		return lease, nil
+	case len(tried) > 0:
+		return picker.Lease{}, fmt.Errorf("%w: pool %s has no prefill endpoint left to try", ErrNoEndpoint, p.Name)
+	case decode.Group != "":
+		return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint in group %q of decode endpoint %s",
+			ErrNoEndpoint, p.Name, decode.Group, decode.Address)
+	}
+	return picker.Lease{}, fmt.Errorf("%w: pool %s has no ready prefill endpoint", ErrNoEndpoint, p.Name)
+}
+
+// prompt returns the part of body that placement hashes: the raw JSON of
+// "messages" (chat) or "prompt" (completions), nil when there is neither.
+// Raw bytes keep their order, so a conversation's next turn starts with its
+// previous turn's bytes.
+func prompt(body jsonedit.Object) []byte {
+	if raw, ok := body.Raw("messages"); ok {
+		return raw
+	}
+	raw, _ := body.Raw("prompt")
+	return raw
+}
+
+// ErrNoEndpoint is the error of a pick that finds no endpoint to use.
+var ErrNoEndpoint = errors.New("no endpoint available")

@@ -1,0 +1,162 @@
+package placement
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"net/http"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/connectors"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/flowcontrol"
+	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
+)
+
+// testPool is the placement of a pool of two prefill and two decode
+// endpoints, paired in groups a and b, with pc's settings.
+func testPool(t *testing.T, pc *configv1.Pool, prefills bool) *Pool {
+	t.Helper()
+	prefill := []endpoint.Endpoint{{Address: "127.0.0.1:8100", Group: "a"}, {Address: "127.0.0.1:8101", Group: "b"}}
+	decode := []endpoint.Endpoint{{Address: "127.0.0.1:8200", Group: "a"}, {Address: "127.0.0.1:8201", Group: "a"}, {Address: "127.0.0.1:8202", Group: "b"}}
+	pc.Name = "p"
+	p, err := New(pc, prefill, decode, nil, Options{Prefills: prefills})
+	require.NoError(t, err)
+	return p
+}
+
+func placeRequest(t *testing.T, body string, eng connectors.Engine, admit func(context.Context, *picker.Set, string, string, int) (flowcontrol.Ticket, error)) (Request, *connectors.Request) {
+	t.Helper()
+	obj, err := jsonedit.Parse([]byte(body))
+	require.NoError(t, err)
+	return Request{ID: "r1", Path: connectors.ChatCompletionsPath, Body: obj, Model: "m", Engine: eng,
+		Log: slog.New(slog.DiscardHandler), Admit: admit}, &connectors.Request{Body: obj}
+}
+
+// Its messages are 106 bytes: 26 tokens by the estimate.
+const shortChat = `{"model":"m","messages":[{"role":"user","content":"` + "0123456789012345678901234567890123456789012345678901234567890123456789012345" + `"}]}`
+
+func TestPlace(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		pc       *configv1.Pool
+		prefills bool
+		reason   string
+		// legs are the legs Admit is asked for, in order.
+		legs []string
+	}{
+		{name: "disaggregated", pc: &configv1.Pool{}, prefills: true, reason: ReasonDisaggregated, legs: []string{"decode", "prefill"}},
+		{name: "no prefill leg", pc: &configv1.Pool{}, prefills: false, reason: "", legs: []string{"decode"}},
+		{name: "short uncached prompt", pc: &configv1.Pool{Disaggregation: &configv1.Disaggregation{MinUncachedTokens: 100}}, prefills: true,
+			reason: ReasonShort, legs: []string{"decode"}},
+		{name: "long enough", pc: &configv1.Pool{Disaggregation: &configv1.Disaggregation{MinUncachedTokens: 10}}, prefills: true,
+			reason: ReasonDisaggregated, legs: []string{"decode", "prefill"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := testPool(t, tc.pc, tc.prefills)
+			var legs []string
+			req, creq := placeRequest(t, shortChat, fakeengine.New(), func(_ context.Context, _ *picker.Set, _, leg string, tokens int) (flowcontrol.Ticket, error) {
+				legs = append(legs, leg)
+				require.Equal(t, 26, tokens, "the byte estimate")
+				return flowcontrol.Ticket{}, nil
+			})
+			pl, err := p.Place(t.Context(), req, creq)
+			require.NoError(t, err)
+			defer pl.Decode.End(picker.Released)
+			require.Equal(t, tc.reason, pl.Reason)
+			require.Equal(t, tc.legs, legs)
+			require.Equal(t, 26, pl.Tokens())
+			require.Empty(t, pl.Source, "the pool does not render")
+			require.Equal(t, pl.Decode.Endpoint(), creq.Decode)
+			require.Equal(t, []endpoint.Endpoint{creq.Decode}, pl.Decodes, "no fallbacks configured")
+			if tc.reason != ReasonDisaggregated {
+				return
+			}
+			lease, err := pl.Prefill()
+			require.NoError(t, err)
+			require.Equal(t, creq.Decode.Group, lease.Endpoint().Group, "paired with the decode's group")
+			lease.End(picker.Released)
+			_, err = pl.Prefill(lease.Endpoint())
+			require.ErrorIs(t, err, ErrNoEndpoint, "its group has one prefill endpoint")
+		})
+	}
+}
+
+// A request refused room on its prefill leg still holds its decode
+// lease, which the request ends.
+func TestPlaceRefusedPrefillRoom(t *testing.T) {
+	p := testPool(t, &configv1.Pool{}, true)
+	refused := errors.New("refused")
+	req, creq := placeRequest(t, shortChat, fakeengine.New(), func(_ context.Context, _ *picker.Set, _, leg string, _ int) (flowcontrol.Ticket, error) {
+		if leg == "prefill" {
+			return flowcontrol.Ticket{}, refused
+		}
+		return flowcontrol.Ticket{}, nil
+	})
+	pl, err := p.Place(t.Context(), req, creq)
+	require.ErrorIs(t, err, refused)
+	require.True(t, pl.Decode.Open())
+	pl.Decode.End(picker.Released)
+}
+
+func TestPlaceDecodeFallbacks(t *testing.T) {
+	p := testPool(t, &configv1.Pool{DecodeFallbacks: 2}, true)
+	req, creq := placeRequest(t, shortChat, fakeengine.New(), nil)
+	pl, err := p.Place(t.Context(), req, creq)
+	require.NoError(t, err)
+	defer pl.Decode.End(picker.Released)
+	require.Len(t, pl.Decodes, 2, "the pick and the one other endpoint of its group")
+	for _, ep := range pl.Decodes {
+		require.Equal(t, pl.Decodes[0].Group, ep.Group)
+	}
+	require.NotEqual(t, pl.Decodes[0], pl.Decodes[1])
+}
+
+// The prompt's token count is the render's where the pool renders, the
+// estimate where the render fails.
+func TestPlaceTokenSource(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		reply  fakeengine.Reply
+		source string
+		tokens int
+	}{
+		{name: "rendered", reply: fakeengine.Reply{Body: `{"token_ids":[1,2,3,4,5,6,7]}`}, source: TokensRendered, tokens: 7},
+		{name: "render failed", reply: fakeengine.Reply{Err: errors.New("503")}, source: TokensEstimate, tokens: 26},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := testPool(t, &configv1.Pool{Render: &configv1.Render{Timeout: durationpb.New(time.Second)}}, true)
+			eng := fakeengine.New().On(http.MethodPost, "", RenderChatPath, tc.reply)
+			req, creq := placeRequest(t, shortChat, eng, nil)
+			pl, err := p.Place(t.Context(), req, creq)
+			require.NoError(t, err)
+			defer pl.Decode.End(picker.Released)
+			require.Equal(t, tc.source, pl.Source)
+			require.Equal(t, tc.tokens, pl.Tokens())
+			require.Len(t, eng.Calls(), 1)
+			require.Equal(t, "127.0.0.1:8100", eng.Calls()[0].Endpoint.Address, "rendered on a prefill engine")
+		})
+	}
+}
+
+// Defaults fills in what placement reads, once.
+func TestDefaults(t *testing.T) {
+	pc := &configv1.Pool{}
+	Defaults(pc, true, true)
+	require.Equal(t, uint32(DefaultPrefixBlockTokens), pc.GetPrefixBlockTokens())
+	require.Equal(t, DefaultRenderTimeout, pc.GetRender().GetTimeout().AsDuration(), "KV events render by default")
+	require.Equal(t, picker.DefaultPolicy(picker.RolePrefill), pc.GetPrefillPicker().GetPolicy())
+	require.Equal(t, picker.DefaultPolicy(picker.RoleDecode), pc.GetDecodePicker().GetPolicy())
+
+	pc = &configv1.Pool{}
+	Defaults(pc, false, false)
+	require.Nil(t, pc.GetRender(), "no render without KV events")
+	require.Nil(t, pc.GetPrefillPicker(), "no prefill leg, no prefill picker")
+}
