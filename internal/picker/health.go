@@ -47,7 +47,9 @@ type health struct {
 	// nil without Options.Adapters; on the second line, read only by picks
 	// for an adapter.
 	sent atomic.Pointer[adapterMemory]
-	_    [8]byte
+	// service is a prefill endpoint's learned service model (forecast
+	// policy), set when the health is made.
+	service *service
 }
 
 // health fills two cache lines exactly (this fails to compile otherwise):

@@ -37,8 +37,15 @@ type Lease struct {
 	// -1 where the pick did not read its events.
 	held int
 	// prefill is a prefill leg's lease, which the endpoint's fluid model
-	// counts.
-	prefill bool
+	// counts; ahead are the uncached tokens queued before it at the pick
+	// and at when it was picked (nanoseconds since the Set's base), for
+	// the endpoint's service model to learn from its answer; uncached,
+	// when not negative, is how many of its tokens the engine said it
+	// computed (Observe).
+	prefill  bool
+	ahead    int
+	at       int64
+	uncached int
 	// session is what became of the request's session, if it has one.
 	session SessionOutcome
 	// blocks are the prompt's, for Move to index them where it moves.
@@ -76,7 +83,8 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	if role == RolePrefill {
 		// The engine computes the prompt but what it has cached.
 		l.tokens = max(req.Tokens-l.cached, 0)
-		l.prefill = true
+		l.prefill, l.uncached = true, -1
+		l.ahead, l.at = s.ahead(h, req.Tokens)
 	}
 	s.count(h, l.tokens, l.prefill)
 	if len(req.Blocks) > 0 {
@@ -120,6 +128,17 @@ func (l *Lease) Held() (int, bool) { return l.held, l.held >= 0 }
 // its first endpoint, moved down its order, or NoSession for a request
 // without one.
 func (l *Lease) Session() SessionOutcome { return l.session }
+
+// Observe tells a prefill lease what its engine said of the prompt when
+// it answered: promptTokens in all, cachedTokens of them found in its
+// cache. The endpoint's service model learns from the tokens it
+// computed, rather than from the pick's estimate of them. A lease that
+// is not a prefill's ignores it.
+func (l *Lease) Observe(promptTokens, cachedTokens int) {
+	if l.prefill && promptTokens > 0 {
+		l.uncached = max(promptTokens-max(cachedTokens, 0), 0)
+	}
+}
 
 // Open reports whether the lease has not ended.
 func (l *Lease) Open() bool { return l.set != nil }
@@ -211,6 +230,13 @@ func (l *Lease) uncount(s *Set, succeeded bool) {
 	}
 	if l.prefill {
 		h.work.end(s, l.tokens, succeeded)
+		if succeeded {
+			own := l.tokens
+			if l.uncached >= 0 {
+				own = l.uncached
+			}
+			h.service.learn(float64(s.elapsed()-l.at)/1e9, l.ahead, own)
+		}
 	}
 	h.inFlight.Add(-1)
 	h.inFlightTokens.Add(-int64(l.tokens))

@@ -22,7 +22,7 @@ func TestNewLeg(t *testing.T) {
 		{policy: "prefix_affinity", want: &PrefixAffinity{}},
 		{policy: "load_aware", want: &LoadAware{}},
 		{policy: "least_work", want: LeastWork{}},
-		{policy: "random", wantErr: `unknown picking policy "random" (known: least_request, least_work, load_aware, prefix_affinity, round_robin)`},
+		{policy: "random", wantErr: `unknown picking policy "random" (known: forecast, least_request, least_work, load_aware, prefix_affinity, round_robin)`},
 	} {
 		t.Run(tc.policy, func(t *testing.T) {
 			set := NewSet([]endpoint.Endpoint{epA}, Options{})
@@ -38,7 +38,7 @@ func TestNewLeg(t *testing.T) {
 			require.Equal(t, epA, lease.Endpoint(), "the policy picks over the Set it was given")
 		})
 	}
-	require.Equal(t, []string{"least_request", "least_work", "load_aware", "prefix_affinity", "round_robin"}, Policies())
+	require.Equal(t, []string{"forecast", "least_request", "least_work", "load_aware", "prefix_affinity", "round_robin"}, Policies())
 	l, err := NewLeg(NewSet(nil, Options{}), nil, RoleDecode)
 	require.NoError(t, err)
 	require.IsType(t, &LoadAware{}, l.policy, "the decode leg's default")

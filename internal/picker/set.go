@@ -242,6 +242,9 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 				h = new(health)
 			}
 			h.seed = xxhash.Sum64String(ep.Address)
+			if h.service == nil {
+				h.service = new(service)
+			}
 			s.remember(h)
 			if h.ranks == nil && ep.DPSize > 1 {
 				// Endpoints with other DP sizes are other endpoints:

@@ -14,6 +14,9 @@ import (
 type Spec struct {
 	// Name is the policy's name in pools[].*_picker.policy.
 	Name string
+	// PrefillOnly: the policy picks prefill endpoints only (config refuses
+	// it on a decode leg).
+	PrefillOnly bool
 	// Fields are the fields of the config's Picker message (proto names,
 	// e.g. "weights") that the policy reads; config refuses them on the
 	// legs of other policies.
@@ -37,6 +40,7 @@ func specs() []Spec {
 		leastWorkSpec(),
 		prefixAffinitySpec(),
 		loadAwareSpec(),
+		forecastSpec(),
 	}
 }
 

@@ -1,0 +1,108 @@
+package picker
+
+import configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+
+// ForecastPolicy names Forecast in the config.
+const ForecastPolicy = "forecast"
+
+func forecastSpec() Spec {
+	return Spec{
+		Name:        ForecastPolicy,
+		PrefillOnly: true,
+		New:         func(*configv1.Picker, Role) Policy { return Forecast{} },
+	}
+}
+
+// Forecast picks the prefill endpoint where the request's prefill is
+// forecast to answer first: each engine's learned service model
+// (service.forecast) of the uncached tokens queued there and of this
+// prompt's tokens it does not hold. It is least_work in seconds, with each
+// engine's own overhead and rates, and with a queued token weighing what
+// it costs: an engine that computes several prompts at once drains its
+// queue faster than it computes one prompt, so waiting behind its queue
+// for a prompt's cache beats computing the prompt elsewhere more often
+// than least_work says. What is queued is counted as least_work counts it
+// (the fluid model of pdx's prefills in flight, the mean prompt for each
+// request the engine's fresh metrics count and pdx did not send); what is
+// held is the deeper of what pdx sent and, with KV events, what the engine
+// reports. Ties go round.
+type Forecast struct{}
+
+var _ Policy = Forecast{}
+
+// Choose implements [Policy]: the usable candidate with the least
+// forecast time to answer.
+func (Forecast) Choose(c *Candidates) int {
+	gs := c.all()
+	mean, usable := meanInFlight(gs, c.tokens)
+	if !usable {
+		return -1
+	}
+	start := c.Start()
+	d := c.depths()
+	n := len(gs)
+	best, least := -1, 0.0
+	// k goes round from start without a division a candidate.
+	for j, k := 0, start; j < n; j, k = j+1, k+1 {
+		if k == n {
+			k = 0
+		}
+		g := &gs[k]
+		if !g.usable {
+			continue
+		}
+		h := c.health(k)
+		t := h.service.forecast(queuedAhead(c, g, h, mean), c.tokens-d.cachedTokens(k))
+		if best < 0 || t < least {
+			best, least = k, t
+		}
+	}
+	return best
+}
+
+// meanInFlight is the mean prompt of pdx's requests in flight on the
+// candidates (tokens when there are none), which stands for a request pdx
+// did not send; and whether some candidate is usable.
+func meanInFlight(gs []signal, tokens int) (int, bool) {
+	requests, sum, usable := 0, 0, false
+	for k := range gs {
+		requests += gs[k].inFlight
+		sum += gs[k].inFlightTokens
+		usable = usable || gs[k].usable
+	}
+	if requests > 0 {
+		return sum / requests, usable
+	}
+	return tokens, usable
+}
+
+// queuedAhead is the work queued on a candidate before a new request, in
+// tokens: what remains of pdx's in-flight requests there (of a prefill
+// leg's, as the fluid model says; a decode leg's count whole), and mean
+// tokens for each of the engine's requests pdx does not count.
+func queuedAhead(c *Candidates, g *signal, h *health, mean int) int {
+	queued := g.inFlightTokens
+	if c.prefill && g.inFlight > 0 {
+		queued = h.work.remaining(g, &c.now)
+	}
+	return queued + (g.foreign+g.pending)*mean
+}
+
+// ahead is what is queued on h before a prefill of tokens leased now, as
+// Forecast counted it (the endpoint's own mean prompt standing for the
+// requests pdx did not send), and the time, for the service model to
+// learn from the prefill's answer.
+func (s *Set) ahead(h *health, tokens int) (int, int64) {
+	t := s.clock()
+	var g signal
+	t.look(h, &g)
+	mean := tokens
+	if g.inFlight > 0 {
+		mean = g.inFlightTokens / g.inFlight
+	}
+	queued := g.inFlightTokens
+	if g.inFlight > 0 {
+		queued = h.work.remaining(&g, &t)
+	}
+	return queued + (g.foreign+g.pending)*mean, t.read()
+}

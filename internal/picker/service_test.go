@@ -1,0 +1,185 @@
+package picker
+
+import (
+	"math"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+)
+
+// trueService is an engine's real service: overhead seconds a call, rate
+// tokens a second for one prompt, slots prompts at once.
+type trueService struct {
+	overhead, rate float64
+	slots          int
+}
+
+func (e trueService) time(ahead, own int) float64 {
+	return e.overhead + float64(ahead)/(e.rate*float64(e.slots)) + float64(own)/e.rate
+}
+
+// samplesToConverge feeds m total samples of e (ahead and own drawn at
+// random, 5% noise and, when outliers, one call in twenty 10× slower)
+// and returns after how many its forecasts were within tol of e's at
+// three test points and stayed so to the end; -1 if they never did.
+func samplesToConverge(m *service, e trueService, rng *rand.Rand, outliers bool, tol float64, total int) int {
+	points := [][2]int{{0, 1000}, {4000, 500}, {2000, 2000}}
+	since := -1
+	for n := 1; n <= total; n++ {
+		ahead, own := rng.IntN(4000), 100+rng.IntN(2000)
+		if rng.IntN(3) == 0 {
+			ahead = 0 // an idle engine
+		}
+		t := e.time(ahead, own) * (1 + 0.05*rng.NormFloat64())
+		if outliers && rng.IntN(20) == 0 {
+			t *= 10
+		}
+		m.learn(t, ahead, own)
+		ok := true
+		for _, p := range points {
+			want := e.time(p[0], p[1])
+			if math.Abs(m.forecast(p[0], p[1])-want) > tol*want {
+				ok = false
+			}
+		}
+		switch {
+		case !ok:
+			since = -1
+		case since < 0:
+			since = n
+		}
+	}
+	return since
+}
+
+// The model learns an engine's overhead, its rate and how many prompts it
+// computes at once from pdx's own timed prefills, whatever the seed, and
+// outliers do not drag it.
+func TestServiceConverges(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		engine   trueService
+		outliers bool
+	}{
+		{name: "one slot, near the seed", engine: trueService{overhead: 0.005, rate: 12000, slots: 1}},
+		{name: "two slots, slow", engine: trueService{overhead: 0.03, rate: 1000, slots: 2}},
+		{name: "four slots, fast", engine: trueService{overhead: 0.002, rate: 40000, slots: 4}},
+		{name: "two slots, outliers", engine: trueService{overhead: 0.03, rate: 1000, slots: 2}, outliers: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			m := new(service)
+			n := samplesToConverge(m, tc.engine, rand.New(rand.NewPCG(1, 2)), tc.outliers, 0.10, 1000)
+			require.Positive(t, n, "not within 10%% at the end of 1,000 prefills")
+			require.LessOrEqual(t, n, 100, "within 10%% of the engine's times for good after %d prefills", n)
+			o, q, p, _ := m.coefficients()
+			t.Logf("within 10%% for good after %d prefills; overhead %.4f s (true %.4f), queue %.0f tok/s (true %.0f), own %.0f tok/s (true %.0f)",
+				n, o, tc.engine.overhead, q, tc.engine.rate*float64(tc.engine.slots), p, tc.engine.rate)
+			require.InDelta(t, tc.engine.rate, p, 0.1*tc.engine.rate)
+			require.InDelta(t, tc.engine.rate*float64(tc.engine.slots), q, 0.1*tc.engine.rate*float64(tc.engine.slots))
+		})
+	}
+}
+
+// A model learned at low load, where nothing ever queues, keeps the seed's
+// queue rate rather than a wild one.
+func TestServiceUnqueued(t *testing.T) {
+	m := new(service)
+	e := trueService{overhead: 0.01, rate: 5000, slots: 1}
+	rng := rand.New(rand.NewPCG(3, 4))
+	for range 200 {
+		own := 100 + rng.IntN(2000)
+		m.learn(e.time(0, own), 0, own)
+	}
+	o, q, p, n := m.coefficients()
+	require.EqualValues(t, 200, n)
+	require.InDelta(t, e.overhead, o, 0.002)
+	require.InDelta(t, e.rate, p, 0.05*e.rate)
+	require.InDelta(t, DefaultPrefillTokensPerSec, q, 0.5*DefaultPrefillTokensPerSec, "the seed's, nothing taught otherwise")
+}
+
+// Learning from a finished prefill allocates nothing, and nonsense times
+// teach nothing.
+func TestServiceLearn(t *testing.T) {
+	m := new(service)
+	require.Zero(t, testing.AllocsPerRun(100, func() { m.learn(0.1, 100, 1000) }))
+	n := m.samples.Load()
+	for _, bad := range []float64{0, -1, math.NaN(), math.Inf(1)} {
+		m.learn(bad, 100, 1000)
+	}
+	require.Equal(t, n, m.samples.Load())
+}
+
+// A prefill lease teaches its endpoint's model when it answers: the time
+// from the pick, the tokens queued before it, and its uncached tokens, as
+// the engine reported them when it did (Observe).
+func TestLeaseTeachesService(t *testing.T) {
+	eps := endpoints(2)
+	clk := newFakeClock()
+	set := NewSet(eps, Options{Now: clk.Now})
+	l := newLeg(set, Forecast{}, RolePrefill)
+	e := trueService{overhead: 0.02, rate: 10000, slots: 1}
+	for i := range 60 {
+		tokens := 1000 + 100*(i%20)
+		lease, ok := l.Pick(Request{Subset: []string{eps[0].Address}, Tokens: tokens})
+		require.True(t, ok)
+		lease.Observe(tokens, tokens/2) // the engine had half cached
+		clk.Advance(time.Duration(e.time(0, tokens/2) * float64(time.Second)))
+		lease.End(Succeeded)
+	}
+	m := set.view.Load().states[0].service
+	overhead, _, rate, n := m.coefficients()
+	require.EqualValues(t, 60, n)
+	require.InDelta(t, e.overhead, overhead, 0.002)
+	require.InDelta(t, e.rate, rate, 0.05*e.rate, "from the tokens the engine computed, half the prompt")
+	require.Zero(t, set.view.Load().states[1].service.samples.Load())
+
+	lease, ok := l.Pick(Request{Subset: []string{eps[0].Address}, Tokens: 1000})
+	require.True(t, ok)
+	lease.End(Failed)
+	require.EqualValues(t, 60, m.samples.Load(), "a failure teaches nothing")
+}
+
+// Forecast waits behind a queue for a prompt's cache where the engine
+// drains its queue fast enough, and least_work does not.
+func TestForecastWeighsTheQueue(t *testing.T) {
+	eps := endpoints(2)
+	set := NewSet(eps, Options{})
+	holder, other := set.view.Load().states[0], set.view.Load().states[1]
+	// Both engines compute a prompt at 1,000 tokens a second, four at once.
+	e := trueService{overhead: 0.01, rate: 1000, slots: 4}
+	rng := rand.New(rand.NewPCG(5, 6))
+	for range 300 {
+		ahead, own := rng.IntN(8000), 100+rng.IntN(2000)
+		holder.service.learn(e.time(ahead, own), ahead, own)
+		other.service.learn(e.time(ahead, own), ahead, own)
+	}
+	prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
+	hold(t, set, eps[0], prompt, 0)
+	// 2,000 tokens queued on the holder, which holds 8 × 64 = 512 of the
+	// prompt's 1,000: its forecast is 2000/4000 + 488/1000 s against
+	// 1000/1000 s on the idle one.
+	startPrefill(t, set, eps[0], 2000)
+	req := Request{Blocks: prompt, BlockTokens: 64, Tokens: 1000}
+	pick := func(p Policy) string {
+		leg := newLeg(set, p, RolePrefill)
+		lease, ok := leg.Pick(req)
+		require.True(t, ok)
+		defer lease.End(Released)
+		return lease.Endpoint().Address
+	}
+	require.Equal(t, eps[0].Address, pick(Forecast{}))
+	require.Equal(t, eps[1].Address, pick(LeastWork{}), "2,000 queued + 488 against 1,000")
+}
+
+// The forecast policy is for prefill legs only.
+func TestForecastPrefillOnly(t *testing.T) {
+	spec, err := Lookup(ForecastPolicy)
+	require.NoError(t, err)
+	require.True(t, spec.PrefillOnly)
+	_, err = NewLeg(NewSet(endpoints(1), Options{}), &configv1.Picker{Policy: ForecastPolicy}, RolePrefill)
+	require.NoError(t, err)
+}
