@@ -55,6 +55,10 @@ type Handoff struct {
 	// Held, when set, is what the engines hold for the request and how to
 	// make them let go of it; nil when they hold nothing.
 	Held Held
+	// Prefilled is what the prefill engine's answer said of the prompt
+	// (its usage), for the connectors that read the answer; zero when it
+	// said nothing.
+	Prefilled Prefilled
 }
 
 // Decode is what Envoy sends to the decode endpoint.

@@ -44,7 +44,7 @@ func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error)
 	if err != nil {
 		return Handoff{}, engineFailure(req.Prefill, err)
 	}
-	params, err := kvTransferParams(answer)
+	params, used, err := kvTransferParams(answer)
 	if err == nil && params != nil {
 		err = nixlKVSource(req, params)
 	}
@@ -55,7 +55,7 @@ func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error)
 	// decode engine then recomputes from the plain client body, and the
 	// prefill keeps nothing. Either way a client-sent kv_transfer_params
 	// never reaches the decode engine.
-	h := Handoff{Decode: Decode{Body: nixlDecodeBody(req.Body, params), Rank: req.DecodeRank}}
+	h := Handoff{Decode: Decode{Body: nixlDecodeBody(req.Body, params), Rank: req.DecodeRank}, Prefilled: used}
 	if params != nil {
 		held.params = params
 		h.Held = held
@@ -165,17 +165,18 @@ func prefillOnlyEdits(dst []jsonedit.Edit, client jsonedit.Object) []jsonedit.Ed
 
 // kvTransferParams returns the raw kv_transfer_params object of a prefill
 // answer, or nil when it is absent or null.
-func kvTransferParams(answer []byte) ([]byte, error) {
+func kvTransferParams(answer []byte) ([]byte, Prefilled, error) {
 	obj, err := jsonedit.Parse(answer)
 	if err != nil {
-		return nil, fmt.Errorf("%w: %w", engines.ErrBadAnswer, err)
+		return nil, Prefilled{}, fmt.Errorf("%w: %w", engines.ErrBadAnswer, err)
 	}
+	used := prefilled(obj)
 	raw, ok := obj.Raw(keyKVTransferParams)
 	if !ok || string(raw) == "null" {
-		return nil, nil
+		return nil, used, nil
 	}
 	if raw[0] != '{' {
-		return nil, fmt.Errorf("%w: kv_transfer_params is %.40s, not an object", engines.ErrBadAnswer, raw)
+		return nil, used, fmt.Errorf("%w: kv_transfer_params is %.40s, not an object", engines.ErrBadAnswer, raw)
 	}
-	return raw, nil
+	return raw, used, nil
 }

@@ -55,10 +55,11 @@ func (P2PNCCL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, err
 	}
 	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
 	var buf [maxEdits]jsonedit.Edit
-	if _, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, endpoint.Rank{}, enginePieces(nil, req.Body, prefillOnlyEdits(buf[:0], req.Body)...)); err != nil {
+	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, endpoint.Rank{}, enginePieces(nil, req.Body, prefillOnlyEdits(buf[:0], req.Body)...))
+	if err != nil {
 		return Handoff{}, engineFailure(req.Prefill, err)
 	}
-	return Handoff{Decode: Decode{Body: engineBody(req.Body), RequestID: id}}, nil
+	return Handoff{Decode: Decode{Body: engineBody(req.Body), RequestID: id}, Prefilled: prefilledOf(answer)}, nil
 }
 
 // p2pRequestID returns

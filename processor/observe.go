@@ -17,6 +17,7 @@ import (
 	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -47,8 +48,10 @@ type recorder interface {
 	// request's LoRA adapter.
 	picked(p *routing.Pool, leg string, o picker.LoRAOutcome)
 	// tokenized notes where placement got the prompt's tokens
-	// (render.go's sources).
+	// (placement's sources).
 	tokenized(p *routing.Pool, source string)
+	// checked notes placement's self-check of a prefill.
+	checked(p *routing.Pool, c placement.Check)
 	// session notes what became of the request's session on a pick of
 	// its leg of role: every pick, a prefill's retries too; nothing for a
 	// request without one (picker.NoSession).
@@ -110,6 +113,7 @@ func (noRecord) waited(*routing.Pool, string, int, time.Duration, error)      {}
 func (noRecord) session(*routing.Pool, picker.Role, picker.SessionOutcome)    {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
 func (noRecord) served(*routing.Pool, string, bool)                           {}
+func (noRecord) checked(*routing.Pool, placement.Check)                       {}
 func (noRecord) failed(string)                                                {}
 func (noRecord) end(ending)                                                   {}
 
@@ -247,6 +251,10 @@ func (o *observation) routed(decode endpoint.Endpoint) {
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.decode.endpoint", decode.Address))
 	}
+}
+
+func (o *observation) checked(p *routing.Pool, c placement.Check) {
+	o.metrics.Pool(p).Checked(c.Endpoint, c.Result, c.Reports, c.Cached, c.ReportedCached)
 }
 
 func (o *observation) served(p *routing.Pool, endpoint string, fallback bool) {

@@ -15,6 +15,7 @@ import (
 	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -148,6 +149,9 @@ func (r *request) attempt(ctx context.Context, pool *routing.Pool, creq *connect
 	if err != nil && context.Cause(actx) == errAttemptTimeout && r.prefill.ctx.Err() == nil {
 		err = fmt.Errorf("%w after %s", errAttemptTimeout, pool.AttemptTimeout)
 	}
+	if err == nil {
+		r.checked(ctx, pool, r.placed.Prefilled(&r.prefill.counted, h.Prefilled))
+	}
 	r.report(ctx, pool, creq.Prefill, err)
 	return h, err
 }
@@ -171,6 +175,23 @@ func (r *request) report(ctx context.Context, pool *routing.Pool, ep endpoint.En
 	if outcome == picker.Failed && !pool.Prefill.Set.Healthy(ep) {
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill endpoint ejected", slog.String("pool", pool.Name), slog.String("endpoint", ep.Address))
 	}
+}
+
+// checked records placement's self-check of a prefill, and says once in a
+// while, when it stops trusting the engines' word, why.
+func (r *request) checked(ctx context.Context, pool *routing.Pool, c placement.Check) {
+	r.obs.checked(pool, c)
+	if !c.Untrusted {
+		return
+	}
+	why := "the prefill engines found other parts of the prompts cached than their KV events said they held: events late or gone quiet, or blocks of another size than kv_events.block_size"
+	if c.Result == placement.CheckTokens {
+		why = "the prefill engines counted other prompt tokens than the render gave: the render server's chat template or tokenizer is not the engines'"
+	}
+	r.log.LogAttrs(ctx, slog.LevelWarn, "placement self-check: most of the last precise placements mismatched, placing by what pdx sent for a while",
+		slog.String("pool", pool.Name), slog.String("why", why), slog.String("endpoint", c.Endpoint),
+		slog.Int("rendered_tokens", c.Tokens), slog.Int("engine_tokens", c.ReportedTokens),
+		slog.Int("held_tokens", c.Cached), slog.Int("engine_cached_tokens", c.ReportedCached))
 }
 
 // prefillDone takes a concurrent prefill's outcome. On failure the client

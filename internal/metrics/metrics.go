@@ -63,6 +63,8 @@ type Metrics struct {
 	flowWait   *prometheus.HistogramVec // pool, leg, band, outcome
 	sessions   *prometheus.CounterVec   // pool, leg, outcome
 	loraPicks  *prometheus.CounterVec   // pool, leg, outcome
+	checks     *prometheus.CounterVec   // pool, result
+	cached     *prometheus.CounterVec   // pool, endpoint, source
 	inFlight   prometheus.Gauge
 
 	// pools maps a pool name to its resolved children. It is replaced, never
@@ -149,12 +151,20 @@ func New() *Metrics {
 			Name: "pdx_lora_picks_total",
 			Help: "Picks for requests naming a LoRA adapter, by pool, leg (prefill, decode) and outcome: loaded (an endpoint with the adapter loaded, by its vllm:lora_requests_info or what pdx sent it), free_slot (one with fewer adapters than max_lora), blind (neither was usable; picked as any request).",
 		}, []string{"pool", "leg", "outcome"}),
+		checks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_placement_checks_total",
+			Help: "Placement's self-check: prefills of pools that render their prompts, by how the prefill engine's own count (its answer's usage) bore out placement's prediction: match; tokens_mismatch (the engine counted other prompt tokens than the render gave: a chat template or tokenizer that is not the engines'); cached_mismatch (it found more or less of the prompt cached, beyond a block, than its KV events said it held: events late or quiet, or of another block size); untrusted (placed by what pdx sent, the engines' word untrusted for a while after most of the last judged prefills mismatched).",
+		}, []string{"pool", "result"}),
+		cached: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_placement_cached_tokens_total",
+			Help: "Prompt tokens of prefills found cached on each prefill endpoint, as placement predicted them (source=predicted: the engine's KV events with kv_events, else what pdx sent there) and as the engine reported them in its answer (source=reported: usage.prompt_tokens_details.cached_tokens, vLLM's --enable-prompt-tokens-details); counted for engines that report them. Their ratio is placement's prediction error per engine.",
+		}, []string{"pool", "endpoint", "source"}),
 		inFlight: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "pdx_streams_in_flight",
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.sessions, m.loraPicks, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.sessions, m.loraPicks, m.checks, m.cached, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -293,6 +303,22 @@ func (p *Pool) Prefill(outcome string, d time.Duration) {
 		return
 	}
 	p.m.prefillDur.WithLabelValues(p.name, p.connector, outcome).Observe(d.Seconds())
+}
+
+// Checked counts one prefill's self-check verdict (placement.Check*; ""
+// none) and, where its engine reports them, the cached tokens placement
+// predicted and the engine reported on it.
+func (p *Pool) Checked(endpoint, result string, reports bool, predicted, reported int) {
+	if p == nil {
+		return
+	}
+	if result != "" {
+		p.m.checks.WithLabelValues(p.name, result).Inc()
+	}
+	if reports {
+		p.m.cached.WithLabelValues(p.name, endpoint, "predicted").Add(float64(predicted))
+		p.m.cached.WithLabelValues(p.name, endpoint, "reported").Add(float64(reported))
+	}
 }
 
 // Attempt counts one prefill call to endpoint; result is ResultOK or an
@@ -505,6 +531,12 @@ var (
 	waitingDesc = prometheus.NewDesc("pdx_flow_control_waiting",
 		"Requests waiting for room on a saturated leg of the pool now, by band (their objective's priority).",
 		[]string{"pool", "band"}, nil)
+	serviceDesc = prometheus.NewDesc("pdx_prefill_service_rate_tokens_per_second",
+		"What placement has learned of each prefill endpoint from pdx's timed prefills (the forecast policy's model): the rate it drains its queue at (kind=queue) and computes one prompt at (kind=prompt), in tokens a second; the seed's until it has answered.",
+		[]string{"pool", "endpoint", "kind"}, nil)
+	overheadDesc = prometheus.NewDesc("pdx_prefill_service_overhead_seconds",
+		"What placement has learned of each prefill endpoint's fixed cost of a prefill call (the forecast policy's model).",
+		[]string{"pool", "endpoint"}, nil)
 	inFlightDesc = prometheus.NewDesc("pdx_endpoint_in_flight",
 		"Requests this pdx counts on the endpoint: prefills running, and decodes whose stream it holds until Envoy finishes their response (a decode detached at routing is the engine's metrics' to count).",
 		[]string{"pool", "role", "endpoint"}, nil)
@@ -518,6 +550,8 @@ func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- healthyDesc
 	ch <- inFlightDesc
 	ch <- waitingDesc
+	ch <- serviceDesc
+	ch <- overheadDesc
 }
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
@@ -549,6 +583,11 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 				}
 				ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, v, p.Name, side.role, ep.Address)
 				ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(side.set.InFlight(ep)), p.Name, side.role, ep.Address)
+				if sv, ok := side.set.Service(ep); ok && side.role == "prefill" && p.Traits.Prefills {
+					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.QueueRate, p.Name, ep.Address, "queue")
+					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.PromptRate, p.Name, ep.Address, "prompt")
+					ch <- prometheus.MustNewConstMetric(overheadDesc, prometheus.GaugeValue, sv.Overhead.Seconds(), p.Name, ep.Address)
+				}
 			}
 		}
 	}

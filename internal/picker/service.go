@@ -4,6 +4,9 @@ import (
 	"math"
 	"sync"
 	"sync/atomic"
+	"time"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // service is a prefill endpoint's learned service model: how long pdx's
@@ -189,4 +192,24 @@ func (m *service) solve() ([3]float64, bool) {
 		out[i] = min(max(out[i], 1e-6), 1000)
 	}
 	return out, true
+}
+
+// Service is what a prefill endpoint's service model has learned: its
+// overhead a call, the rate it drains its queue at and the rate it
+// computes one prompt at, and how many of pdx's prefills taught it (0: the
+// seed's). False for an endpoint the Set does not have.
+type Service struct {
+	Overhead              time.Duration
+	QueueRate, PromptRate float64 // tokens a second
+	Samples               int64
+}
+
+// Service returns what ep's service model has learned.
+func (s *Set) Service(ep endpoint.Endpoint) (Service, bool) {
+	h := s.view.Load().lookup(ep)
+	if h == nil || h.service == nil {
+		return Service{}, false
+	}
+	o, q, p, n := h.service.coefficients()
+	return Service{Overhead: time.Duration(o * float64(time.Second)), QueueRate: q, PromptRate: p, Samples: n}, true
 }

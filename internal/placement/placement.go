@@ -59,6 +59,9 @@ type Pool struct {
 	Render      *Render
 	Cache       *kvcache.Index
 	KVBlockSize int
+	// check is how the engines' word (rendered tokens, KV events) fared
+	// against what the prefill engines said they computed (selfcheck.go).
+	check selfCheck
 }
 
 // Options are what a pool's placement takes from outside its own config.

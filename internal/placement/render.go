@@ -98,8 +98,9 @@ func (p *Pool) RenderEndpoint() (endpoint.Endpoint, bool) {
 // tokenize gets the prompt's tokens from the pool's render server and
 // hashes them in the engines' blocks for precise placement, into pl. It
 // reports where the token count came from, "" when the pool does not
-// render; on failure the request is placed by the byte estimate, which it
-// never fails for. Renders that keep failing (engines without the render
+// render; on failure, or while the self-check does not trust the engines'
+// word, the request is placed by the byte estimate, which it never fails
+// for. Renders that keep failing (engines without the render
 // API: SGLang's) pause for RenderPause, so that every request does not pay
 // for one more.
 func (p *Pool) tokenize(ctx context.Context, req *Request, pl *Placement) string {
@@ -107,7 +108,7 @@ func (p *Pool) tokenize(ctx context.Context, req *Request, pl *Placement) string
 	if rd == nil {
 		return ""
 	}
-	if !rd.Ready() {
+	if !rd.Ready() || !p.Trusted() {
 		return TokensEstimate
 	}
 	ids, err := p.render(ctx, req)

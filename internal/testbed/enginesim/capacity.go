@@ -544,12 +544,15 @@ func (s *Server) computePrompt(ctx context.Context, req *inferenceRequest) error
 		}()
 		return sleep(ctx, s.prefillTime(req))
 	}
-	return m.prefill(ctx, blocksOf(req.prompt, m.capa.BlockTokens), s.adapterOf(req))
+	hit, err := m.prefill(ctx, blocksOf(req.prompt, m.capa.BlockTokens), s.adapterOf(req))
+	req.cachedTokens = hit
+	return err
 }
 
 // prefill computes p, a prompt of adapter ("": the base model's), on the
-// FIFO prefill server.
-func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string) error {
+// FIFO prefill server, and returns how many of its tokens it found in the
+// prefix cache (vLLM's num_cached_tokens).
+func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string) (int, error) {
 	t := &ticket{ready: make(chan struct{}), prompt: &p, adapter: adapter}
 	m.mu.Lock()
 	m.prefillQ = append(m.prefillQ, t)
@@ -558,7 +561,7 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string
 	m.dispatch()
 	m.mu.Unlock()
 	if err := m.await(ctx, t, &m.prefillQ, func() { m.prefilling-- }); err != nil {
-		return err
+		return 0, err
 	}
 	// Loading the adapter holds the prefill server, as it holds vLLM's
 	// step.
@@ -568,7 +571,7 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string
 		m.lora.stop(adapter)
 		m.dispatch()
 		m.mu.Unlock()
-		return err
+		return 0, err
 	}
 
 	// The cache is looked up when the prompt is taken, not when it arrived:
@@ -612,7 +615,7 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string
 	m.prefilling--
 	m.lora.stop(adapter)
 	m.dispatch()
-	return err
+	return hit * m.capa.BlockTokens, err
 }
 
 // transferKV is a decode's transfer of the prompt blocks its own prefix cache

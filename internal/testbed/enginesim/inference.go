@@ -79,7 +79,7 @@ func (s *Server) handleInference(a api) http.HandlerFunc {
 			s.reject(x, badRequest("reading request body: %v", err))
 			return
 		}
-		x.req, err = parseRequest(a, dialectOf(s.cfg.Connector), body)
+		x.req, err = s.parseRequest(a, body)
 		if err != nil {
 			s.reject(x, err)
 			return
@@ -625,10 +625,17 @@ type promptTokensDetails struct {
 // Config.PromptTokensDetails it has vLLM's prompt_tokens_details, which
 // vLLM's serving code adds only when --enable-prompt-tokens-details is on
 // and the request's num_cached_tokens is not 0.
+//
+// Prompt tokens count in the unit of the engine's render API and KV
+// events (KVEvents.TokenScale), as a real engine's usage and render agree.
 func (s *Server) usageOf(x *exchange, completion int) *usage {
-	p := x.req.promptTokens
+	scale := 1
+	if k := s.cfg.KVEvents; k != nil && k.TokenScale > 1 {
+		scale = k.TokenScale
+	}
+	p := x.req.promptTokens * scale
 	u := &usage{PromptTokens: p, CompletionTokens: completion, TotalTokens: p + completion}
-	if n := cachedTokens(x); s.cfg.PromptTokensDetails && n > 0 {
+	if n := cachedTokens(x) * scale; s.cfg.PromptTokensDetails && n > 0 {
 		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: n}
 	}
 	return u
@@ -639,13 +646,13 @@ func (s *Server) usageOf(x *exchange, completion int) *usage {
 // prompt's KV from a prefill has all of it but the last token, which vLLM
 // recomputes to sample the next one (the scheduler's
 // _update_waiting_for_remote_kv: "on a full prompt hit, we need to
-// re-compute the last token"). Local prefix-cache hits are not modelled:
-// they count 0.
+// re-compute the last token"). A prompt the engine computed has the
+// prefix-cache hits its capacity model found (none without one).
 func cachedTokens(x *exchange) int {
 	if x.rec.KV == KVPulled {
 		return max(x.req.promptTokens-1, 0)
 	}
-	return 0
+	return x.req.cachedTokens
 }
 
 // completion is a whole non-streaming response. kvParams nil omits the

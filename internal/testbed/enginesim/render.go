@@ -44,7 +44,7 @@ func (s *Server) handleRender(a api) http.HandlerFunc {
 			writeError(w, badRequest("reading request body: %v", err))
 			return
 		}
-		req, err := parseRequest(a, dialectOf(s.cfg.Connector), body)
+		req, err := s.parseRequest(a, body)
 		if err != nil {
 			writeError(w, asAPIError(err))
 			return

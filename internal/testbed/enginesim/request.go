@@ -103,6 +103,9 @@ type inferenceRequest struct {
 	model        string
 	prompt       string
 	promptTokens int // counted in usage (TensorRT-LLM's ctx_usage may override it)
+	// cachedTokens are the prompt tokens its prefill found in the prefix
+	// cache (the capacity model's), when it computed the prompt.
+	cachedTokens int
 	stream       bool
 	includeUsage bool
 	maxTokens    int  // resolved output length
@@ -168,6 +171,17 @@ func (r *inferenceRequest) refuseNulls(d dialect) error {
 
 // parseRequest validates an OpenAI request body the way the dialect's
 // request models would, keeping unknown fields out of the way.
+// parseRequest parses a request to the engine, its chat prompt as the
+// engine's chat template makes it (Config.ChatTemplate).
+func (s *Server) parseRequest(a api, body []byte) (*inferenceRequest, error) {
+	req, err := parseRequest(a, dialectOf(s.cfg.Connector), body)
+	if err == nil && a == apiChat && s.cfg.ChatTemplate != "" {
+		req.prompt = s.cfg.ChatTemplate + req.prompt
+		req.promptTokens = promptTokens(req.prompt)
+	}
+	return req, err
+}
+
 func parseRequest(a api, d dialect, body []byte) (*inferenceRequest, error) {
 	req := &inferenceRequest{api: a}
 	if err := decodeJSON(body, &req.fields); err != nil {

@@ -114,6 +114,11 @@ type Config struct {
 	// reports prompt_tokens_details.cached_tokens, the prompt tokens the
 	// engine did not compute (for a decode, the KV it pulled), when not 0.
 	PromptTokensDetails bool
+	// ChatTemplate is text the engine's chat template puts before a chat
+	// request's messages (none by default): engines of one model share
+	// it, and a render server with another counts other tokens, as a
+	// vLLM render server of another model's template would.
+	ChatTemplate string
 	// Client is used for KV pulls. The default has a tuned transport, a 10s
 	// timeout and dials loopback addresses only (the simulator is a test
 	// fixture, and a tampered remote_host must not send traffic elsewhere).
