@@ -51,3 +51,40 @@ func BenchmarkLeastWorkInFlight(b *testing.B) {
 		i++
 	}
 }
+
+// BenchmarkForecastInFlight is BenchmarkLeastWorkInFlight's pick with the
+// forecast policy, each endpoint's service model learned.
+func BenchmarkForecastInFlight(b *testing.B) {
+	eps := endpoints(64)
+	clk := newFakeClock()
+	set := NewSet(eps, Options{Now: clk.Now, Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
+	for i := range eps {
+		m := set.view.Load().states[i].service
+		for k := range 32 {
+			m.learn(0.01+float64(k*100+i)/15000, k*50, k*100+i)
+		}
+	}
+	var taught []*Lease
+	for _, ep := range eps {
+		taught = append(taught, startPrefill(b, set, ep, 15_000))
+	}
+	clk.Advance(time.Second)
+	for _, l := range taught {
+		l.End(Succeeded)
+	}
+	for i, ep := range eps {
+		for k := range 1 + i%4 {
+			startPrefill(b, set, ep, 1000+100*((i+k)%13))
+		}
+		set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: clk.Now()})
+	}
+	clk.Advance(300 * time.Millisecond)
+	prompts := benchPrompts()
+	l := newLeg(set, Forecast{}, RolePrefill)
+	b.ReportAllocs()
+	i := 0
+	for b.Loop() {
+		l.peek(Request{Blocks: prompts[i%len(prompts)], BlockTokens: 64, Tokens: 2048})
+		i++
+	}
+}
