@@ -24,6 +24,7 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/resolver"
 )
 
 // Defaults filled in for fields the file leaves unset.
@@ -78,6 +79,13 @@ const (
 	DefaultMaxBlocksPerEngine = 1 << 20
 	DefaultRenderTimeout      = 100 * time.Millisecond
 	MaxRenderTimeout          = 10 * time.Second
+)
+
+// Bounds of dns_refresh_rate, and its default: Envoy's.
+const (
+	DefaultDNSRefreshRate = resolver.DefaultRefresh
+	MinDNSRefreshRate     = time.Millisecond
+	MaxDNSRefreshRate     = time.Hour
 )
 
 // MaxPrefillTimeout is the largest prefill_timeout accepted.
@@ -148,6 +156,9 @@ func applyDefaults(cfg *configv1.Config) {
 	}
 	if cfg.EngineMetrics == nil {
 		cfg.EngineMetrics = &configv1.EngineMetrics{}
+	}
+	if cfg.DnsRefreshRate == nil {
+		cfg.DnsRefreshRate = durationpb.New(DefaultDNSRefreshRate)
 	}
 	if x := cfg.Xds; x != nil && x.ClusterName == "" {
 		x.ClusterName = DefaultXDSCluster
