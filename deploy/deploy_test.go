@@ -2,6 +2,7 @@ package deploy_test
 
 import (
 	"bytes"
+	"encoding/json"
 	"maps"
 	"net/netip"
 	"os"
@@ -18,16 +19,17 @@ import (
 
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 )
 
 const (
-	composeFile   = "docker-compose.yaml"
-	composePdx    = "docker-compose.pdx.yaml"
-	envoyFile     = "envoy.yaml"
-	dockerfile    = "../Dockerfile"
-	makefile      = "../Makefile"
-	subnetNetwork = "pdx"
+	composeFile = "docker-compose.yaml"
+	composePdx  = "docker-compose.pdx.yaml"
+	envoyFile   = "envoy.yaml"
+	dockerfile  = "../Dockerfile"
+	makefile    = "../Makefile"
+	network     = "pdx"
 )
 
 // envoyConfig is what deploy/envoy.yaml is rendered from.
@@ -44,13 +46,7 @@ const regenerate = "go run ./cmd/pdx envoy-config --pdx-address pdx:9002 --liste
 
 // compose is the part of docker-compose.yaml the tests look at.
 type compose struct {
-	Networks map[string]struct {
-		IPAM struct {
-			Config []struct {
-				Subnet string `json:"subnet"`
-			} `json:"config"`
-		} `json:"ipam"`
-	} `json:"networks"`
+	Networks map[string]any     `json:"networks"`
 	Services map[string]service `json:"services"`
 }
 
@@ -65,9 +61,37 @@ type service struct {
 	Volumes     []string `json:"volumes"`
 	Ports       []string `json:"ports"`
 	NetworkMode string   `json:"network_mode"`
-	Networks    map[string]struct {
-		IPv4Address string `json:"ipv4_address"`
-	} `json:"networks"`
+	Networks    networks `json:"networks"`
+}
+
+// networks are a service's networks and its aliases on each, written as a
+// list of names or as a map.
+type networks map[string][]string
+
+func (n *networks) UnmarshalJSON(b []byte) error {
+	var names []string
+	if json.Unmarshal(b, &names) == nil {
+		*n = networks{}
+		for _, name := range names {
+			(*n)[name] = nil
+		}
+		return nil
+	}
+	var m map[string]*struct {
+		Aliases []string `json:"aliases"`
+	}
+	if err := json.Unmarshal(b, &m); err != nil {
+		return err
+	}
+	*n = networks{}
+	for name, v := range m {
+		if v != nil {
+			(*n)[name] = v.Aliases
+		} else {
+			(*n)[name] = nil
+		}
+	}
+	return nil
 }
 
 func readFile(t *testing.T, name string) []byte {
@@ -233,47 +257,45 @@ func netipSplit(hostport string) (string, string, error) {
 	return hostport[:i], hostport[i+1:], nil
 }
 
-// TestComposeAddresses: every fixed address that pdx's config and Envoy's
-// bootstrap use is one a compose service has and listens on. The addresses
-// exist only inside the compose network.
+// TestComposeAddresses: every engine pdx's config names is a compose
+// service, known by that name on the compose network and listening on that
+// port; Envoy's bootstrap names pdx by its service name. Docker's DNS
+// resolves a service's name and aliases on a network to the service's
+// address; a service in another's network namespace (network_mode) shares
+// that address, and has no name of its own there.
 func TestComposeAddresses(t *testing.T) {
 	c := loadCompose(t)
-	require.Contains(t, c.Networks, subnetNetwork)
-	require.Len(t, c.Networks[subnetNetwork].IPAM.Config, 1)
-	subnet, err := netip.ParsePrefix(c.Networks[subnetNetwork].IPAM.Config[0].Subnet)
-	require.NoError(t, err)
+	require.Contains(t, c.Networks, network)
 
-	// The IP of each service: its own fixed address, or that of the service
-	// whose network namespace it shares.
-	own := map[string]netip.Addr{}
+	// The network namespace each service is in: its own, or that of the
+	// service whose namespace it shares; and the names that reach each
+	// namespace on the network.
+	owner := map[string]string{}
+	nameOf := map[string]string{} // name on the network -> namespace owner
 	for name, svc := range c.Services {
 		if svc.NetworkMode != "" {
+			o, ok := strings.CutPrefix(svc.NetworkMode, "service:")
+			require.True(t, ok, "%s: network_mode %q", name, svc.NetworkMode)
+			require.Empty(t, c.Services[o].NetworkMode, "%s shares the network of %s, which has none of its own", name, o)
+			require.Empty(t, svc.Networks, "%s has network_mode and networks", name)
+			owner[name] = o
 			continue
 		}
-		require.Contains(t, svc.Networks, subnetNetwork, "%s is not on the %s network", name, subnetNetwork)
-		ip, err := netip.ParseAddr(svc.Networks[subnetNetwork].IPv4Address)
-		require.NoError(t, err, "%s has no fixed ipv4_address", name)
-		require.True(t, subnet.Contains(ip), "%s: %s is outside %s", name, ip, subnet)
-		for other, oip := range own {
-			require.NotEqual(t, oip, ip, "%s and %s have the same address", name, other)
+		aliases, ok := svc.Networks[network]
+		require.True(t, ok, "%s is not on the %s network", name, network)
+		owner[name] = name
+		for _, n := range append([]string{name}, aliases...) {
+			require.NotContains(t, nameOf, n, "two services answer to %s", n)
+			nameOf[n] = name
 		}
-		own[name] = ip
-	}
-	ipOf := map[string]netip.Addr{}
-	for name, svc := range c.Services {
-		if svc.NetworkMode == "" {
-			ipOf[name] = own[name]
-			continue
-		}
-		owner, ok := strings.CutPrefix(svc.NetworkMode, "service:")
-		require.True(t, ok, "%s: network_mode %q", name, svc.NetworkMode)
-		require.Contains(t, own, owner, "%s shares the network of %s, which has no address of its own", name, owner)
-		require.Empty(t, svc.Networks, "%s has network_mode and networks", name)
-		ipOf[name] = own[owner]
 	}
 
-	// The engine listening on each ip:port.
-	engineAt := map[netip.AddrPort]string{}
+	// The engine listening on each port of each namespace.
+	type at struct {
+		ns   string
+		port uint16
+	}
+	engineAt := map[at]string{}
 	for name, svc := range c.Services {
 		if len(svc.Entrypoint) == 0 || svc.Entrypoint[0] != "/pdx-engine-sim" {
 			continue
@@ -282,45 +304,51 @@ func TestComposeAddresses(t *testing.T) {
 		require.True(t, ok, "%s has no --addr", name)
 		ap, err := netip.ParseAddrPort(addr)
 		require.NoError(t, err, name)
-		require.True(t, ap.Addr().IsUnspecified() || ap.Addr() == ipOf[name], "%s listens on %s, not on its address %s", name, ap, ipOf[name])
-		at := netip.AddrPortFrom(ipOf[name], ap.Port())
-		require.NotContains(t, engineAt, at, "%s and %s both listen on %s", name, engineAt[at], at)
-		engineAt[at] = name
+		require.True(t, ap.Addr().IsUnspecified(), "%s listens on %s: on its compose address only 0.0.0.0 reaches it", name, ap)
+		k := at{owner[name], ap.Port()}
+		require.NotContains(t, engineAt, k, "%s and %s both listen on port %d of %s's namespace", name, engineAt[k], k.port, k.ns)
+		engineAt[k] = name
 	}
 
-	// pdx's endpoints: each is an engine of the right role; every engine is used.
+	// pdx's endpoints: each names an engine of the right role by its name,
+	// on its port; every engine is used.
 	cfg, err := config.Load(composePdx)
 	require.NoError(t, err)
 	used := map[string]bool{}
 	for _, p := range cfg.GetPools() {
 		for role, eps := range map[string][]string{"prefill": addresses(p.GetPrefill()), "decode": addresses(p.GetDecode())} {
 			for _, ep := range eps {
-				ap, err := netip.ParseAddrPort(ep)
+				a, err := endpoint.ParseAddress(ep)
 				require.NoError(t, err)
-				name, ok := engineAt[ap]
-				require.True(t, ok, "pool %s: no compose service listens on %s", p.GetName(), ap)
-				require.True(t, strings.HasPrefix(name, role+"-"), "pool %s: %s endpoint %s is %s", p.GetName(), role, ap, name)
+				require.True(t, a.IsName(), "pool %s: %s names no service", p.GetName(), ep)
+				ns, ok := nameOf[a.Name]
+				require.True(t, ok, "pool %s: %s is no service's name on the %s network", p.GetName(), a.Name, network)
+				name, ok := engineAt[at{ns, a.Port}]
+				require.True(t, ok, "pool %s: nothing listens on port %d behind %s", p.GetName(), a.Port, a.Name)
+				require.Equal(t, a.Name, name, "pool %s: %s reaches engine %s", p.GetName(), ep, name)
+				require.True(t, strings.HasPrefix(name, role+"-"), "pool %s: %s endpoint %s is %s", p.GetName(), role, ep, name)
 				used[name] = true
 			}
 		}
+		// A simulator listening on 0.0.0.0 names 127.0.0.1 as the KV source
+		// in its answers, while pdx reaches it at its compose address.
+		kvHosts, err := endpoint.ParseHostSet(p.GetAllowedKvHosts())
+		require.NoError(t, err)
+		require.True(t, kvHosts.Contains("127.0.0.1"), "pool %s: allowed_kv_hosts must hold 127.0.0.1, the KV source the simulated engines name", p.GetName())
 	}
 	require.Len(t, used, len(engineAt), "every engine is in pdx's config")
 
-	// Envoy's bootstrap: every literal IP in it belongs to a service (or is
-	// a listen or loopback address), and the pdx host is the pdx service.
+	// Envoy's bootstrap: the pdx host is the pdx service; no literal IP but
+	// the listener's and the container-local admin's.
 	host, _, err := netipSplit(envoyConfig.PdxAddress)
 	require.NoError(t, err)
-	require.Contains(t, c.Services, host, "Envoy's pdx host is a compose service name")
-
+	require.Equal(t, "pdx", nameOf[host], "Envoy's pdx host is the pdx service's name")
 	ips := regexp.MustCompile(`\b\d{1,3}(?:\.\d{1,3}){3}\b`).FindAllString(string(readFile(t, envoyFile)), -1)
 	require.NotEmpty(t, ips)
 	for _, s := range ips {
 		ip, err := netip.ParseAddr(s)
 		require.NoError(t, err)
-		if ip.IsUnspecified() || ip.IsLoopback() {
-			continue // the listener (0.0.0.0) and the container-local admin
-		}
-		require.True(t, slices.Contains(slices.Collect(maps.Values(ipOf)), ip), "envoy.yaml uses %s, which no compose service has", ip)
+		require.True(t, ip.IsUnspecified() || ip.IsLoopback(), "envoy.yaml uses %s, an address compose does not give", ip)
 	}
 }
 

@@ -25,6 +25,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/placement"
+	"github.com/pdx-router/pdx/internal/resolver"
 )
 
 // Defaults filled in for fields the file leaves unset.
@@ -75,6 +76,13 @@ const (
 	DefaultBindTopic          = "kv@"
 	DefaultMaxBlocksPerEngine = 1 << 20
 	MaxRenderTimeout          = 10 * time.Second
+)
+
+// Bounds of dns_refresh_rate, and its default: Envoy's.
+const (
+	DefaultDNSRefreshRate = resolver.DefaultRefresh
+	MinDNSRefreshRate     = time.Millisecond
+	MaxDNSRefreshRate     = time.Hour
 )
 
 // MaxPrefillTimeout is the largest prefill_timeout accepted.
@@ -145,6 +153,9 @@ func applyDefaults(cfg *configv1.Config) {
 	}
 	if cfg.EngineMetrics == nil {
 		cfg.EngineMetrics = &configv1.EngineMetrics{}
+	}
+	if cfg.DnsRefreshRate == nil {
+		cfg.DnsRefreshRate = durationpb.New(DefaultDNSRefreshRate)
 	}
 	if x := cfg.Xds; x != nil && x.ClusterName == "" {
 		x.ClusterName = DefaultXDSCluster

@@ -63,6 +63,7 @@ func TestParseAppliesDefaults(t *testing.T) {
 		MaxRequestHeadersKb: 60,
 		RequestBodyTimeout:  durationpb.New(time.Minute),
 		EngineMetrics:       defaultEngineMetrics(),
+		DnsRefreshRate:      durationpb.New(5 * time.Second),
 		Pools: []*configv1.Pool{{
 			Name:           "p",
 			Models:         []string{"m"},
@@ -109,7 +110,7 @@ func TestParseAllFields(t *testing.T) {
 			 "saturation": {"queue_depth": 8, "kv_usage": 0.9, "max_in_flight": 20, "action": "reject", "max_queue_time": "2s"},
 			 "prefix_block_tokens": 16}
 		],
-		"engine_metrics": {"interval": "100ms", "stale_after": "1s", "path": "/prom"}}`))
+		"engine_metrics": {"interval": "100ms", "stale_after": "1s", "path": "/prom"}, "dns_refresh_rate": "250ms"}`))
 	require.NoError(t, err)
 	requireProtoEqual(t, &configv1.Config{
 		GrpcAddress:         ":7000",
@@ -119,6 +120,7 @@ func TestParseAllFields(t *testing.T) {
 		MaxRequestHeadersKb: 96,
 		RequestBodyTimeout:  durationpb.New(5 * time.Second),
 		EngineMetrics:       &configv1.EngineMetrics{Interval: durationpb.New(100 * time.Millisecond), StaleAfter: durationpb.New(time.Second), Path: "/prom"},
+		DnsRefreshRate:      durationpb.New(250 * time.Millisecond),
 		Pools: []*configv1.Pool{{
 			Name:           "a-1",
 			Models:         []string{"x", "y"},
@@ -246,7 +248,7 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[4].session_affinity.header: "x-request-id" is a header pdx sets or routes by itself`}},
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
-			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds, kv_events)`}},
+			`config: unknown field "grpc_adress" (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds, kv_events, dns_refresh_rate)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
 			`config: unknown field "pools[0].prefil" (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks, render, flow_control, session_affinity, lora)`}},
 		{"dp_size too big", pools(pool(`prefill: [{address: "10.0.0.1:8000", dp_size: 2000}]`, `decode: [{address: "10.0.0.2:8000", dp_size: 1}, {address: "10.0.0.3:8000", dp_size: 1025}]`)), []string{
@@ -316,12 +318,10 @@ func TestParseErrors(t *testing.T) {
 		{"prefill with connector none", pools(pool("connector: none")), []string{
 			`config: pools[0].prefill: must be empty with connector "none", whose engines serve whole requests`}},
 		{"no decode", pools(pool("decode:")), []string{`config: pools[0].decode: at least one endpoint is required`}},
-		{"hostname endpoint", pools(pool(`decode: [{address: "10.0.0.2:8000"}, {address: "localhost:8000"}]`)), []string{
-			`config: pools[0].decode[1].address: "localhost:8000" is not ip:port with a literal IP`}},
 		{"endpoint without port", pools(pool(`prefill: [{address: "10.0.0.1"}]`)), []string{
-			`config: pools[0].prefill[0].address: "10.0.0.1" is not ip:port with a literal IP`}},
+			`config: pools[0].prefill[0].address: "10.0.0.1" is not host:port (e.g. 10.0.0.5:8000 or vllm-decode-0:8000)`}},
 		{"unbracketed IPv6", pools(pool(`prefill: [{address: "::1:80"}]`)), []string{
-			`config: pools[0].prefill[0].address: "::1:80" is not ip:port with a literal IP`}},
+			`config: pools[0].prefill[0].address: "::1:80" is not host:port: write an IPv6 address in brackets, e.g. [fd00::1]:8000`}},
 		{"port 0", pools(pool(`prefill: [{address: "10.0.0.1:0"}]`)), []string{
 			`config: pools[0].prefill[0].address: "10.0.0.1:0" has port "0", want 1-65535`}},
 		{"port too large", pools(pool(`prefill: [{address: "[::1]:65536"}]`)), []string{
@@ -462,7 +462,7 @@ pools:
 		{name: "mooncake protocol unknown", connector: "mooncake", poolExtra: "\n  mooncake_protocol: rdma", wantErr: `pools[0].mooncake_protocol: "rdma" is not "nixl" or "vllm"`},
 		{name: "mooncake protocol on another connector", connector: "nixl", poolExtra: "\n  mooncake_protocol: vllm", wantErr: `pools[0].mooncake_protocol: only valid with connector "mooncake"`},
 		{name: "p2p needs kv_address", connector: "p2p-nccl", prefillExtra: ", kv_address: 127.0.0.1:21001", wantErr: `pools[0].decode[0].kv_address: required with connector "p2p-nccl"`},
-		{name: "p2p kv_address must be ip:port", connector: "p2p-nccl", prefillExtra: ", kv_address: host:1", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].prefill[0].kv_address: "host:1" is not ip:port`},
+		{name: "p2p kv_address on a host the address does not name", connector: "p2p-nccl", prefillExtra: ", kv_address: host:1", decodeExtra: ", kv_address: 127.0.0.1:22001", wantErr: `pools[0].prefill[0].kv_address: "host:1" names host "host", not the host name of address "127.0.0.1:1": write an IP, or address's host name`},
 		{name: "p2p ok", connector: "p2p-nccl", prefillExtra: ", kv_address: 127.0.0.1:21001", decodeExtra: ", kv_address: 127.0.0.1:22001", check: func(t *testing.T, p *configv1.Pool) {
 			require.Equal(t, "127.0.0.1:22001", p.GetDecode()[0].GetKvAddress())
 		}},

@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"maps"
 	"net"
-	"net/netip"
 	"regexp"
 	"slices"
 	"strconv"
@@ -46,6 +45,12 @@ func validate(cfg *configv1.Config) []error {
 		v.fail("request_body_timeout", "%v must be greater than 0", d)
 	case d > MaxRequestBodyTimeout:
 		v.fail("request_body_timeout", "%v exceeds the maximum of %v", d, MaxRequestBodyTimeout)
+	}
+	switch d := cfg.GetDnsRefreshRate().AsDuration(); {
+	case d < MinDNSRefreshRate:
+		v.fail("dns_refresh_rate", "%v is below the minimum of %v", d, MinDNSRefreshRate)
+	case d > MaxDNSRefreshRate:
+		v.fail("dns_refresh_rate", "%v exceeds the maximum of %v", d, MaxDNSRefreshRate)
 	}
 	if n := cfg.GetMaxRequestHeaders(); n < 16 {
 		// Room for the pseudo-headers and Envoy's own, and pdx's.
@@ -266,8 +271,8 @@ func (v *validator) placement(path string, p *configv1.Pool, traits connectors.T
 			v.fail(path+".render.timeout", "%v exceeds the maximum of %v", d, MaxRenderTimeout)
 		}
 		if a := r.GetAddress(); a != "" {
-			if _, _, err := net.SplitHostPort(a); err != nil {
-				v.fail(path+".render.address", "%q is not host:port: %v", a, err)
+			if _, err := endpoint.ParseAddress(a); err != nil {
+				v.fail(path+".render.address", "%v", err)
 			}
 		}
 	}
@@ -471,7 +476,7 @@ func (v *validator) connectorFields(path string, p *configv1.Pool, spec connecto
 			if kv := ep.GetKvAddress(); kv != "" {
 				kp := fmt.Sprintf("%s.%s[%d].kv_address", path, role.name, i)
 				if claims(connectors.FieldKVAddress) {
-					v.endpointAddress(kp, kv)
+					v.kvAddress(kp, kv, ep.GetAddress())
 				} else {
 					only(kp, connectors.FieldKVAddress)
 				}
@@ -648,43 +653,39 @@ func (v *validator) endpoints(path string, eps []*configv1.Endpoint) {
 	if len(eps) == 0 {
 		v.fail(path, "at least one endpoint is required")
 	}
-	seen := map[netip.AddrPort]string{}
+	seen := map[string]string{}
 	for i, ep := range eps {
 		ap := fmt.Sprintf("%s[%d].address", path, i)
-		addr, ok := v.endpointAddress(ap, ep.GetAddress())
-		if !ok {
+		if ep.GetAddress() == "" {
+			v.fail(ap, "required: the engine's host:port, e.g. 10.0.0.5:8000 or vllm-decode-0:8000")
+			continue
+		}
+		addr, err := endpoint.ParseAddress(ep.GetAddress())
+		if err != nil {
+			v.fail(ap, "%v", err)
 			continue
 		}
 		// A repeated endpoint would silently get twice the traffic.
-		if prev, dup := seen[addr]; dup {
+		if prev, dup := seen[addr.String()]; dup {
 			v.fail(ap, "duplicate endpoint %q (also %s)", ep.GetAddress(), prev)
 			continue
 		}
-		seen[addr] = ap
+		seen[addr.String()] = ap
 	}
 }
 
-// endpointAddress parses an upstream "ip:port". Hostnames are rejected because
-// Envoy's ORIGINAL_DST cluster connects to the address as given, without DNS.
-func (v *validator) endpointAddress(path, s string) (netip.AddrPort, bool) {
-	host, port, err := net.SplitHostPort(s)
+// kvAddress checks an endpoint's kv_address: "ip:port", or "host:port" on
+// the host name of the endpoint's address, whose every address then has
+// its KV on that port.
+func (v *validator) kvAddress(path, kv, address string) {
+	a, err := endpoint.ParseHostPort(kv)
 	if err != nil {
-		v.fail(path, "%q is not ip:port with a literal IP", s)
-		return netip.AddrPort{}, false
+		v.fail(path, "%v", err)
+		return
 	}
-	ip, err := netip.ParseAddr(host)
-	if err != nil {
-		v.fail(path, "%q is not ip:port with a literal IP", s)
-		return netip.AddrPort{}, false
+	own, err := endpoint.ParseAddress(address)
+	if !a.IsName() || err != nil || own.Name == a.Name {
+		return // address's own error is reported there
 	}
-	if ip.IsUnspecified() {
-		v.fail(path, "%q has an unspecified IP, which cannot be connected to", s)
-		return netip.AddrPort{}, false
-	}
-	n, err := strconv.ParseUint(port, 10, 16)
-	if err != nil || n == 0 {
-		v.fail(path, "%q has port %q, want 1-65535", s, port)
-		return netip.AddrPort{}, false
-	}
-	return netip.AddrPortFrom(ip, uint16(n)), true
+	v.fail(path, "%q names host %q, not the host name of address %q: write an IP, or address's host name (the KV is then on each of its addresses)", kv, a.Name, address)
 }

@@ -12,7 +12,9 @@ import (
 
 // Endpoint is an engine picked for one leg of a request.
 type Endpoint struct {
-	// Address is the engine's HTTP address, a literal "ip:port".
+	// Address is the engine's HTTP address, a literal "ip:port" in every
+	// pool; "host:port" with a host name only as a config lists it, before
+	// package resolver gives the pool an endpoint per address.
 	Address string
 	// BootstrapPort is a prefill engine's KV bootstrap port (SGLang, upstream
 	// vLLM Mooncake); 0 means DefaultBootstrapPort.

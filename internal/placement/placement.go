@@ -114,6 +114,9 @@ func New(pc *configv1.Pool, prefill, decode []endpoint.Endpoint, prev *Pool, opt
 	var render *Render
 	if r := pc.GetRender(); r != nil && !r.GetDisabled() {
 		render = &Render{Address: r.GetAddress(), Timeout: r.GetTimeout().AsDuration()}
+		if a, err := endpoint.ParseAddress(render.Address); err == nil && render.Address != "" {
+			render.Address = a.String() // a URL's host:port
+		}
 	}
 	if opts.Cache != nil && render != nil {
 		// Only rendered prompts match the engines' blocks.

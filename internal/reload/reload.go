@@ -1,7 +1,8 @@
 // Package reload keeps pdx's routing table in step with its config file and
 // with the cluster: it builds the table from the file, feeds the pools that
-// discover their endpoints from Kubernetes, and when the file's content
-// changes builds a new table and hands it over. A config that does not load
+// discover their endpoints from Kubernetes and those that name engines by
+// host name (package resolver), and when the file's content changes builds
+// a new table and hands it over. A config that does not load
 // is logged and changes nothing: the running table stays.
 //
 // The file is polled, its content hashed: that follows editors that replace
@@ -29,6 +30,7 @@ import (
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/discovery"
 	"github.com/pdx-router/pdx/internal/objectives"
+	"github.com/pdx-router/pdx/internal/resolver"
 	"github.com/pdx-router/pdx/internal/routing"
 )
 
@@ -62,6 +64,9 @@ type Options struct {
 	// Objectives configures the InferenceObjective watcher; its Log
 	// defaults to Log.
 	Objectives objectives.Options
+	// Resolver configures the resolver of endpoints named by host name
+	// (its Lookup defaults to the system's); its Log defaults to Log.
+	Resolver resolver.Options
 }
 
 // Reloader owns the current routing table and the discovery feeding it.
@@ -83,13 +88,16 @@ type Reloader struct {
 	readErr error
 	disc    *discovery.Discovery
 	objs    *objectives.Watcher
+	names   *resolver.Resolver
 
 	table atomic.Pointer[routing.Table]
 }
 
 // New loads the config file, builds its table and, if some pool discovers
 // its endpoints, starts the discovery and waits until it has them (bounded
-// by SyncTimeout and ctx). Close stops the discovery.
+// by SyncTimeout and ctx); if some pool names engines by host name, looks
+// the names up (a name that does not resolve leaves its pool without it,
+// and is retried). Close stops the discovery and the lookups.
 func New(ctx context.Context, opts Options) (*Reloader, error) {
 	if opts.Interval <= 0 {
 		opts.Interval = DefaultInterval
@@ -105,6 +113,9 @@ func New(ctx context.Context, opts Options) (*Reloader, error) {
 	}
 	if opts.Objectives.Log == nil {
 		opts.Objectives.Log = opts.Log
+	}
+	if opts.Resolver.Log == nil {
+		opts.Resolver.Log = opts.Log
 	}
 	r := &Reloader{opts: opts, log: opts.Log}
 	data, err := os.ReadFile(opts.Path)
@@ -285,7 +296,34 @@ func (r *Reloader) build(ctx context.Context, cfg *configv1.Config) (table *rout
 			return nil, true, err
 		}
 	}
+	// Last, as it cannot fail: the running table's pools stay fed until
+	// the new table is sure to replace it.
+	if err := r.resolve(ctx, cfg, table); err != nil {
+		return nil, false, err
+	}
 	return table, false, nil
+}
+
+// resolve points the resolver at the pools of table that name engines by
+// host name. r.mu is held, or r is not shared yet.
+func (r *Reloader) resolve(ctx context.Context, cfg *configv1.Config, table *routing.Table) error {
+	var targets []resolver.Target
+	for _, pc := range cfg.GetPools() {
+		prefill, decode := routing.Endpoints(pc.GetPrefill()), routing.Endpoints(pc.GetDecode())
+		if !resolver.Named(prefill, decode) {
+			continue
+		}
+		pool, _ := table.Pool(pc.GetName())
+		targets = append(targets, resolver.Target{Pool: pc.GetName(), Prefill: prefill, Decode: decode, Set: pool.SetEndpoints})
+	}
+	if len(targets) > 0 && r.names == nil {
+		r.names = resolver.New(r.opts.Resolver)
+	}
+	if r.names == nil {
+		return nil
+	}
+	// Also with no target: names no longer used stop being looked up.
+	return r.names.SetTargets(ctx, cfg.GetDnsRefreshRate().AsDuration(), targets)
 }
 
 // watchObjectives points the InferenceObjective watcher at the flow
@@ -325,13 +363,17 @@ func (r *Reloader) watchObjectives(ctx context.Context, cfg *configv1.Config, ta
 	return false, nil
 }
 
-// Close stops the discovery and the objectives' watcher: the table's pools
-// keep the endpoints and objectives they have.
+// Close stops the discovery, the objectives' watcher and the lookups of
+// host names: the table's pools keep the endpoints and objectives they
+// have.
 func (r *Reloader) Close() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.disc != nil {
 		r.disc.Close()
+	}
+	if r.names != nil {
+		r.names.Close()
 	}
 	if r.objs != nil {
 		r.objs.Close()

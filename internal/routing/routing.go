@@ -125,8 +125,9 @@ func flowControl(fc *configv1.FlowControl, maxWait time.Duration) *flowcontrol.C
 	return flowcontrol.New(cfg)
 }
 
-// SetEndpoints replaces the pool's endpoints (Kubernetes discovery calls it
-// on every change). Endpoints that remain keep their passive health.
+// SetEndpoints replaces the pool's endpoints (Kubernetes discovery and the
+// resolver of engines named by host name call it on every change).
+// Endpoints that remain keep their passive health.
 //
 // A request picks its decode endpoint, then a prefill endpoint of the
 // decode's group. So that a decode picked from the old set or from the new
@@ -245,15 +246,18 @@ func (t *Table) Pools() []*Pool { return t.pools }
 
 // New builds a table from a config that config.Parse accepted. It fails on
 // connector names that are not registered. Pools that discover their
-// endpoints (kubernetes) start empty: the discovery fills them.
+// endpoints (kubernetes) start empty: the discovery fills them; endpoints
+// named by host name are left out until package resolver gives the pool
+// their addresses.
 func New(cfg *configv1.Config) (*Table, error) {
 	return Rebuild(cfg, nil)
 }
 
 // Rebuild is New for a config reload: a pool named as one of prev's (which
 // may be nil) shares its passive health, so that an endpoint in both keeps
-// its failures and ejection. A discovered pool starts with its predecessor's
-// endpoints, for the discovery to replace.
+// its failures and ejection. A discovered pool, or one that names hosts,
+// starts with its predecessor's endpoints, for the discovery or the
+// resolver to replace.
 func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	limits := Limits{
 		MaxBodyBytes:   int(cfg.GetMaxBodyBytes()),
@@ -310,11 +314,14 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		}
 		shedding.Flow = flowControl(pc.GetFlowControl(), shedding.MaxWait)
 	}
-	prefill, decode := endpoints(pc.GetPrefill()), endpoints(pc.GetDecode())
+	// Endpoints named by host name wait for package resolver, which
+	// gives the pool one per address.
+	prefill, decode := onIPs(Endpoints(pc.GetPrefill())), onIPs(Endpoints(pc.GetDecode()))
+	named := len(prefill) < len(pc.GetPrefill()) || len(decode) < len(pc.GetDecode())
 	var prev *placement.Pool
 	if old != nil {
 		prev = old.Pool
-		if pc.GetKubernetes() != nil {
+		if pc.GetKubernetes() != nil || named {
 			prefill, decode = old.Prefill.Set.Endpoints(), old.Decode.Set.Endpoints()
 		}
 	}
@@ -478,13 +485,34 @@ func (t *Table) Lookup(model string) (*Pool, bool) {
 	return t.fallback, t.fallback != nil
 }
 
-func endpoints(eps []*configv1.Endpoint) []endpoint.Endpoint {
+// Endpoints are the endpoints a config lists, in order, each Address
+// "host:port" (a URL written "http://host:port" loses its scheme): a host
+// name stays a name, which package resolver turns into an endpoint per
+// address.
+func Endpoints(eps []*configv1.Endpoint) []endpoint.Endpoint {
 	out := make([]endpoint.Endpoint, len(eps))
 	for i, e := range eps {
-		out[i] = endpoint.Endpoint{Address: e.GetAddress(), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress(), DPSize: int(e.GetDpSize()),
+		out[i] = endpoint.Endpoint{Address: hostPort(e.GetAddress()), BootstrapPort: int(e.GetBootstrapPort()), KVAddress: e.GetKvAddress(), DPSize: int(e.GetDpSize()),
 			KVEventsPort: int(e.GetKvEventsPort()), KVEventsReplayPort: int(e.GetKvEventsReplayPort())}
 	}
 	return out
+}
+
+// hostPort is address, an engine's as config.Parse accepts it, as
+// "host:port".
+func hostPort(address string) string {
+	if a, err := endpoint.ParseAddress(address); err == nil {
+		return a.String()
+	}
+	return address // not through config.Parse
+}
+
+// onIPs are the endpoints of eps whose address is an IP.
+func onIPs(eps []endpoint.Endpoint) []endpoint.Endpoint {
+	return slices.DeleteFunc(eps, func(ep endpoint.Endpoint) bool {
+		a, err := endpoint.ParseHostPort(ep.Address)
+		return err == nil && a.IsName()
+	})
 }
 
 // defaultLimits fills in Envoy's defaults for limits a config through

@@ -64,9 +64,9 @@ func TestServeReloadsConfig(t *testing.T) {
 		"log:\n%s", log.String())
 	require.Contains(t, log.String(), `"msg":"config reloaded"`)
 
-	require.NoError(t, os.WriteFile(path, []byte(aggregated("localhost:4")), 0o600))
+	require.NoError(t, os.WriteFile(path, []byte(aggregated("https://127.0.0.1:4")), 0o600))
 	require.Eventually(t, func() bool { return strings.Contains(log.String(), "config reload failed") }, 10*time.Second, 10*time.Millisecond)
-	require.Contains(t, log.String(), `is not ip:port with a literal IP`)
+	require.Contains(t, log.String(), `https is not supported`)
 	require.Equal(t, "127.0.0.1:3", mustRoute(t, client), "the running config stays")
 }
 

@@ -196,9 +196,18 @@ type Config struct {
 	// them when it also gets its prompts' tokens from the engines (the
 	// pool's render, on by default with kv_events). Unset: off, placement
 	// by what pdx sent where.
-	KvEvents      *KVEvents `protobuf:"bytes,12,opt,name=kv_events,json=kvEvents,proto3" json:"kv_events,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	KvEvents *KVEvents `protobuf:"bytes,12,opt,name=kv_events,json=kvEvents,proto3" json:"kv_events,omitempty"`
+	// How often pdx looks up again the host names its endpoints name
+	// (prefill and decode addresses such as "vllm-decode-0.vllm:8000"), as a
+	// Go duration string: Envoy's STRICT_DNS dns_refresh_rate. Every address
+	// a name has is an engine of its pool, which follows the answers. A
+	// lookup that fails, or finds the name has no address, is retried
+	// sooner: after 1s, doubling up to this (Envoy's dns_failure_refresh_rate
+	// with base_interval 1s). Records' TTLs are not read (Envoy's
+	// respect_dns_ttl: false). Default: 5s; at least 1ms, at most 1h.
+	DnsRefreshRate *durationpb.Duration `protobuf:"bytes,13,opt,name=dns_refresh_rate,json=dnsRefreshRate,proto3" json:"dns_refresh_rate,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *Config) Reset() {
@@ -311,6 +320,13 @@ func (x *Config) GetXds() *Xds {
 func (x *Config) GetKvEvents() *KVEvents {
 	if x != nil {
 		return x.KvEvents
+	}
+	return nil
+}
+
+func (x *Config) GetDnsRefreshRate() *durationpb.Duration {
+	if x != nil {
+		return x.DnsRefreshRate
 	}
 	return nil
 }
@@ -445,8 +461,9 @@ type Render struct {
 	// Do not render: the pool places by the byte estimate even with
 	// kv_events.
 	Disabled bool `protobuf:"varint,1,opt,name=disabled,proto3" json:"disabled,omitempty"`
-	// "host:port" of the server that renders (e.g. a GPU-less `vllm launch
-	// render <model>`). Default: the pool's prefill engines in turn (decode
+	// "host:port" or "http://host:port" of the server that renders (e.g. a
+	// GPU-less `vllm launch render <model>`); a host name is resolved when
+	// pdx connects. Default: the pool's prefill engines in turn (decode
 	// engines with connector "none"); every vllm serve answers it.
 	Address string `protobuf:"bytes,2,opt,name=address,proto3" json:"address,omitempty"`
 	// Longest a render may take before the request is placed by the
@@ -804,7 +821,8 @@ type Pool struct {
 	// answer may name as the place the decode engine pulls the KV from (vLLM
 	// NIXL's remote_host; TensorRT-LLM's ctx_info_endpoint): IP addresses,
 	// CIDR prefixes or DNS names, for engines behind NAT or with a KV network
-	// of their own. An answer naming any other host is refused (502
+	// of their own. A DNS name is compared with the name an answer gives, not
+	// resolved. An answer naming any other host is refused (502
 	// bad_prefill_answer) and nothing reaches the decode engine.
 	AllowedKvHosts []string `protobuf:"bytes,16,rep,name=allowed_kv_hosts,json=allowedKvHosts,proto3" json:"allowed_kv_hosts,omitempty"`
 	// What the "trtllm" connector sends: "current" (the default: what
@@ -2011,16 +2029,27 @@ func (x *KubernetesDiscovery) GetDecodeDpSize() uint32 {
 // Endpoint is one model server instance.
 type Endpoint struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// Address as "ip:port", where ip is a literal IPv4 or IPv6 address (IPv6 in
-	// brackets, e.g. "[::1]:8000") and port is 1-65535. Hostnames are not
-	// accepted because Envoy's ORIGINAL_DST cluster routes to an IP address.
+	// The engine's HTTP address: "host:port", or the URL "http://host:port"
+	// that vLLM's router and SGLang's gateway take (no path: pdx names the
+	// API paths; no https: pdx and Envoy speak plain HTTP to engines). host
+	// is a literal IPv4 or IPv6 address (IPv6 in brackets, e.g.
+	// "[::1]:8000") or a host name: "localhost:8000", a docker-compose
+	// service "decode-0:8000", a Kubernetes headless Service's pod
+	// "vllm-decode-0.vllm:8000". pdx resolves names itself, as Envoy's
+	// STRICT_DNS clusters do: each address a name has is one engine on port
+	// (its IPv4 addresses when it has any, else its IPv6 ones), looked up
+	// again every dns_refresh_rate, and Envoy is given the IP. A name that
+	// does not resolve leaves the pool without it (logged) while pdx keeps
+	// trying; a lookup that fails keeps the addresses last found.
 	Address string `protobuf:"bytes,1,opt,name=address,proto3" json:"address,omitempty"`
 	// Port of the prefill engine's KV bootstrap server: SGLang's
 	// --disaggregation-bootstrap-port, or vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT
 	// for the "mooncake" connector with mooncake_protocol "vllm". Used by those
 	// connectors on prefill endpoints only. 0 or unset means 8998.
 	BootstrapPort uint32 `protobuf:"varint,2,opt,name=bootstrap_port,json=bootstrapPort,proto3" json:"bootstrap_port,omitempty"`
-	// The engine's KV address as "ip:port". With connector "p2p-nccl"
+	// The engine's KV address as "ip:port", or "host:port" with the host
+	// name of address: for each address that name resolves to, that address
+	// on this port. With connector "p2p-nccl"
 	// (required on every endpoint there) its P2P NCCL ZMQ address (vLLM's
 	// P2pNcclConnector kv_ip and kv_port). With "nixl" and "mooncake"
 	// (protocol "nixl"), optional, on prefill endpoints: the NIXL side
@@ -2123,7 +2152,7 @@ var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xef\x04\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xb4\x05\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
@@ -2137,7 +2166,8 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\x16end_streams_at_routing\x18\n" +
 	" \x01(\bH\x00R\x13endStreamsAtRouting\x88\x01\x01\x12$\n" +
 	"\x03xds\x18\v \x01(\v2\x12.pdx.config.v1.XdsR\x03xds\x124\n" +
-	"\tkv_events\x18\f \x01(\v2\x17.pdx.config.v1.KVEventsR\bkvEventsB\x19\n" +
+	"\tkv_events\x18\f \x01(\v2\x17.pdx.config.v1.KVEventsR\bkvEvents\x12C\n" +
+	"\x10dns_refresh_rate\x18\r \x01(\v2\x19.google.protobuf.DurationR\x0ednsRefreshRateB\x19\n" +
 	"\x17_end_streams_at_routing\"\xde\x01\n" +
 	"\bKVEvents\x12\x12\n" +
 	"\x04mode\x18\x01 \x01(\tR\x04mode\x12\x12\n" +
@@ -2334,37 +2364,38 @@ var file_pdx_config_v1_config_proto_depIdxs = []int32{
 	6,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
 	5,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
 	3,  // 5: pdx.config.v1.Config.kv_events:type_name -> pdx.config.v1.KVEvents
-	22, // 6: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
-	22, // 7: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	22, // 8: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	20, // 9: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	20, // 10: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	22, // 11: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	22, // 12: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	0,  // 13: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
-	22, // 14: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	19, // 15: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	15, // 16: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	15, // 17: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	17, // 18: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	18, // 19: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
-	4,  // 20: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
-	9,  // 21: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
-	13, // 22: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
-	14, // 23: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
-	11, // 24: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
-	12, // 25: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
-	10, // 26: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
-	22, // 27: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
-	16, // 28: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	1,  // 29: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
-	22, // 30: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	21, // 31: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	32, // [32:32] is the sub-list for method output_type
-	32, // [32:32] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	22, // 6: pdx.config.v1.Config.dns_refresh_rate:type_name -> google.protobuf.Duration
+	22, // 7: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
+	22, // 8: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	22, // 9: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	20, // 10: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	20, // 11: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	22, // 12: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	22, // 13: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	0,  // 14: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
+	22, // 15: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	19, // 16: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	15, // 17: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	15, // 18: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	17, // 19: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	18, // 20: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	4,  // 21: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
+	9,  // 22: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
+	13, // 23: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
+	14, // 24: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
+	11, // 25: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
+	12, // 26: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
+	10, // 27: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
+	22, // 28: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
+	16, // 29: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	1,  // 30: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
+	22, // 31: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	21, // 32: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	33, // [33:33] is the sub-list for method output_type
+	33, // [33:33] is the sub-list for method input_type
+	33, // [33:33] is the sub-list for extension type_name
+	33, // [33:33] is the sub-list for extension extendee
+	0,  // [0:33] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
