@@ -30,7 +30,7 @@ func TestUsageAndConfigErrors(t *testing.T) {
 		{name: "unknown command", args: []string{"srve"}, wantErr: `unknown command "srve"`, usage: true},
 		{name: "serve without config", args: []string{"serve"}, wantErr: "serve needs --config"},
 		{name: "serve with missing file", args: []string{"serve", "--config", "/nonexistent/pdx.yaml"}, wantErr: "no such file"},
-		{name: "serve with a typo in the config", args: []string{"serve", "--config", bad}, wantErr: `unknown field "pools[0].modles"`},
+		{name: "serve with a typo in the config", args: []string{"serve", "--config", bad}, wantErr: `pdx.yaml:3: pools[0].modles: unknown field, did you mean "models"?`},
 		{name: "bad log level", args: []string{"serve", "--config", bad, "--log-level", "loud"}, wantErr: "--log-level"},
 	}
 	for _, tc := range tests {
