@@ -9,19 +9,25 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strings"
 	"time"
 
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/reload"
 	"github.com/pdx-router/pdx/internal/server"
+	"github.com/pdx-router/pdx/internal/version"
 )
 
 const usage = `usage: pdx <command> [flags]
 
 commands:
-  serve --config FILE   run the ext_proc service
-  envoy-config          print the Envoy bootstrap for a pdx at --pdx-address
+  serve --config FILE      run the ext_proc service
+  validate --config FILE   check a config file as serve loads it, without serving
+  envoy-config             print the Envoy bootstrap for a pdx at --pdx-address
+  version                  print pdx's version, commit, Go, and the Envoy it is tested with
+
+pdx <command> --help lists a command's flags.
 `
 
 // ErrUsage is returned for a command line pdx does not understand.
@@ -37,6 +43,19 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	return err
 }
 
+// ExitStatus reports err, Main's, on stderr, one problem a line (a
+// config's problems are joined so), and returns the process's exit status:
+// 0 without an error, else 1.
+func ExitStatus(err error, stderr io.Writer) int {
+	if err == nil {
+		return 0
+	}
+	for line := range strings.Lines(err.Error()) {
+		fmt.Fprintln(stderr, "pdx:", strings.TrimSuffix(line, "\n"))
+	}
+	return 1
+}
+
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	if len(args) == 0 {
 		fmt.Fprint(stderr, usage)
@@ -45,14 +64,41 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	switch args[0] {
 	case "serve":
 		return serve(ctx, args[1:], stderr)
+	case "validate":
+		return validate(args[1:], stdout, stderr)
 	case "envoy-config":
 		return envoyConfig(args[1:], stdout, stderr)
-	case "help", "-h", "--help":
+	case "version", "--version", "-version":
+		return printVersion(args[1:], stdout, stderr)
+	case "help", "-h", "--help", "-help":
 		fmt.Fprint(stdout, usage)
 		return nil
 	}
 	fmt.Fprint(stderr, usage)
 	return fmt.Errorf("%w: unknown command %q", ErrUsage, args[0])
+}
+
+// parseFlags parses a command's flags; a command takes no arguments
+// besides them.
+func parseFlags(fs *flag.FlagSet, args []string) error {
+	if err := fs.Parse(args); err != nil {
+		return fmt.Errorf("%w: %w", ErrUsage, err)
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("%w: unexpected argument %q: %s takes only flags (pdx %s --help lists them)", ErrUsage, fs.Arg(0), fs.Name(), fs.Name())
+	}
+	return nil
+}
+
+// printVersion prints what version.Get says.
+func printVersion(args []string, stdout, stderr io.Writer) error {
+	fs := flag.NewFlagSet("version", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	fmt.Fprint(stdout, version.Get())
+	return nil
 }
 
 func serve(ctx context.Context, args []string, stderr io.Writer) error {
@@ -65,8 +111,8 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	pprofAddr := fs.String("pprof-address", "", "serve Go's /debug/pprof/ on this host:port (off when empty; keep it on loopback)")
 	kubeconfig := fs.String("kubeconfig", "", "kubeconfig file for pools that discover their engines in Kubernetes (default: the in-cluster service account)")
 	pollEvery := fs.Duration("config-poll-interval", reload.DefaultInterval, "how often to check --config for changes and reload it")
-	if err := fs.Parse(args); err != nil {
-		return fmt.Errorf("%w: %w", ErrUsage, err)
+	if err := parseFlags(fs, args); err != nil {
+		return err
 	}
 	if *path == "" {
 		return fmt.Errorf("%w: serve needs --config", ErrUsage)
@@ -79,6 +125,8 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
+	v := version.Get()
+	log.Info("pdx starting", slog.String("version", v.Release), slog.String("commit", v.Commit), slog.String("go", v.Go))
 	// The table follows the file's changes, and discovered pools the cluster.
 	rl, err := reload.New(ctx, reload.Options{Path: *path, Interval: *pollEvery, Log: log, Kube: kubeClient(*kubeconfig, log),
 		Dynamic: dynamicClient(*kubeconfig, log)})
@@ -143,8 +191,8 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&t.SNI, "pdx-sni", "", "with --pdx-ca: the DNS name pdx's certificate is valid for")
 	fs.StringVar(&t.CertFile, "pdx-client-cert", "", "with --pdx-ca: Envoy's client certificate, for pdx's mutual TLS")
 	fs.StringVar(&t.KeyFile, "pdx-client-key", "", "with --pdx-client-cert: its private key")
-	if err := fs.Parse(args); err != nil {
-		return fmt.Errorf("%w: %w", ErrUsage, err)
+	if err := parseFlags(fs, args); err != nil {
+		return err
 	}
 	if t != (envoy.TLS{}) {
 		c.PdxTLS = &t
