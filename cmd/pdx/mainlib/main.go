@@ -167,6 +167,18 @@ func serve(ctx context.Context, args []string, stderr io.Writer) error {
 }
 
 func envoyConfig(args []string, stdout, stderr io.Writer) error {
+	fs, c := envoyConfigFlags(stderr)
+	if err := parseFlags(fs, args); err != nil {
+		return err
+	}
+	return envoy.Render(stdout, c())
+}
+
+// envoyConfigFlags are envoy-config's flags, and the envoy.Config they set
+// once parsed. A flag left unset leaves its field zero, which Render fills
+// in as the profile needs; a flag set that the profile would not honour,
+// Render refuses.
+func envoyConfigFlags(stderr io.Writer) (*flag.FlagSet, func() envoy.Config) {
 	fs := flag.NewFlagSet("envoy-config", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	var c envoy.Config
@@ -174,16 +186,19 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&c.ListenAddress, "listen-address", "127.0.0.1", "address Envoy listens on for clients")
 	fs.IntVar(&c.ListenPort, "listen-port", 10000, "port Envoy listens on for clients")
 	fs.IntVar(&c.AdminPort, "admin-port", 9901, "Envoy admin port (on 127.0.0.1)")
-	fs.DurationVar(&c.MessageTimeout, "message-timeout", envoy.DefaultMessageTimeout, "ext_proc message timeout; keep it above every pool's prefill_timeout")
+	fs.DurationVar(&c.MessageTimeout, "message-timeout", 0, fmt.Sprintf("ext_proc message timeout (default %v); keep it above every pool's prefill_timeout. "+
+		"Not with --profile %s, whose is AI Gateway's 5s, which Envoy does not apply to its streamed bodies", envoy.DefaultMessageTimeout, envoy.ProfileAIGateway))
 	fs.IntVar(&c.BufferLimitBytes, "buffer-limit", envoy.DefaultBufferLimitBytes, "largest request body Envoy buffers; match pdx's max_body_bytes")
-	fs.StringVar(&c.RequestBodyMode, "request-body-mode", envoy.BodyBuffered, "how Envoy sends request bodies to pdx: "+envoy.BodyBuffered+" or "+envoy.BodyFullDuplexStreamed+" (the InferencePool integrations' mode)")
+	fs.StringVar(&c.RequestBodyMode, "request-body-mode", "", "how Envoy sends request bodies to pdx: "+envoy.BodyBuffered+" (the default) or "+envoy.BodyFullDuplexStreamed+
+		" (the InferencePool integrations' mode, and --profile "+envoy.ProfileAIGateway+"'s only one)")
 	fs.IntVar(&c.MaxRequestHeaders, "max-request-headers", envoy.DefaultMaxRequestHeaders, "largest number of request headers; match pdx's max_request_headers")
 	fs.IntVar(&c.MaxRequestHeadersKB, "max-request-headers-kb", envoy.DefaultMaxRequestHeadersKB, "largest size of request headers, in KiB; match pdx's max_request_headers_kb")
 	fs.StringVar(&c.Profile, "profile", envoy.ProfilePdx, "the Envoy around pdx: "+envoy.ProfilePdx+" (pdx's own) or "+envoy.ProfileAIGateway+
-		" (as Envoy AI Gateway's InferencePool translation configures its endpoint picker, to test pdx with; pdx must serve tls.self_signed)")
+		" (as Envoy AI Gateway's InferencePool translation configures its endpoint picker, to test pdx with; pdx must serve tls.self_signed; "+
+		"--pdx-ca and the other TLS flags, --decode-cluster "+envoy.DecodeEDS+", --observer, --message-timeout and --request-body-mode "+envoy.BodyBuffered+" are refused)")
 	fs.StringVar(&c.DecodeCluster, "decode-cluster", envoy.DecodeOriginalDst, "the decode cluster: "+envoy.DecodeOriginalDst+" (the one host pdx names) or "+envoy.DecodeEDS+" (decode fallback: the decode engines pdx serves over EDS, its xds config, retried in pdx's order)")
-	fs.IntVar(&c.DecodeFallbacks, "decode-fallbacks", 1, "with --decode-cluster "+envoy.DecodeEDS+": how often Envoy retries a decode; the most decode_fallbacks of pdx's pools")
-	fs.StringVar(&c.XDSCluster, "xds-cluster", config.DefaultXDSCluster, "with --decode-cluster "+envoy.DecodeEDS+": pdx's xds.cluster_name")
+	fs.IntVar(&c.DecodeFallbacks, "decode-fallbacks", 0, "with --decode-cluster "+envoy.DecodeEDS+": how often Envoy retries a decode (default 1); the most decode_fallbacks of pdx's pools")
+	fs.StringVar(&c.XDSCluster, "xds-cluster", "", "with --decode-cluster "+envoy.DecodeEDS+": pdx's xds.cluster_name (default "+config.DefaultXDSCluster+")")
 	fs.BoolVar(&c.Observer, "observer", false, "add the observability pass: a second ext_proc filter that shows pdx the decode's response (TTFT split, token usage); costs CPU per request")
 	fs.StringVar(&c.ObserverAddress, "observer-address", "", "with --observer: send the observability pass to this ext_proc server (host:port) instead of pdx")
 	var t envoy.TLS
@@ -191,11 +206,10 @@ func envoyConfig(args []string, stdout, stderr io.Writer) error {
 	fs.StringVar(&t.SNI, "pdx-sni", "", "with --pdx-ca: the DNS name pdx's certificate is valid for")
 	fs.StringVar(&t.CertFile, "pdx-client-cert", "", "with --pdx-ca: Envoy's client certificate, for pdx's mutual TLS")
 	fs.StringVar(&t.KeyFile, "pdx-client-key", "", "with --pdx-client-cert: its private key")
-	if err := parseFlags(fs, args); err != nil {
-		return err
+	return fs, func() envoy.Config {
+		if t != (envoy.TLS{}) {
+			c.PdxTLS = &t
+		}
+		return c
 	}
-	if t != (envoy.TLS{}) {
-		c.PdxTLS = &t
-	}
-	return envoy.Render(stdout, c)
 }
