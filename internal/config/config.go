@@ -127,10 +127,10 @@ func Parse(data []byte) (*configv1.Config, error) {
 // others there come up once it is fixed.
 func parse(data []byte, source string) (*configv1.Config, error) {
 	cfg, d := decode(data)
-	errs := d.errs
+	errs := append(d.errs, d.choices...)
 	if d.ok {
 		applyDefaults(cfg)
-		for _, err := range append(d.choices, validate(cfg)...) {
+		for _, err := range validate(cfg) {
 			if !slices.ContainsFunc(d.errs, func(shape error) bool { return follows(err, pathOf(shape)) }) {
 				errs = append(errs, err)
 			}

@@ -44,8 +44,8 @@ type decoded struct {
 	// that the rest can still be validated.
 	errs []error
 	// choices are the values that name none of their enum field's
-	// choices: such a field is left unset, and its error is reported with
-	// validation's, since the file's shape is sound.
+	// choices: such a field is left unset (its default), which no other
+	// finding is taken to follow from.
 	choices []error
 	// ok is whether the message holds the file's sound parts; false when
 	// the file could not be read as a mapping at all.

@@ -315,6 +315,10 @@ func TestParseLeavesOutConsequences(t *testing.T) {
 		{"a wrong-typed list element", pools(pool("flow_control: {bands: [{priority: high}, {priority: 0}]}")), []string{
 			`config:7: pools[0].flow_control.bands[0].priority: expected a whole number`,
 		}},
+		{"a choice that is none, beside a wrong type", pools(pool("default: 1", "on_prefill_failure: retry")), []string{
+			`config:7: pools[0].default: expected true or false, got number 1`,
+			`config:8: pools[0].on_prefill_failure: "retry" is not "fail" or "fallback"`,
+		}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
