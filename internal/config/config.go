@@ -127,7 +127,7 @@ func Parse(data []byte) (*configv1.Config, error) {
 // others there come up once it is fixed.
 func parse(data []byte, source string) (*configv1.Config, error) {
 	cfg, d := decode(data)
-	errs := append(d.errs, d.choices...)
+	errs := slices.Concat(d.errs, d.choices)
 	if d.ok {
 		applyDefaults(cfg)
 		for _, err := range validate(cfg) {
