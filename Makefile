@@ -15,6 +15,11 @@ ENVOY_VERSION := 1.40.0
 ENVOY_BIN ?= $(TOOLS)/envoy/envoy/_bin/envoy
 export ENVOY_BIN
 
+# The commit the Makefile's pdx binaries name (`pdx version`; internal/version);
+# a plain `go build` in a clone records it by itself.
+PDX_COMMIT := $(shell git rev-parse HEAD 2>/dev/null)$(if $(shell git status --porcelain --untracked-files=no 2>/dev/null),-dirty)
+PDX_LDFLAGS := -X github.com/pdx-router/pdx/internal/version.Commit=$(PDX_COMMIT)
+
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.tools/*')
 
 include mk/proto.mk
@@ -77,7 +82,7 @@ bench-compile:
 ## bench/. BENCH_ARGS adds pdx-bench flags, e.g. BENCH_ARGS="--profiles zero"
 ## or "--vllm-router=false".
 bench: envoy vllm-router
-	$(GO) build -o $(TOOLS)/bin/pdx ./cmd/pdx
+	$(GO) build -ldflags '$(PDX_LDFLAGS)' -o $(TOOLS)/bin/pdx ./cmd/pdx
 	$(GO) run ./cmd/pdx-bench --pdx-bin $(TOOLS)/bin/pdx --out bench $(BENCH_ARGS)
 	$(GO) test -run '^$$' -bench . -benchmem -count 1 ./connectors ./processor ./internal/jsonedit ./internal/picker ./internal/enginemetrics ./internal/kvevents ./envoy | tee bench/go-bench.txt
 

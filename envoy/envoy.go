@@ -33,7 +33,12 @@ type Config struct {
 	// be empty): Envoy spreads the ext_proc streams, one per request, over
 	// all of them round robin, each health-checked on its own.
 	PdxAddresses []string
-	// MessageTimeout bounds each ext_proc exchange, the prefill included.
+	// MessageTimeout bounds each ext_proc exchange, the prefill included:
+	// 0 means DefaultMessageTimeout. Envoy starts no message timer for a
+	// direction whose body is FULL_DUPLEX_STREAMED: with
+	// BodyFullDuplexStreamed it bounds only the response headers' exchange,
+	// and in ProfileAIGateway (both bodies streamed) nothing, so Render
+	// refuses one there.
 	MessageTimeout time.Duration
 	// BufferLimitBytes is the largest request body Envoy buffers, over
 	// HTTP/1 and HTTP/2 alike, and the most Envoy reads at once. Between
@@ -74,10 +79,11 @@ type Config struct {
 	DecodeCluster string
 	// DecodeFallbacks is how many times Envoy retries a decode in the
 	// DecodeEDS profile: the most decode_fallbacks of pdx's pools (0
-	// means 1).
+	// means 1). Only with DecodeEDS.
 	DecodeFallbacks int
 	// XDSCluster is the ClusterLoadAssignment the DecodeEDS cluster asks
-	// pdx for: pdx's xds.cluster_name ("" means pdx_decode).
+	// pdx for: pdx's xds.cluster_name ("" means pdx_decode). Only with
+	// DecodeEDS.
 	XDSCluster string
 	// Observer adds the observability pass: a second ext_proc filter, in
 	// observability_mode, that shows pdx the decode's response (the TTFT
@@ -125,8 +131,9 @@ const (
 	// circuit breakers; the decode cluster ORIGINAL_DST on
 	// x-gateway-destination-endpoint with a 10s connect timeout. The
 	// listener stays pdx's (its JSON local replies are a listener setting,
-	// not the translation's). Config.PdxTLS must be unset and
-	// RequestBodyMode is not used; pdx must serve TLS (tls.self_signed).
+	// not the translation's). Config.PdxTLS, MessageTimeout (but 5s) and
+	// a RequestBodyMode but FULL_DUPLEX_STREAMED are refused; pdx must
+	// serve TLS (tls.self_signed).
 	ProfileAIGateway = "aigateway"
 )
 
@@ -216,42 +223,28 @@ func Render(w io.Writer, c Config) error {
 	}
 	if t := c.PdxTLS; t != nil {
 		if t.CAFile == "" || t.SNI == "" {
-			return errors.New("pdx TLS: a CA file and an SNI name are required to verify pdx")
+			return errors.New("pdx TLS: a CA file and an SNI name are required to verify pdx (--pdx-ca and --pdx-sni)")
 		}
 		if (t.CertFile == "") != (t.KeyFile == "") {
-			return errors.New("pdx TLS: a client certificate needs both its cert and key file")
+			return errors.New("pdx TLS: a client certificate needs both its cert and key file (--pdx-client-cert and --pdx-client-key)")
 		}
 	}
-	switch c.Profile {
-	case "":
+	if err := c.check(); err != nil {
+		return err
+	}
+	if c.Profile == "" {
 		c.Profile = ProfilePdx
-	case ProfilePdx:
-	case ProfileAIGateway:
-		if c.PdxTLS != nil {
-			return fmt.Errorf("profile %s reaches pdx over TLS without verifying it: PdxTLS does not apply", ProfileAIGateway)
-		}
-		if (c.DecodeCluster != "" && c.DecodeCluster != DecodeOriginalDst) || c.Observer {
-			return fmt.Errorf("profile %s is the translation's filter and ORIGINAL_DST cluster: no decode cluster %q or observability pass of pdx's own", ProfileAIGateway, c.DecodeCluster)
-		}
+	}
+	if c.Profile == ProfileAIGateway {
 		c.RequestBodyMode = BodyFullDuplexStreamed
-	default:
-		return fmt.Errorf("profile %q: want %s or %s", c.Profile, ProfilePdx, ProfileAIGateway)
 	}
-	switch c.RequestBodyMode {
-	case "":
+	if c.RequestBodyMode == "" {
 		c.RequestBodyMode = BodyBuffered
-	case BodyBuffered, BodyFullDuplexStreamed:
-	default:
-		return fmt.Errorf("request body mode %q: want %s or %s", c.RequestBodyMode, BodyBuffered, BodyFullDuplexStreamed)
 	}
-	switch c.DecodeCluster {
-	case "":
+	if c.DecodeCluster == "" {
 		c.DecodeCluster = DecodeOriginalDst
-	case DecodeOriginalDst, DecodeEDS:
-	default:
-		return fmt.Errorf("decode cluster %q: want %s or %s", c.DecodeCluster, DecodeOriginalDst, DecodeEDS)
 	}
-	if c.DecodeFallbacks <= 0 {
+	if c.DecodeFallbacks == 0 {
 		c.DecodeFallbacks = 1
 	}
 	if c.XDSCluster == "" {
@@ -276,9 +269,6 @@ func Render(w io.Writer, c Config) error {
 		c.MaxRequestHeadersKB = DefaultMaxRequestHeadersKB
 	}
 	var observer *hostPort
-	if c.ObserverAddress != "" && !c.Observer {
-		return errors.New("observer address: the observability pass is off (set Observer)")
-	}
 	if c.ObserverAddress != "" {
 		hp, err := splitHostPort(c.ObserverAddress)
 		if err != nil {
@@ -319,6 +309,94 @@ func Render(w io.Writer, c Config) error {
 		"DecodeRetries":       c.DecodeFallbacks,
 		"XDSCluster":          c.XDSCluster,
 	})
+}
+
+// aiGatewayMessageTimeout is the message_timeout AI Gateway's translation
+// writes.
+const aiGatewayMessageTimeout = 5 * time.Second
+
+// check refuses what c sets that the bootstrap would not honour: every
+// field is either written as set, or refused with the reason. The flags of
+// `pdx envoy-config` that set each field are named with it.
+func (c Config) check() error {
+	var errs []error
+	fail := func(format string, args ...any) { errs = append(errs, fmt.Errorf(format, args...)) }
+	for _, p := range []struct {
+		name string
+		port int
+	}{{"listen port (--listen-port)", c.ListenPort}, {"admin port (--admin-port)", c.AdminPort}} {
+		if p.port < 0 || p.port > 65535 {
+			fail("%s %d: want 0-65535 (0: any free port)", p.name, p.port)
+		}
+	}
+	for _, n := range []struct {
+		name  string
+		value int
+	}{
+		{"buffer limit (--buffer-limit)", c.BufferLimitBytes}, {"max request headers (--max-request-headers)", c.MaxRequestHeaders},
+		{"max request headers KiB (--max-request-headers-kb)", c.MaxRequestHeadersKB}, {"decode fallbacks (--decode-fallbacks)", c.DecodeFallbacks},
+	} {
+		if n.value < 0 {
+			fail("%s %d: must not be negative", n.name, n.value)
+		}
+	}
+	if c.MessageTimeout < 0 {
+		fail("message timeout %v (--message-timeout): must not be negative", c.MessageTimeout)
+	}
+	if c.StreamIdleTimeout < 0 {
+		fail("stream idle timeout %v: must not be negative", c.StreamIdleTimeout)
+	}
+	switch c.RequestBodyMode {
+	case "", BodyBuffered, BodyFullDuplexStreamed:
+	default:
+		fail("request body mode %q (--request-body-mode): want %s or %s", c.RequestBodyMode, BodyBuffered, BodyFullDuplexStreamed)
+	}
+	switch c.DecodeCluster {
+	case "", DecodeOriginalDst, DecodeEDS:
+	default:
+		fail("decode cluster %q (--decode-cluster): want %s or %s", c.DecodeCluster, DecodeOriginalDst, DecodeEDS)
+	}
+	if c.DecodeCluster != DecodeEDS {
+		// The ORIGINAL_DST cluster connects to the one host pdx names.
+		if c.DecodeFallbacks != 0 {
+			fail("decode fallbacks %d (--decode-fallbacks): they are Envoy's retries over the EDS decode cluster, which needs decode cluster %s (--decode-cluster %s)",
+				c.DecodeFallbacks, DecodeEDS, DecodeEDS)
+		}
+		if c.XDSCluster != "" {
+			fail("xDS cluster %q (--xds-cluster): it names the EDS decode cluster's endpoints, which needs decode cluster %s (--decode-cluster %s)",
+				c.XDSCluster, DecodeEDS, DecodeEDS)
+		}
+	}
+	switch c.Profile {
+	case "", ProfilePdx:
+	case ProfileAIGateway:
+		// What the translation writes, which the profile is for testing pdx behind.
+		const as = "profile " + ProfileAIGateway
+		if c.PdxTLS != nil {
+			fail("pdx TLS (--pdx-ca, --pdx-sni, --pdx-client-cert, --pdx-client-key): %s reaches pdx over TLS without verifying it, as AI Gateway's translation does", as)
+		}
+		if c.DecodeCluster != "" && c.DecodeCluster != DecodeOriginalDst {
+			fail("decode cluster %s (--decode-cluster): %s has AI Gateway's translation's ORIGINAL_DST cluster", c.DecodeCluster, as)
+		}
+		if c.Observer {
+			fail("observability pass (--observer): %s has AI Gateway's translation's one ext_proc filter", as)
+		}
+		if c.RequestBodyMode == BodyBuffered {
+			fail("request body mode %s (--request-body-mode): %s sends both bodies %s, as AI Gateway's translation does", BodyBuffered, as, BodyFullDuplexStreamed)
+		}
+		if c.MessageTimeout != 0 && c.MessageTimeout != aiGatewayMessageTimeout {
+			// Envoy starts no message timer for a direction whose body is
+			// FULL_DUPLEX_STREAMED, and here both are.
+			fail("message timeout %v (--message-timeout): %s writes AI Gateway's translation's %v, which Envoy does not apply: both bodies are %s",
+				c.MessageTimeout, as, aiGatewayMessageTimeout, BodyFullDuplexStreamed)
+		}
+	default:
+		fail("profile %q (--profile): want %s or %s", c.Profile, ProfilePdx, ProfileAIGateway)
+	}
+	if c.ObserverAddress != "" && !c.Observer {
+		fail("observer address %s (--observer-address): the observability pass is off (--observer)", c.ObserverAddress)
+	}
+	return errors.Join(errs...)
 }
 
 // seconds writes d as a protobuf JSON duration.

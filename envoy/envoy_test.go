@@ -36,6 +36,15 @@ func TestRender(t *testing.T) {
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: ProfileAIGateway, DecodeCluster: DecodeEDS}), "ORIGINAL_DST cluster")
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: ProfileAIGateway, Observer: true}), "observability pass")
 	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: "gke"}), `profile "gke"`)
+
+	// What a profile would not write is refused, not dropped (every flag of
+	// `pdx envoy-config` by profile: cmd/pdx/mainlib's tests).
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: ProfileAIGateway, MessageTimeout: 45 * time.Second}), "message timeout 45s")
+	require.NoError(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: ProfileAIGateway, MessageTimeout: 5 * time.Second}), "the profile's own")
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", Profile: ProfileAIGateway, RequestBodyMode: BodyBuffered}), "request body mode BUFFERED")
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", DecodeFallbacks: 2}), "decode fallbacks 2")
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", XDSCluster: "x"}), `xDS cluster "x"`)
+	require.ErrorContains(t, Render(&buf, Config{PdxAddress: "127.0.0.1:1", ListenPort: -1}), "listen port")
 }
 
 // TestRenderBodyModes decodes the ext_proc filter each body mode renders.

@@ -17,6 +17,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"slices"
 	"time"
 
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -97,7 +98,8 @@ const (
 )
 
 // Load reads and validates a YAML config file. Problems in the file are
-// reported as "<path>: <field path>: <problem>", one per line.
+// reported as "<path>:<line>: <field path>: <problem>", one per line, in
+// the file's order.
 func Load(path string) (*configv1.Config, error) {
 	data, err := os.ReadFile(path)
 	if err != nil {
@@ -113,21 +115,34 @@ func ParseFile(data []byte, path string) (*configv1.Config, error) {
 }
 
 // Parse decodes YAML (or JSON) strictly, applies defaults and validates.
-// Problems are reported as "config: <field path>: <problem>", one per line.
+// Problems are reported as "config:<line>: <field path>: <problem>", one
+// per line.
 func Parse(data []byte) (*configv1.Config, error) {
 	return parse(data, "config")
 }
 
 // parse is Parse with source, the prefix of every error line: the file name
 // for Load, so that messages read like a compiler's.
+//
+// Every problem is reported at once. A value of the wrong type or an unknown
+// field is left out and the rest validated, but validation's findings in
+// the same part of the file (the same pool, or top-level section), or that
+// name the field left out, are dropped: they could be the consequences of
+// leaving it out ("prefill: required" for a misspelt "prefil"), and the
+// others there come up once it is fixed.
 func parse(data []byte, source string) (*configv1.Config, error) {
-	cfg, errs, choices := decode(data)
-	if len(errs) == 0 {
+	cfg, d := decode(data)
+	errs := slices.Concat(d.errs, d.choices)
+	if d.ok {
 		applyDefaults(cfg)
-		errs = append(choices, validate(cfg)...)
+		for _, err := range validate(cfg) {
+			if !slices.ContainsFunc(d.errs, func(shape error) bool { return follows(err, pathOf(shape)) }) {
+				errs = append(errs, err)
+			}
+		}
 	}
 	if len(errs) > 0 {
-		return nil, joinErrors(source, errs)
+		return nil, joinErrors(source, errs, d.lines)
 	}
 	return cfg, nil
 }
@@ -245,11 +260,25 @@ func applyDefaults(cfg *configv1.Config) {
 	}
 }
 
-// joinErrors prefixes each error with source and joins them, one per line.
-func joinErrors(source string, errs []error) error {
-	wrapped := make([]error, len(errs))
+// joinErrors prefixes each error with source and its line, if it has one,
+// and joins them, one per line, in the file's order.
+func joinErrors(source string, errs []error, l lines) error {
+	type located struct {
+		line int
+		err  error
+	}
+	all := make([]located, len(errs))
 	for i, err := range errs {
-		wrapped[i] = fmt.Errorf("%s: %w", source, err)
+		all[i] = located{l.lineOf(err), err}
+	}
+	slices.SortStableFunc(all, func(a, b located) int { return a.line - b.line })
+	wrapped := make([]error, len(all))
+	for i, e := range all {
+		if e.line > 0 {
+			wrapped[i] = fmt.Errorf("%s:%d: %w", source, e.line, e.err)
+		} else {
+			wrapped[i] = fmt.Errorf("%s: %w", source, e.err)
+		}
 	}
 	return errors.Join(wrapped...)
 }

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"strings"
 	"time"
 
 	"github.com/pdx-router/pdx/internal/http1"
@@ -71,7 +72,10 @@ func (d *direct) get(ctx context.Context, target string, timeout time.Duration) 
 			// Name it as net/http would for a timed-out request.
 			err = fmt.Errorf("%w: %w", context.DeadlineExceeded, err)
 		}
-		return answer{}, fmt.Errorf("GET http://%s%s: %w", d.address, target, err)
+		// The path without the query: the filter's query is half a kilobyte
+		// of escaped family names, and the log says which engine.
+		path, _, _ := strings.Cut(target, "?")
+		return answer{}, fmt.Errorf("GET %s: %w", path, err)
 	}
 	return a, nil
 }

@@ -45,7 +45,8 @@ type Options struct {
 	// Same concurrency as Store.
 	Failed func(address string, err error)
 	// Log receives state changes only (ok→failing, failing→ok), never every
-	// failure, so a dead engine does not flood it. Default slog.Default().
+	// failure, so a dead engine does not flood it: one short line each,
+	// the engine's address and why. Default slog.Default().
 	Log *slog.Logger
 }
 
@@ -294,7 +295,7 @@ func (w *worker) get(ctx context.Context, target string) (Sample, error) {
 		return Sample{}, err
 	}
 	if a.code != http.StatusOK {
-		return Sample{}, fmt.Errorf("%w %s from %s%s", errStatus, a.status, w.address, target)
+		return Sample{}, fmt.Errorf("%w %s for GET %s", errStatus, a.status, w.opts.Path)
 	}
 	return w.parser.parseBytes(a.body)
 }
@@ -310,7 +311,12 @@ func (w *worker) getClient(ctx context.Context, target string) (s Sample, err er
 	req.Header.Set("Accept", accept)
 	resp, err := w.opts.Client.Do(req)
 	if err != nil {
-		return Sample{}, err
+		// As direct's: the path without the query.
+		var ue *url.Error
+		if errors.As(err, &ue) {
+			err = ue.Err
+		}
+		return Sample{}, fmt.Errorf("GET %s: %w", w.opts.Path, err)
 	}
 	defer func() {
 		// Drain what is left (bounded) so the connection is reused.
@@ -318,12 +324,12 @@ func (w *worker) getClient(ctx context.Context, target string) (s Sample, err er
 		_ = resp.Body.Close()
 	}()
 	if resp.StatusCode != http.StatusOK {
-		return Sample{}, fmt.Errorf("%w %s from %s%s", errStatus, resp.Status, w.address, target)
+		return Sample{}, fmt.Errorf("%w %s for GET %s", errStatus, resp.Status, w.opts.Path)
 	}
 	body := &io.LimitedReader{R: resp.Body, N: maxBodyBytes + 1}
 	s, err = w.parser.parse(body)
 	if err == nil && body.N == 0 {
-		err = fmt.Errorf("enginemetrics: exposition from %s%s exceeds %d bytes", w.address, target, maxBodyBytes)
+		err = fmt.Errorf("enginemetrics: exposition of GET %s exceeds %d bytes", w.opts.Path, maxBodyBytes)
 	}
 	return s, err
 }

@@ -412,6 +412,92 @@ func TestRunLogsStateChangesOnly(t *testing.T) {
 	require.Equal(t, 1, logs.count(slog.LevelInfo))
 }
 
+// lockedBuffer is a log's output, written by the workers and read by the
+// test.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf strings.Builder
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) lines() []string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return strings.Split(strings.TrimSuffix(b.buf.String(), "\n"), "\n")
+}
+
+// maxLogLine bounds a state change's line: the time, level, message, the
+// address and why, as pdx's JSON log writes them.
+const maxLogLine = 250
+
+// An engine going down and coming back is one short line each way, however
+// many scrapes fail in between, with either client; the filter's long query
+// is not in it.
+func TestRunLogsOneShortLinePerStateChange(t *testing.T) {
+	t.Parallel()
+	for _, c := range clients {
+		t.Run(c.name, func(t *testing.T) {
+			t.Parallel()
+			var healthy atomic.Bool
+			e := newEngine(t, func(w http.ResponseWriter, r *http.Request) {
+				if !healthy.Load() {
+					http.Error(w, "starting", http.StatusServiceUnavailable)
+					return
+				}
+				serveText("vllm:num_requests_waiting 1\n")(w, r)
+			})
+			dead := deadAddr(t)
+			var out lockedBuffer
+			rec := newRecorder()
+			start(t, rec, Options{
+				Interval: time.Millisecond,
+				Targets:  static(e.addr(), dead),
+				Client:   c.client,
+				Log:      slog.New(slog.NewJSONHandler(&out, nil)),
+			})
+			// Down, up, down, up: at least three scrapes each time.
+			for range 2 {
+				_, fails := rec.counts(e.addr())
+				require.Eventually(t, func() bool { _, n := rec.counts(e.addr()); return n >= fails+3 }, eventually, poll)
+				healthy.Store(true)
+				stores, _ := rec.counts(e.addr())
+				require.Eventually(t, func() bool { n, _ := rec.counts(e.addr()); return n >= stores+3 }, eventually, poll)
+				healthy.Store(false)
+			}
+			require.Eventually(t, func() bool { _, n := rec.counts(dead); return n >= 4 }, eventually, poll)
+
+			var engine, refused []string
+			for _, line := range out.lines() {
+				require.Less(t, len(line), maxLogLine, line)
+				require.NotContains(t, line, "name%5B", "the filter's query")
+				switch {
+				case strings.Contains(line, `"address":"`+e.addr()+`"`):
+					engine = append(engine, line)
+				case strings.Contains(line, `"address":"`+dead+`"`):
+					refused = append(refused, line)
+				default:
+					t.Fatalf("a line about no engine: %s", line)
+				}
+			}
+			require.Len(t, engine, 4, "down, up, down, up: %q", engine)
+			for i, want := range []string{
+				`"level":"WARN","msg":"engine metrics: scrape failing"`, `"level":"INFO","msg":"engine metrics: scrape ok again"`,
+				`"level":"WARN","msg":"engine metrics: scrape failing"`, `"level":"INFO","msg":"engine metrics: scrape ok again"`,
+			} {
+				require.Contains(t, engine[i], want)
+			}
+			require.Contains(t, engine[0], `"error":"enginemetrics: unexpected status 503 Service Unavailable for GET /metrics"`)
+			require.Len(t, refused, 1, "one line however many scrapes failed: %q", refused)
+			require.Contains(t, refused[0], `"error":"GET /metrics: dial tcp `+dead+`: connect: connection refused"`)
+		})
+	}
+}
+
 // promClient answers like prometheus_client: with name[] it keeps only the
 // families asked for, or, as a multi-process registry does, none at all.
 func promClient(text string, multiProcess bool) http.HandlerFunc {

@@ -146,7 +146,7 @@ pools:
 		},
 		{
 			name: "a bad config keeps the running one", content: static + "  prefil: []\n",
-			wantErr: `pdx.yaml: unknown field "pools[0].prefil"`,
+			wantErr: `pdx.yaml:9: pools[0].prefil: unknown field, did you mean "prefill"?`,
 		},
 		{
 			name: "the same bad config is not tried again", content: static + "  prefil: []\n",

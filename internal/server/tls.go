@@ -16,6 +16,13 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 )
 
+// CheckTLS loads the listener's TLS settings and files as Start does,
+// without listening: what `pdx validate` checks beyond the config itself.
+func CheckTLS(c *configv1.TLS) error {
+	_, err := tlsConfig(c, &net.TCPAddr{IP: net.IPv4(127, 0, 0, 1)})
+	return err
+}
+
 // tlsConfig loads the listener's TLS settings; nil means plaintext. addr
 // is the listener's address, which a self-signed certificate names.
 func tlsConfig(c *configv1.TLS, addr net.Addr) (*tls.Config, error) {

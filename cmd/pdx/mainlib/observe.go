@@ -12,9 +12,10 @@ import (
 )
 
 // newLogger returns serve's logger. JSON, the default, is what log pipelines
-// parse; text (key=value) is for reading in a terminal.
+// parse; text (key=value) is for reading in a terminal. Durations read as
+// Go writes them ("30s") in both: JSON would have them in nanoseconds.
 func newLogger(format string, level slog.Level, w io.Writer) (*slog.Logger, error) {
-	opts := &slog.HandlerOptions{Level: level}
+	opts := &slog.HandlerOptions{Level: level, ReplaceAttr: durationString}
 	switch format {
 	case "json":
 		return slog.New(slog.NewJSONHandler(w, opts)), nil
@@ -22,6 +23,14 @@ func newLogger(format string, level slog.Level, w io.Writer) (*slog.Logger, erro
 		return slog.New(slog.NewTextHandler(w, opts)), nil
 	}
 	return nil, fmt.Errorf("%w: --log-format must be json or text, got %q", ErrUsage, format)
+}
+
+// durationString is a ReplaceAttr writing a duration as its String.
+func durationString(_ []string, a slog.Attr) slog.Attr {
+	if a.Value.Kind() == slog.KindDuration {
+		return slog.String(a.Key, a.Value.Duration().String())
+	}
+	return a
 }
 
 // startTracing sets up tracing when the OTEL_* environment asks for it (see

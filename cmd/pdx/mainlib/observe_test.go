@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"fmt"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -29,10 +30,10 @@ pools:
   prefill: [{address: 127.0.0.1:1}]
   decode: [{address: 127.0.0.1:2}]
 `), 0o600))
-	for format, want := range map[string]string{
-		"":     `{"time":`, // the default is JSON
-		"json": `{"time":`,
-		"text": `time=`,
+	for format, want := range map[string]struct{ first, drain string }{
+		"":     {`{"time":`, `"drain_timeout":"30s"`}, // the default is JSON
+		"json": {`{"time":`, `"drain_timeout":"30s"`},
+		"text": {`time=`, `drain_timeout=30s`},
 	} {
 		t.Run(fmt.Sprintf("%q", format), func(t *testing.T) {
 			args := []string{"serve", "--config", cfg}
@@ -46,11 +47,29 @@ pools:
 			require.Eventually(t, func() bool { return strings.Contains(log.String(), "pdx serving") }, 10*time.Second, 10*time.Millisecond)
 			cancel()
 			require.NoError(t, <-done)
-			require.True(t, strings.HasPrefix(log.String(), want), log.String())
+			require.True(t, strings.HasPrefix(log.String(), want.first), log.String())
+			require.Contains(t, log.String(), want.drain, "a duration as Go writes it")
 		})
 	}
 	var out bytes.Buffer
 	require.ErrorContains(t, Main(t.Context(), []string{"serve", "--config", cfg, "--log-format", "xml"}, &out, &out), "--log-format must be json or text")
+}
+
+// Durations read as Go writes them in both formats, in groups too.
+func TestLoggerDurations(t *testing.T) {
+	for format, want := range map[string][]string{
+		"json": {`"wait":"1.5s"`, `"any":"250ms"`, `"g":{"timeout":"2m0s"}`, `"n":3`},
+		"text": {`wait=1.5s`, `any=250ms`, `g.timeout=2m0s`, `n=3`},
+	} {
+		var out bytes.Buffer
+		log, err := newLogger(format, slog.LevelInfo, &out)
+		require.NoError(t, err)
+		log.Info("x", slog.Duration("wait", 1500*time.Millisecond), slog.Any("any", 250*time.Millisecond),
+			slog.Group("g", slog.Duration("timeout", 2*time.Minute)), slog.Int("n", 3))
+		for _, w := range want {
+			require.Contains(t, out.String(), w, format)
+		}
+	}
 }
 
 // TestServeTracingFromEnv: an OTLP endpoint in the environment turns

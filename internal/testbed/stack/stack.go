@@ -164,11 +164,15 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	ecfg := envoy.Config{
 		ListenPort:       opts.ListenPort,
 		PdxAddresses:     addrs,
-		MessageTimeout:   opts.PrefillTimeout + 5*time.Second,
 		BufferLimitBytes: int(cfg.GetMaxBodyBytes()) + envoy.BufferHeadroom/2,
 		RequestBodyMode:  opts.RequestBodyMode,
 		Profile:          opts.Profile,
 		SubsetHintHeader: opts.SubsetHintHeader,
+	}
+	if opts.Profile != envoy.ProfileAIGateway {
+		// The profile's is AI Gateway's, which Envoy does not apply (both
+		// bodies streamed): envoy.Render refuses another.
+		ecfg.MessageTimeout = opts.PrefillTimeout + 5*time.Second
 	}
 	if opts.EDS || opts.DecodeFallbacks > 0 {
 		ecfg.DecodeCluster, ecfg.DecodeFallbacks = envoy.DecodeEDS, opts.DecodeFallbacks
