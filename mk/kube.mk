@@ -5,7 +5,7 @@
 # module proxy by the scratch modules in mk/kube/ (their go.mod and go.sum
 # pin every dependency), into $(KUBE_DIR). A binary already there at the
 # version its module names is kept. From scratch (empty module and build
-# caches) the pair costs ~10 minutes of CPU (586 s measured: 5 minutes on 2
+# caches) the pair costs ~10 minutes of CPU (586 s measured, so ~5 minutes on 2
 # idle cores) and ~700 MB of modules, the API server nearly all of it.
 #
 # To move to another Kubernetes release: in mk/kube/apiserver/go.mod set
