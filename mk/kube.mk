@@ -40,13 +40,13 @@ kube:
 	@mkdir -p "$(abspath $(KUBE_DIR))"
 	@if [ "$$("$(KUBE_DIR)/kube-apiserver" --version 2>/dev/null)" != "Kubernetes $(KUBE_VERSION)" ]; then \
 	  echo "building kube-apiserver $(KUBE_VERSION) into $(KUBE_DIR) (minutes)"; \
-	  $(KUBE_GO) -C mk/kube/apiserver build -trimpath -ldflags "$(KUBE_LDFLAGS)" \
+	  $(KUBE_GO) -C mk/kube/apiserver build -trimpath -buildvcs=false -ldflags "$(KUBE_LDFLAGS)" \
 	    -o "$(abspath $(KUBE_DIR))/kube-apiserver.tmp" k8s.io/kubernetes/cmd/kube-apiserver && \
 	  mv "$(KUBE_DIR)/kube-apiserver.tmp" "$(KUBE_DIR)/kube-apiserver"; \
 	fi
 	@if [ "$$("$(KUBE_DIR)/etcd" --version 2>/dev/null | head -n 1)" != "etcd Version: $(ETCD_VERSION:v%=%)" ]; then \
 	  echo "building etcd $(ETCD_VERSION) into $(KUBE_DIR)"; \
-	  $(KUBE_GO) -C mk/kube/etcd build -trimpath -ldflags "-s -w" \
+	  $(KUBE_GO) -C mk/kube/etcd build -trimpath -buildvcs=false -ldflags "-s -w" \
 	    -o "$(abspath $(KUBE_DIR))/etcd.tmp" go.etcd.io/etcd/server/v3 && \
 	  mv "$(KUBE_DIR)/etcd.tmp" "$(KUBE_DIR)/etcd"; \
 	fi

@@ -3,6 +3,7 @@ package kubernetes_test
 import (
 	"context"
 	"os"
+	"regexp"
 	"slices"
 	"strconv"
 	"testing"
@@ -99,13 +100,22 @@ func (a *applier) apply(ctx context.Context, doc []byte, opts metav1.PatchOption
 func TestInferencePoolOnAPIServer(t *testing.T) {
 	srv := cluster.Server(t)
 	a := newApplier(t, srv)
+	// The manifests' namespace is the test's: every reference to it is a
+	// "namespace: pdx" line (the Namespace object itself is not applied).
+	ns := srv.Namespace(t)
+	inNamespace := regexp.MustCompile(`(?m)^(\s*namespace: )pdx$`)
 	for _, f := range yamlFiles(t, baseDir, poolDir) {
 		data, err := os.ReadFile(f)
 		require.NoError(t, err)
 		docs, err := documents(data)
 		require.NoError(t, err)
 		for i, doc := range docs {
-			_, err := a.apply(t.Context(), doc, metav1.PatchOptions{})
+			obj, err := decode(doc)
+			require.NoError(t, err)
+			if _, ok := obj.(*corev1.Namespace); ok {
+				continue
+			}
+			_, err = a.apply(t.Context(), inNamespace.ReplaceAll(doc, []byte("${1}"+ns)), metav1.PatchOptions{})
 			require.NoError(t, err, "%s: document %d", f, i+1)
 		}
 	}
@@ -113,11 +123,11 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 	// The pdx Deployment's config and identity, as the server has them.
 	admin, err := kubernetes.NewForConfig(srv.Config())
 	require.NoError(t, err)
-	dep, err := admin.AppsV1().Deployments(namespace).Get(t.Context(), "pdx", metav1.GetOptions{})
+	dep, err := admin.AppsV1().Deployments(ns).Get(t.Context(), "pdx", metav1.GetOptions{})
 	require.NoError(t, err)
 	dep.SetGroupVersionKind(appsv1.SchemeGroupVersion.WithKind("Deployment"))
 	objs := []object{{file: "server", obj: dep}}
-	cms, err := admin.CoreV1().ConfigMaps(namespace).List(t.Context(), metav1.ListOptions{})
+	cms, err := admin.CoreV1().ConfigMaps(ns).List(t.Context(), metav1.ListOptions{})
 	require.NoError(t, err)
 	for i := range cms.Items {
 		objs = append(objs, object{file: "server", obj: &cms.Items[i]})
@@ -130,8 +140,8 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 	pc := p.cfg.GetPools()[0]
 	require.NotNil(t, pc.GetKubernetes(), "the variant's pool discovers its engines")
 	pool, _ := table.Pool(pc.GetName())
-	sa := "system:serviceaccount:" + namespace + ":" + dep.Spec.Template.Spec.ServiceAccountName
-	asPdx := srv.ConfigAs(sa, "system:serviceaccounts", "system:serviceaccounts:"+namespace)
+	sa := "system:serviceaccount:" + ns + ":" + dep.Spec.Template.Spec.ServiceAccountName
+	asPdx := srv.ConfigAs(sa, "system:serviceaccounts", "system:serviceaccounts:"+ns)
 	pdxClient, err := kubernetes.NewForConfig(asPdx)
 	require.NoError(t, err)
 
@@ -139,7 +149,7 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 	// the ones the variant's config and InferencePool select by.
 	engine := func(name, component, ip string, ready bool) {
 		t.Helper()
-		pod, err := admin.CoreV1().Pods(namespace).Create(t.Context(), &corev1.Pod{
+		pod, err := admin.CoreV1().Pods(ns).Create(t.Context(), &corev1.Pod{
 			ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{
 				"app.kubernetes.io/name": "llm-engine", "app.kubernetes.io/component": component,
 			}},
@@ -154,7 +164,7 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 		}
 		pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}},
 			Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: status}}}
-		_, err = admin.CoreV1().Pods(namespace).UpdateStatus(t.Context(), pod, metav1.UpdateOptions{})
+		_, err = admin.CoreV1().Pods(ns).UpdateStatus(t.Context(), pod, metav1.UpdateOptions{})
 		require.NoError(t, err)
 	}
 	engine("prefill-0", "prefill", "10.1.0.1", true)
@@ -165,7 +175,7 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 
 	// The variant's RoleBinding reaches the authorizer through its watch.
 	require.Eventually(t, func() bool {
-		_, err := pdxClient.CoreV1().Pods(namespace).List(t.Context(), metav1.ListOptions{})
+		_, err := pdxClient.CoreV1().Pods(ns).List(t.Context(), metav1.ListOptions{})
 		return err == nil
 	}, 10*time.Second, 20*time.Millisecond, "the variant's Role lets pdx list pods")
 
@@ -180,14 +190,14 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 	// stored, selects, on its target port.
 	dyn, err := dynamic.NewForConfig(srv.Config())
 	require.NoError(t, err)
-	ip, err := dyn.Resource(inferencePools).Namespace(namespace).Get(t.Context(), "llm-decode", metav1.GetOptions{})
+	ip, err := dyn.Resource(inferencePools).Namespace(ns).Get(t.Context(), "llm-decode", metav1.GetOptions{})
 	require.NoError(t, err)
 	selector, _, _ := unstructured.NestedStringMap(ip.Object, "spec", "selector", "matchLabels")
 	ports, _, _ := unstructured.NestedSlice(ip.Object, "spec", "targetPorts")
 	require.Len(t, ports, 1)
 	port, _, _ := unstructured.NestedInt64(ports[0].(map[string]any), "number")
 	poolEndpoints := func() []string {
-		pods, err := admin.CoreV1().Pods(namespace).List(t.Context(), metav1.ListOptions{LabelSelector: labels.SelectorFromSet(selector).String()})
+		pods, err := admin.CoreV1().Pods(ns).List(t.Context(), metav1.ListOptions{LabelSelector: labels.SelectorFromSet(selector).String()})
 		require.NoError(t, err)
 		var out []string
 		for _, pod := range pods.Items {
@@ -212,10 +222,10 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 	require.Equal(t, []string{"10.1.0.1:8000"}, addresses(pool.Prefill.Set.Endpoints()))
 
 	// decode-1 turns not ready: it leaves both sets.
-	pod, err := admin.CoreV1().Pods(namespace).Get(t.Context(), "decode-1", metav1.GetOptions{})
+	pod, err := admin.CoreV1().Pods(ns).Get(t.Context(), "decode-1", metav1.GetOptions{})
 	require.NoError(t, err)
 	pod.Status.Conditions = []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionFalse}}
-	_, err = admin.CoreV1().Pods(namespace).UpdateStatus(t.Context(), pod, metav1.UpdateOptions{})
+	_, err = admin.CoreV1().Pods(ns).UpdateStatus(t.Context(), pod, metav1.UpdateOptions{})
 	require.NoError(t, err)
 	for timeout := time.After(10 * time.Second); ; {
 		select {
@@ -242,11 +252,11 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 	} {
 		obj := &unstructured.Unstructured{Object: map[string]any{
 			"apiVersion": o.group + "/v1alpha2", "kind": "InferenceObjective",
-			"metadata": map[string]any{"name": o.name, "namespace": namespace},
+			"metadata": map[string]any{"name": o.name, "namespace": ns},
 			"spec":     map[string]any{"priority": o.priority, "poolRef": map[string]any{"name": o.pool}},
 		}}
 		_, err := dyn.Resource(schema.GroupVersionResource{Group: o.group, Version: "v1alpha2", Resource: "inferenceobjectives"}).
-			Namespace(namespace).Create(t.Context(), obj, metav1.CreateOptions{})
+			Namespace(ns).Create(t.Context(), obj, metav1.CreateOptions{})
 		require.NoError(t, err)
 	}
 	pdxDyn, err := dynamic.NewForConfig(asPdx)
@@ -255,7 +265,7 @@ func TestInferencePoolOnAPIServer(t *testing.T) {
 	defer w.Close()
 	ctrl := flowcontrol.New(flowcontrol.Config{})
 	require.NoError(t, w.SetTargets(t.Context(), []objectives.Target{{
-		Pool: pc.GetName(), Spec: &configv1.KubernetesObjectives{Namespace: namespace, Pool: ip.GetName()}, Set: ctrl.SetObjectives,
+		Pool: pc.GetName(), Spec: &configv1.KubernetesObjectives{Namespace: ns, Pool: ip.GetName()}, Set: ctrl.SetObjectives,
 	}}))
 	require.Equal(t, 10, ctrl.Priority("chat"))
 	require.Equal(t, -2, ctrl.Priority("batch"))

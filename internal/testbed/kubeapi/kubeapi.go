@@ -1,7 +1,7 @@
 // Package kubeapi runs a real Kubernetes API server on a real etcd, on
 // loopback ports, for the tests of the packages that watch a cluster
-// (discovery, objectives, the InferencePool manifests). `make kube` builds
-// both binaries into the tool folder (mk/kube.mk).
+// (discovery, objectives, reload, the manifests and the chart). `make kube`
+// builds both binaries into the tool folder (mk/kube.mk).
 //
 // It runs no controllers, scheduler or kubelet: pods stay Pending until a
 // test writes their status through the status subresource, nothing writes
