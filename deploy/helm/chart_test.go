@@ -37,13 +37,11 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/runtime/serializer"
 	"k8s.io/apimachinery/pkg/util/intstr"
 	utilyaml "k8s.io/apimachinery/pkg/util/yaml"
-	"k8s.io/apimachinery/pkg/watch"
-	"k8s.io/client-go/kubernetes/fake"
-	clienttesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/klog/v2"
 	infv1 "sigs.k8s.io/gateway-api-inference-extension/api/v1"
 	gwv1 "sigs.k8s.io/gateway-api/apis/v1"
@@ -55,14 +53,19 @@ import (
 	"github.com/pdx-router/pdx/internal/discovery"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/objectives"
+	"github.com/pdx-router/pdx/internal/testbed/kubeapi"
 	"github.com/pdx-router/pdx/processor"
 )
+
+// cluster is the real API server checkRBAC runs pdx's watchers against,
+// with the InferenceObjective CRDs, started by the first test that does.
+var cluster = kubeapi.Package{CRDs: kubeapi.InferenceCRDs}
 
 // TestMain sends client-go's logs (the refused watches of checkRBAC) to
 // nowhere.
 func TestMain(m *testing.M) {
 	klog.SetSlogLogger(slog.New(slog.DiscardHandler))
-	os.Exit(m.Run())
+	os.Exit(cluster.Wrap(m).Run())
 }
 
 const (
@@ -661,66 +664,101 @@ func checkWorkload(t *testing.T, objs []object, p pdx) {
 	}))
 }
 
-// checkRBAC runs pdx's Kubernetes discovery for the config's pools against
-// a fake API server that allows only what the rendered Roles grant pdx's
-// ServiceAccount (through the rendered RoleBindings): discovery must list
-// and watch everything it needs, in every namespace it watches.
+// checkRBAC creates the rendered Roles and RoleBindings in a real API
+// server (for this test only) and runs pdx's discovery and objectives
+// watcher for the config's pools as the rendered ServiceAccount: RBAC must
+// let each list and watch everything it needs, in every namespace it
+// watches. The check can fail: without the EndpointSlice rule, discovery
+// cannot list.
 func checkRBAC(t *testing.T, objs []object, p pdx) {
 	t.Helper()
+	sa := get[*corev1.ServiceAccount](t, objs, p.dep.Spec.Template.Spec.ServiceAccountName)
+	rules := boundRules(t, objs, sa)
 	var targets []discovery.Target
+	var objTargets []objectives.Target
 	for _, pool := range p.cfg.GetPools() {
 		if k := pool.GetKubernetes(); k != nil {
 			targets = append(targets, discovery.Target{Pool: pool.GetName(), Prefills: true, Spec: k, Set: func(_, _ []endpoint.Endpoint) {}})
 		}
-	}
-	sa := get[*corev1.ServiceAccount](t, objs, p.dep.Spec.Template.Spec.ServiceAccountName)
-	rules := boundRules(t, objs, sa)
-	objectiveNamespaces := 0
-	for _, pool := range p.cfg.GetPools() {
 		if k := pool.GetFlowControl().GetKubernetesObjectives(); k != nil {
-			objectiveNamespaces++
-			for _, res := range objectives.Resources {
-				require.True(t, grants(rules[k.GetNamespace()], res.Group, res.Resource),
-					"pool %s reads %s in namespace %s: the chart must grant get, list and watch", pool.GetName(), res.GroupResource(), k.GetNamespace())
-			}
+			objTargets = append(objTargets, objectives.Target{Pool: pool.GetName(), Spec: k, Set: func(map[string]int) {}})
 		}
 	}
-	if len(targets) == 0 {
-		if objectiveNamespaces == 0 {
-			require.Empty(t, rules, "no pool discovers engines or objectives: pdx needs no rights")
-		}
+	if len(targets) == 0 && len(objTargets) == 0 {
+		require.Empty(t, rules, "no pool discovers engines or objectives: pdx needs no rights")
 		return
 	}
-	asked, err := discover(t, targets, rules, 10*time.Second)
-	require.NoError(t, err, "pdx's discovery with the rights the chart grants")
-	for _, tg := range targets {
-		for _, res := range []string{"pods", "endpointslices"} {
-			for _, verb := range []string{"list", "watch"} {
-				require.Contains(t, asked, request{verb: verb, resource: res, namespace: tg.Spec.GetNamespace()})
-			}
+
+	srv := cluster.Server(t)
+	admin, err := kubernetes.NewForConfig(srv.Config())
+	require.NoError(t, err)
+	var roles []*rbacv1.Role
+	for _, o := range objs {
+		switch v := o.obj.(type) {
+		case *rbacv1.Role:
+			ensureNamespace(t, admin, v.Namespace)
+			_, err := admin.RbacV1().Roles(v.Namespace).Create(t.Context(), v, metav1.CreateOptions{})
+			require.NoError(t, err, "%s", o)
+			roles = append(roles, v)
+			t.Cleanup(func() {
+				require.NoError(t, admin.RbacV1().Roles(v.Namespace).Delete(context.Background(), v.Name, metav1.DeleteOptions{}))
+			})
+		case *rbacv1.RoleBinding:
+			ensureNamespace(t, admin, v.Namespace)
+			_, err := admin.RbacV1().RoleBindings(v.Namespace).Create(t.Context(), v, metav1.CreateOptions{})
+			require.NoError(t, err, "%s", o)
+			t.Cleanup(func() {
+				require.NoError(t, admin.RbacV1().RoleBindings(v.Namespace).Delete(context.Background(), v.Name, metav1.DeleteOptions{}))
+			})
 		}
 	}
-	// The check can fail: without the EndpointSlice rule discovery cannot
-	// sync.
-	var fewer map[string][]rbacv1.PolicyRule = map[string][]rbacv1.PolicyRule{}
-	for ns, rs := range rules {
-		for _, r := range rs {
-			if !slices.Contains(r.Resources, "endpointslices") {
-				fewer[ns] = append(fewer[ns], r)
-			}
-		}
+	asPdx := srv.ConfigAs("system:serviceaccount:"+sa.Namespace+":"+sa.Name, "system:serviceaccounts", "system:serviceaccounts:"+sa.Namespace)
+	client, err := kubernetes.NewForConfig(asPdx)
+	require.NoError(t, err)
+	dyn, err := dynamic.NewForConfig(asPdx)
+	require.NoError(t, err)
+
+	// RBAC's authorizer learns of the new Roles through its own watch; the
+	// informers retry until it has.
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	d := discovery.New(client, discovery.Options{})
+	defer d.Close()
+	require.NoError(t, d.SetTargets(ctx, targets), "pdx's discovery with the rights the chart grants")
+	w := objectives.New(dyn, objectives.Options{})
+	defer w.Close()
+	require.NoError(t, w.SetTargets(ctx, objTargets), "pdx's objectives with the rights the chart grants")
+	if len(targets) == 0 {
+		return
 	}
-	_, err = discover(t, targets, fewer, 300*time.Millisecond)
-	require.Error(t, err)
+
+	// Without the EndpointSlice rule, discovery cannot list.
+	for _, role := range roles {
+		cur, err := admin.RbacV1().Roles(role.Namespace).Get(t.Context(), role.Name, metav1.GetOptions{})
+		require.NoError(t, err)
+		cur.Rules = slices.DeleteFunc(cur.Rules, func(r rbacv1.PolicyRule) bool { return slices.Contains(r.Resources, "endpointslices") })
+		_, err = admin.RbacV1().Roles(role.Namespace).Update(t.Context(), cur, metav1.UpdateOptions{})
+		require.NoError(t, err)
+	}
+	ns := targets[0].Spec.GetNamespace()
+	require.Eventually(t, func() bool {
+		_, err := client.DiscoveryV1().EndpointSlices(ns).List(t.Context(), metav1.ListOptions{})
+		return apierrors.IsForbidden(err)
+	}, 10*time.Second, 20*time.Millisecond, "the narrowed Role applies")
+	fewer := discovery.New(client, discovery.Options{})
+	ctx, cancel = context.WithTimeout(t.Context(), 300*time.Millisecond)
+	defer cancel()
+	err = fewer.SetTargets(ctx, targets)
+	fewer.Close()
+	require.ErrorContains(t, err, "were not listed")
 }
 
-// grants reports whether rules allow get, list and watch of resource in
-// group.
-func grants(rules []rbacv1.PolicyRule, group, resource string) bool {
-	return slices.ContainsFunc(rules, func(r rbacv1.PolicyRule) bool {
-		return slices.Contains(r.APIGroups, group) && slices.Contains(r.Resources, resource) &&
-			slices.Contains(r.Verbs, "get") && slices.Contains(r.Verbs, "list") && slices.Contains(r.Verbs, "watch")
-	})
+func ensureNamespace(t *testing.T, client kubernetes.Interface, name string) {
+	t.Helper()
+	_, err := client.CoreV1().Namespaces().Create(t.Context(), &corev1.Namespace{ObjectMeta: metav1.ObjectMeta{Name: name}}, metav1.CreateOptions{})
+	if !apierrors.IsAlreadyExists(err) {
+		require.NoError(t, err)
+	}
 }
 
 // boundRules are the rules of the Roles bound to sa, by the Role's
@@ -750,61 +788,6 @@ func boundRules(t *testing.T, objs []object, sa *corev1.ServiceAccount) map[stri
 		}
 	}
 	return rules
-}
-
-// request is an API request discovery made.
-type request struct{ verb, resource, namespace string }
-
-// discover runs discovery.SetTargets against a fake clientset that refuses
-// (403) every request rules do not allow, and returns the requests made.
-func discover(t *testing.T, targets []discovery.Target, rules map[string][]rbacv1.PolicyRule, timeout time.Duration) (map[request]bool, error) {
-	t.Helper()
-	client := fake.NewClientset()
-	asked := make(chan request, 1000)
-	authorize := func(a clienttesting.Action) error {
-		gvr := a.GetResource()
-		asked <- request{verb: a.GetVerb(), resource: gvr.Resource, namespace: a.GetNamespace()}
-		if allows(rules[a.GetNamespace()], a.GetVerb(), gvr) {
-			return nil
-		}
-		return apierrors.NewForbidden(gvr.GroupResource(), "", fmt.Errorf("%s %s in namespace %q not granted", a.GetVerb(), gvr, a.GetNamespace()))
-	}
-	client.PrependReactor("*", "*", func(a clienttesting.Action) (bool, runtime.Object, error) {
-		if err := authorize(a); err != nil {
-			return true, nil, err
-		}
-		return false, nil, nil
-	})
-	client.PrependWatchReactor("*", func(a clienttesting.Action) (bool, watch.Interface, error) {
-		if err := authorize(a); err != nil {
-			return true, nil, err
-		}
-		return false, nil, nil
-	})
-	d := discovery.New(client, discovery.Options{})
-	ctx, cancel := context.WithTimeout(t.Context(), timeout)
-	err := d.SetTargets(ctx, targets)
-	cancel()
-	d.Close()
-	got := map[request]bool{}
-	for {
-		select {
-		case r := <-asked:
-			got[r] = true
-		default:
-			return got, err
-		}
-	}
-}
-
-// allows reports whether rules grant verb on gvr.
-func allows(rules []rbacv1.PolicyRule, verb string, gvr schema.GroupVersionResource) bool {
-	for _, r := range rules {
-		if slices.Contains(r.APIGroups, gvr.Group) && slices.Contains(r.Resources, gvr.Resource) && slices.Contains(r.Verbs, verb) {
-			return true
-		}
-	}
-	return false
 }
 
 // checkEnvoyGateway: the route sends every request through pdx's ext_proc

@@ -2,7 +2,7 @@ package discovery
 
 import (
 	"context"
-	"errors"
+	"maps"
 	"slices"
 	"strings"
 	"testing"
@@ -12,21 +12,25 @@ import (
 	"go.uber.org/goleak"
 	corev1 "k8s.io/api/core/v1"
 	discoveryv1 "k8s.io/api/discovery/v1"
+	rbacv1 "k8s.io/api/rbac/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/kubernetes/fake"
-	clienttesting "k8s.io/client-go/testing"
+	"k8s.io/client-go/kubernetes"
 
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/kubeapi"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// cluster is the real API server (and etcd) the tests watch, one for the
+// package, started by the first test that needs it.
+var cluster kubeapi.Package
 
-const ns = "llm"
+func TestMain(m *testing.M) { goleak.VerifyTestMain(cluster.Wrap(m)) }
 
 // Kthena's labels, the defaults.
 const (
@@ -38,10 +42,12 @@ const (
 type podSpec struct {
 	name, ip, role, group string
 	notReady              bool
-	deleting              bool
 	labels                map[string]string // more labels
 }
 
+// newPod is the pod of s as a kubelet would have it: scheduled, running,
+// with its IP and readiness. The harness creates it and then writes its
+// status, as the API server takes no status on create.
 func newPod(s podSpec) *corev1.Pod {
 	labels := map[string]string{"app": "llm"}
 	if s.role != "" {
@@ -58,20 +64,23 @@ func newPod(s podSpec) *corev1.Pod {
 		ready = corev1.ConditionFalse
 	}
 	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: s.name, Namespace: ns, UID: types.UID("uid-" + s.name), Labels: labels},
-		Spec: corev1.PodSpec{Containers: []corev1.Container{
-			{Name: "sidecar", Ports: []corev1.ContainerPort{{Name: "metrics", ContainerPort: 9090}}},
-			{Name: "engine", Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8000}}},
-		}},
-		Status: corev1.PodStatus{PodIP: s.ip, Conditions: []corev1.PodCondition{
+		ObjectMeta: metav1.ObjectMeta{Name: s.name, Labels: labels},
+		Spec: corev1.PodSpec{
+			// Scheduled: deleting it is graceful, as for an engine's pod.
+			NodeName: "node-a",
+			Containers: []corev1.Container{
+				{Name: "sidecar", Image: "sidecar", Ports: []corev1.ContainerPort{{Name: "metrics", ContainerPort: 9090}}},
+				{Name: "engine", Image: "vllm", Ports: []corev1.ContainerPort{{Name: "http", ContainerPort: 8000}}},
+			},
+		},
+		Status: corev1.PodStatus{Phase: corev1.PodRunning, Conditions: []corev1.PodCondition{
 			{Type: corev1.PodScheduled, Status: corev1.ConditionTrue},
 			{Type: corev1.PodReady, Status: ready},
 		}},
 	}
-	if s.deleting {
-		now := metav1.Now()
-		pod.DeletionTimestamp = &now
-		pod.Finalizers = []string{"test"} // a deleting pod has some
+	if s.ip != "" {
+		pod.Status.PodIP = s.ip
+		pod.Status.PodIPs = []corev1.PodIP{{IP: s.ip}}
 	}
 	return pod
 }
@@ -84,10 +93,12 @@ type sliceEP struct {
 	noRef                 bool
 }
 
+// newSlice is an EndpointSlice of service, as the EndpointSlice controller
+// would write it; the harness fills in its endpoints' pod UIDs.
 func newSlice(name, service string, family discoveryv1.AddressType, eps ...sliceEP) *discoveryv1.EndpointSlice {
 	port, http := int32(8000), "http"
 	s := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: name, Namespace: ns, Labels: map[string]string{discoveryv1.LabelServiceName: service}},
+		ObjectMeta:  metav1.ObjectMeta{Name: name, Labels: map[string]string{discoveryv1.LabelServiceName: service}},
 		AddressType: family,
 		Ports:       []discoveryv1.EndpointPort{{Name: &http, Port: &port}},
 	}
@@ -98,21 +109,19 @@ func newSlice(name, service string, family discoveryv1.AddressType, eps ...slice
 			Conditions: discoveryv1.EndpointConditions{Ready: &ready, Serving: &ready, Terminating: &terminating},
 		}
 		if !e.noRef {
-			uid := e.uid
-			if uid == "" {
-				uid = "uid-" + e.pod
-			}
-			ep.TargetRef = &corev1.ObjectReference{Kind: "Pod", Namespace: ns, Name: e.pod, UID: types.UID(uid)}
+			ep.TargetRef = &corev1.ObjectReference{Kind: "Pod", Name: e.pod, UID: types.UID(e.uid)}
 		}
 		s.Endpoints = append(s.Endpoints, ep)
 	}
 	return s
 }
 
-// harness runs a Discovery over a fake clientset feeding one pool.
+// harness runs a Discovery over a namespace of the real API server,
+// feeding one pool.
 type harness struct {
 	t      *testing.T
-	client *fake.Clientset
+	ns     string
+	client kubernetes.Interface
 	d      *Discovery
 	pool   *routing.Pool
 	target Target
@@ -120,16 +129,37 @@ type harness struct {
 }
 
 // newHarness builds the pool of a config pool body (the lines after
-// "name: p"), starts discovery for it over objs, and waits until it has its
-// first endpoints.
+// "name: p"; its "namespace: llm" becomes the test's namespace), creates
+// objs (pods and EndpointSlices) in the namespace, starts discovery for the
+// pool, and waits until it has its first endpoints.
 func newHarness(t *testing.T, poolYAML string, objs ...runtime.Object) *harness {
 	t.Helper()
-	pool, target := newPool(t, poolYAML)
-	h := &harness{t: t, client: fake.NewClientset(objs...), pool: pool, target: target, events: make(chan Event, 1000)}
+	srv := cluster.Server(t)
+	h := &harness{t: t, ns: srv.Namespace(t), events: make(chan Event, 1000)}
+	var err error
+	h.client, err = kubernetes.NewForConfig(srv.Config())
+	require.NoError(t, err)
+	h.pool, h.target = newPool(t, h.poolYAML(poolYAML))
+	for _, obj := range objs {
+		switch o := obj.(type) {
+		case *corev1.Pod:
+			h.writePod(o)
+		case *discoveryv1.EndpointSlice:
+			h.writeSlice(o)
+		default:
+			t.Fatalf("newHarness: %T", obj)
+		}
+	}
 	h.d = New(h.client, Options{Handled: func(ev Event) { h.events <- ev }})
 	t.Cleanup(h.d.Close)
 	require.NoError(t, h.d.SetTargets(t.Context(), []Target{h.target}))
 	return h
+}
+
+// poolYAML puts a pool body in the test's namespace.
+func (h *harness) poolYAML(body string) string {
+	require.Contains(h.t, body, "namespace: llm")
+	return strings.ReplaceAll(body, "namespace: llm", "namespace: "+h.ns)
 }
 
 // newPool builds pool "p" from a config pool body (the lines after its
@@ -153,7 +183,7 @@ func (h *harness) await(kind, op, name string) {
 	for {
 		select {
 		case ev := <-h.events:
-			if ev.Kind == kind && ev.Op == op && ev.Name == name && ev.Namespace == ns {
+			if ev.Kind == kind && ev.Op == op && ev.Name == name && ev.Namespace == h.ns {
 				return
 			}
 		case <-timeout:
@@ -162,45 +192,133 @@ func (h *harness) await(kind, op, name string) {
 	}
 }
 
-// Actions on the cluster. Each returns once discovery has handled its event.
+func (h *harness) podUID(name string) types.UID {
+	h.t.Helper()
+	pod, err := h.client.CoreV1().Pods(h.ns).Get(h.t.Context(), name, metav1.GetOptions{})
+	require.NoError(h.t, err)
+	return pod.UID
+}
+
+// Actions on the cluster. Each returns once discovery has handled its
+// events.
+
+// writePod creates pod and then writes its status through the status
+// subresource, as the kubelet does: the API server drops the status a
+// create carries.
+func (h *harness) writePod(pod *corev1.Pod) *corev1.Pod {
+	h.t.Helper()
+	pods := h.client.CoreV1().Pods(h.ns)
+	created, err := pods.Create(h.t.Context(), pod, metav1.CreateOptions{})
+	require.NoError(h.t, err)
+	require.Equal(h.t, corev1.PodPending, created.Status.Phase, "no status on create")
+	created.Status = pod.Status
+	updated, err := pods.UpdateStatus(h.t.Context(), created, metav1.UpdateOptions{})
+	require.NoError(h.t, err)
+	return updated
+}
 
 func (h *harness) createPod(s podSpec) {
 	h.t.Helper()
-	_, err := h.client.CoreV1().Pods(ns).Create(h.t.Context(), newPod(s), metav1.CreateOptions{})
-	require.NoError(h.t, err)
+	h.writePod(newPod(s))
 	h.await("Pod", "add", s.name)
+	h.await("Pod", "update", s.name) // its status
 }
 
+func (h *harness) createPods(specs ...podSpec) {
+	h.t.Helper()
+	for _, s := range specs {
+		h.createPod(s)
+	}
+}
+
+// updatePod makes the pod's labels and status those of s, each written
+// only if it changes (an update that changes nothing makes no event).
 func (h *harness) updatePod(s podSpec) {
 	h.t.Helper()
-	_, err := h.client.CoreV1().Pods(ns).Update(h.t.Context(), newPod(s), metav1.UpdateOptions{})
+	pods := h.client.CoreV1().Pods(h.ns)
+	want := newPod(s)
+	cur, err := pods.Get(h.t.Context(), s.name, metav1.GetOptions{})
 	require.NoError(h.t, err)
-	h.await("Pod", "update", s.name)
+	writes := 0
+	if !maps.Equal(cur.Labels, want.Labels) {
+		cur.Labels = want.Labels
+		cur, err = pods.Update(h.t.Context(), cur, metav1.UpdateOptions{})
+		require.NoError(h.t, err)
+		writes++
+	}
+	if podReady(cur) != !s.notReady || cur.Status.PodIP != want.Status.PodIP {
+		cur.Status = want.Status
+		_, err = pods.UpdateStatus(h.t.Context(), cur, metav1.UpdateOptions{})
+		require.NoError(h.t, err)
+		writes++
+	}
+	require.Positive(h.t, writes, "updatePod changes nothing")
+	for range writes {
+		h.await("Pod", "update", s.name)
+	}
 }
 
+// deletePod deletes the pod at once (a grace period of 0): it is gone from
+// the API.
 func (h *harness) deletePod(name string) {
 	h.t.Helper()
-	require.NoError(h.t, h.client.CoreV1().Pods(ns).Delete(h.t.Context(), name, metav1.DeleteOptions{}))
+	require.NoError(h.t, h.client.CoreV1().Pods(h.ns).Delete(h.t.Context(), name, metav1.DeleteOptions{GracePeriodSeconds: new(int64)}))
 	h.await("Pod", "delete", name)
+}
+
+// terminatePod deletes the pod gracefully, as `kubectl delete` does: the
+// API server only marks it (a deletion timestamp) for its kubelet, which
+// there is none of here, to stop it.
+func (h *harness) terminatePod(name string) {
+	h.t.Helper()
+	pods := h.client.CoreV1().Pods(h.ns)
+	require.NoError(h.t, pods.Delete(h.t.Context(), name, metav1.DeleteOptions{}))
+	h.await("Pod", "update", name)
+	pod, err := pods.Get(h.t.Context(), name, metav1.GetOptions{})
+	require.NoError(h.t, err, "a scheduled pod outlives its deletion until its kubelet confirms it")
+	require.NotNil(h.t, pod.DeletionTimestamp)
+}
+
+// writeSlice creates or replaces an EndpointSlice; an endpoint's targetRef
+// without a UID gets its pod's.
+func (h *harness) writeSlice(s *discoveryv1.EndpointSlice) (op string) {
+	h.t.Helper()
+	s = s.DeepCopy()
+	for i := range s.Endpoints {
+		ref := s.Endpoints[i].TargetRef
+		if ref == nil {
+			continue
+		}
+		ref.Namespace = h.ns
+		if ref.UID == "" {
+			pod, err := h.client.CoreV1().Pods(h.ns).Get(h.t.Context(), ref.Name, metav1.GetOptions{})
+			if err == nil {
+				ref.UID = pod.UID
+			}
+		}
+	}
+	slices := h.client.DiscoveryV1().EndpointSlices(h.ns)
+	cur, err := slices.Get(h.t.Context(), s.Name, metav1.GetOptions{})
+	if err == nil {
+		s.ResourceVersion = cur.ResourceVersion
+		_, err = slices.Update(h.t.Context(), s, metav1.UpdateOptions{})
+		require.NoError(h.t, err)
+		return "update"
+	}
+	require.True(h.t, apierrors.IsNotFound(err), "%v", err)
+	_, err = slices.Create(h.t.Context(), s, metav1.CreateOptions{})
+	require.NoError(h.t, err)
+	return "add"
 }
 
 func (h *harness) applySlice(s *discoveryv1.EndpointSlice) {
 	h.t.Helper()
-	slices := h.client.DiscoveryV1().EndpointSlices(ns)
-	if _, err := slices.Get(h.t.Context(), s.Name, metav1.GetOptions{}); err == nil {
-		_, err = slices.Update(h.t.Context(), s, metav1.UpdateOptions{})
-		require.NoError(h.t, err)
-		h.await("EndpointSlice", "update", s.Name)
-		return
-	}
-	_, err := slices.Create(h.t.Context(), s, metav1.CreateOptions{})
-	require.NoError(h.t, err)
-	h.await("EndpointSlice", "add", s.Name)
+	h.await("EndpointSlice", h.writeSlice(s), s.Name)
 }
 
 func (h *harness) deleteSlice(name string) {
 	h.t.Helper()
-	require.NoError(h.t, h.client.DiscoveryV1().EndpointSlices(ns).Delete(h.t.Context(), name, metav1.DeleteOptions{}))
+	require.NoError(h.t, h.client.DiscoveryV1().EndpointSlices(h.ns).Delete(h.t.Context(), name, metav1.DeleteOptions{}))
 	h.await("EndpointSlice", "delete", name)
 }
 
@@ -353,9 +471,16 @@ func TestServiceDiscovery(t *testing.T) {
 			name: "other services, stale and pod-less endpoints are not used",
 			steps: func(h *harness) {
 				h.createPods(p1, p2, d1)
+				// p1 is replaced by a pod of the same name: the server
+				// gives it another UID, and the slice still names the
+				// former pod's.
+				former := h.podUID("p1")
+				h.deletePod("p1")
+				h.createPod(p1)
+				require.NotEqual(h.t, former, h.podUID("p1"))
 				h.applySlice(newSlice("other-a", "other", discoveryv1.AddressTypeIPv4, all...))
 				h.applySlice(newSlice("engines-a", "engines", discoveryv1.AddressTypeIPv4,
-					sliceEP{pod: "p1", ip: "10.0.0.1", uid: "uid-of-a-former-p1"},
+					sliceEP{pod: "p1", ip: "10.0.0.1", uid: string(former)},
 					sliceEP{ip: "10.0.0.9", noRef: true}, all[1], all[2]))
 			},
 			prefill: []string{"10.0.0.2:8000"}, decode: []string{"10.0.0.11:8000"},
@@ -391,13 +516,6 @@ func TestServiceDiscovery(t *testing.T) {
 	}
 }
 
-func (h *harness) createPods(specs ...podSpec) {
-	h.t.Helper()
-	for _, s := range specs {
-		h.createPod(s)
-	}
-}
-
 // TestPodDiscovery uses pods alone, without a Service.
 func TestPodDiscovery(t *testing.T) {
 	const pool = `  connector: sglang
@@ -428,6 +546,18 @@ func TestPodDiscovery(t *testing.T) {
 			prefill: []string{"10.0.0.1:8000"}, decode: []string{"10.0.0.11:8000"},
 		},
 		{
+			name: "a pod turning ready is picked",
+			steps: func(h *harness) {
+				d1 := d1
+				d1.notReady = true
+				h.createPods(p1, d1)
+				h.requirePicks([]string{"10.0.0.1:8000"}, nil)
+				d1.notReady = false
+				h.updatePod(d1)
+			},
+			prefill: []string{"10.0.0.1:8000"}, decode: []string{"10.0.0.11:8000"},
+		},
+		{
 			name: "a pod turning not ready is no longer picked",
 			steps: func(h *harness) {
 				h.createPods(p1, d1)
@@ -441,9 +571,7 @@ func TestPodDiscovery(t *testing.T) {
 			name: "a pod being deleted is no longer picked",
 			steps: func(h *harness) {
 				h.createPods(p1, d1)
-				p1 := p1
-				p1.deleting = true
-				h.updatePod(p1)
+				h.terminatePod("p1")
 			},
 			decode: []string{"10.0.0.11:8000"},
 		},
@@ -464,10 +592,10 @@ func TestPodDiscovery(t *testing.T) {
 				other.labels["app"] = "other"
 				h.createPod(other)
 				noPort := newPod(role(podSpec{name: "d4", ip: "10.0.0.14"}, "D"))
-				noPort.Spec.Containers = nil
-				_, err := h.client.CoreV1().Pods(ns).Create(h.t.Context(), noPort, metav1.CreateOptions{})
-				require.NoError(h.t, err)
+				noPort.Spec.Containers = []corev1.Container{{Name: "engine", Image: "vllm"}}
+				h.writePod(noPort)
 				h.await("Pod", "add", "d4")
+				h.await("Pod", "update", "d4")
 			},
 			prefill: []string{"10.0.0.1:8000"}, decode: []string{"10.0.0.11:8000"},
 		},
@@ -579,7 +707,7 @@ func TestSetTargets(t *testing.T) {
 	// A new pool for the same cluster gets the current endpoints at once,
 	// and the old one no more updates.
 	old := h.pool
-	h.pool, h.target = newPool(t, servicePool)
+	h.pool, h.target = newPool(t, h.poolYAML(servicePool))
 	require.Empty(t, h.pool.Decode.Set.Endpoints())
 	require.NoError(t, h.d.SetTargets(t.Context(), []Target{h.target}))
 	h.requirePicks([]string{"10.0.0.1:8000"}, []string{"10.0.0.11:8000"})
@@ -597,32 +725,71 @@ func TestSetTargets(t *testing.T) {
 	require.ErrorIs(t, h.d.SetTargets(t.Context(), []Target{h.target}), ErrClosed)
 }
 
-// TestSetTargetsUnlisted fails when the informers cannot list, as without
-// RBAC, and leaves nothing running.
-func TestSetTargetsUnlisted(t *testing.T) {
-	_, target := newPool(t, servicePool)
+// TestSetTargetsRBAC: as a ServiceAccount that RBAC does not let list the
+// pods, SetTargets fails (the API server answers 403 and the informers
+// retry until the context ends) and leaves nothing running; once a Role
+// grants get, list and watch on pods and EndpointSlices (what
+// docs/discovery.md asks for), the same client is fed.
+func TestSetTargetsRBAC(t *testing.T) {
+	srv := cluster.Server(t)
+	ns := srv.Namespace(t)
+	sa := "system:serviceaccount:" + ns + ":pdx"
+	client, err := kubernetes.NewForConfig(srv.ConfigAs(sa, "system:serviceaccounts", "system:serviceaccounts:"+ns))
+	require.NoError(t, err)
+	_, err = client.CoreV1().Pods(ns).List(t.Context(), metav1.ListOptions{})
+	require.True(t, apierrors.IsForbidden(err), "listing without a Role: %v", err)
+
+	_, target := newPool(t, strings.ReplaceAll(servicePool, "namespace: llm", "namespace: "+ns))
 	target.Set = func(_, _ []endpoint.Endpoint) { t.Error("no endpoints can be known") }
-	client := fake.NewClientset()
-	client.PrependReactor("list", "pods", func(clienttesting.Action) (bool, runtime.Object, error) {
-		return true, nil, errors.New(`pods is forbidden: User "system:serviceaccount:llm:pdx" cannot list resource "pods"`)
-	})
 	d := New(client, Options{})
 	defer d.Close()
-	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
 	defer cancel()
-	err := d.SetTargets(ctx, []Target{target})
-	require.ErrorContains(t, err, "discovery: the pods and endpointslices of namespaces [llm] were not listed")
+	err = d.SetTargets(ctx, []Target{target})
+	require.ErrorContains(t, err, "discovery: the pods and endpointslices of namespaces ["+ns+"] were not listed")
 	require.ErrorIs(t, err, context.DeadlineExceeded)
 	d.mu.Lock()
 	require.Empty(t, d.watched, "informers stopped")
 	d.mu.Unlock()
+
+	admin, err := kubernetes.NewForConfig(srv.Config())
+	require.NoError(t, err)
+	verbs := []string{"get", "list", "watch"}
+	_, err = admin.RbacV1().Roles(ns).Create(t.Context(), &rbacv1.Role{
+		ObjectMeta: metav1.ObjectMeta{Name: "pdx"},
+		Rules: []rbacv1.PolicyRule{
+			{APIGroups: []string{""}, Resources: []string{"pods"}, Verbs: verbs},
+			{APIGroups: []string{"discovery.k8s.io"}, Resources: []string{"endpointslices"}, Verbs: verbs},
+		},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	_, err = admin.RbacV1().RoleBindings(ns).Create(t.Context(), &rbacv1.RoleBinding{
+		ObjectMeta: metav1.ObjectMeta{Name: "pdx"},
+		Subjects:   []rbacv1.Subject{{Kind: rbacv1.ServiceAccountKind, Name: "pdx", Namespace: ns}},
+		RoleRef:    rbacv1.RoleRef{APIGroup: rbacv1.GroupName, Kind: "Role", Name: "pdx"},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	// The authorizer learns of the binding through its own watch.
+	require.Eventually(t, func() bool {
+		_, err := client.DiscoveryV1().EndpointSlices(ns).List(t.Context(), metav1.ListOptions{})
+		return err == nil
+	}, 10*time.Second, 20*time.Millisecond)
+
+	fed := make(chan struct{}, 1)
+	target.Set = func(_, _ []endpoint.Endpoint) { fed <- struct{}{} }
+	require.NoError(t, d.SetTargets(t.Context(), []Target{target}))
+	select {
+	case <-fed:
+	default:
+		t.Fatal("SetTargets returned before feeding the target")
+	}
 }
 
 // TestSlimPod keeps what discovery reads.
 func TestSlimPod(t *testing.T) {
-	pod := newPod(podSpec{name: "p", ip: "10.0.0.1", role: "prefill", deleting: true})
+	pod := newPod(podSpec{name: "p", ip: "10.0.0.1", role: "prefill"})
+	pod.DeletionTimestamp = &metav1.Time{Time: time.Now()}
 	pod.Annotations = map[string]string{"big": strings.Repeat("x", 1000)}
-	pod.Spec.Containers[1].Image = "vllm"
 	got, err := slimPod(pod)
 	require.NoError(t, err)
 	slim := got.(*corev1.Pod)

@@ -19,22 +19,22 @@ import (
 	discoveryv1 "k8s.io/api/discovery/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/runtime"
-	"k8s.io/apimachinery/pkg/runtime/schema"
-	k8stypes "k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/dynamic"
-	dynamicfake "k8s.io/client-go/dynamic/fake"
 	"k8s.io/client-go/kubernetes"
-	"k8s.io/client-go/kubernetes/fake"
-	k8stesting "k8s.io/client-go/testing"
 
 	"github.com/pdx-router/pdx/internal/discovery"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/objectives"
 	"github.com/pdx-router/pdx/internal/routing"
+	"github.com/pdx-router/pdx/internal/testbed/kubeapi"
 )
 
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+// cluster is the real API server (and etcd) that the discovered pools and
+// the objectives follow, one for the package, started by the first test
+// that needs it.
+var cluster = kubeapi.Package{CRDs: kubeapi.InferenceCRDs}
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(cluster.Wrap(m)) }
 
 // syncBuffer is a log sink safe for concurrent use.
 type syncBuffer struct {
@@ -218,30 +218,45 @@ pools:
   kubernetes: {namespace: llm, service: engines, port: 8000}
 `
 
-func pod(name, ip, role string) *corev1.Pod {
-	return &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{Name: name, Namespace: "llm", UID: k8stypes.UID("uid-" + name),
-			Labels: map[string]string{"modelserving.volcano.sh/role": role}},
-		Status: corev1.PodStatus{PodIP: ip},
-	}
+// createPod creates a ready engine pod in ns, its status written as its
+// kubelet would.
+func createPod(t *testing.T, client kubernetes.Interface, ns, name, ip, role string) *corev1.Pod {
+	t.Helper()
+	pod, err := client.CoreV1().Pods(ns).Create(t.Context(), &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{Name: name, Labels: map[string]string{"modelserving.volcano.sh/role": role}},
+		Spec:       corev1.PodSpec{NodeName: "node-a", Containers: []corev1.Container{{Name: "engine", Image: "vllm"}}},
+	}, metav1.CreateOptions{})
+	require.NoError(t, err)
+	pod.Status = corev1.PodStatus{Phase: corev1.PodRunning, PodIP: ip, PodIPs: []corev1.PodIP{{IP: ip}},
+		Conditions: []corev1.PodCondition{{Type: corev1.PodReady, Status: corev1.ConditionTrue}}}
+	pod, err = client.CoreV1().Pods(ns).UpdateStatus(t.Context(), pod, metav1.UpdateOptions{})
+	require.NoError(t, err)
+	return pod
 }
 
 // TestReloadDiscovered keeps a discovered pool fed across reloads: the new
 // table's pool has the endpoints at once and follows the cluster from then
 // on; the old table's pool is left as it was.
 func TestReloadDiscovered(t *testing.T) {
+	srv := cluster.Server(t)
+	ns := srv.Namespace(t)
+	client, err := kubernetes.NewForConfig(srv.Config())
+	require.NoError(t, err)
 	ready := true
 	slice := &discoveryv1.EndpointSlice{
-		ObjectMeta:  metav1.ObjectMeta{Name: "engines-a", Namespace: "llm", Labels: map[string]string{discoveryv1.LabelServiceName: "engines"}},
+		ObjectMeta:  metav1.ObjectMeta{Name: "engines-a", Labels: map[string]string{discoveryv1.LabelServiceName: "engines"}},
 		AddressType: discoveryv1.AddressTypeIPv4,
 	}
-	for _, p := range []struct{ name, ip string }{{"p1", "10.0.0.1"}, {"d1", "10.0.0.11"}} {
+	for _, p := range []struct{ name, ip, role string }{{"p1", "10.0.0.1", "prefill"}, {"d1", "10.0.0.11", "decode"}} {
+		pod := createPod(t, client, ns, p.name, p.ip, p.role)
 		slice.Endpoints = append(slice.Endpoints, discoveryv1.Endpoint{
 			Addresses: []string{p.ip}, Conditions: discoveryv1.EndpointConditions{Ready: &ready},
-			TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: p.name, Namespace: "llm", UID: k8stypes.UID("uid-" + p.name)},
+			TargetRef: &corev1.ObjectReference{Kind: "Pod", Name: p.name, Namespace: ns, UID: pod.UID},
 		})
 	}
-	client := fake.NewClientset(pod("p1", "10.0.0.1", "prefill"), pod("d1", "10.0.0.11", "decode"), slice)
+	_, err = client.DiscoveryV1().EndpointSlices(ns).Create(t.Context(), slice, metav1.CreateOptions{})
+	require.NoError(t, err)
+	discovered := strings.ReplaceAll(discovered, "namespace: llm", "namespace: "+ns)
 	clients := 0
 	events := make(chan discovery.Event, 100)
 	path := filepath.Join(t.TempDir(), "pdx.yaml")
@@ -272,7 +287,7 @@ func TestReloadDiscovered(t *testing.T) {
 	require.Equal(t, []string{"10.0.0.1:8000"}, addresses(second.Prefill.Set.Endpoints()), "fed before it is handed over")
 	require.Equal(t, 1, clients, "one client for all reloads")
 
-	require.NoError(t, client.CoreV1().Pods("llm").Delete(t.Context(), "p1", metav1.DeleteOptions{}))
+	require.NoError(t, client.CoreV1().Pods(ns).Delete(t.Context(), "p1", metav1.DeleteOptions{GracePeriodSeconds: new(int64)}))
 	select {
 	case <-events:
 	case <-time.After(10 * time.Second):
@@ -302,12 +317,14 @@ func TestNewFails(t *testing.T) {
 	}})
 	require.EqualError(t, err, "kubernetes client: unable to load in-cluster configuration")
 
-	// A cluster that cannot be listed fails the start after SyncTimeout.
-	client := fake.NewClientset()
-	client.PrependReactor("list", "*", func(k8stesting.Action) (bool, runtime.Object, error) {
-		return true, nil, errors.New("forbidden")
-	})
-	_, err = New(t.Context(), Options{Path: path, SyncTimeout: 100 * time.Millisecond,
+	// A cluster that cannot be listed (RBAC grants the user nothing: 403)
+	// fails the start after SyncTimeout.
+	srv := cluster.Server(t)
+	ns := srv.Namespace(t)
+	write(t, path, strings.ReplaceAll(fmt.Sprintf(discovered, 1), "namespace: llm", "namespace: "+ns))
+	client, err := kubernetes.NewForConfig(srv.ConfigAs("system:serviceaccount:" + ns + ":pdx"))
+	require.NoError(t, err)
+	_, err = New(t.Context(), Options{Path: path, SyncTimeout: 300 * time.Millisecond,
 		Kube: func() (kubernetes.Interface, error) { return client, nil }})
 	require.ErrorContains(t, err, "were not listed")
 }
@@ -410,7 +427,7 @@ pools:
 func inferenceObjective(name string, priority int64) *unstructured.Unstructured {
 	return &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective",
-		"metadata": map[string]any{"name": name, "namespace": "team"},
+		"metadata": map[string]any{"name": name},
 		"spec":     map[string]any{"priority": priority, "poolRef": map[string]any{"name": "pool-a"}},
 	}}
 }
@@ -420,12 +437,16 @@ func inferenceObjective(name string, priority int64) *unstructured.Unstructured 
 // Controller), and follows the cluster; back to a config without
 // kubernetes_objectives, nothing is watched.
 func TestReloadObjectives(t *testing.T) {
-	kinds := map[schema.GroupVersionResource]string{}
-	for _, r := range objectives.Resources {
-		kinds[r] = "InferenceObjectiveList"
+	srv := cluster.Server(t)
+	ns := srv.Namespace(t)
+	client, err := dynamic.NewForConfig(srv.Config())
+	require.NoError(t, err)
+	res := client.Resource(objectives.Resources[1]).Namespace(ns)
+	for _, o := range []*unstructured.Unstructured{inferenceObjective("critical", 10), inferenceObjective("pinned", -1)} {
+		_, err := res.Create(t.Context(), o, metav1.CreateOptions{})
+		require.NoError(t, err)
 	}
-	client := dynamicfake.NewSimpleDynamicClientWithCustomListKinds(runtime.NewScheme(), kinds,
-		inferenceObjective("critical", 10), inferenceObjective("pinned", -1))
+	objectivesConfig := strings.ReplaceAll(objectivesConfig, "namespace: team", "namespace: "+ns)
 	events := make(chan objectives.Event, 100)
 	path := filepath.Join(t.TempDir(), "pdx.yaml")
 	write(t, path, fmt.Sprintf(objectivesConfig, 1))
@@ -451,8 +472,10 @@ func TestReloadObjectives(t *testing.T) {
 	require.Equal(t, 10, second.Priority("critical"), "fed before it is handed over")
 	require.Equal(t, 1, clients, "one client for all reloads")
 
-	res := client.Resource(objectives.Resources[1]).Namespace("team")
-	_, err = res.Update(t.Context(), inferenceObjective("critical", 3), metav1.UpdateOptions{})
+	cur, err := res.Get(t.Context(), "critical", metav1.GetOptions{})
+	require.NoError(t, err)
+	cur.Object["spec"] = inferenceObjective("critical", 3).Object["spec"]
+	_, err = res.Update(t.Context(), cur, metav1.UpdateOptions{})
 	require.NoError(t, err)
 	for timeout := time.After(10 * time.Second); ; {
 		select {
