@@ -25,6 +25,7 @@ GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -
 
 include mk/proto.mk
 include mk/kube.mk
+include mk/pyclients.mk
 
 # vLLM's own router, the peer `make bench` and `make replay` measure
 # (and its test runs): a Rust library in a Python launcher, pip-installed
@@ -64,7 +65,7 @@ demo: envoy
 	$(GO) run ./cmd/pdx-demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
-test: envoy vllm-router kube fmt-check vet proto-check unit bench-compile fuzz k8s-translate
+test: envoy vllm-router kube pyclients fmt-check vet proto-check unit bench-compile fuzz k8s-translate
 
 fmt-check:
 	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

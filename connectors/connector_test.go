@@ -78,8 +78,9 @@ func TestTraits(t *testing.T) {
 		"lmcache":  {Prefills: true, MultipleChoices: true, DecodeFallback: true},
 		"mooncake": {Prefills: true, DecodeFallback: true}, "mooncake/nixl": {Prefills: true, DecodeFallback: true},
 		"mooncake/vllm": {Prefills: true, Concurrent: true},
-		"sglang":        {Prefills: true, Concurrent: true}, "p2p-nccl": {Prefills: true},
-		"trtllm": {Prefills: true}, "trtllm/legacy": {Prefills: true}, "none": {MultipleChoices: true, DecodeFallback: true},
+		"sglang":        {Prefills: true, Concurrent: true, NotDisaggregated: APIResponses | APIMessages}, "p2p-nccl": {Prefills: true},
+		"trtllm":        {Prefills: true, NotDisaggregated: APIResponses | APIMessages},
+		"trtllm/legacy": {Prefills: true, NotDisaggregated: APIResponses | APIMessages}, "none": {MultipleChoices: true, DecodeFallback: true},
 	}
 	for name, p := range variants() {
 		_, traits, err := New(p)

@@ -27,14 +27,14 @@ func httpSpec() Spec {
 // Prepare implements [Connector]. The prefill runs to its end before the
 // decode is sent, so the KV is in the store when the decode looks for it.
 func (HTTP) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
-	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, httpPrefillBody(req.Body))
+	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, httpPrefillBody(APIOf(req.Path), req.Body))
 	if err != nil {
 		return Handoff{}, engineFailure(req.Prefill, err)
 	}
 	return Handoff{Decode: Decode{Body: engineBody(req.Body), Rank: req.DecodeRank}, Prefilled: prefilledOf(answer)}, nil
 }
 
-func httpPrefillBody(client jsonedit.Object) net.Buffers {
+func httpPrefillBody(api API, client jsonedit.Object) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
-	return enginePieces(nil, client, prefillOnlyEdits(buf[:0], client)...)
+	return enginePieces(nil, client, prefillOnlyEdits(buf[:0], api, client)...)
 }

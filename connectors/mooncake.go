@@ -111,7 +111,7 @@ func (MooncakeVLLMConnector) Prepare(ctx context.Context, env Env, req *Request)
 	id := uuidHex()
 	transferID := appendJSONString(nil, "xfer-"+id)
 	var buf [maxEdits]jsonedit.Edit
-	prefill := enginePieces(nil, req.Body, append(prefillOnlyEdits(buf[:0], req.Body),
+	prefill := enginePieces(nil, req.Body, append(prefillOnlyEdits(buf[:0], APIOf(req.Path), req.Body),
 		jsonedit.Set(keyKVTransferParams, mooncakePrefillParams(transferID)))...)
 	decode := engineBody(req.Body,
 		jsonedit.Set(keyKVTransferParams, mooncakeDecodeParams(transferID, "http://"+bootstrap, engineID)))

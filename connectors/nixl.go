@@ -39,7 +39,7 @@ var nixlPrefillParams = []byte(`{"do_remote_decode":true,"do_remote_prefill":fal
 // Prepare implements [Connector].
 func (NIXL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {
 	held := &nixlHeld{req: req}
-	prefill := nixlPrefillBody(held.pieces[:0], req.Body, nixlPrefillParams)
+	prefill := nixlPrefillBody(held.pieces[:0], APIOf(req.Path), req.Body, nixlPrefillParams)
 	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, req.ID, req.PrefillRank, prefill)
 	if err != nil {
 		return Handoff{}, engineFailure(req.Prefill, err)
@@ -113,7 +113,7 @@ type nixlHeld struct {
 // VLLM_NIXL_ABORT_REQUEST_TIMEOUT (480 s), or the 30 s lease of newer vLLM.
 func (h *nixlHeld) Release(ctx context.Context, env Env) error {
 	r := h.req
-	_, err := env.Engine.Post(ctx, r.Decode, r.Path, r.ID, r.DecodeRank, nixlPrefillBody(nil, r.Body, h.params))
+	_, err := env.Engine.Post(ctx, r.Decode, r.Path, r.ID, r.DecodeRank, nixlPrefillBody(nil, APIOf(r.Path), r.Body, h.params))
 	return err
 }
 
@@ -127,9 +127,9 @@ func orAbsent(raw []byte) []byte {
 
 // nixlPrefillBody appends to dst the pieces of a one-token request carrying
 // params: the prefill's (nixlPrefillParams), or a release's (the blocks).
-func nixlPrefillBody(dst net.Buffers, client jsonedit.Object, params []byte) net.Buffers {
+func nixlPrefillBody(dst net.Buffers, api API, client jsonedit.Object, params []byte) net.Buffers {
 	var buf [maxEdits]jsonedit.Edit
-	edits := prefillOnlyEdits(buf[:0], client)
+	edits := prefillOnlyEdits(buf[:0], api, client)
 	return enginePieces(dst, client, append(edits, jsonedit.Set(keyKVTransferParams, params))...)
 }
 
@@ -142,17 +142,36 @@ func nixlDecodeBody(client jsonedit.Object, params []byte) []byte {
 	return engineBody(client, jsonedit.Set(keyKVTransferParams, params))
 }
 
-// prefillOnlyEdits appends to dst the edits that turn a client body into a
-// one-token, non-streaming request: the prefill's output is thrown away, only
-// its KV matters. The limit must be 1 as vLLM reads it on every path:
-// completions read only max_tokens (default 16), chat reads
-// max_completion_tokens first. So max_tokens is always 1, and
-// max_completion_tokens too when the client set it, as vLLM's own proxy
-// does. Callers pass a stack buffer (of maxEdits) as dst.
-func prefillOnlyEdits(dst []jsonedit.Edit, client jsonedit.Object) []jsonedit.Edit {
+// prefillOnlyEdits appends to dst the edits that turn a client body of api
+// into a one-token, non-streaming request: the prefill's output is thrown
+// away, only its KV matters. The limit must be 1 as vLLM reads it on each
+// API:
+//   - completions read only max_tokens (default 16), chat reads
+//     max_completion_tokens first. So max_tokens is always 1, and
+//     max_completion_tokens too when the client set it, as vLLM's own
+//     proxy does;
+//   - Responses reads only max_output_tokens (ResponsesRequest
+//     .to_sampling_params; max_tokens is an extra field there, ignored);
+//   - Messages reads only max_tokens, which it requires
+//     (AnthropicMessagesRequest), and a thinking budget of type "enabled"
+//     must be below it unless the request is a do_remote_decode prefill
+//     (validate_thinking_budget): the budget only bounds sampling
+//     (thinking_token_budget), so the prefill leaves it out.
+//
+// Callers pass a stack buffer (of maxEdits) as dst.
+func prefillOnlyEdits(dst []jsonedit.Edit, api API, client jsonedit.Object) []jsonedit.Edit {
+	dst = append(dst, jsonedit.Set("stream", jsonFalse), jsonedit.Delete("stream_options"))
+	switch api {
+	case APIResponses:
+		return append(dst, jsonedit.Set("max_output_tokens", jsonOne))
+	case APIMessages:
+		dst = append(dst, jsonedit.Set("max_tokens", jsonOne))
+		if thinkingBudget(client) {
+			dst = append(dst, jsonedit.Delete("thinking"))
+		}
+		return dst
+	}
 	dst = append(dst,
-		jsonedit.Set("stream", jsonFalse),
-		jsonedit.Delete("stream_options"),
 		jsonedit.Delete("min_tokens"),
 		jsonedit.Delete("min_completion_tokens"),
 		jsonedit.Set("max_tokens", jsonOne),
@@ -161,6 +180,21 @@ func prefillOnlyEdits(dst []jsonedit.Edit, client jsonedit.Object) []jsonedit.Ed
 		dst = append(dst, jsonedit.Set("max_completion_tokens", jsonOne))
 	}
 	return dst
+}
+
+// thinkingBudget reports whether a Messages body asks for thinking with a
+// token budget (thinking.type "enabled").
+func thinkingBudget(client jsonedit.Object) bool {
+	raw, ok := client.Raw("thinking")
+	if !ok || len(raw) == 0 || raw[0] != '{' {
+		return false
+	}
+	t, err := jsonedit.Parse(raw)
+	if err != nil {
+		return false
+	}
+	typ, _ := t.Raw("type")
+	return string(typ) == `"enabled"`
 }
 
 // kvTransferParams returns the raw kv_transfer_params object of a prefill

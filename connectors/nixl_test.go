@@ -75,8 +75,8 @@ func TestNIXLPrefillBody(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			obj, err := jsonedit.Parse([]byte(tc.client))
 			require.NoError(t, err)
-			require.JSONEq(t, tc.want, string(bytes.Join(nixlPrefillBody(nil, obj, nixlPrefillParams), nil)))
-			require.Equal(t, tc.want, string(bytes.Join(nixlPrefillBody(nil, obj, nixlPrefillParams), nil)), "byte-exact")
+			require.JSONEq(t, tc.want, string(bytes.Join(nixlPrefillBody(nil, APIChat, obj, nixlPrefillParams), nil)))
+			require.Equal(t, tc.want, string(bytes.Join(nixlPrefillBody(nil, APIChat, obj, nixlPrefillParams), nil)), "byte-exact")
 		})
 	}
 }
@@ -158,7 +158,7 @@ func TestNIXLPrepare(t *testing.T) {
 			got, err := NIXL{}.Prepare(t.Context(), Env{Engine: eng}, req)
 			require.Equal(t, []fakeengine.Call{{
 				Method: http.MethodPost, Endpoint: testPrefill, Path: "/v1/completions",
-				RequestID: "req-1", Body: string(bytes.Join(nixlPrefillBody(nil, req.Body, nixlPrefillParams), nil)),
+				RequestID: "req-1", Body: string(bytes.Join(nixlPrefillBody(nil, APIOf(req.Path), req.Body, nixlPrefillParams), nil)),
 			}}, eng.Calls())
 			if tc.wantErr != "" {
 				require.ErrorContains(t, err, tc.wantErr)

@@ -54,13 +54,31 @@ func (P2PNCCL) Prepare(ctx context.Context, env Env, req *Request) (Handoff, err
 		return Handoff{}, fmt.Errorf("p2p-nccl: prefill %s or decode %s has no kv_address", req.Prefill.Address, req.Decode.Address)
 	}
 	id := p2pRequestID(req.Prefill.KVAddress, req.Decode.KVAddress)
+	api := APIOf(req.Path)
 	var buf [maxEdits]jsonedit.Edit
-	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, endpoint.Rank{}, enginePieces(nil, req.Body, prefillOnlyEdits(buf[:0], req.Body)...))
+	edits := prefillOnlyEdits(buf[:0], api, req.Body)
+	var decode []byte
+	if api == APIResponses {
+		// vLLM's Responses API runs a request under the body's request_id
+		// (ResponsesRequest.request_id, which _create_responses passes to
+		// the engine), not under X-Request-Id as chat does: the connector
+		// reads the addresses from that id.
+		rid := jsonedit.Set(keyResponsesRequestID, appendJSONString(nil, id))
+		edits = append(edits, rid)
+		decode = engineBody(req.Body, rid)
+	} else {
+		decode = engineBody(req.Body)
+	}
+	answer, err := env.Engine.Post(ctx, req.Prefill, req.Path, id, endpoint.Rank{}, enginePieces(nil, req.Body, edits...))
 	if err != nil {
 		return Handoff{}, engineFailure(req.Prefill, err)
 	}
-	return Handoff{Decode: Decode{Body: engineBody(req.Body), RequestID: id}, Prefilled: prefilledOf(answer)}, nil
+	return Handoff{Decode: Decode{Body: decode, RequestID: id}, Prefilled: prefilledOf(answer)}, nil
 }
+
+// keyResponsesRequestID is the member of a Responses body that names the
+// request to the engine.
+const keyResponsesRequestID = "request_id"
 
 // p2pRequestID returns
 // "___prefill_addr_<prefill kv>___decode_addr_<decode kv>_<uuid4 hex>".

@@ -21,8 +21,15 @@ type Prefilled struct {
 }
 
 // prefilled reads the usage of a prefill's answer, answer already parsed
-// (the connectors read kv_transfer_params from the same object). A usage
-// that is absent, null or not numbers reads as none.
+// (the connectors read kv_transfer_params from the same object), in the
+// shape of the API that answered: chat's and completions'
+// prompt_tokens and prompt_tokens_details.cached_tokens; Responses'
+// input_tokens and input_tokens_details.cached_tokens (vLLM's
+// ResponseUsage, which always has the details); Messages' input_tokens,
+// which Anthropic counts without the cached tokens, cache_read_input_tokens
+// and cache_creation_input_tokens (vLLM's _build_anthropic_usage, which
+// sends the cache members only with --enable-prompt-tokens-details). A
+// usage that is absent, null or not numbers reads as none.
 func prefilled(answer jsonedit.Object) Prefilled {
 	raw, ok := answer.Raw("usage")
 	if !ok || len(raw) == 0 || raw[0] != '{' {
@@ -33,18 +40,49 @@ func prefilled(answer jsonedit.Object) Prefilled {
 		return Prefilled{}
 	}
 	var p Prefilled
-	if p.PromptTokens, ok = count(u, "prompt_tokens"); !ok {
-		return Prefilled{}
-	}
-	if raw, ok := u.Raw("prompt_tokens_details"); ok && len(raw) > 0 && raw[0] == '{' {
-		if d, err := jsonedit.Parse(raw); err == nil {
-			p.CachedTokens, p.Details = count(d, "cached_tokens")
+	switch {
+	case has(u, "prompt_tokens"):
+		if p.PromptTokens, ok = count(u, "prompt_tokens"); !ok {
+			return Prefilled{}
 		}
+		p.CachedTokens, p.Details = detail(u, "prompt_tokens_details")
+	case has(u, "input_tokens_details") || has(u, "total_tokens"):
+		if p.PromptTokens, ok = count(u, "input_tokens"); !ok {
+			return Prefilled{}
+		}
+		p.CachedTokens, p.Details = detail(u, "input_tokens_details")
+	default:
+		input, ok := count(u, "input_tokens")
+		if !ok {
+			return Prefilled{}
+		}
+		created, _ := count(u, "cache_creation_input_tokens")
+		p.CachedTokens, p.Details = count(u, "cache_read_input_tokens")
+		p.PromptTokens = input + created + p.CachedTokens
 	}
 	if p.CachedTokens > p.PromptTokens {
 		return Prefilled{}
 	}
 	return p
+}
+
+// has reports whether obj has member key.
+func has(obj jsonedit.Object, key string) bool {
+	_, ok := obj.Raw(key)
+	return ok
+}
+
+// detail reads cached_tokens of the details object at key.
+func detail(u jsonedit.Object, key string) (int, bool) {
+	raw, ok := u.Raw(key)
+	if !ok || len(raw) == 0 || raw[0] != '{' {
+		return 0, false
+	}
+	d, err := jsonedit.Parse(raw)
+	if err != nil {
+		return 0, false
+	}
+	return count(d, "cached_tokens")
 }
 
 // prefilledOf is prefilled of an answer not parsed yet.

@@ -29,12 +29,23 @@ var (
 func sglangSpec() Spec {
 	// No decode fallback: the prefill sends its KV to the decode that
 	// registered the bootstrap room, and a room serves one attempt.
-	traits, build := fixed(SGLang{}, Traits{Prefills: true, Concurrent: true})
+	traits, build := fixed(SGLang{}, Traits{Prefills: true, Concurrent: true, NotDisaggregated: sglangNotDisaggregated})
 	// rid is not among the client keys: this connector replaces a
 	// client's itself, and other pools' engines get it as sent.
 	return Spec{Names: []string{"sglang"}, Fields: []string{FieldDPSize}, Traits: traits, New: build,
 		ClientKeys: []string{keyBootstrapHost, keyBootstrapPort, keyBootstrapRoom, keyRoutedDPRank, keyDisaggPrefillDPRank, keyDataParallelRank}}
 }
+
+// sglangNotDisaggregated are the APIs SGLang serves but not under a
+// router's P/D: its Messages handler builds a new chat request from the
+// Anthropic fields alone, dropping bootstrap_* and rid
+// (python/sglang/srt/entrypoints/anthropic/request_conversion.py,
+// convert_anthropic_to_openai_request), its Responses handler sends each
+// turn through a PD router of its own (entrypoints/openai/pd_responses.py,
+// routed_turn, which pops the bootstrap fields), and its own PD router
+// routes neither (sgl-model-gateway src/routers/http/pd_router.rs: the
+// PDRouter's RouterTrait routes generate, chat, completions and rerank).
+const sglangNotDisaggregated = APIResponses | APIMessages
 
 // Prepare implements [Connector].
 func (SGLang) Prepare(ctx context.Context, env Env, req *Request) (Handoff, error) {

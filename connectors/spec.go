@@ -59,6 +59,11 @@ type Traits struct {
 	// picked can still take the request with the same decode body, so
 	// Envoy may retry the decode on another (the pool's decode_fallbacks).
 	DecodeFallback bool
+	// NotDisaggregated are the generation APIs whose requests the
+	// protocol's engines cannot take a hand-off on (their servers do not
+	// read the protocol's fields there): pdx answers them with the API's
+	// own error. None by default.
+	NotDisaggregated API
 }
 
 // The connector-specific pool fields, as Spec.Fields names them.

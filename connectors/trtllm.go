@@ -49,7 +49,13 @@ func trtllmSpec() Spec {
 		// No decode fallback: whether a generation server other than the
 		// first can still fetch the context server's KV once the first has
 		// (or has failed to) is not established; pdx does not bet on it.
-		Traits: func(*configv1.Pool) Traits { return Traits{Prefills: true} },
+		// TensorRT-LLM's disaggregated server routes only completions and
+		// chat (tensorrt_llm/serve/openai_disagg_server.py,
+		// OpenAIDisaggServer.register_routes): its Responses and Messages
+		// endpoints take no disaggregated_params.
+		Traits: func(*configv1.Pool) Traits {
+			return Traits{Prefills: true, NotDisaggregated: APIResponses | APIMessages}
+		},
 		New: func(p *configv1.Pool) (Connector, error) {
 			switch p.GetTrtllmProtocol() {
 			case "", TRTLLMCurrent:

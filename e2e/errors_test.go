@@ -116,6 +116,7 @@ func startErrorEnv(t *testing.T, profile string) *errorEnv {
 		{"down-decode", "none", "", loopback.FreeAddr(t), ""},
 		{"slow-decode", "none", "", slowDecode, ""},
 		{"saturated", "none", "", saturatedEngine(t), "saturation: {action: reject}"},
+		{"sglang-pool", "sglang", loopback.FreeAddr(t), loopback.FreeAddr(t), ""},
 	}
 	var b strings.Builder
 	for _, p := range pools {
@@ -179,7 +180,22 @@ var errorCases = []errorCase{
 		return rawHTTP(t, e.st, "POST /v1%2Fcompletions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
 	}},
 	{404, "model_not_found", `"gpt-9"`, func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/completions", completion("gpt-9")) }},
-	{404, "not_found", "/v1/responses", func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/responses", `{"model":"demo-model"}`) }},
+	{404, "not_found", "/v1/responses/resp_1", func(t *testing.T, e *errorEnv) answer {
+		return e.post(t, "/v1/responses/resp_1", `{"model":"demo-model"}`)
+	}},
+	{400, "missing_input", "", func(t *testing.T, e *errorEnv) answer { return e.post(t, "/v1/responses", `{"model":"demo-model"}`) }},
+	{400, "empty_input", "", func(t *testing.T, e *errorEnv) answer {
+		return e.post(t, "/v1/responses", `{"model":"demo-model","input":[]}`)
+	}},
+	{400, "unsupported_value", "pdx stores none", func(t *testing.T, e *errorEnv) answer {
+		return e.post(t, "/v1/responses", `{"model":"demo-model","input":"x","previous_response_id":"resp_1"}`)
+	}},
+	{400, "missing_max_tokens", `"max_tokens"`, func(t *testing.T, e *errorEnv) answer {
+		return e.post(t, "/v1/messages", `{"model":"demo-model","messages":[{"role":"user","content":"x"}]}`)
+	}},
+	{501, "unsupported_api", `connector "sglang"`, func(t *testing.T, e *errorEnv) answer {
+		return e.post(t, "/v1/responses", `{"model":"sglang-pool","input":"x"}`)
+	}},
 	{405, "method_not_allowed", "use POST", func(t *testing.T, e *errorEnv) answer {
 		req, err := http.NewRequestWithContext(t.Context(), http.MethodGet, e.st.URL()+"/v1/chat/completions", nil)
 		require.NoError(t, err)
@@ -259,6 +275,10 @@ func TestErrorTable(t *testing.T) {
 				}
 				t.Run(fmt.Sprintf("%d %s", status, c.code), func(t *testing.T) {
 					a := c.send(t, env)
+					if typ, ok := anthropicErrors[c.code]; ok {
+						requireAnthropicError(t, a, status, typ, c.msg)
+						return
+					}
 					requireAPIError(t, a, status, c.code, c.msg)
 				})
 			}
@@ -273,6 +293,11 @@ func TestErrorTable(t *testing.T) {
 		})
 	}
 }
+
+// anthropicErrors are the codes of errorCases caused on the Messages API,
+// which answers in Anthropic's shape (its error type by status, no code),
+// with their type.
+var anthropicErrors = map[string]string{"missing_max_tokens": "invalid_request_error"}
 
 // aiGatewayStatus is how the AI Gateway profile answers what its filter
 // configures differently from pdx's own, by code; 0: the case cannot

@@ -11,6 +11,7 @@ import (
 	"github.com/openai/openai-go/v3/option"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
@@ -23,7 +24,9 @@ const isolationRequests = 1000
 // and pdx. If any per-request value leaked between requests, a decode engine
 // would be handed another request's KV (and reject it) or a client would get
 // another prompt's answer. The engines' latency keeps all of them in flight
-// together.
+// together. Every API the connector disaggregates is in the race: chat,
+// completions and, where the engines take a hand-off on them, Responses
+// and Messages, each streamed and not.
 func TestIsolation(t *testing.T) {
 	for _, cc := range connectorCases(t) {
 		t.Run(cc.name, func(t *testing.T) {
@@ -31,9 +34,10 @@ func TestIsolation(t *testing.T) {
 			opts.Prefill, opts.Decode = 3, 3
 			opts.Engine = enginesim.Config{PrefillLatency: 200 * time.Millisecond, DecodeLatency: 50 * time.Millisecond, DecodePerToken: time.Millisecond}
 			st := startStack(t, opts)
-			isolation(t, st, cc.name, isolationRequests, func(i int) string {
+			agents := disaggregates(t, cc, connectors.APIResponses) && disaggregates(t, cc, connectors.APIMessages)
+			isolationOf(t, st, cc.name, isolationRequests, func(i int) string {
 				return fmt.Sprintf("%s isolation prompt %d: %s", cc.name, i, strings.Repeat(string(rune('a'+i%26)), i%50))
-			})
+			}, agents)
 		})
 	}
 }
@@ -51,9 +55,9 @@ func TestIsolationEndpointPicker(t *testing.T) {
 			opts.Prefill, opts.Decode = 3, 3
 			opts.Engine = enginesim.Config{PrefillLatency: 200 * time.Millisecond, DecodeLatency: 50 * time.Millisecond, DecodePerToken: time.Millisecond}
 			st := startStack(t, opts)
-			isolation(t, st, "picker-"+cc.name, isolationRequests, func(i int) string {
+			isolationOf(t, st, "picker-"+cc.name, isolationRequests, func(i int) string {
 				return fmt.Sprintf("%s picker isolation prompt %d: %s", cc.name, i, strings.Repeat(string(rune('a'+i%26)), i%50))
-			})
+			}, cc.name == "nixl")
 		})
 	}
 }
@@ -62,7 +66,14 @@ func TestIsolationEndpointPicker(t *testing.T) {
 // checks that each client got its own prompt's answer and each decode
 // engine its own prefill's KV.
 func isolation(t *testing.T, st *stack.Stack, name string, n int, text func(i int) string) {
-	client, _ := newClient(t, st)
+	isolationOf(t, st, name, n, text, false)
+}
+
+// isolationOf is isolation, with requests of the agent APIs among them
+// (agents): request i is then chat, completions, Responses or Messages by
+// i%4, streamed every other round of four.
+func isolationOf(t *testing.T, st *stack.Stack, name string, n int, text func(i int) string, agents bool) {
+	client, hc := newClient(t, st)
 	type outcome struct {
 		id, prompt, got string
 		err             error
@@ -76,10 +87,23 @@ func isolation(t *testing.T, st *stack.Stack, name string, n int, text func(i in
 			o := &outcomes[i]
 			o.id = fmt.Sprintf("iso-%s-%d", name, i)
 			text := text(i)
-			o.got, o.err = isolationRequest(t, client, i, o.id, text)
 			o.prompt = text
-			if i%2 == 0 {
+			switch {
+			case agents && i%4 >= 2:
+				api := agentAPIs[i%4-2]
+				o.got, o.err = agentRequest(t, client, hc, st.URL(), api, (i/4)%2 == 1, o.id, text)
 				o.prompt = chatPrompt(text)
+			case agents:
+				// Chat (even) or completions, streamed every other round.
+				o.got, o.err = isolationRequest(t, client, i%2+2*((i/4)%2), o.id, text)
+				if i%2 == 0 {
+					o.prompt = chatPrompt(text)
+				}
+			default:
+				o.got, o.err = isolationRequest(t, client, i, o.id, text)
+				if i%2 == 0 {
+					o.prompt = chatPrompt(text)
+				}
 			}
 		})
 	}

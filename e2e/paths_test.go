@@ -59,9 +59,9 @@ func (r *recorder) requests() []recorded {
 
 // No body reaches an engine with client-chosen KV or bootstrap fields, on
 // any path: pdx routes the generation APIs it knows, answers GET /v1/models
-// from its pools, passes only the paths a pool lists (stripping protocol
-// fields from JSON bodies, to an endpoint pdx picks), and answers every
-// other path with 404.
+// from its pools, passes only the paths a pool lists and the ones every
+// pool passes (stripping protocol fields from JSON bodies, to an endpoint
+// pdx picks), and answers every other path with 404.
 func TestOtherPaths(t *testing.T) {
 	rec := startRecorder(t)
 	st := startStack(t, stack.Options{Prefill: 1, Decode: 1, PoolsYAML: fmt.Sprintf(`
@@ -77,7 +77,7 @@ func TestOtherPaths(t *testing.T) {
 	t.Run("unrouted paths get 404 and reach no engine", func(t *testing.T) {
 		for _, path := range []string{
 			"/v1/chat/completions/", "/V1/CHAT/COMPLETIONS", "/v1/chat/completions;x", "/v1/completions/x",
-			"/v1/responses", "/v1/messages", "/inference/v1/generate", "/generate", "/v1/embeddings/x", "/",
+			"/v1/responses/resp_1", "/v1/messages/batches", "/inference/v1/generate", "/generate", "/v1/embeddings/x", "/",
 		} {
 			a := post(t, hc, st.URL()+path, `{"model":"demo-model","prompt":"p",`+injected+`}`)
 			requireAPIError(t, a, 404, "not_found", "")
@@ -113,11 +113,12 @@ func TestOtherPaths(t *testing.T) {
 		require.NotEqual(t, "embed-1", got[0].requestID, "the engine gets pdx's id")
 
 		// Not JSON: passed as it is (it carries no field an engine reads as
-		// a KV instruction); JSON that does not parse: refused.
-		a = post(t, hc, st.URL()+"/tokenize", `prompt=hi&kv_transfer_params=x`)
+		// a KV instruction); JSON that does not parse: refused. (Without a
+		// model, the only pool that lists the path.)
+		a = post(t, hc, st.URL()+"/v1/embeddings", `prompt=hi&kv_transfer_params=x`)
 		require.Equal(t, 200, a.status, a.body)
 		require.Equal(t, `prompt=hi&kv_transfer_params=x`, rec.requests()[1].body)
-		requireAPIError(t, post(t, hc, st.URL()+"/tokenize", `{"prompt":"hi",`+injected+`,}`), 400, "invalid_json", "")
+		requireAPIError(t, post(t, hc, st.URL()+"/v1/embeddings", `{"prompt":"hi",`+injected+`,}`), 400, "invalid_json", "")
 		require.Len(t, rec.requests(), 2)
 
 		// A model whose pool does not list the path: 404.

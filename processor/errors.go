@@ -109,14 +109,26 @@ func (e *apiError) logLevel() slog.Level {
 	return slog.LevelInfo
 }
 
-// immediateResponse is the OpenAI-style error answer Envoy sends the client
-// instead of proxying the request.
-func (e *apiError) immediateResponse(requestID string) *extprocv3.ProcessingResponse {
-	body, _ := json.Marshal(map[string]any{"error": map[string]any{
-		"message": e.msg,
-		"type":    e.typ,
-		"code":    e.code,
-	}})
+// immediateResponse is the error answer Envoy sends the client instead of
+// proxying the request: in the shape of the API the client speaks,
+// Anthropic's for the Messages API (anthropic), else OpenAI's. The code
+// stays in Envoy's details and pdx's logs and metrics either way.
+func (e *apiError) immediateResponse(requestID string, anthropic bool) *extprocv3.ProcessingResponse {
+	var body []byte
+	if anthropic {
+		// Anthropic's error body (vLLM's AnthropicErrorResponse too):
+		// {"type":"error","error":{"type":...,"message":...}}.
+		body, _ = json.Marshal(map[string]any{"type": "error", "error": map[string]any{
+			"type":    anthropicType(e.status),
+			"message": e.msg,
+		}})
+	} else {
+		body, _ = json.Marshal(map[string]any{"error": map[string]any{
+			"message": e.msg,
+			"type":    e.typ,
+			"code":    e.code,
+		}})
+	}
 	resp := immediate(e.status, "application/json", body, "pdx_"+e.code, requestID)
 	hm := resp.GetImmediateResponse().GetHeaders()
 	if e.allow != "" {
@@ -126,6 +138,34 @@ func (e *apiError) immediateResponse(requestID string) *extprocv3.ProcessingResp
 		hm.SetHeaders = append(hm.SetHeaders, setHeader("retry-after", strconv.Itoa(e.retryAfter)))
 	}
 	return resp
+}
+
+// anthropicType is the error type Anthropic's API gives a status
+// (its errors reference: invalid_request_error 400, authentication_error
+// 401, permission_error 403, not_found_error 404, request_too_large 413,
+// rate_limit_error 429, api_error 500, timeout_error 504,
+// overloaded_error 529); other 4xx are invalid requests, other 5xx
+// api_error.
+func anthropicType(status int) string {
+	switch {
+	case status == 401:
+		return "authentication_error"
+	case status == 403:
+		return "permission_error"
+	case status == 404:
+		return "not_found_error"
+	case status == 413:
+		return "request_too_large"
+	case status == 429:
+		return "rate_limit_error"
+	case status == 504:
+		return "timeout_error"
+	case status == 529:
+		return "overloaded_error"
+	case status < 500:
+		return "invalid_request_error"
+	}
+	return "api_error"
 }
 
 // immediate is an answer pdx gives the client itself, which Envoy sends as a

@@ -74,6 +74,17 @@ const (
 	sseAnswer  = "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":9,\"completion_tokens\":4}}\n\ndata: [DONE]\n\n"
 )
 
+// The agent APIs' streams, as vLLM writes them.
+const (
+	responsesAnnounced = "event: response.created\ndata: {\"response\":{\"usage\":null},\"type\":\"response.created\"}\n\n" +
+		"event: response.in_progress\ndata: {\"response\":{\"usage\":null},\"type\":\"response.in_progress\"}\n\n"
+	responsesOutput = "event: response.output_text.delta\ndata: {\"delta\":\"hi\",\"type\":\"response.output_text.delta\"}\n\n" +
+		"event: response.completed\ndata: {\"response\":{\"usage\":{\"input_tokens\":9,\"input_tokens_details\":{\"cached_tokens\":8},\"output_tokens\":4,\"total_tokens\":13}},\"type\":\"response.completed\"}\n\n"
+	messagesStream = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":1,\"output_tokens\":0}}}\n\n" +
+		"event: message_delta\ndata: {\"type\":\"message_delta\",\"delta\":{\"stop_reason\":\"max_tokens\"},\"usage\":{\"input_tokens\":1,\"output_tokens\":4,\"cache_read_input_tokens\":8}}\n\n" +
+		"event: message_stop\ndata: {\"type\":\"message_stop\"}\n\n"
+)
+
 // tokens reads pdx_tokens_total of pool p by kind.
 func tokens(t *testing.T, m *metrics.Metrics) map[string]float64 {
 	t.Helper()
@@ -130,6 +141,25 @@ func TestObserverStream(t *testing.T) {
 				respBody(md, "data: {\"choices\":[]}\n\ndata: [DONE]\n\n", true),
 			}
 		}, map[string]float64{}, true, true},
+		{"responses stream: usage under response, first token after the announcements", func(md *corev3.Metadata) []*extprocv3.ProcessingRequest {
+			return []*extprocv3.ProcessingRequest{
+				respHeaders(md, "200", false, "content-type", "text/event-stream"),
+				respBody(md, responsesAnnounced, false),
+				respBody(md, responsesOutput, true),
+			}
+		}, map[string]float64{"p/nixl/prompt": 9, "p/nixl/cached": 8, "p/nixl/completion": 4}, true, true},
+		{"responses stream ended before any token", func(md *corev3.Metadata) []*extprocv3.ProcessingRequest {
+			return []*extprocv3.ProcessingRequest{
+				respHeaders(md, "200", false, "content-type", "text/event-stream"),
+				respBody(md, responsesAnnounced, true),
+			}
+		}, map[string]float64{}, false, false},
+		{"messages stream: message_delta's usage, cached tokens outside input_tokens", func(md *corev3.Metadata) []*extprocv3.ProcessingRequest {
+			return []*extprocv3.ProcessingRequest{
+				respHeaders(md, "200", false, "content-type", "text/event-stream; charset=utf-8"),
+				respBody(md, messagesStream, true),
+			}
+		}, map[string]float64{"p/nixl/prompt": 9, "p/nixl/cached": 8, "p/nixl/completion": 4}, true, true},
 		{"encoded body: times only", func(md *corev3.Metadata) []*extprocv3.ProcessingRequest {
 			return []*extprocv3.ProcessingRequest{
 				respHeaders(md, "200", false, "content-type", "application/json", "content-encoding", "gzip"),

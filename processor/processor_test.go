@@ -260,7 +260,7 @@ func TestConnectorNoneRoutesWithoutPrefill(t *testing.T) {
 func TestOtherPaths(t *testing.T) {
 	eng := answering(fakeengine.Reply{})
 	table := testTable(t, true, time.Second)
-	for _, path := range []string{"/v1/embeddings", "/v1/completions/x", "/V1/CHAT/COMPLETIONS", "/v1/chat/completions/", "/v1/chat/completions;x", "/v1/responses", "/"} {
+	for _, path := range []string{"/v1/embeddings", "/v1/completions/x", "/V1/CHAT/COMPLETIONS", "/v1/chat/completions/", "/v1/chat/completions;x", "/v1/responses/resp_1", "/v1/messages/batches", "/generate", "/"} {
 		out := run(t, table, eng, headers("POST", path, false), body(`{"model":"m","kv_transfer_params":{}}`, true))
 		require.Len(t, out, 1, path)
 		status, b := immediateOf(t, out[0])

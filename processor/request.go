@@ -100,7 +100,7 @@ func (r *request) fail(ctx context.Context, err error) *extprocv3.ProcessingResp
 	r.log.LogAttrs(ctx, e.logLevel(), "request failed",
 		slog.Int("status", e.status), slog.String("code", e.code), slog.String("error", err.Error()),
 		slog.Duration("elapsed", time.Since(r.start)))
-	return e.immediateResponse(r.clientID)
+	return e.immediateResponse(r.clientID, connectors.AnthropicPath(r.path))
 }
 
 // dispatch is the request's state machine: it hands each message to the

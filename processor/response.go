@@ -11,8 +11,10 @@ import (
 )
 
 // decodeResponse is what pdx reads of a decode's response as Envoy streams
-// it: when its headers, first body byte and end came, and the token usage
-// its body reports. The routing stream, when Envoy sends it the response
+// it: when its headers, its output's first byte (the first token: a
+// Responses stream announces the response before it, which does not count
+// when the body is read) and end came, and the token usage its body
+// reports. The routing stream, when Envoy sends it the response
 // (observe.go), and the observability pass (observer.go) both read
 // responses, and record the TTFT split and usage, through it.
 type decodeResponse struct {
@@ -36,11 +38,13 @@ func (d *decodeResponse) read(msg *extprocv3.ProcessingRequest, now time.Time, r
 		ended = h.GetEndOfStream()
 	case *extprocv3.ProcessingRequest_ResponseBody:
 		b := m.ResponseBody.GetBody()
-		if d.firstAt.IsZero() && len(b) > 0 {
-			d.firstAt, first = now, true
-		}
+		started := len(b) > 0
 		if d.usage != nil {
 			_, _ = d.usage.Write(b) // scanned in place
+			started = d.usage.Started()
+		}
+		if d.firstAt.IsZero() && started {
+			d.firstAt, first = now, true
 		}
 		ended = m.ResponseBody.GetEndOfStream()
 	case *extprocv3.ProcessingRequest_ResponseTrailers:

@@ -55,7 +55,7 @@ func (r *request) requestHeaders(ctx context.Context, h *extprocv3.HttpHeaders) 
 		return r.models(), nil
 	default:
 		return nil, &apiError{status: 404, typ: typeInvalidRequest, code: "not_found",
-			msg: fmt.Sprintf("no API at %s: pdx serves POST %s, POST %s and GET %s", path, connectors.ChatCompletionsPath, connectors.CompletionsPath, modelsPath)}
+			msg: fmt.Sprintf("no API at %s: pdx serves POST %s and GET %s", path, strings.Join(connectors.RoutedPaths(), ", POST "), modelsPath)}
 	}
 	if err := r.checkHeaderRoom(h); err != nil {
 		return nil, err
@@ -193,6 +193,9 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 	if err != nil {
 		return decision{}, nil, err
 	}
+	if connectors.APIOf(r.path) == connectors.APIResponses {
+		body = storeOff(body)
+	}
 	creq := &connectors.Request{ID: r.id, Path: r.path, Body: body, KVHosts: pool.KVHosts}
 	r.flow.Bytes = len(raw)
 	h, err := r.handoff(ctx, pool, creq, model)
@@ -224,6 +227,24 @@ func (r *request) routeBody(ctx context.Context, raw []byte) (decision, *connect
 		slog.String("prefill", creq.Prefill.Address), slog.String("decode", creq.Decode.Address),
 		slog.Duration("elapsed", time.Since(r.start)))
 	return decision{decode: creq.Decode, rank: d.Rank, body: d.Body, unchanged: bytes.Equal(d.Body, raw), pool: pool}, nil, nil
+}
+
+// storeOff is a Responses body with "store" false, which pdx sends both
+// legs: pdx holds no responses and routes no GET /v1/responses/{id}, so a
+// response stored on an engine could never be read, and vLLM never frees
+// one (serving.py: the store "may cause a memory leak"). vLLM itself
+// ignores store unless VLLM_ENABLE_RESPONSES_API_STORE is set
+// (_create_responses: "we opted to implicitly disable store and process
+// the request anyway").
+func storeOff(body jsonedit.Object) jsonedit.Object {
+	if raw, ok := body.Raw("store"); ok && string(raw) == "false" {
+		return body
+	}
+	edited, err := jsonedit.Parse(body.Edited(jsonedit.Set("store", []byte("false"))))
+	if err != nil {
+		return body // cannot happen: an edit of a valid object is one
+	}
+	return edited
 }
 
 // parseBody parses a routed request's body, and finds and checks it

@@ -511,7 +511,7 @@ func (v *validator) passThrough(path string, paths []string) {
 		case !strings.HasPrefix(p, "/") || strings.ContainsAny(p, "?# \t"):
 			v.fail(pp, "%q is not a path (it starts with / and has no query)", p)
 		case connectors.Routed(p):
-			v.fail(pp, "%q is routed by pdx itself", p)
+			v.fail(pp, "%q is routed by pdx itself, with the pool's connector: remove it from pass_through", p)
 		case seen[p]:
 			v.fail(pp, "duplicate path %q", p)
 		}

@@ -89,7 +89,7 @@ func (pl *Placement) Tokens() int { return pl.prompt.Tokens }
 // to end.
 func (p *Pool) Place(ctx context.Context, req Request, creq *connectors.Request) (Placement, error) {
 	pl := Placement{pool: p}
-	text := prompt(creq.Body)
+	text := prompt(creq.Path, creq.Body)
 	pl.prompt = picker.Request{
 		Blocks:      picker.Blocks(nil, text, p.BlockTokens),
 		BlockTokens: p.BlockTokens,
@@ -262,15 +262,48 @@ func (p *Pool) PickPrefill(decode endpoint.Endpoint, req picker.Request, tried .
 }
 
 // prompt returns the part of body that placement hashes: the raw JSON of
-// "messages" (chat) or "prompt" (completions), nil when there is neither.
-// Raw bytes keep their order, so a conversation's next turn starts with its
-// previous turn's bytes.
-func prompt(body jsonedit.Object) []byte {
-	if raw, ok := body.Raw("messages"); ok {
+// "messages" (chat) or "prompt" (completions); for Responses its
+// "instructions", "tools" and "input", for Messages its "system", "tools"
+// and "messages", in the order the engines' chat templates render them
+// (the system part, with the tools, first); nil when there is none. Raw
+// bytes keep their order, so a conversation's next turn starts with its
+// previous turn's bytes. The two APIs' parts are copied together when
+// there is more than one (one allocation of the prompt's size); a single
+// part is the body's own bytes.
+func prompt(path string, body jsonedit.Object) []byte {
+	var keys [3]string
+	switch connectors.APIOf(path) {
+	case connectors.APIResponses:
+		keys = [...]string{"instructions", "tools", "input"}
+	case connectors.APIMessages:
+		keys = [...]string{"system", "tools", "messages"}
+	default:
+		if raw, ok := body.Raw("messages"); ok {
+			return raw
+		}
+		raw, _ := body.Raw("prompt")
 		return raw
 	}
-	raw, _ := body.Raw("prompt")
-	return raw
+	var parts [len(keys)][]byte
+	n, size := 0, 0
+	for _, k := range keys {
+		if raw, ok := body.Raw(k); ok && string(raw) != "null" {
+			parts[n] = raw
+			n++
+			size += len(raw)
+		}
+	}
+	switch n {
+	case 0:
+		return nil
+	case 1:
+		return parts[0]
+	}
+	text := make([]byte, 0, size)
+	for _, p := range parts[:n] {
+		text = append(text, p...)
+	}
+	return text
 }
 
 // ErrNoEndpoint is the error of a pick that finds no endpoint to use.

@@ -27,7 +27,25 @@ const (
 const (
 	RenderChatPath        = "/v1/chat/completions/render"
 	RenderCompletionsPath = "/v1/completions/render"
+	// RenderResponsesPath and RenderMessagesPath render the Responses and
+	// Messages APIs' requests (vLLM 0.32 with --enable-scale-out), each
+	// answering one GenerateRequest as chat's does.
+	RenderResponsesPath = "/v1/responses/render"
+	RenderMessagesPath  = "/v1/messages/render"
 )
+
+// renderPath is where the request of the API at path is rendered.
+func renderPath(path string) string {
+	switch connectors.APIOf(path) {
+	case connectors.APIChat:
+		return RenderChatPath
+	case connectors.APIResponses:
+		return RenderResponsesPath
+	case connectors.APIMessages:
+		return RenderMessagesPath
+	}
+	return RenderCompletionsPath
+}
 
 // maxTokenBlocks bounds the blocks of a rendered prompt that are matched:
 // 128k tokens in vLLM's 16-token blocks; engines with smaller blocks match
@@ -141,11 +159,7 @@ func (p *Pool) render(ctx context.Context, req *Request) ([]uint32, error) {
 	}
 	ctx, cancel := context.WithTimeout(ctx, p.Render.Timeout)
 	defer cancel()
-	path := RenderCompletionsPath
-	if req.Path == connectors.ChatCompletionsPath {
-		path = RenderChatPath
-	}
-	answer, err := req.Engine.Post(ctx, ep, path, req.ID, endpoint.Rank{}, connectors.PlainPieces(nil, req.Body))
+	answer, err := req.Engine.Post(ctx, ep, renderPath(req.Path), req.ID, endpoint.Rank{}, connectors.PlainPieces(nil, req.Body))
 	if err != nil {
 		return nil, fmt.Errorf("render on %s: %w", ep.Address, err)
 	}

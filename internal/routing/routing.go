@@ -52,7 +52,8 @@ type Pool struct {
 	// endpoint with the plain client body, instead of failing it.
 	Fallback bool
 	// PassThrough are the paths besides the routed generation APIs that the
-	// pool's decode endpoints serve as they are.
+	// pool's decode endpoints serve as they are: the pool's pass_through
+	// and connectors.DefaultPassThrough.
 	PassThrough []string
 	// KVHosts are the hosts besides a prefill endpoint's own that its
 	// answers may name as the KV source.
@@ -229,6 +230,18 @@ func (t *Table) PassThrough(path, model string) (*Pool, bool) {
 	return nil, false
 }
 
+// passThrough is a pool's pass_through and the paths every pool passes
+// through, each once.
+func passThrough(own []string) []string {
+	paths := slices.Clone(own)
+	for _, p := range connectors.DefaultPassThrough() {
+		if !slices.Contains(paths, p) {
+			paths = append(paths, p)
+		}
+	}
+	return paths
+}
+
 // PassesThrough reports whether some pool serves path as it is.
 func (t *Table) PassesThrough(path string) bool {
 	_, ok := t.PassThrough(path, "")
@@ -344,7 +357,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		AttemptTimeout: pc.GetPrefillAttemptTimeout().AsDuration(),
 		Attempts:       max(1, int(pc.GetPrefillAttempts())),
 		Fallback:       pc.GetOnPrefillFailure() == configv1.PrefillFailure_PREFILL_FAILURE_FALLBACK,
-		PassThrough:    pc.GetPassThrough(),
+		PassThrough:    passThrough(pc.GetPassThrough()),
 		KVHosts:        kvHosts,
 		Saturated:      shedding,
 		Ranked:         ranked(pc),

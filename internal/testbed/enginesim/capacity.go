@@ -739,7 +739,7 @@ func (s *Server) generateBatched(x *exchange) {
 	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
-	writeJSON(x.w, http.StatusOK, s.completion(x, toks, "length", nil))
+	writeJSON(x.w, http.StatusOK, s.answer(x, toks, "length", nil))
 }
 
 // prefixCache is the KV blocks of an engine: an LRU of prompt blocks by

@@ -148,7 +148,7 @@ func (s *Server) interrupted(x *exchange, ctx context.Context, toks []string) {
 	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
-	writeJSON(x.w, http.StatusOK, s.completion(x, toks, "abort", nil))
+	writeJSON(x.w, http.StatusOK, s.answer(x, toks, "abort", nil))
 }
 
 func (s *Server) servePlain(x *exchange) {
@@ -270,7 +270,7 @@ func (s *Server) answerVLLMPrefill(x *exchange, toks []string, finish string, kv
 	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
-	writeJSON(x.w, http.StatusOK, s.completion(x, toks, finish, kvParams))
+	writeJSON(x.w, http.StatusOK, s.answer(x, toks, finish, kvParams))
 }
 
 // countPrefill counts what a router that derives prefills wrongly leaves
@@ -440,7 +440,7 @@ func (s *Server) generate(x *exchange) {
 	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
-	writeJSON(x.w, http.StatusOK, s.completion(x, toks, "length", nil))
+	writeJSON(x.w, http.StatusOK, s.answer(x, toks, "length", nil))
 }
 
 // tokensBy is how many of n output tokens are out after elapsed.
@@ -465,13 +465,21 @@ func (s *Server) answerPrefill(x *exchange, finish string) {
 	}
 	x.rec.Status = http.StatusOK
 	s.commit(x.seq, x.rec)
-	writeJSON(x.w, http.StatusOK, s.completion(x, first, finish, nil))
+	writeJSON(x.w, http.StatusOK, s.answer(x, first, finish, nil))
 }
 
 // stream answers with server-sent events, one chunk per token, each after
 // delay(i) and flushed as produced so that a client sees the simulated
 // inter-token latency; the last chunk has finish as its finish reason.
 func (s *Server) stream(x *exchange, toks []string, delay func(int) time.Duration, finish string) {
+	switch x.req.api {
+	case apiResponses:
+		s.streamResponses(x, toks, delay, finish)
+		return
+	case apiMessages:
+		s.streamMessages(x, toks, delay, finish)
+		return
+	}
 	ctx := x.runContext()
 	if !x.headersSent {
 		x.writeStreamHeader()
@@ -653,6 +661,21 @@ func cachedTokens(x *exchange) int {
 		return max(x.req.promptTokens-1, 0)
 	}
 	return x.req.cachedTokens
+}
+
+// answer is a whole non-streaming response in the shape of the request's
+// API (completion's for chat and completions).
+func (s *Server) answer(x *exchange, toks []string, finish string, kvParams json.RawMessage) any {
+	switch x.req.api {
+	case apiResponses:
+		if kvParams == nil {
+			kvParams = json.RawMessage("null") // vLLM dumps every field
+		}
+		return s.responsesAnswer(x, responsesID(x), "msg_"+randomHex(16), time.Now().Unix(), toks, finish, kvParams)
+	case apiMessages:
+		return s.messagesAnswer(x, toks, finish, kvParams)
+	}
+	return s.completion(x, toks, finish, kvParams)
 }
 
 // completion is a whole non-streaming response. kvParams nil omits the

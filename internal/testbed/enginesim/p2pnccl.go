@@ -44,6 +44,21 @@ type p2pLeg struct {
 	prefillAddr, decodeAddr string
 }
 
+// engineRequestID is the id vLLM runs the request under, which the
+// connector reads the addresses from: the X-Request-Id, but for the
+// Responses API, which runs a request under its body's request_id
+// (resp_<uuid> by default).
+func (x *exchange) engineRequestID() string {
+	if x.req.api != apiResponses {
+		return x.rec.RequestID
+	}
+	var id string
+	if err := x.req.field("request_id", &id); err != nil || id == "" {
+		return "resp_" + randomHex(16)
+	}
+	return id
+}
+
 func parseP2PRequestID(id string) (p2pLeg, error) {
 	if id == "" {
 		return p2pLeg{}, badRequest("missing X-Request-Id header: P2P NCCL names the engines' KV addresses in it (%s)", p2pIDFormat)
@@ -61,7 +76,11 @@ func (p *p2pProtocol) classify(x *exchange) (mode, error) {
 	if err := foreignFields(x.req, ConnectorP2PNCCL); err != nil {
 		return modePlain, err
 	}
-	leg, err := parseP2PRequestID(x.rec.RequestID)
+	id := x.engineRequestID()
+	leg, err := parseP2PRequestID(id)
+	if err != nil && x.req.api == apiResponses {
+		err = badRequest("request_id %q of the Responses request is not a P2P NCCL request id (want %s)", id, p2pIDFormat)
+	}
 	if err != nil {
 		return modePlain, err
 	}

@@ -50,8 +50,11 @@ func (s *Server) handleRender(a api) http.HandlerFunc {
 			return
 		}
 		prefix := "cmpl-"
-		if a == apiChat {
+		switch a {
+		case apiChat, apiMessages:
 			prefix = "chatcmpl-"
+		case apiResponses:
+			prefix = "resp_"
 		}
 		g := generateRequest{
 			RequestID:      prefix + randomHex(16),
@@ -59,8 +62,8 @@ func (s *Server) handleRender(a api) http.HandlerFunc {
 			SamplingParams: samplingParams{N: 1, MaxTokens: req.maxTokens, MinTokens: req.minTokens},
 			Model:          req.model,
 		}
-		if a == apiChat {
-			writeJSON(w, http.StatusOK, g)
+		if a != apiCompletions {
+			writeJSON(w, http.StatusOK, g) // one, as chat's (and vLLM 0.32's Responses and Messages renders)
 			return
 		}
 		writeJSON(w, http.StatusOK, []generateRequest{g})

@@ -80,7 +80,13 @@ type api int
 const (
 	apiChat api = iota
 	apiCompletions
+	apiResponses // OpenAI's Responses API (responses.go)
+	apiMessages  // Anthropic's Messages API (messages.go)
 )
+
+// chatTemplated reports whether the API's prompt goes through the model's
+// chat template: all but completions.
+func (a api) chatTemplated() bool { return a != apiCompletions }
 
 // mode is what a request asks of the engine, decided by its kv_transfer_params.
 type mode int
@@ -175,7 +181,7 @@ func (r *inferenceRequest) refuseNulls(d dialect) error {
 // engine's chat template makes it (Config.ChatTemplate).
 func (s *Server) parseRequest(a api, body []byte) (*inferenceRequest, error) {
 	req, err := parseRequest(a, dialectOf(s.cfg.Connector), body)
-	if err == nil && a == apiChat && s.cfg.ChatTemplate != "" {
+	if err == nil && a.chatTemplated() && s.cfg.ChatTemplate != "" {
 		req.prompt = s.cfg.ChatTemplate + req.prompt
 		req.promptTokens = promptTokens(req.prompt)
 	}
@@ -183,6 +189,9 @@ func (s *Server) parseRequest(a api, body []byte) (*inferenceRequest, error) {
 }
 
 func parseRequest(a api, d dialect, body []byte) (*inferenceRequest, error) {
+	if a == apiResponses || a == apiMessages {
+		return parseAgentRequest(a, d, body)
+	}
 	req := &inferenceRequest{api: a}
 	if err := decodeJSON(body, &req.fields); err != nil {
 		return nil, badRequest("request body is not a JSON object: %v", err)
@@ -212,20 +221,29 @@ func parseRequest(a api, d dialect, body []byte) (*inferenceRequest, error) {
 		return nil, err
 	}
 
-	if req.has("kv_transfer_params") {
-		if err := req.field("kv_transfer_params", &req.kv); err != nil {
-			return nil, err
-		}
-		switch {
-		case req.kv.DoRemoteDecode && req.kv.DoRemotePrefill:
-			return nil, badRequest("kv_transfer_params sets both do_remote_decode and do_remote_prefill")
-		case req.kv.DoRemoteDecode:
-			req.mode = modePrefill
-		case req.kv.DoRemotePrefill:
-			req.mode = modeDecode
-		}
+	if err := req.parseKVTransferParams(); err != nil {
+		return nil, err
 	}
 	return req, nil
+}
+
+// parseKVTransferParams reads kv_transfer_params, which decide the mode.
+func (r *inferenceRequest) parseKVTransferParams() error {
+	if !r.has("kv_transfer_params") {
+		return nil
+	}
+	if err := r.field("kv_transfer_params", &r.kv); err != nil {
+		return err
+	}
+	switch {
+	case r.kv.DoRemoteDecode && r.kv.DoRemotePrefill:
+		return badRequest("kv_transfer_params sets both do_remote_decode and do_remote_prefill")
+	case r.kv.DoRemoteDecode:
+		r.mode = modePrefill
+	case r.kv.DoRemotePrefill:
+		r.mode = modeDecode
+	}
+	return nil
 }
 
 // parsePrompt sets the prompt text. TensorRT-LLM's generation server may

@@ -676,6 +676,8 @@ func (s *Server) enter() bool {
 func (s *Server) routes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /v1/chat/completions", s.handleInference(apiChat))
 	mux.HandleFunc("POST /v1/completions", s.handleInference(apiCompletions))
+	mux.HandleFunc("POST /v1/responses", s.handleInference(apiResponses))
+	mux.HandleFunc("POST /v1/messages", s.handleInference(apiMessages))
 	mux.HandleFunc("POST /sim/kv/pull", s.handlePull)
 	mux.HandleFunc("POST /sim/kv/release", s.handleRelease)
 	mux.HandleFunc("GET /sim/state", func(w http.ResponseWriter, _ *http.Request) {
@@ -691,9 +693,12 @@ func (s *Server) routes(mux *http.ServeMux) {
 	mux.HandleFunc("POST /reset_prefix_cache", s.handleResetPrefixCache)
 	mux.HandleFunc("POST /v1/chat/completions/render", s.handleRender(apiChat))
 	mux.HandleFunc("POST /v1/completions/render", s.handleRender(apiCompletions))
+	mux.HandleFunc("POST /v1/responses/render", s.handleRender(apiResponses))
+	mux.HandleFunc("POST /v1/messages/render", s.handleRender(apiMessages))
 	paths := []string{"/v1/chat/completions", "/v1/completions", "/sim/kv/pull", "/sim/kv/release", "/sim/state",
 		"/health", "/v1/models", "/sim/requests", "/reset_prefix_cache",
-		"/v1/chat/completions/render", "/v1/completions/render"}
+		"/v1/chat/completions/render", "/v1/completions/render", "/v1/responses", "/v1/messages",
+		"/v1/responses/render", "/v1/messages/render"}
 	paths = append(paths, s.metricsRoutes(mux)...)
 	if r, ok := s.proto.(routeAdder); ok {
 		paths = append(paths, r.addRoutes(mux)...)
