@@ -43,6 +43,14 @@
 // without their parent; an engine with any has its blocks walked. Both
 // are exact.
 //
-// Bounds. An engine tracks at most Config.MaxEntries engine blocks (it is
-// reset beyond them), an Index at most MaxEngines engines.
+// Orphans. Blocks stored under a parent the index never saw (a
+// subscription that joined mid-stream, or after a reset) are kept apart
+// with their tokens, matched by nothing, until the block they wait for is
+// stored under a known prefix: then they join (orphans.go). A parent named
+// 0 is a chain's start, llm-d's "no parent", unless the engine holds a
+// block hashed 0 (seedOf).
+//
+// Bounds. An engine tracks at most Config.MaxEntries engine blocks,
+// orphans included (it is reset beyond them), and orphans of at most
+// 2^20 tokens; an Index at most MaxEngines engines.
 package kvcache

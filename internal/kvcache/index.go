@@ -64,8 +64,12 @@ type Index struct {
 	free    []int32 // freed slots, reused before new ones
 	// loras are the adapter names engines published blocks of.
 	loras map[string]struct{}
-	// scratch holds an event's pdx hashes while it is applied.
+	// maxOrphanTokens bounds an engine's orphans (maxOrphanTokens).
+	maxOrphanTokens int
+	// scratch holds an event's pdx hashes while it is applied, joins the
+	// blocks whose waiting orphans join (orphans.go).
 	scratch []uint64
+	joins   []joinItem
 	// sink keeps the loads that warm the caches from being optimized
 	// away (stored).
 	sink  uint64
@@ -94,8 +98,12 @@ type engine struct {
 	kids [tiers]map[uint64]uint32
 	// blocks is how many distinct pdx blocks it has on each tier.
 	blocks [tiers]int
-	// entries is the engine hashes tracked, over all stores.
+	// entries is the engine hashes tracked, over all stores, orphans
+	// included.
 	entries int
+	// orphans are the orphans of its stores (orphans.go), orphanTokens
+	// their tokens.
+	orphans, orphanTokens int
 	// lead is the cache group whose blocks count: the first full-attention
 	// group the engine published, -1 until then.
 	lead   int
@@ -116,6 +124,11 @@ type store struct {
 	// once: vLLM may cache two physical blocks of one hash, and evicts
 	// each. Rare, so kept apart from blocks.
 	dups map[uint64]uint32
+	// orphans are the blocks stored under a parent the index does not
+	// know, by key, and waiting their keys by their parent's (orphans.go);
+	// nil without any.
+	orphans map[uint64]*orphan
+	waiting map[uint64][]uint64
 }
 
 // tier is where an engine keeps a block.
@@ -140,13 +153,14 @@ func New(cfg Config) *Index {
 		log = slog.New(slog.DiscardHandler)
 	}
 	return &Index{
-		cfg:     cfg,
-		log:     log,
-		tables:  [tiers]table{newTable(rowVals(1)), newTable(rowVals(1))},
-		words:   1,
-		engines: make(map[string]*engine),
-		loras:   make(map[string]struct{}),
-		stats:   counters{resets: make(map[string]uint64)},
+		cfg:             cfg,
+		log:             log,
+		tables:          [tiers]table{newTable(rowVals(1)), newTable(rowVals(1))},
+		words:           1,
+		engines:         make(map[string]*engine),
+		loras:           make(map[string]struct{}),
+		maxOrphanTokens: maxOrphanTokens,
+		stats:           counters{resets: make(map[string]uint64)},
 	}
 }
 

@@ -53,6 +53,8 @@ pools:
 				require.NoError(t, err)
 				require.Equal(t, http.StatusOK, code)
 				require.Contains(t, body, `pdx_kv_events_total{kind="batches"} 0`)
+				require.Contains(t, body, `pdx_kv_cache_ignored_total{kind="orphans_dropped"} 0`)
+				require.Contains(t, body, `pdx_kv_cache_orphans_joined_total 0`)
 			}
 			require.NoError(t, shutdown(t, s))
 		})
