@@ -50,7 +50,13 @@
 // 0 is a chain's start, llm-d's "no parent", unless the engine holds a
 // block hashed 0 (seedOf).
 //
+// Engines. An Index tells at most MaxEngines engines apart, each in a
+// slot. Register gives a caller a handle of the slot; Forget and Retain
+// free the slots of engines that left, and a freed slot's next engine
+// gets a handle of its next generation: an old handle then names no
+// engine (Fresh says so), never the new one's blocks.
+//
 // Bounds. An engine tracks at most Config.MaxEntries engine blocks,
 // orphans included (it is reset beyond them), and orphans of at most
-// 2^20 tokens; an Index at most MaxEngines engines.
+// 2^20 tokens.
 package kvcache

@@ -12,9 +12,10 @@ import (
 	"github.com/pdx-router/pdx/internal/kvevents"
 )
 
-// walked is where the engine of slot stops holding blocks, the blocks
+// walked is where the engine of handle h stops holding blocks, the blocks
 // looked up one by one from the first: what Match must tell.
-func walked(x *Index, blocks []uint64, slot int32, cpu bool) int32 {
+func walked(x *Index, blocks []uint64, h int32, cpu bool) int32 {
+	slot := x.slotOf(h)
 	if slot < 0 || int(slot) >= 64*x.words {
 		return 0
 	}

@@ -61,7 +61,8 @@ type Stats struct {
 // EngineStats is one engine's part of Stats.
 type EngineStats struct {
 	Address string
-	Slot    int32
+	// Slot is the handle of its slot (Register).
+	Slot int32
 	// GPUBlocks and CPUBlocks are the distinct pdx blocks it holds on the
 	// tier, over its ranks.
 	GPUBlocks, CPUBlocks int
@@ -89,7 +90,7 @@ func (x *Index) Stats() Stats {
 	}
 	for _, e := range x.engines {
 		st.Engines = append(st.Engines, EngineStats{
-			Address: e.addr, Slot: e.slot,
+			Address: e.addr, Slot: x.handle(e.slot),
 			GPUBlocks: e.blocks[tierGPU], CPUBlocks: e.blocks[tierCPU],
 			Entries: e.entries, Orphans: e.orphans, Events: e.events,
 		})
