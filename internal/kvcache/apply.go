@@ -96,9 +96,19 @@ func (e *engine) parent(rank int, t tier, h kvevents.Hash) (uint64, bool) {
 }
 
 // key is an engine block hash as a store keys it, folded to 64 bits: two
-// blocks of an engine collide with probability 2^-64 (an integer hash is
-// its own key, but 0).
-func key(h kvevents.Hash) uint64 { return nonZero(h.Lo ^ bits.RotateLeft64(h.Hi*cellMul, 32)) }
+// blocks of an engine collide with probability 2^-64. An integer hash is
+// its own key, but 0, whose key is zeroKey: a table's keys are not 0, and a
+// publisher whose hashes count from 0 keeps its blocks 0 and 1 apart.
+func key(h kvevents.Hash) uint64 {
+	if k := h.Lo ^ bits.RotateLeft64(h.Hi*cellMul, 32); k != 0 {
+		return k
+	}
+	return zeroKey
+}
+
+// zeroKey is the key of the hash that folds to 0, the integer 0 among
+// them: any key but 0 and the small integers a counting publisher sends.
+const zeroKey = cellMul
 
 // subKey is the key under which a store keeps pdx block j (0-based, of
 // ratio-1) of the engine block of key k that is not the last: k holds the
@@ -117,7 +127,7 @@ func (x *Index) stored(e *engine, rank int, ev *kvevents.Event) {
 	}
 	seed, parent, ok := x.seedOf(e, rank, t, ev)
 	if !ok {
-		x.stats.orphans += uint64(n)
+		x.adopt(e, rank, t, ratio, ev)
 		return
 	}
 	x.scratch = HashTokens(x.scratch[:0], seed, ev.TokenIDs, x.cfg.BlockSize, 0)
@@ -146,6 +156,9 @@ func (x *Index) stored(e *engine, rank int, ev *kvevents.Event) {
 		parent = pdx[ratio-1]
 	}
 	x.stats.stored += uint64(n)
+	if e.orphans > 0 {
+		x.joinRun(e, s, ev.Hashes)
+	}
 }
 
 // placeable returns the tier of a BlockStored and how many pdx blocks an
@@ -179,18 +192,32 @@ func (x *Index) placeable(e *engine, rank int, ev *kvevents.Event) (tier, int, b
 
 // seedOf is the seed a BlockStored's blocks chain from: its parent's pdx
 // hash, or the identity of a chain's start; and the parent's pdx hash (0
-// for a chain's start); false when the parent is not known.
+// for a chain's start); false when the parent is not known: the blocks are
+// orphans (orphans.go).
+//
+// A parent named by the integer 0 is a chain's start, as llm-d's
+// publishers (llm-d-inference-sim's default, positional events) name it
+// (its EmptyBlockHash) where vLLM sends nil, unless the engine's rank holds
+// a block whose hash is 0: a publisher whose hashes count blocks from 0.
+// vLLM's and SGLang's hashes are 64 bits of a digest, 0 once in 2^64
+// blocks; such a block's children would be taken for chain starts, and
+// match only prompts that start with their tokens.
 func (x *Index) seedOf(e *engine, rank int, t tier, ev *kvevents.Event) (seed, parent uint64, ok bool) {
 	if ev.LoRAName != "" {
 		if _, ok := x.loras[ev.LoRAName]; !ok && len(x.loras) < maxLoRANames {
 			x.loras[strings.Clone(ev.LoRAName)] = struct{}{}
 		}
 	}
+	if ev.HasParent {
+		if p, ok := e.parent(rank, t, ev.Parent); ok {
+			// A child inherits its parent's LoRA through the chain.
+			return taint(p, ev.ExtraKeys), p, true
+		}
+		if ev.Parent != (kvevents.Hash{}) || e.orphan(rank, zeroKey) != nil {
+			return 0, 0, false
+		}
+	}
 	switch {
-	case ev.HasParent:
-		p, ok := e.parent(rank, t, ev.Parent)
-		// A child inherits its parent's LoRA through the chain.
-		return taint(p, ev.ExtraKeys), p, ok
 	case ev.LoRAName != "":
 		return Seed(ev.LoRAName, ev.ExtraKeys), 0, true
 	case ev.LoRAID != 0:
@@ -247,7 +274,11 @@ func (x *Index) removed(e *engine, rank int, ev *kvevents.Event) {
 	for _, h := range ev.Hashes {
 		k := key(h)
 		if s.blocks.find(k) == nil {
-			x.stats.unknownRemovals++
+			if x.unadopt(e, s, k) {
+				x.stats.removed++
+			} else {
+				x.stats.unknownRemovals++
+			}
 			continue
 		}
 		for j := range s.ratio - 1 {
@@ -351,6 +382,7 @@ func (x *Index) drop(e *engine, rank int) {
 			}
 		})
 		e.entries -= s.blocks.n
+		x.disown(e, s)
 	}
 	clear(e.stores[len(kept):])
 	e.stores = kept

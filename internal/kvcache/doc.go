@@ -43,6 +43,20 @@
 // without their parent; an engine with any has its blocks walked. Both
 // are exact.
 //
-// Bounds. An engine tracks at most Config.MaxEntries engine blocks (it is
-// reset beyond them), an Index at most MaxEngines engines.
+// Orphans. Blocks stored under a parent the index never saw (a
+// subscription that joined mid-stream, or after a reset) are kept apart
+// with their tokens, matched by nothing, until the block they wait for is
+// stored under a known prefix: then they join (orphans.go). A parent named
+// 0 is a chain's start, llm-d's "no parent", unless the engine holds a
+// block hashed 0 (seedOf).
+//
+// Engines. An Index tells at most MaxEngines engines apart, each in a
+// slot. Register gives a caller a handle of the slot; Forget and Retain
+// free the slots of engines that left, and a freed slot's next engine
+// gets a handle of its next generation: an old handle then names no
+// engine (Fresh says so), never the new one's blocks.
+//
+// Bounds. An engine tracks at most Config.MaxEntries engine blocks,
+// orphans included (it is reset beyond them), and orphans of at most
+// 2^20 tokens.
 package kvcache

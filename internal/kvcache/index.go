@@ -9,7 +9,31 @@ import (
 
 // MaxEngines is how many engines an Index tells apart: engine slots are
 // 0 to MaxEngines-1. Match keeps a depth per slot on its stack.
-const MaxEngines = 1024
+const MaxEngines = 1 << slotBits
+
+// A handle (Register) is an engine's slot in its low slotBits bits and the
+// slot's generation above them: a slot freed (Forget, Retain) starts a new
+// generation, so that a handle kept past its engine names no engine rather
+// than the slot's next one. A generation wraps after 2^21 reuses of a
+// slot; a holder of handles refreshes them long before (Fresh).
+const (
+	slotBits = 10
+	slotMask = MaxEngines - 1
+	genMask  = 1<<(31-slotBits) - 1
+)
+
+// handle is slot's handle in its current generation.
+func (x *Index) handle(slot int32) int32 { return x.handles[slot] }
+
+// slotOf is the slot of handle h, -1 when h names no engine now: below 0,
+// or of an older generation of its slot. Callers hold the lock.
+func (x *Index) slotOf(h int32) int32 {
+	// A slot's handle is not below 0: one load and compare tells both.
+	if s := h & slotMask; x.handles[s] == h {
+		return s
+	}
+	return -1
+}
 
 // maxWords is the number of bitset words of MaxEngines slots.
 const maxWords = MaxEngines / 64
@@ -62,10 +86,17 @@ type Index struct {
 	engines map[string]*engine
 	slots   []*engine
 	free    []int32 // freed slots, reused before new ones
+	// handles are the slots' handles in their current generations (see
+	// handle): slot i's is i until it is first freed.
+	handles [MaxEngines]int32
 	// loras are the adapter names engines published blocks of.
 	loras map[string]struct{}
-	// scratch holds an event's pdx hashes while it is applied.
+	// maxOrphanTokens bounds an engine's orphans (maxOrphanTokens).
+	maxOrphanTokens int
+	// scratch holds an event's pdx hashes while it is applied, joins the
+	// blocks whose waiting orphans join (orphans.go).
 	scratch []uint64
+	joins   []joinItem
 	// sink keeps the loads that warm the caches from being optimized
 	// away (stored).
 	sink  uint64
@@ -94,8 +125,12 @@ type engine struct {
 	kids [tiers]map[uint64]uint32
 	// blocks is how many distinct pdx blocks it has on each tier.
 	blocks [tiers]int
-	// entries is the engine hashes tracked, over all stores.
+	// entries is the engine hashes tracked, over all stores, orphans
+	// included.
 	entries int
+	// orphans are the orphans of its stores (orphans.go), orphanTokens
+	// their tokens.
+	orphans, orphanTokens int
 	// lead is the cache group whose blocks count: the first full-attention
 	// group the engine published, -1 until then.
 	lead   int
@@ -116,6 +151,11 @@ type store struct {
 	// once: vLLM may cache two physical blocks of one hash, and evicts
 	// each. Rare, so kept apart from blocks.
 	dups map[uint64]uint32
+	// orphans are the blocks stored under a parent the index does not
+	// know, by key, and waiting their keys by their parent's (orphans.go);
+	// nil without any.
+	orphans map[uint64]*orphan
+	waiting map[uint64][]uint64
 }
 
 // tier is where an engine keeps a block.
@@ -139,15 +179,20 @@ func New(cfg Config) *Index {
 	if log == nil {
 		log = slog.New(slog.DiscardHandler)
 	}
-	return &Index{
-		cfg:     cfg,
-		log:     log,
-		tables:  [tiers]table{newTable(rowVals(1)), newTable(rowVals(1))},
-		words:   1,
-		engines: make(map[string]*engine),
-		loras:   make(map[string]struct{}),
-		stats:   counters{resets: make(map[string]uint64)},
+	x := &Index{
+		cfg:             cfg,
+		log:             log,
+		tables:          [tiers]table{newTable(rowVals(1)), newTable(rowVals(1))},
+		words:           1,
+		engines:         make(map[string]*engine),
+		loras:           make(map[string]struct{}),
+		maxOrphanTokens: maxOrphanTokens,
+		stats:           counters{resets: make(map[string]uint64)},
 	}
+	for i := range x.handles {
+		x.handles[i] = int32(i)
+	}
+	return x
 }
 
 // BlockSize is the tokens of a pdx block: requests are hashed with it.
@@ -169,41 +214,61 @@ func (x *Index) SeedFor(model string) uint64 {
 	return Seed(model, nil)
 }
 
-// Register returns address's slot, giving it one if it has none; -1 when
-// all MaxEngines slots are taken. A slot is the engine's until Forget: a
-// caller may keep it meanwhile.
+// Register returns the handle of address's slot, giving it one if it has
+// none; -1 when all MaxEngines slots are taken. A handle names the engine
+// until Forget or Retain frees its slot; kept past that, it names none
+// (Match gives it 0, Fresh reports it stale), not the slot's next engine.
 func (x *Index) Register(address string) int32 {
 	x.mu.Lock()
 	defer x.mu.Unlock()
 	if e := x.engine(address); e != nil {
-		return e.slot
+		return x.handle(e.slot)
 	}
 	return -1
 }
 
-// Slot returns address's slot, -1 when it has none.
+// Slot returns the handle of address's slot, -1 when it has none.
 func (x *Index) Slot(address string) int32 {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	if e := x.engines[address]; e != nil {
-		return e.slot
+		return x.handle(e.slot)
 	}
 	return -1
 }
 
-// Slots appends to dst the slots of addresses (-1 for those without one)
-// and returns it.
+// Slots appends to dst the handles of addresses' slots (-1 for those
+// without one) and returns it.
 func (x *Index) Slots(addresses []string, dst []int32) []int32 {
 	x.mu.RLock()
 	defer x.mu.RUnlock()
 	for _, a := range addresses {
 		s := int32(-1)
 		if e := x.engines[a]; e != nil {
-			s = e.slot
+			s = x.handle(e.slot)
 		}
 		dst = append(dst, s)
 	}
 	return dst
+}
+
+// Fresh reports whether handles, as Register gave them, still name their
+// engines: false when a slot was freed since (its engine left, and may
+// have come back under another slot), or a handle is -1 while a slot is
+// free. A holder of handles registers its addresses again when not.
+func (x *Index) Fresh(handles []int32) bool {
+	x.mu.RLock()
+	defer x.mu.RUnlock()
+	room := len(x.free) > 0 || len(x.slots) < MaxEngines
+	for _, h := range handles {
+		switch s := x.slotOf(h); {
+		case s >= 0 && int(s) < len(x.slots) && x.slots[s] != nil: // its engine's
+		case h < 0 && !room: // none to be had
+		default:
+			return false
+		}
+	}
+	return true
 }
 
 // Forget drops everything address published and frees its slot, which a
@@ -212,13 +277,40 @@ func (x *Index) Slots(addresses []string, dst []int32) []int32 {
 func (x *Index) Forget(address string) {
 	x.mu.Lock()
 	defer x.mu.Unlock()
-	e := x.engines[address]
-	if e == nil {
-		return
+	if e := x.engines[address]; e != nil {
+		x.forget(e)
 	}
+}
+
+// Retain forgets every engine whose address is not among addresses (the
+// engines of the routing table), and returns how many: engines that left,
+// whose subscriptions have stopped, and addresses registered by a pick's
+// view of endpoints that have left already.
+func (x *Index) Retain(addresses []string) int {
+	keep := make(map[string]struct{}, len(addresses))
+	for _, a := range addresses {
+		keep[a] = struct{}{}
+	}
+	x.mu.Lock()
+	defer x.mu.Unlock()
+	n := 0
+	for addr, e := range x.engines {
+		if _, ok := keep[addr]; !ok {
+			x.forget(e)
+			n++
+		}
+	}
+	return n
+}
+
+// forget drops e and frees its slot, starting the slot's next generation.
+// Callers hold the write lock.
+func (x *Index) forget(e *engine) {
 	x.drop(e, -1)
-	delete(x.engines, address)
+	delete(x.engines, e.addr)
 	x.slots[e.slot] = nil
+	next := (uint32(x.handles[e.slot])>>slotBits + 1) & genMask
+	x.handles[e.slot] = int32(next<<slotBits) | e.slot
 	x.free = append(x.free, e.slot)
 }
 

@@ -48,6 +48,10 @@ func removed(hs []uint64, opts ...evOpt) kvevents.Event {
 
 func cleared() kvevents.Event { return kvevents.Event{Kind: kvevents.AllBlocksCleared} }
 
+// parentZero names the parent 0, as llm-d's positional events name a
+// chain's start (stored's parent 0 is none, vLLM's nil).
+func parentZero(e *kvevents.Event) { e.Parent, e.HasParent = kvevents.Hash{}, true }
+
 func medium(m string) evOpt   { return func(e *kvevents.Event) { e.Medium = m } }
 func lora(name string) evOpt  { return func(e *kvevents.Event) { e.LoRAName = name } }
 func loraID(id int64) evOpt   { return func(e *kvevents.Event) { e.LoRAID = id } }
@@ -137,8 +141,100 @@ func TestIndex(t *testing.T) {
 			probes: []probe{{"e1", "", ab, 0, -1}},
 			stats: func(t *testing.T, st Stats) {
 				require.Equal(t, uint64(3), st.Orphans)
-				require.Equal(t, uint64(1), st.UnknownRemovals, "never stored")
+				require.Zero(t, st.UnknownRemovals, "an orphan's removal resolves")
+				require.Equal(t, uint64(1), st.RemovedBlocks)
+				require.Equal(t, 2, st.Engines[0].Orphans)
+				require.Zero(t, st.Blocks)
 			},
+		},
+		{
+			name: "orphans join when the block they wait for is stored",
+			// b stored under a's second block, which the index never saw,
+			// then c's first under b: orphans, their removal resolves...
+			steps: []step{apply("e1", -1, stored(2, []uint64{3}, b), stored(3, []uint64{4}, c[:4]), stored(3, []uint64{5}, c[4:])),
+				apply("e1", -1, removed([]uint64{5})),
+				// ...and they join when the engine stores a again.
+				apply("e1", -1, stored(0, []uint64{1, 2}, a))},
+			probes: []probe{{"e1", "", concat(a, b, c[:4]), 4, -1}, {"e1", "", concat(a, b, c[4:]), 3, -1}},
+			stats: func(t *testing.T, st Stats) {
+				require.Equal(t, uint64(3), st.Orphans)
+				require.Equal(t, uint64(2), st.Joined)
+				require.Zero(t, st.UnknownRemovals)
+				require.Zero(t, st.Engines[0].Orphans)
+				require.Equal(t, 4, st.Engines[0].Entries)
+				require.Equal(t, 4, st.Blocks)
+			},
+		},
+		{
+			name: "an orphan's children wait on for it once it left",
+			// llm-d-inference-sim evicts the oldest unused block, a parent
+			// before its child: the child joins when the parent is back.
+			steps: []step{apply("e1", -1, stored(2, []uint64{3}, b), stored(3, []uint64{4}, c[:4])),
+				apply("e1", -1, removed([]uint64{3})),
+				apply("e1", -1, stored(0, []uint64{1, 2}, a)),
+				apply("e1", -1, stored(2, []uint64{3}, b))},
+			probes: []probe{{"e1", "", concat(a, b, c[:4]), 4, -1}},
+			stats: func(t *testing.T, st Stats) {
+				require.Equal(t, uint64(2), st.Orphans)
+				require.Equal(t, uint64(1), st.Joined)
+				require.Equal(t, uint64(1), st.RemovedBlocks)
+			},
+		},
+		{
+			name: "an orphan stored again under a known parent is a copy",
+			steps: []step{apply("e1", -1, stored(7, []uint64{3}, b)),
+				apply("e1", -1, stored(0, []uint64{1, 2}, a), stored(2, []uint64{3}, b)),
+				apply("e1", -1, removed([]uint64{3}))},
+			probes: []probe{{"e1", "", ab, 3, -1}},
+			stats: func(t *testing.T, st Stats) {
+				require.Equal(t, uint64(1), st.Joined)
+				require.Equal(t, 3, st.Engines[0].Entries)
+			},
+		},
+		{
+			name: "orphans of another rank or tier wait apart",
+			steps: []step{apply("e1", 1, stored(2, []uint64{3}, b)),
+				apply("e1", 0, stored(0, []uint64{1, 2}, a)),
+				apply("e1", 1, stored(2, []uint64{4}, b, medium("CPU")))},
+			probes: []probe{{"e1", "", ab, 2, -1}},
+			stats: func(t *testing.T, st Stats) {
+				require.Equal(t, uint64(2), st.Orphans)
+				require.Zero(t, st.Joined)
+				require.Equal(t, 2, st.Engines[0].Orphans)
+			},
+		},
+		{
+			name: "orphans beyond an engine's bound are dropped",
+			steps: []step{func(x *Index) { x.maxOrphanTokens = 3 * testBlock },
+				apply("e1", -1, stored(9, []uint64{1, 2}, a), stored(8, []uint64{3, 4}, c), stored(2, []uint64{5}, b))},
+			stats: func(t *testing.T, st Stats) {
+				require.Equal(t, uint64(5), st.Orphans)
+				require.Equal(t, uint64(2), st.OrphansDropped)
+				require.Equal(t, 3, st.Engines[0].Orphans)
+			},
+		},
+		{
+			name:   "parent 0 is a chain's start (llm-d)",
+			steps:  []step{apply("e1", -1, stored(0, []uint64{1, 2}, a, parentZero), stored(2, []uint64{3}, b))},
+			probes: []probe{{"e1", "", ab, 3, -1}},
+			stats:  func(t *testing.T, st Stats) { require.Zero(t, st.Orphans) },
+		},
+		{
+			name: "parent 0 is the engine's block 0 when it holds one",
+			// A publisher whose hashes count its blocks from 0: 0 and 1
+			// are two blocks.
+			steps: []step{apply("e1", -1, stored(0, []uint64{0}, a[:4]), stored(0, []uint64{1}, c[:4], parentZero)),
+				apply("e1", -1, stored(0, []uint64{2}, b, parentZero))},
+			probes: []probe{{"e1", "", concat(a[:4], c[:4]), 2, -1}, {"e1", "", concat(a[:4], b), 2, -1},
+				{"e1", "", c[:4], 0, -1}},
+			stats: func(t *testing.T, st Stats) { require.Equal(t, 3, st.Blocks) },
+		},
+		{
+			name: "parent 0 of an orphan 0 is that orphan",
+			steps: []step{apply("e1", -1, stored(5, []uint64{0}, b), stored(0, []uint64{1}, c[:4], parentZero)),
+				apply("e1", -1, stored(0, []uint64{4, 5}, a))},
+			probes: []probe{{"e1", "", concat(a, b, c[:4]), 4, -1}},
+			stats:  func(t *testing.T, st Stats) { require.Equal(t, uint64(2), st.Joined) },
 		},
 		{
 			name: "removal: two engine hashes of the same content",
@@ -308,14 +404,15 @@ func TestIndex(t *testing.T) {
 			name: "overflow",
 			cfg:  Config{BlockSize: testBlock, MaxEntries: 4},
 			steps: []step{apply("e1", -1, stored(0, []uint64{1, 2}, a), stored(2, []uint64{3}, b)),
-				apply("e1", -1, stored(3, []uint64{4, 5}, c)), // 5 entries: reset, then an orphan
+				apply("e1", -1, stored(3, []uint64{4, 5}, c)), // 5 entries: reset, then orphans
 				apply("e1", -1, stored(0, []uint64{6, 7}, c)),
 				apply("e1", -1, stored(0, []uint64{8, 9, 10, 11, 12}, tokens(0, 20)))}, // beyond MaxEntries alone
 			probes: []probe{{"e1", "", ab, 0, -1}, {"e1", "", c, 2, -1}},
 			stats: func(t *testing.T, st Stats) {
 				require.Equal(t, uint64(2), st.Overflows)
 				require.Equal(t, uint64(2), st.Orphans)
-				require.Equal(t, 2, st.Engines[0].Entries, "an event too large alone is skipped, not a reset")
+				require.Equal(t, 4, st.Engines[0].Entries, "2 orphans and 2 blocks: an event too large alone is skipped, not a reset")
+				require.Equal(t, 2, st.Engines[0].Orphans)
 			},
 		},
 		{
@@ -378,6 +475,7 @@ func TestIndex(t *testing.T) {
 			if tt.stats != nil {
 				tt.stats(t, x.Stats())
 			}
+			checkRows(t, x)
 		})
 	}
 }
@@ -429,10 +527,14 @@ func TestMatchSlots(t *testing.T) {
 	depth := make([]int32, 2)
 	require.Equal(t, int32(1), x.Match(blocks, []int32{0, 1}, depth))
 	require.Equal(t, []int32{0, 1}, depth)
-	require.Equal(t, int32(0), x.Register("e4"), "the freed slot")
+	e4 := x.Register("e4")
+	require.Equal(t, int32(1<<slotBits), e4, "the freed slot 0, in its next generation")
 	x.Apply("e4", &kvevents.Batch{Events: []kvevents.Event{stored(0, []uint64{5, 6}, a[:8])}})
-	x.Match(blocks, []int32{0, 1}, depth)
-	require.Equal(t, []int32{2, 1}, depth)
+	depth = make([]int32, 3)
+	x.Match(blocks, []int32{0, 1, e4}, depth)
+	require.Equal(t, []int32{0, 1, 2}, depth, "e1's handle names no engine: not e4, which has its slot")
+	require.False(t, x.Fresh([]int32{0, 1}))
+	require.True(t, x.Fresh([]int32{e4, 1, 2}))
 	st := x.Stats()
 	require.Equal(t, []string{"e2", "e3", "e4"}, []string{st.Engines[0].Address, st.Engines[1].Address, st.Engines[2].Address})
 }

@@ -7,10 +7,10 @@ import (
 
 // Match sets depth[i], for each i of slots, to the number of leading
 // blocks of a prompt (its HashTokens, seeded by SeedFor) that the engine
-// of slot slots[i] holds on its GPU tier: the prefix it need not compute.
-// A slot below 0, or with no engine, gets 0. It returns the deepest; depth
-// must be at least as long as slots. It neither allocates nor writes to
-// the Index.
+// of handle slots[i] (Register) holds on its GPU tier: the prefix it need
+// not compute. A handle below 0, of a slot freed since, or with no engine,
+// gets 0. It returns the deepest; depth must be at least as long as
+// slots. It neither allocates nor writes to the Index.
 func (x *Index) Match(blocks []uint64, slots []int32, depth []int32) int32 {
 	return x.match(blocks, slots, depth, false)
 }
@@ -23,8 +23,8 @@ func (x *Index) MatchWithCPU(blocks []uint64, slots []int32, depth []int32) int3
 	return x.match(blocks, slots, depth, true)
 }
 
-// Held is how many leading blocks of a prompt the engine of slot holds on
-// its GPU tier: Match for one engine.
+// Held is how many leading blocks of a prompt the engine of handle slot
+// holds on its GPU tier: Match for one engine.
 func (x *Index) Held(slot int32, blocks []uint64) int {
 	slots, depth := [1]int32{slot}, [1]int32{}
 	x.match(blocks, slots[:], depth[:], false)
@@ -89,10 +89,13 @@ func (x *Index) match(blocks []uint64, slots []int32, depth []int32, cpu bool) i
 	m := matcher{blocks: blocks, cpu: cpu, lo: maxWords, hi: -1}
 	// Slots come by word (a Set's endpoints in order): a word's bits are
 	// gathered in a register, not in memory from one slot to the next.
+	// A handle's generation is checked with the depths, under the lock:
+	// the slot of a stale one is matched for nothing.
 	var acc uint64
 	word := -1
-	for _, s := range slots {
-		if uint32(s) < MaxEngines {
+	for _, h := range slots {
+		if h >= 0 {
+			s := h & slotMask
 			if w := int(s) / 64; w != word {
 				if word >= 0 {
 					live[word] |= acc
@@ -143,15 +146,16 @@ func (m *matcher) match(x *Index, slots []int32, depth []int32, live *slotSet) i
 	if any && k >= 0 {
 		m.find(k, len(m.blocks), live)
 	}
-	x.mu.RUnlock()
 	var deepest int32
-	for i, s := range slots {
-		if uint32(s) < uint32(64*words) {
+	for i, h := range slots {
+		// A handle of a freed slot's older generation names no engine.
+		if s := x.slotOf(h); s >= 0 && s < int32(64*words) {
 			d := int32(m.at[int(s)-64*m.lo])
 			depth[i] = d
 			deepest = max(deepest, d)
 		}
 	}
+	x.mu.RUnlock()
 	return deepest
 }
 

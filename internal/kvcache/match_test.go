@@ -12,9 +12,10 @@ import (
 	"github.com/pdx-router/pdx/internal/kvevents"
 )
 
-// walked is where the engine of slot stops holding blocks, the blocks
+// walked is where the engine of handle h stops holding blocks, the blocks
 // looked up one by one from the first: what Match must tell.
-func walked(x *Index, blocks []uint64, slot int32, cpu bool) int32 {
+func walked(x *Index, blocks []uint64, h int32, cpu bool) int32 {
+	slot := x.slotOf(h)
 	if slot < 0 || int(slot) >= 64*x.words {
 		return 0
 	}
@@ -103,6 +104,52 @@ func checkRows(t *testing.T, x *Index) {
 		}
 		require.Equal(t, held, x.blocks[tr])
 	}
+	checkOrphans(t, x)
+}
+
+// checkOrphans recounts the engines' orphans and entries from their
+// stores: every orphan waits for its parent once, every waiting key is an
+// orphan, none is held under a known parent too.
+func checkOrphans(t *testing.T, x *Index) {
+	t.Helper()
+	for _, e := range x.engines {
+		orphans, tokens, entries := 0, 0, 0
+		for _, s := range e.stores {
+			entries += s.blocks.n + len(s.orphans)*s.ratio
+			// Plain comparisons first: an engine may hold many orphans.
+			for k, o := range s.orphans {
+				orphans++
+				tokens += len(o.tokens)
+				if n := countOf(s.waiting[o.parent], k); n != 1 {
+					require.Equal(t, 1, n, "%s: orphan %x waits for %x once", e.addr, k, o.parent)
+				}
+				if s.blocks.find(k) != nil {
+					require.Fail(t, "an orphan held under a known parent too", "%s: %x", e.addr, k)
+				}
+			}
+			for p, kids := range s.waiting {
+				require.NotEmpty(t, kids)
+				for _, k := range kids {
+					if o := s.orphans[k]; o == nil || o.parent != p {
+						require.Fail(t, "a key waits that is no orphan of that parent", "%s: %x waits for %x", e.addr, k, p)
+					}
+				}
+			}
+		}
+		require.Equal(t, orphans, e.orphans, "%s: orphans", e.addr)
+		require.Equal(t, tokens, e.orphanTokens, "%s: orphans' tokens", e.addr)
+		require.Equal(t, entries, e.entries, "%s: entries", e.addr)
+	}
+}
+
+func countOf(keys []uint64, k uint64) int {
+	n := 0
+	for _, c := range keys {
+		if c == k {
+			n++
+		}
+	}
+	return n
 }
 
 // TestMatchSearch applies events in every order, parents removed before
@@ -225,6 +272,9 @@ func TestMatchSearch(t *testing.T) {
 		x.Apply(engine, &kvevents.Batch{Events: evs, DPRank: k.rank, HasDPRank: true})
 		check(step)
 	}
+	st := x.Stats()
+	require.Positive(t, st.Orphans)
+	require.Positive(t, st.Joined, "orphans joined their chains")
 	for _, e := range engines {
 		x.Forget(e)
 	}

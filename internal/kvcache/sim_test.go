@@ -159,8 +159,10 @@ func toHash(v any) kvevents.Hash {
 }
 
 // subscribeSim feeds x the simulator's published batches under engine's
-// name until the test ends, and returns how many it applied.
-func subscribeSim(t *testing.T, s *enginesim.Server, x *Index, engine string, client *http.Client) *atomic.Int64 {
+// name until the test ends, and returns how many it applied. A PUB socket
+// drops what it sends before the subscription reaches it: prime makes the
+// engine publish a batch, again until one arrives (nil: reset its cache).
+func subscribeSim(t *testing.T, s *enginesim.Server, x *Index, engine string, client *http.Client, prime func()) *atomic.Int64 {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	sub := zmq4.NewSub(ctx)
@@ -201,14 +203,18 @@ func subscribeSim(t *testing.T, s *enginesim.Server, x *Index, engine string, cl
 		default:
 		}
 	})
-	// A PUB socket drops what it sends before the subscription reaches it:
-	// reset the cache (one AllBlocksCleared batch each) until one arrives.
+	if prime == nil {
+		// One AllBlocksCleared batch each.
+		prime = func() {
+			resp, err := client.Post("http://"+s.Addr()+"/reset_prefix_cache", "", nil)
+			require.NoError(t, err)
+			resp.Body.Close()
+		}
+	}
 	deadline := time.Now().Add(10 * time.Second)
 	for applied.Load() == 0 {
 		require.True(t, time.Now().Before(deadline), "the subscription never reached the publisher")
-		resp, err := client.Post("http://"+s.Addr()+"/reset_prefix_cache", "", nil)
-		require.NoError(t, err)
-		resp.Body.Close()
+		prime()
 		time.Sleep(50 * time.Millisecond)
 	}
 	return &applied
@@ -260,7 +266,7 @@ func TestSimulatorEvents(t *testing.T) {
 
 			x := New(Config{}) // blocks of 16, as the engine's
 			const engine = "sim:8000"
-			subscribeSim(t, s, x, engine, client)
+			subscribeSim(t, s, x, engine, client, nil)
 			slot := []int32{x.Slot(engine)}
 			depth := make([]int32, 1)
 			match := func(ids []uint32) int {
@@ -321,4 +327,93 @@ func TestSimulatorEvents(t *testing.T) {
 			require.Equal(t, st.Engines[0].Entries, st.Engines[0].GPUBlocks, "one engine hash per block")
 		})
 	}
+}
+
+// TestSimulatorMidStream subscribes to an engine whose cache holds a
+// system prompt already, as after pdx restarts: the blocks stored under it
+// are orphans, kept with their descendants, and their removals resolve;
+// once the engine has evicted the prompt and stored it again, Match
+// predicts exactly what the engine reuses.
+func TestSimulatorMidStream(t *testing.T) {
+	capa := enginesim.Capacity{MaxRunning: 4, BlockTokens: 16, KVBlocks: 16, PrefillTokensPerSec: 1e9}
+	s, err := enginesim.Start(t.Context(), "127.0.0.1:0", enginesim.Config{Capacity: &capa,
+		KVEvents: &enginesim.KVEvents{Endpoint: "tcp://127.0.0.1:0"}})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, s.Close()) })
+	tr := &http.Transport{}
+	t.Cleanup(tr.CloseIdleConnections)
+	client := &http.Client{Transport: tr, Timeout: 10 * time.Second}
+	complete := func(prompt string) int64 {
+		hits := s.Usage().PrefixHitTokens
+		postJSON(t, client, "http://"+s.Addr()+"/v1/completions", map[string]any{"model": "m", "prompt": prompt, "max_tokens": 1}, nil)
+		return s.Usage().PrefixHitTokens - hits
+	}
+	const engine = "sim:8000"
+	markers := 0
+	marker := func() string {
+		markers++
+		return fmt.Sprintf("marker %04d %s", markers, strings.Repeat(".", 64))
+	}
+	// The engine caches the system prompt before pdx subscribes: another
+	// subscriber sees its batch go out first.
+	system := "You are a helpful assistant. " + strings.Repeat("Answer briefly. ", 8) // 2 blocks and more
+	before := New(Config{})
+	subscribeSim(t, s, before, engine, client, func() { complete(marker()) })
+	complete(system + "[turn 0: before pdx]")
+	ids0 := rendered(t, client, s, system+"[turn 0: before pdx]")
+	require.Eventually(t, func() bool {
+		d := []int32{0}
+		before.Match(HashTokens(nil, 0, ids0, before.BlockSize(), 0), []int32{before.Slot(engine)}, d)
+		return d[0] > 0
+	}, 10*time.Second, 5*time.Millisecond)
+
+	x := New(Config{})
+	subscribeSim(t, s, x, engine, client, func() { complete(marker()) })
+	slot := []int32{x.Slot(engine)}
+	depth := make([]int32, 1)
+	match := func(ids []uint32) int {
+		x.Match(HashTokens(nil, 0, ids, x.BlockSize(), 0), slot, depth)
+		return int(depth[0])
+	}
+	// sync waits until the index has applied the events so far.
+	sync := func() {
+		m := marker()
+		complete(m)
+		ids := rendered(t, client, s, m)
+		require.Eventually(t, func() bool { return match(ids) >= 1 }, 10*time.Second, 5*time.Millisecond)
+	}
+
+	// Turns of a conversation under the system prompt the index never saw
+	// stored: orphans, none dropped, the second turn's under the first's.
+	turn1 := system + "[turn 1: " + strings.Repeat("x", 70) + "]"
+	turn2 := turn1 + "[turn 2: " + strings.Repeat("y", 70) + "]"
+	ids1, ids2 := rendered(t, client, s, turn1), rendered(t, client, s, turn2)
+	hit := int(complete(turn1)) / capa.BlockTokens
+	require.Positive(t, hit, "the system prompt was cached")
+	complete(turn2)
+	sync()
+	orphans := len(ids2)/capa.BlockTokens - hit
+	st := x.Stats()
+	require.Equal(t, uint64(orphans), st.Orphans)
+	require.Zero(t, st.OrphansDropped)
+	require.Equal(t, orphans, st.Engines[0].Orphans, "kept, the second turn's under the first's")
+	require.Zero(t, match(ids1), "their prefix is not known")
+
+	// Other prompts evict the conversation: the orphans' removals resolve.
+	for range 8 {
+		complete(fmt.Sprintf("other %d %s", markers, strings.Repeat("o", 200)))
+		markers++
+	}
+	sync()
+	st = x.Stats()
+	require.Zero(t, st.Engines[0].Orphans, "every orphan's removal resolved")
+
+	// The system prompt stored again from its start: placed exactly.
+	complete(system + "[turn 3]")
+	sync()
+	turn4 := system + "[turn 4]"
+	ids4 := rendered(t, client, s, turn4)
+	predicted := match(ids4)
+	require.Positive(t, predicted)
+	require.Equal(t, int64(min(predicted, (len(ids4)-1)/capa.BlockTokens)*capa.BlockTokens), complete(turn4))
 }

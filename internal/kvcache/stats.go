@@ -8,11 +8,12 @@ import (
 
 // counters are the Index's running counts (Stats), under its lock.
 type counters struct {
-	batches, events, stored, removed                   uint64
-	orphans, malformed, unknownRemovals, ignoredGroups uint64
-	ignoredMedia, blockSize, conflicts, noSlot         uint64
-	overflows                                          uint64
-	resets                                             map[string]uint64
+	batches, events, stored, removed           uint64
+	orphans, orphansDropped, joined            uint64
+	malformed, unknownRemovals, ignoredGroups  uint64
+	ignoredMedia, blockSize, conflicts, noSlot uint64
+	overflows                                  uint64
+	resets                                     map[string]uint64
 }
 
 // Stats is a snapshot of an Index, for metrics.
@@ -22,9 +23,13 @@ type Stats struct {
 	// StoredBlocks and RemovedBlocks are the engine blocks of the
 	// BlockStored and BlockRemoved events applied.
 	StoredBlocks, RemovedBlocks uint64
-	// Orphans are stored blocks skipped because their parent was unknown
-	// (stored before the subscription, or dropped by a reset).
-	Orphans uint64
+	// Orphans are stored blocks whose parent was unknown (stored before
+	// the subscription, or dropped by a reset): kept apart, unmatched,
+	// until they join (orphans.go). OrphansDropped are those of them not
+	// kept, beyond an engine's bound; Joined the orphans that joined the
+	// index when the block they waited for was stored under a known
+	// prefix.
+	Orphans, OrphansDropped, Joined uint64
 	// Malformed are events that contradict themselves (token ids other
 	// than block size × blocks, an unknown kind).
 	Malformed uint64
@@ -56,13 +61,15 @@ type Stats struct {
 // EngineStats is one engine's part of Stats.
 type EngineStats struct {
 	Address string
-	Slot    int32
+	// Slot is the handle of its slot (Register).
+	Slot int32
 	// GPUBlocks and CPUBlocks are the distinct pdx blocks it holds on the
 	// tier, over its ranks.
 	GPUBlocks, CPUBlocks int
-	// Entries are the engine block hashes tracked (MaxEntries bounds them).
-	Entries int
-	Events  uint64
+	// Entries are the engine block hashes tracked (MaxEntries bounds them),
+	// Orphans the engine blocks it holds as orphans (among the Entries).
+	Entries, Orphans int
+	Events           uint64
 }
 
 // Stats returns a snapshot of x's counts.
@@ -73,7 +80,7 @@ func (x *Index) Stats() Stats {
 	st := Stats{
 		Batches: c.batches, Events: c.events,
 		StoredBlocks: c.stored, RemovedBlocks: c.removed,
-		Orphans: c.orphans, Malformed: c.malformed,
+		Orphans: c.orphans, OrphansDropped: c.orphansDropped, Joined: c.joined, Malformed: c.malformed,
 		UnknownRemovals: c.unknownRemovals, IgnoredGroups: c.ignoredGroups,
 		IgnoredMedia: c.ignoredMedia, BlockSizeMismatches: c.blockSize,
 		Conflicts: c.conflicts, NoSlot: c.noSlot, Overflows: c.overflows,
@@ -83,9 +90,9 @@ func (x *Index) Stats() Stats {
 	}
 	for _, e := range x.engines {
 		st.Engines = append(st.Engines, EngineStats{
-			Address: e.addr, Slot: e.slot,
+			Address: e.addr, Slot: x.handle(e.slot),
 			GPUBlocks: e.blocks[tierGPU], CPUBlocks: e.blocks[tierCPU],
-			Entries: e.entries, Events: e.events,
+			Entries: e.entries, Orphans: e.orphans, Events: e.events,
 		})
 	}
 	slices.SortFunc(st.Engines, func(a, b EngineStats) int { return strings.Compare(a.Address, b.Address) })

@@ -18,7 +18,9 @@ const MaxPayload = 16 << 20
 
 // Decode decodes the payload of message seq: vLLM's KVEventBatch, as
 // msgspec encodes it (vllm/distributed/kv_events.py). It takes every
-// shape vLLM and SGLang (whose publisher is a copy) have sent:
+// shape vLLM, SGLang (whose publisher is a copy) and llm-d's simulator
+// (llm-d-inference-sim, positional by default, maps with
+// --use-vllm-map-event-format) have sent, in any mix within a batch:
 //
 //   - the batch as an array, [ts, events] or [ts, events, dp_rank]
 //     (msgspec array_like; later elements are ignored), or as a map with

@@ -23,6 +23,33 @@ var (
 	simC1 = Hash{Lo: 0x70f0738bb69864d8}
 )
 
+// llm-d-inference-sim's block hashes in the captured frames (llmd-sim-*):
+// prompt a's two blocks, b's third, c's two.
+var (
+	llmdA0 = Hash{Lo: 0xc84ab123eb2ec1c7}
+	llmdA1 = Hash{Lo: 0xd248fc1cd9046286}
+	llmdB2 = Hash{Lo: 0xf84ee1de541f3e8e}
+	llmdC0 = Hash{Lo: 0x622087423db22de7}
+	llmdC1 = Hash{Lo: 0x6daf59163103d325}
+)
+
+// vLLM 0.32's block hashes in vllm-0.32-*.
+var (
+	v32H1 = Hash{Lo: 0xf3a5c6b1d2e40987}
+	v32H2 = Hash{Lo: 0x8000000000000011}
+	v32H3 = Hash{Lo: 0x1234567890abcdef}
+	v32H4 = Hash{Lo: 0xc0ffee0ddba11000}
+)
+
+// counting is the token ids from, n of them.
+func counting(from, n int) []uint32 {
+	ids := make([]uint32, n)
+	for i := range ids {
+		ids[i] = uint32(from + i)
+	}
+	return ids
+}
+
 // shaHash is the Hash of a bytes hash as Hash documents it.
 func shaHash(s string) Hash {
 	b := sha(s)
@@ -91,6 +118,43 @@ func TestDecodeFrames(t *testing.T) {
 			tests["sim-"+enc+"-"+string(rune('1'+i))] = want
 		}
 	}
+	// llm-d-inference-sim: the same events in both layouts, but for a
+	// chain start's parent, 0 in the positional one (HasParent, Parent 0:
+	// package kvcache reads it as none) and nil in the maps; lora_id,
+	// lora_name and extra_keys nil or left out.
+	for _, enc := range []string{"array", "map"} {
+		root := func(e Event) Event {
+			e.HasParent = enc == "array"
+			return e
+		}
+		llmd := func(parent Hash, ids []uint32, hashes ...Hash) Event {
+			return Event{Kind: BlockStored, Hashes: hashes, Parent: parent, HasParent: true, TokenIDs: ids, BlockSize: 8, Medium: "GPU"}
+		}
+		llmdBatch := func(events ...Event) Batch { return Batch{Events: events, HasDPRank: true} }
+		tests["llmd-sim-"+enc+"-1"] = llmdBatch(root(llmd(Hash{}, counting(1000, 16), llmdA0, llmdA1)), llmd(llmdA1, counting(2000, 8), llmdB2))
+		tests["llmd-sim-"+enc+"-2"] = llmdBatch(Event{Kind: BlockRemoved, Hashes: []Hash{llmdA0}, Medium: "GPU"},
+			root(llmd(Hash{}, counting(3000, 16), llmdC0, llmdC1)))
+		tests["llmd-sim-"+enc+"-3"] = llmdBatch(Event{Kind: AllBlocksCleared})
+	}
+	// vLLM 0.32: every field sent but the sliding window; extra_keys all
+	// nil.
+	v32 := func(parent *Hash, ids []uint32, hashes ...Hash) Event {
+		e := Event{Kind: BlockStored, Hashes: hashes, TokenIDs: ids, BlockSize: 16, Medium: "GPU", SpecKind: "full_attention"}
+		if parent != nil {
+			e.Parent, e.HasParent = *parent, true
+		}
+		return e
+	}
+	tests["vllm-0.32-1"] = Batch{TS: 1767225600.125, HasDPRank: true, Events: []Event{
+		v32(nil, counting(9000, 32), v32H1, v32H2), v32(&v32H2, counting(70000, 16), v32H3)}}
+	tests["vllm-0.32-2"] = Batch{TS: 1767225600.25, HasDPRank: true, Events: []Event{
+		{Kind: BlockRemoved, Hashes: []Hash{v32H3}, Medium: "GPU"}, v32(&v32H2, counting(128000, 16), v32H4), {Kind: AllBlocksCleared}}}
+	tests["mixed"] = Batch{TS: 6, HasDPRank: true, Events: []Event{
+		{Kind: BlockStored, Hashes: []Hash{{Lo: h1}}, HasParent: true, TokenIDs: []uint32{1, 2}, BlockSize: 2, Medium: "GPU"},
+		{Kind: BlockStored, Hashes: []Hash{{Lo: h2}}, TokenIDs: []uint32{3, 4}, BlockSize: 2, Medium: "GPU", SpecKind: "full_attention"},
+		{Kind: BlockStored, Hashes: []Hash{{Lo: h3}}, Parent: Hash{Lo: h1}, HasParent: true, TokenIDs: []uint32{5, 6}, BlockSize: 2, Medium: "GPU"},
+		{Kind: BlockRemoved, Hashes: []Hash{{Lo: h2}}, Medium: "GPU"},
+	}}
 	require.Len(t, frames, len(tests), "a test for every frame")
 	for name, want := range tests {
 		t.Run(name, func(t *testing.T) {
@@ -99,7 +163,7 @@ func TestDecodeFrames(t *testing.T) {
 			got, err := Decode(7, payload)
 			require.NoError(t, err)
 			want.Seq = 7
-			if strings.HasPrefix(name, "sim-") {
+			if strings.HasPrefix(name, "sim-") || strings.HasPrefix(name, "llmd-sim-") {
 				require.InDelta(t, 1.8e9, got.TS, 0.2e9, "a timestamp of the capture's time")
 				want.TS = got.TS
 			}

@@ -53,7 +53,11 @@ type Event struct {
 	// Hashes are the blocks stored (in chain order) or removed.
 	Hashes []Hash
 	// Parent is the hash of the block before Hashes[0] (BlockStored);
-	// HasParent is false for a chain that starts at the prompt's start.
+	// HasParent is false for a chain that starts at the prompt's start
+	// (vLLM's nil). llm-d's publishers (llm-d-inference-sim's default
+	// positional layout) name that start's parent 0 instead, their
+	// EmptyBlockHash: it is read as sent, HasParent with Parent zero, and
+	// package kvcache tells the two apart.
 	Parent    Hash
 	HasParent bool
 	// TokenIDs are the stored blocks' tokens, BlockSize per block.

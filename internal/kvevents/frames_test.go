@@ -11,6 +11,7 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -90,8 +91,35 @@ func handBuilt(tb testing.TB) []frame {
 				[]any{"BlockStored", []any{int64(17)}, int64(-8070450532247928832), []any{4, 5, 6}, 3, nil, "GPU"},
 				[]any{"BlockRemoved", []any{int64(-1)}},
 			}})},
+		{"mixed", "Both layouts in one batch, each event read by its own: llm-d's positional events (a chain's start named by parent 0) and vLLM's maps (parent nil, then a parent)",
+			pack(tb, []any{6.0, []any{
+				[]any{"BlockStored", []any{h1}, uint64(0), []any{uint32(1), uint32(2)}, 2, nil, "GPU", nil, nil},
+				om{{"type", "BlockStored"}, {"block_hashes", []any{h2}}, {"parent_block_hash", nil}, {"token_ids", []any{3, 4}},
+					{"block_size", 2}, {"lora_id", nil}, {"medium", "GPU"}, {"lora_name", nil}, {"extra_keys", []any{nil}},
+					{"group_idx", 0}, {"kv_cache_spec_kind", "full_attention"}},
+				om{{"type", "BlockStored"}, {"block_hashes", []any{h3}}, {"parent_block_hash", h1}, {"token_ids", []any{5, 6}},
+					{"block_size", 2}, {"lora_id", nil}, {"medium", "GPU"}, {"lora_name", nil}},
+				[]any{"BlockRemoved", []any{h2}, "GPU"},
+			}, 0})},
 	}
 }
+
+// external are the prefixes of the frames testdata/frames.txt holds that
+// were recorded outside these tests, which -update keeps as they are:
+//
+//   - llmd-sim-*: llm-d-inference-sim (main at eec055a, with llm-d-router
+//     v0.10.0) publishing through its own KVCacheHelper and KVEventSender
+//     to a SUB socket it dials: 8-token blocks, room for 4; prompt a of 2
+//     blocks, b extending a by 1 (batch 1), c of 2 new blocks, evicting
+//     a's first, the oldest unused (batch 2), and a reset (batch 3); its
+//     default positional layout (array) and --use-vllm-map-event-format
+//     (map).
+//   - vllm-0.32-*: vLLM 0.32.0's KVEventBatch built from its own
+//     vllm.distributed.kv_events classes and encoded by msgspec 0.23 as
+//     its ZmqEventPublisher does, the events of real-vllm.md's "KV
+//     events": a run of two blocks, its child (batch 1); the child's
+//     eviction, another child, the cache reset (batch 2).
+var external = []string{"llmd-sim-", "vllm-0.32-"}
 
 // TestFramesFile checks that testdata/frames.txt holds what handBuilt
 // writes; with -update it rewrites the file, capturing the simulator's
@@ -102,6 +130,11 @@ func TestFramesFile(t *testing.T) {
 		var frames []frame
 		for _, enc := range []string{enginesim.EventsMap, enginesim.EventsArray} {
 			frames = append(frames, captureSim(t, enc)...)
+		}
+		for _, f := range readFrameFile(t) {
+			if slices.ContainsFunc(external, func(p string) bool { return strings.HasPrefix(f.name, p) }) {
+				frames = append(frames, f)
+			}
 		}
 		writeFrames(t, append(frames, want...))
 	}
@@ -118,8 +151,11 @@ func writeFrames(t *testing.T, frames []frame) {
 # Written by go test ./internal/kvevents -run TestFramesFile -update:
 # sim-* are captured from a running enginesim publisher over ZMQ
 # (Capacity{BlockTokens: 2, KVBlocks: 2}; prompt a stored, b evicting a,
-# c reusing b's first block, a reset; see captureSim); the others are
-# built by handBuilt as msgspec writes each vLLM or SGLang version.
+# c reusing b's first block, a reset; see captureSim); llmd-sim-* and
+# vllm-0.32-* were recorded from llm-d-inference-sim and vLLM 0.32's own
+# encoders (see external in frames_test.go), and are kept as they are; the
+# others are built by handBuilt as msgspec writes each vLLM or SGLang
+# version.
 `)
 	for _, f := range frames {
 		fmt.Fprintf(&b, "\n# %s\n%s %s\n", f.comment, f.name, hex.EncodeToString(f.payload))
@@ -128,14 +164,28 @@ func writeFrames(t *testing.T, frames []frame) {
 }
 
 func readFrames(tb testing.TB) map[string][]byte {
+	frames := map[string][]byte{}
+	for _, f := range readFrameFile(tb) {
+		frames[f.name] = f.payload
+	}
+	return frames
+}
+
+// readFrameFile reads testdata/frames.txt in order, each frame with the
+// comment line before it.
+func readFrameFile(tb testing.TB) []frame {
 	tb.Helper()
 	data, err := os.ReadFile(framesFile)
 	require.NoError(tb, err)
-	frames := map[string][]byte{}
+	var frames []frame
+	var comment string
 	sc := bufio.NewScanner(bytes.NewReader(data))
 	sc.Buffer(nil, 1<<20)
 	for sc.Scan() {
 		line := strings.TrimSpace(sc.Text())
+		if c, ok := strings.CutPrefix(line, "# "); ok {
+			comment = c
+		}
 		if line == "" || strings.HasPrefix(line, "#") {
 			continue
 		}
@@ -143,7 +193,7 @@ func readFrames(tb testing.TB) map[string][]byte {
 		require.True(tb, ok, "%q", line)
 		payload, err := hex.DecodeString(h)
 		require.NoError(tb, err, name)
-		frames[name] = payload
+		frames = append(frames, frame{name, comment, payload})
 	}
 	require.NoError(tb, sc.Err())
 	return frames

@@ -21,8 +21,11 @@ var (
 		"Times pdx forgot an engine's blocks to relearn them, by reason: gap, restart, reconnect (a gap across a dropped connection), overflow, decode, removed.",
 		[]string{"reason"}, nil)
 	kvIgnoredDesc = prometheus.NewDesc("pdx_kv_cache_ignored_total",
-		"Stored or removed blocks the index could not use, by why: orphans (the parent block was never seen), unknown_removals, ignored_groups (not full attention), ignored_media, block_size (not a multiple of kv_events.block_size), conflicts, malformed, no_slot, overflows.",
+		"Stored or removed blocks the index could not use, by why: orphans (stored under a parent block pdx never saw: kept apart, matched once they join their chain), orphans_dropped (orphans beyond an engine's bound, not kept), unknown_removals, ignored_groups (not full attention), ignored_media, block_size (not a multiple of kv_events.block_size), conflicts, malformed, no_slot, overflows.",
 		[]string{"kind"}, nil)
+	kvJoinedDesc = prometheus.NewDesc("pdx_kv_cache_orphans_joined_total",
+		"Orphan blocks that joined their chain when the engine stored the block they waited for under a prefix pdx knows: matched from then on.",
+		nil, nil)
 	kvBlocksDesc = prometheus.NewDesc("pdx_kv_cache_blocks",
 		"Blocks of kv_events.block_size tokens each engine reports holding, by tier (gpu, cpu): what precise placement matches prompts against.",
 		[]string{"endpoint", "tier"}, nil)
@@ -37,6 +40,7 @@ func (c *kvCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- kvMessagesDesc
 	ch <- kvResetsDesc
 	ch <- kvIgnoredDesc
+	ch <- kvJoinedDesc
 	ch <- kvBlocksDesc
 }
 
@@ -60,11 +64,12 @@ func (c *kvCollector) Collect(ch chan<- prometheus.Metric) {
 	for _, k := range []struct {
 		kind string
 		v    uint64
-	}{{"orphans", x.Orphans}, {"unknown_removals", x.UnknownRemovals}, {"ignored_groups", x.IgnoredGroups},
+	}{{"orphans", x.Orphans}, {"orphans_dropped", x.OrphansDropped}, {"unknown_removals", x.UnknownRemovals}, {"ignored_groups", x.IgnoredGroups},
 		{"ignored_media", x.IgnoredMedia}, {"block_size", x.BlockSizeMismatches}, {"conflicts", x.Conflicts},
 		{"malformed", x.Malformed}, {"no_slot", x.NoSlot}, {"overflows", x.Overflows}} {
 		counter(kvIgnoredDesc, k.v, k.kind)
 	}
+	ch <- prometheus.MustNewConstMetric(kvJoinedDesc, prometheus.CounterValue, float64(x.Joined))
 	for _, e := range x.Engines {
 		ch <- prometheus.MustNewConstMetric(kvBlocksDesc, prometheus.GaugeValue, float64(e.GPUBlocks), e.Address, "gpu")
 		ch <- prometheus.MustNewConstMetric(kvBlocksDesc, prometheus.GaugeValue, float64(e.CPUBlocks), e.Address, "cpu")

@@ -42,6 +42,8 @@ func (c *engineCache) Held(slot int32, blocks []uint64) int {
 	return n
 }
 
+func (c *engineCache) Fresh([]int32) bool { return true }
+
 func (c *engineCache) Match(blocks []uint64, slots, depth []int32) int32 {
 	deepest := int32(0)
 	for i, s := range slots {
@@ -150,4 +152,49 @@ func TestPreciseSentCountsItsShare(t *testing.T) {
 			l.End(Succeeded)
 		})
 	}
+}
+
+// movingCache is an engineCache whose slots the test moves, as package
+// kvcache's frees an engine's slot when it leaves.
+type movingCache struct {
+	engineCache
+	fresh     bool
+	registers int
+}
+
+func (c *movingCache) Register(address string) int32 {
+	c.registers++
+	return c.engineCache.Register(address)
+}
+
+func (c *movingCache) Fresh([]int32) bool { return c.fresh }
+
+// RefreshSlots registers a view's endpoints anew only when the cache says
+// their slots moved, keeping their health and what the Set sent them.
+func TestRefreshSlots(t *testing.T) {
+	eps := endpoints(2)
+	cache := &movingCache{engineCache: *newEngineCache(map[string][]uint64{eps[0].Address: {11}, eps[1].Address: {12}}), fresh: true}
+	set := NewSet(eps, Options{Cache: cache, FailureThreshold: 1})
+	set.Report(eps[1], false)
+	require.False(t, set.Healthy(eps[1]))
+	before := set.view.Load()
+	require.Equal(t, 2, cache.registers)
+
+	set.RefreshSlots()
+	require.Same(t, before, set.view.Load(), "fresh: nothing to do")
+	require.Equal(t, 2, cache.registers)
+
+	cache.fresh = false
+	cache.slots[eps[0].Address], cache.slots[eps[1].Address] = 1, 0
+	set.RefreshSlots()
+	after := set.view.Load()
+	require.NotSame(t, before, after)
+	require.Equal(t, 4, cache.registers)
+	require.Equal(t, []int32{1, 0}, after.slots)
+	require.Equal(t, eps, set.Endpoints())
+	require.False(t, set.Healthy(eps[1]), "health kept")
+	require.Same(t, before.index, after.index, "what the Set sent kept")
+
+	none := NewSet(eps, Options{})
+	none.RefreshSlots() // without a cache: nothing to refresh
 }

@@ -77,6 +77,9 @@ type PrefixCache interface {
 	Match(blocks []uint64, slots, depth []int32) int32
 	// Held is how many leading blocks of blocks the engine of slot holds.
 	Held(slot int32, blocks []uint64) int
+	// Fresh reports whether slots, as Register gave them, still name
+	// their engines: the cache frees an engine's slot when it leaves.
+	Fresh(slots []int32) bool
 }
 
 // Policy is a picking policy: it chooses, among the candidates the Set

@@ -199,6 +199,23 @@ func (s *Set) SetEndpoints(endpoints []endpoint.Endpoint) {
 	s.room.wake() // new endpoints may have room
 }
 
+// RefreshSlots resolves the endpoints' slots in the Set's PrefixCache
+// anew when the cache no longer holds them as the view does: a view keeps
+// the slots it was built with, and the cache frees an engine's slot when
+// the engine leaves, which may be while the engine is coming back (then
+// its slot in the view names no engine), or had none to give. Endpoints
+// keep their health and what the Set sent them. The KV event
+// subscriptions call it each time they follow the routing table's engines.
+func (s *Set) RefreshSlots() {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	v := s.view.Load()
+	if v.cache == nil || v.cache.Fresh(v.slots) {
+		return
+	}
+	s.view.Store(s.newView(v.endpoints, v))
+}
+
 // Endpoints returns a copy of the set's endpoints, in order.
 func (s *Set) Endpoints() []endpoint.Endpoint {
 	return slices.Clone(s.view.Load().endpoints)

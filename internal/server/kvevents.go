@@ -10,7 +10,9 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/kvcache"
 	"github.com/pdx-router/pdx/internal/kvevents"
+	"github.com/pdx-router/pdx/internal/routing"
 )
 
 // engineRefresh is how often the subscriptions follow the routing table's
@@ -38,12 +40,8 @@ func (s *Server) subscribe(k *configv1.KVEvents) error {
 	}
 	s.kvEvents, s.stopEvents, s.eventsDone = sub, cancel, make(chan struct{})
 	s.metrics.CollectKVEvents(sub, cache)
-	follow := func() {
-		if err := sub.SetEngines(publishers(k, s.proc.Table().Endpoints())); err != nil {
-			s.log.Warn("kv events: engines not subscribed", slog.String("error", err.Error()))
-		}
-	}
-	follow()
+	f := &engineFollower{k: k, sub: sub, cache: cache, table: s.proc.Table, log: s.log}
+	f.follow()
 	go func() {
 		defer close(s.eventsDone)
 		tick := time.NewTicker(engineRefresh)
@@ -53,11 +51,49 @@ func (s *Server) subscribe(k *configv1.KVEvents) error {
 			case <-ctx.Done():
 				return
 			case <-tick.C:
-				follow()
+				f.follow()
 			}
 		}
 	}()
 	return nil
+}
+
+// engineFollower keeps the KV event subscriptions, and the engines the
+// prefix cache tells apart, in step with the routing table's endpoints.
+type engineFollower struct {
+	k     *configv1.KVEvents
+	sub   *kvevents.Subscriber
+	cache *kvcache.Index
+	table func() *routing.Table
+	log   *slog.Logger
+}
+
+// follow subscribes to the table's engines as they are now, and frees the
+// cache's slots of those that left (kvcache.Index.MaxEngines slots: pods
+// that come and go would use them all up). An engine that left has had
+// its subscription stopped, its last batch applied, before its slot is
+// freed: none of its events can take a slot again. A pick's view of a
+// pool that was built as an engine left and came back at once names its
+// freed slot, which holds nothing; the views are refreshed after, and at
+// every turn, so that such a view is fixed by the next turn at the latest.
+func (f *engineFollower) follow() {
+	table := f.table()
+	eps := table.Endpoints()
+	if err := f.sub.SetEngines(publishers(f.k, eps)); err != nil {
+		f.log.Warn("kv events: engines not subscribed", slog.String("error", err.Error()))
+	} else {
+		addrs := make([]string, len(eps))
+		for i, ep := range eps {
+			addrs[i] = ep.Address
+		}
+		if n := f.cache.Retain(addrs); n > 0 {
+			f.log.Debug("kv events: engines that left forgotten", slog.Int("engines", n))
+		}
+	}
+	for _, p := range table.Pools() {
+		p.Prefill.Set.RefreshSlots()
+		p.Decode.Set.RefreshSlots()
+	}
 }
 
 // publishers are the KV event sources of eps: in mode dial each engine's
