@@ -369,16 +369,22 @@ func requirePdxService(t *testing.T, objs []object, p pdx, name string, port int
 		"Service %s port %d does not reach pdx's grpc_address", name, port)
 }
 
-// requireGateway requires a route's parentRef to name a Gateway, its
-// listener and a GatewayClass the chart renders.
-func requireGateway(t *testing.T, objs []object, ref gwv1.ParentReference) {
+// requireGateway requires a route's parentRef to name a Gateway and its
+// listener, and the Gateway the GatewayClass the chart renders or, when it
+// renders none, the existing one the values name.
+func requireGateway(t *testing.T, objs []object, ref gwv1.ParentReference, existingClass string) {
 	t.Helper()
 	require.NotNil(t, ref.Kind)
 	require.Equal(t, gwv1.Kind("Gateway"), *ref.Kind)
 	require.Nil(t, ref.Namespace, "the route's namespace")
 	gw := get[*gwv1.Gateway](t, objs, string(ref.Name))
-	gc := get[*gwv1.GatewayClass](t, objs, string(gw.Spec.GatewayClassName))
-	require.Equal(t, gwv1.GatewayController("gateway.envoyproxy.io/gatewayclass-controller"), gc.Spec.ControllerName)
+	if classes := all[*gwv1.GatewayClass](objs); len(classes) > 0 {
+		require.Len(t, classes, 1)
+		require.Equal(t, classes[0].Name, string(gw.Spec.GatewayClassName))
+		require.Equal(t, gwv1.GatewayController("gateway.envoyproxy.io/gatewayclass-controller"), classes[0].Spec.ControllerName)
+	} else {
+		require.Equal(t, existingClass, string(gw.Spec.GatewayClassName), "the existing GatewayClass the values name")
+	}
 	require.NotNil(t, ref.SectionName)
 	require.True(t, slices.ContainsFunc(gw.Spec.Listeners, func(l gwv1.Listener) bool { return l.Name == *ref.SectionName }),
 		"Gateway %s has no listener %s", gw.Name, *ref.SectionName)
@@ -420,10 +426,20 @@ func parseDuration(t *testing.T, what string, d *gwv1.Duration) time.Duration {
 	return v
 }
 
+// existingClass names the GatewayClass a cluster already has, which the
+// modes use unless they create their own.
+const existingClass = "eg"
+
 // The values of the modes.
 var (
-	envoyGatewayValues  = map[string]any{"envoyGateway": map[string]any{"enabled": true}}
-	inferencePoolValues = map[string]any{"inferencePool": map[string]any{"enabled": true}}
+	envoyGatewayValues = map[string]any{"envoyGateway": map[string]any{
+		"enabled": true, "gatewayClass": map[string]any{"name": existingClass}}}
+	inferencePoolValues = map[string]any{"inferencePool": map[string]any{
+		"enabled": true, "gatewayClass": map[string]any{"name": existingClass}}}
+	// envoyGatewayOwnClassValues is the Envoy Gateway mode with the
+	// chart's own GatewayClass.
+	envoyGatewayOwnClassValues = map[string]any{"envoyGateway": map[string]any{
+		"enabled": true, "gatewayClass": map[string]any{"create": true}}}
 )
 
 // TestChartRenders renders the chart in each mode and with overrides,
@@ -454,17 +470,27 @@ func TestChartRenders(t *testing.T) {
 			name:   "envoyGateway",
 			values: envoyGatewayValues,
 			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
-				"Gateway", "GatewayClass", "HTTPRoute", "Service"),
+				"Gateway", "HTTPRoute", "Service"),
 			check: checkEnvoyGateway,
+		},
+		{
+			name:   "envoyGateway, the chart's GatewayClass",
+			values: envoyGatewayOwnClassValues,
+			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
+				"Gateway", "GatewayClass", "HTTPRoute", "Service"),
+			check: func(t *testing.T, r rendered, p pdx) {
+				require.EqualValues(t, "pdx", get[*gwv1.Gateway](t, r.objs, "pdx").Spec.GatewayClassName, "the full name")
+				checkEnvoyGateway(t, r, p)
+			},
 		},
 		{
 			name: "envoyGateway, 4 MiB bodies",
 			values: map[string]any{
-				"envoyGateway": map[string]any{"enabled": true},
+				"envoyGateway": envoyGatewayValues["envoyGateway"],
 				"config":       map[string]any{"max_body_bytes": 4 << 20},
 			},
 			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
-				"Gateway", "GatewayClass", "HTTPRoute", "Service"),
+				"Gateway", "HTTPRoute", "Service"),
 			check: func(t *testing.T, r rendered, p pdx) {
 				require.EqualValues(t, 4<<20, p.cfg.GetMaxBodyBytes())
 				checkEnvoyGateway(t, r, p) // the buffer limits follow max_body_bytes
@@ -473,8 +499,18 @@ func TestChartRenders(t *testing.T) {
 		{
 			name:   "inferencePool",
 			values: inferencePoolValues,
-			kinds:  append(slices.Clone(pdxKinds), "Gateway", "GatewayClass", "HTTPRoute", "InferencePool"),
+			kinds:  append(slices.Clone(pdxKinds), "Gateway", "HTTPRoute", "InferencePool"),
 			check:  checkInferencePool,
+		},
+		{
+			name: "inferencePool, the chart's GatewayClass",
+			values: map[string]any{"inferencePool": map[string]any{
+				"enabled": true, "gatewayClass": map[string]any{"create": true}}},
+			kinds: append(slices.Clone(pdxKinds), "Gateway", "GatewayClass", "HTTPRoute", "InferencePool"),
+			check: func(t *testing.T, r rendered, p pdx) {
+				require.EqualValues(t, "pdx-inference", get[*gwv1.Gateway](t, r.objs, "pdx-inference").Spec.GatewayClassName)
+				checkInferencePool(t, r, p)
+			},
 		},
 		{
 			name:   "overrides",
@@ -819,7 +855,7 @@ func checkEnvoyGateway(t *testing.T, r rendered, p pdx) {
 	routes := all[*gwv1.HTTPRoute](objs)
 	require.Len(t, routes, 1)
 	route := routes[0]
-	requireGateway(t, objs, route.Spec.ParentRefs[0])
+	requireGateway(t, objs, route.Spec.ParentRefs[0], existingClass)
 	gw := get[*gwv1.Gateway](t, objs, string(route.Spec.ParentRefs[0].Name))
 	rule := requireEveryPath(t, route)
 	b := rule.BackendRefs[0].BackendObjectReference
@@ -895,7 +931,7 @@ func checkInferencePool(t *testing.T, r rendered, p pdx) {
 	routes := all[*gwv1.HTTPRoute](objs)
 	require.Len(t, routes, 1)
 	route := routes[0]
-	requireGateway(t, objs, route.Spec.ParentRefs[0])
+	requireGateway(t, objs, route.Spec.ParentRefs[0], existingClass)
 	b := requireEveryPath(t, route).BackendRefs[0]
 	require.Equal(t, gwv1.Group(infv1.GroupName), *b.Group)
 	require.Equal(t, gwv1.Kind("InferencePool"), *b.Kind)
@@ -1020,6 +1056,16 @@ func TestChartRefuses(t *testing.T) {
 			name:    "unknown retry trigger",
 			values:  map[string]any{"envoyGateway": map[string]any{"decode": map[string]any{"retry": map[string]any{"triggers": []any{"5xxx"}}}}},
 			wantErr: "/envoyGateway/decode/retry/triggers/0",
+		},
+		{
+			name:    "envoyGateway without a GatewayClass",
+			values:  map[string]any{"envoyGateway": map[string]any{"enabled": true}},
+			wantErr: "envoyGateway.gatewayClass.name is required: name an existing GatewayClass",
+		},
+		{
+			name:    "inferencePool without a GatewayClass",
+			values:  map[string]any{"inferencePool": map[string]any{"enabled": true}},
+			wantErr: "inferencePool.gatewayClass.create=true to have the chart create one",
 		},
 		{
 			name:    "no ServiceAccount name",

@@ -43,7 +43,7 @@ type egStatus struct {
 func TestChartEnvoyGatewayTranslation(t *testing.T) {
 	egctl := os.Getenv("EGCTL")
 	require.NotEmpty(t, egctl, "set EGCTL to Envoy Gateway's egctl (make k8s-translate installs it)")
-	r := mustRender(t, envoyGatewayValues)
+	r := mustRender(t, envoyGatewayOwnClassValues) // egctl translates the Gateways of the GatewayClass it is given
 	var in bytes.Buffer
 	for _, o := range r.objs {
 		// As written, without the empty status a typed object marshals
