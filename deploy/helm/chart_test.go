@@ -19,6 +19,7 @@ import (
 	"time"
 
 	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
+	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 	"helm.sh/helm/v3/pkg/chart/loader"
@@ -83,7 +84,7 @@ func newScheme() *runtime.Scheme {
 	s := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{
 		corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme, rbacv1.AddToScheme,
-		gwv1.Install, egv1a1.AddToScheme, infv1.Install,
+		gwv1.Install, egv1a1.AddToScheme, infv1.Install, monitoringv1.AddToScheme,
 	} {
 		if err := add(s); err != nil {
 			panic(err)
@@ -519,7 +520,10 @@ func TestChartRenders(t *testing.T) {
 			kinds: []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"},
 			check: func(t *testing.T, r rendered, p pdx) {
 				require.EqualValues(t, 3, *p.dep.Spec.Replicas)
-				require.Equal(t, map[string]string{"example.com/team": "inference"}, p.dep.Spec.Template.Annotations, "restartOnConfigChange: false")
+				require.Equal(t, map[string]string{
+					"example.com/team":     "inference",
+					"prometheus.io/scrape": "true", "prometheus.io/port": "9103", "prometheus.io/path": "/metrics",
+				}, p.dep.Spec.Template.Annotations, "restartOnConfigChange: false; the scrape annotations follow ports.admin")
 				require.Equal(t, "registry.example.com:5000/team/pdx@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", p.container.Image)
 				require.Equal(t, "0.0.0.0:9102", p.cfg.GetGrpcAddress())
 				require.Equal(t, "0.0.0.0:9103", p.cfg.GetAdminAddress())
@@ -534,6 +538,28 @@ func TestChartRenders(t *testing.T) {
 				require.EqualValues(t, config.DefaultMaxBodyBytes, p.cfg.GetMaxBodyBytes())
 				require.Equal(t, intstr.FromString("50%"), *get[*policyv1.PodDisruptionBudget](t, r.objs, "pdx").Spec.MaxUnavailable)
 				require.Equal(t, "9102", strconv.Itoa(int(get[*corev1.Service](t, r.objs, "pdx").Spec.Ports[0].Port)))
+			},
+		},
+		{
+			// With the decode engines' Service of the Envoy Gateway mode,
+			// which the ServiceMonitor must not select.
+			name: "ServiceMonitor",
+			values: map[string]any{
+				"envoyGateway": envoyGatewayValues["envoyGateway"],
+				"metrics": map[string]any{"scrapeAnnotations": false, "serviceMonitor": map[string]any{
+					"enabled": true, "labels": map[string]any{"release": "kube-prometheus-stack"}, "interval": "15s", "scrapeTimeout": "5s"}},
+			},
+			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
+				"Gateway", "HTTPRoute", "Service", "ServiceMonitor"),
+			check: func(t *testing.T, r rendered, p pdx) {
+				require.NotContains(t, p.dep.Spec.Template.Annotations, "prometheus.io/scrape")
+				got := scrapes(t, r.objs, p)
+				require.Len(t, got, 1)
+				require.Equal(t, "ServiceMonitor pdx", got[0].what)
+				sm := get[*monitoringv1.ServiceMonitor](t, r.objs, "pdx")
+				require.Equal(t, "kube-prometheus-stack", sm.Labels["release"], "the label the Prometheus selects")
+				require.EqualValues(t, "15s", sm.Spec.Endpoints[0].Interval)
+				require.EqualValues(t, "5s", sm.Spec.Endpoints[0].ScrapeTimeout)
 			},
 		},
 		{
@@ -606,6 +632,57 @@ func TestChartRenders(t *testing.T) {
 	}
 }
 
+// scrape is where a Prometheus scrapes pdx, and what told it to.
+type scrape struct {
+	what string
+	port int32 // the pdx container's port
+	path string
+}
+
+// scrapes are the targets a render gives a Prometheus: the pdx pods'
+// prometheus.io annotations, and the endpoints of the ServiceMonitor,
+// which must select only the pdx Service in its namespace and name a port
+// of it. Each must be pdx's admin port.
+func scrapes(t *testing.T, objs []object, p pdx) []scrape {
+	t.Helper()
+	podLabels := labels.Set(p.dep.Spec.Template.Labels)
+	var out []scrape
+	if ann := p.dep.Spec.Template.Annotations; ann["prometheus.io/scrape"] == "true" {
+		port, err := strconv.ParseInt(ann["prometheus.io/port"], 10, 32)
+		require.NoError(t, err, "annotation prometheus.io/port")
+		out = append(out, scrape{what: "the pods' prometheus.io annotations", port: int32(port), path: ann["prometheus.io/path"]})
+	}
+	for _, sm := range all[*monitoringv1.ServiceMonitor](objs) {
+		require.False(t, sm.Spec.NamespaceSelector.Any, "ServiceMonitor %s: pdx's namespace only", sm.Name)
+		require.Empty(t, sm.Spec.NamespaceSelector.MatchNames, "ServiceMonitor %s: its own namespace", sm.Name)
+		sel, err := metav1.LabelSelectorAsSelector(&sm.Spec.Selector)
+		require.NoError(t, err)
+		require.False(t, sel.Empty(), "ServiceMonitor %s selects every Service", sm.Name)
+		var svcs []*corev1.Service
+		for _, svc := range all[*corev1.Service](objs) {
+			if svc.Namespace == sm.Namespace && sel.Matches(labels.Set(svc.Labels)) {
+				require.True(t, labels.SelectorFromSet(svc.Spec.Selector).Matches(podLabels),
+					"ServiceMonitor %s selects Service %s, which is not pdx's", sm.Name, svc.Name)
+				svcs = append(svcs, svc)
+			}
+		}
+		require.Len(t, svcs, 1, "ServiceMonitor %s: the pdx Service", sm.Name)
+		require.NotEmpty(t, sm.Spec.Endpoints)
+		for _, ep := range sm.Spec.Endpoints {
+			require.Nil(t, ep.TargetPort, "ServiceMonitor %s: name the Service's port", sm.Name)
+			i := slices.IndexFunc(svcs[0].Spec.Ports, func(sp corev1.ServicePort) bool { return sp.Name == ep.Port })
+			require.GreaterOrEqual(t, i, 0, "ServiceMonitor %s: Service %s has no port %q", sm.Name, svcs[0].Name, ep.Port)
+			require.Nil(t, ep.Scheme, "pdx's admin port is plain HTTP")
+			out = append(out, scrape{what: "ServiceMonitor " + sm.Name, port: resolvePort(t, svcs[0].Spec.Ports[i].TargetPort, p.container), path: ep.Path})
+		}
+	}
+	for _, s := range out {
+		require.Equal(t, listenPort(t, p.cfg.GetAdminAddress()), s.port, "%s: not pdx's admin port", s.what)
+		require.Equal(t, "/metrics", s.path, s.what)
+	}
+	return out
+}
+
 // checkWorkload checks the pdx Deployment, Service and PDB against pdx's
 // config and each other, in every mode.
 func checkWorkload(t *testing.T, objs []object, p pdx) {
@@ -642,10 +719,14 @@ func checkWorkload(t *testing.T, objs []object, p pdx) {
 	adminPort := listenPort(t, p.cfg.GetAdminAddress())
 	require.Equal(t, grpcPort, containerPort(t, c, "grpc"))
 	require.Equal(t, adminPort, containerPort(t, c, "admin"))
-	require.Len(t, svc.Spec.Ports, 1)
-	sp := svc.Spec.Ports[0]
+	require.Len(t, svc.Spec.Ports, 2)
+	sp := svc.Spec.Ports[1]
+	require.Equal(t, "admin", sp.Name, "the admin port, for Prometheus")
+	require.Equal(t, adminPort, resolvePort(t, sp.TargetPort, c))
+	sp = svc.Spec.Ports[0]
 	require.Equal(t, "grpc", sp.Name)
 	require.Equal(t, grpcPort, resolvePort(t, sp.TargetPort, c))
+	scrapes(t, objs, p) // Prometheus's targets are the admin port
 	tls := p.cfg.GetTls().GetSelfSigned()
 	if tls {
 		require.Nil(t, sp.AppProtocol, "pdx serves TLS: not h2c")
@@ -1068,6 +1149,11 @@ func TestChartRefuses(t *testing.T) {
 			wantErr: "inferencePool.gatewayClass.create=true to have the chart create one",
 		},
 		{
+			name:    "ServiceMonitor interval not a duration",
+			values:  map[string]any{"metrics": map[string]any{"serviceMonitor": map[string]any{"interval": "30"}}},
+			wantErr: "/metrics/serviceMonitor/interval",
+		},
+		{
 			name:    "no ServiceAccount name",
 			values:  map[string]any{"serviceAccount": map[string]any{"create": false}},
 			wantErr: "serviceAccount.name is required",
@@ -1121,10 +1207,11 @@ func TestStrictDecodeRejects(t *testing.T) {
 // values: no warning or error.
 func TestChartLints(t *testing.T) {
 	for name, values := range map[string]map[string]any{
-		"default":       nil,
-		"envoyGateway":  envoyGatewayValues,
-		"inferencePool": inferencePoolValues,
-		"overrides":     readValues(t, "testdata/overrides.yaml"),
+		"default":        nil,
+		"envoyGateway":   envoyGatewayValues,
+		"inferencePool":  inferencePoolValues,
+		"overrides":      readValues(t, "testdata/overrides.yaml"),
+		"serviceMonitor": {"metrics": map[string]any{"serviceMonitor": map[string]any{"enabled": true}}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			l := lint.All(chartDir, values, namespace, true)
