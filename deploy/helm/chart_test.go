@@ -56,6 +56,7 @@ import (
 	"github.com/pdx-router/pdx/internal/discovery"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/objectives"
+	"github.com/pdx-router/pdx/internal/ociimage"
 	"github.com/pdx-router/pdx/processor"
 )
 
@@ -461,7 +462,7 @@ func TestChartRenders(t *testing.T) {
 			name:  "default",
 			kinds: pdxKinds,
 			check: func(t *testing.T, r rendered, p pdx) {
-				require.Equal(t, "registry.example.com/pdx:0.1.0", p.container.Image, "the chart's appVersion")
+				require.Equal(t, ociimage.Repository+":0.1.0", p.container.Image, "the project's image at the chart's appVersion")
 				require.EqualValues(t, 2, *p.dep.Spec.Replicas)
 				require.NotEmpty(t, p.dep.Spec.Template.Annotations["checksum/config"], "a changed config restarts pdx")
 				require.Contains(t, r.notes, "point your Envoy's ext_proc filter at pdx.pdx.svc:9002")
