@@ -105,7 +105,7 @@ func build(ctx context.Context, args []string, stdout, stderr io.Writer, log *sl
 	}
 	revision, dirty := gitRevision(ctx, *dir)
 	if dirty {
-		log.Warn("the tree has uncommitted changes: the image holds them, its revision label names the commit they are on", "revision", revision)
+		log.Warn("tracked files differ from the commit: the image is built from the working tree, its revision label names the commit", "revision", revision)
 	}
 
 	spec := ociimage.Pdx(*dir, *version, revision, created, plats)
