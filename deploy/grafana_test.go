@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"log/slog"
+	"maps"
 	"os"
 	"reflect"
 	"regexp"
@@ -396,19 +397,20 @@ func TestEveryMetricShownAndDocumented(t *testing.T) {
 		rows[m[1]] = true
 	}
 
-	var noPanel, noRow []string
+	var problems []string
 	for _, name := range names {
 		if !shown[name] {
-			noPanel = append(noPanel, name)
+			problems = append(problems, fmt.Sprintf("%s: no panel of %s queries it", name, dashboardFile))
 		}
 		if !rows[name] {
-			noRow = append(noRow, name)
+			problems = append(problems, fmt.Sprintf("%s: no row in the metric table of %s", name, observabilityDoc))
 		}
 		delete(rows, name)
 	}
-	require.Empty(t, noPanel, "metrics pdx registers that no panel of %s queries", dashboardFile)
-	require.Empty(t, noRow, "metrics pdx registers that have no row in %s's metric table", observabilityDoc)
-	require.Empty(t, rows, "rows of %s's metric table for metrics pdx does not register", observabilityDoc)
+	for _, name := range slices.Sorted(maps.Keys(rows)) {
+		problems = append(problems, fmt.Sprintf("%s: a row of %s's metric table, but pdx registers no such metric", name, observabilityDoc))
+	}
+	require.Empty(t, problems, "the metrics pdx registers, its dashboard and its metric reference differ:\n%s", strings.Join(problems, "\n"))
 }
 
 // TestDashboardCheck is the check's own table: what it reads from PromQL,
