@@ -12,7 +12,6 @@ package ociimage
 import (
 	"archive/tar"
 	"bytes"
-	"cmp"
 	"compress/gzip"
 	"context"
 	"errors"
@@ -78,12 +77,8 @@ type Spec struct {
 	// ports, environment, labels); a base image's is kept where it sets
 	// nothing.
 	Config v1.Config
-	// Go is the go command; default "go".
-	Go string
 	// Log receives progress; default discarded.
 	Log *slog.Logger
-	// Remote are options for pulling the base (authentication, transport).
-	Remote []remote.Option
 }
 
 // Result is a built image: one per platform, with its index when there
@@ -113,7 +108,6 @@ func Build(ctx context.Context, s Spec) (Result, error) {
 		return Result{}, errors.New("ociimage: no creation time (SOURCE_DATE_EPOCH)")
 	}
 	s.Created = s.Created.UTC().Truncate(time.Second)
-	s.Go = cmp.Or(s.Go, "go")
 	if s.Log == nil {
 		s.Log = slog.New(slog.DiscardHandler)
 	}
@@ -165,7 +159,6 @@ func (s Spec) image(ctx context.Context, p v1.Platform, files map[string][]byte)
 		img       v1.Image
 		layerType types.MediaType = types.OCILayer
 		cfg       *v1.ConfigFile
-		err       error
 	)
 	if s.Base == "" {
 		img = mutate.ConfigMediaType(mutate.MediaType(empty.Image, types.OCIManifestSchema1), types.OCIConfigJSON)
@@ -183,8 +176,7 @@ func (s Spec) image(ctx context.Context, p v1.Platform, files map[string][]byte)
 			return nil, fmt.Errorf("base: %w", err)
 		}
 		s.Log.Info("pulling the base image", "base", s.Base, "platform", p.String())
-		opts := append([]remote.Option{remote.WithContext(ctx), remote.WithPlatform(p), remote.WithAuthFromKeychain(authn.DefaultKeychain)}, s.Remote...)
-		if img, err = remote.Image(ref, opts...); err != nil {
+		if img, err = remote.Image(ref, remote.WithContext(ctx), remote.WithPlatform(p), remote.WithAuthFromKeychain(authn.DefaultKeychain)); err != nil {
 			return nil, fmt.Errorf("base %s: %w", s.Base, err)
 		}
 		if mt, err := img.MediaType(); err == nil && mt == types.DockerManifestSchema2 {
@@ -274,7 +266,7 @@ func (s Spec) build(ctx context.Context, p v1.Platform, b Binary) ([]byte, error
 		args = append(args, "-tags", b.Tags)
 	}
 	args = append(args, b.Package)
-	cmd := exec.CommandContext(ctx, s.Go, args...)
+	cmd := exec.CommandContext(ctx, "go", args...)
 	cmd.Dir = s.Dir
 	// The environment decides the binary: fixed here, whatever the
 	// caller's (GOFLAGS could add tags, or -race).
