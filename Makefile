@@ -26,6 +26,7 @@ GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -
 include mk/proto.mk
 include mk/kube.mk
 include mk/pyclients.mk
+include mk/image.mk
 
 # vLLM's own router, the peer `make bench` and `make replay` measure
 # (and its test runs): a Rust library in a Python launcher, pip-installed

@@ -13,6 +13,7 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 	"sigs.k8s.io/yaml"
@@ -20,6 +21,7 @@ import (
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/ociimage"
 	"github.com/pdx-router/pdx/internal/testbed/envoyproc"
 )
 
@@ -397,22 +399,81 @@ func TestDockerfile(t *testing.T) {
 	if strings.HasSuffix(final.from, ":nonroot") {
 		user = "65532" // distroless's nonroot
 	}
-	var entrypoint, cmd string
+	var entrypoint, cmd []string
+	var ports []string
 	for _, line := range final.lines {
 		instr, rest, _ := strings.Cut(line, " ")
 		switch strings.ToUpper(instr) {
 		case "USER":
 			user = strings.TrimSpace(rest)
 		case "ENTRYPOINT":
-			entrypoint = strings.TrimSpace(rest)
+			require.NoError(t, json.Unmarshal([]byte(rest), &entrypoint), line)
 		case "CMD":
-			cmd = strings.TrimSpace(rest)
+			require.NoError(t, json.Unmarshal([]byte(rest), &cmd), line)
+		case "EXPOSE":
+			for _, p := range strings.Fields(rest) {
+				ports = append(ports, p+"/tcp")
+			}
 		}
 	}
 	uid, _, _ := strings.Cut(user, ":")
 	require.NotEmpty(t, uid, "the final stage runs as root: set USER or use a :nonroot image")
 	require.NotContains(t, []string{"0", "root"}, uid, "the final stage runs as root")
-	require.Equal(t, `["/pdx"]`, entrypoint)
-	require.Equal(t, `["serve", "--config", "/etc/pdx/pdx.yaml"]`, cmd)
 	require.Contains(t, strings.Join(final.lines, "\n"), "/out/pdx-engine-sim", "the engine simulator is in the image")
+
+	// `make image` builds the same image without Docker (internal/ociimage).
+	spec := ociimage.Pdx("..", "0.1.0", "", time.Unix(0, 0), nil)
+	require.Equal(t, spec.Config.User, user)
+	require.Equal(t, spec.Config.Entrypoint, entrypoint)
+	require.Equal(t, spec.Config.Cmd, cmd)
+	require.ElementsMatch(t, slices.Collect(maps.Keys(spec.Config.ExposedPorts)), ports)
+	var paths []string
+	for _, b := range spec.Binaries {
+		paths = append(paths, b.Path)
+		require.Contains(t, build, b.Package, "the Dockerfile builds %s", b.Package)
+	}
+	for _, f := range spec.Files {
+		paths = append(paths, f.Path)
+		require.Contains(t, strings.Join(final.lines, "\n"), "COPY "+f.Source+" "+f.Path)
+	}
+	require.ElementsMatch(t, []string{"/pdx", "/pdx-engine-sim", "/etc/pdx/pdx.yaml"}, paths)
+}
+
+// TestImageReference: the manifests, the chart and `make image` name pdx's
+// image alike: the project's repository, tagged with the chart's
+// appVersion.
+func TestImageReference(t *testing.T) {
+	mk := regexp.MustCompile(`(?m)^IMAGE_REPOSITORY \?= (\S+)$`).FindSubmatch(readFile(t, "../mk/image.mk"))
+	require.NotNil(t, mk, "mk/image.mk sets IMAGE_REPOSITORY")
+	require.Equal(t, ociimage.Repository, string(mk[1]))
+
+	var chart struct {
+		AppVersion string `json:"appVersion"`
+	}
+	require.NoError(t, yaml.Unmarshal(readFile(t, "helm/pdx/Chart.yaml"), &chart))
+	require.NotEmpty(t, chart.AppVersion)
+	var values struct {
+		Image struct {
+			Repository string `json:"repository"`
+			Tag        string `json:"tag"`
+		} `json:"image"`
+	}
+	require.NoError(t, yaml.Unmarshal(readFile(t, "helm/pdx/values.yaml"), &values))
+	require.Equal(t, ociimage.Repository, values.Image.Repository)
+	require.Empty(t, values.Image.Tag, "the chart's appVersion")
+
+	var dep struct {
+		Spec struct {
+			Template struct {
+				Spec struct {
+					Containers []struct {
+						Image string `json:"image"`
+					} `json:"containers"`
+				} `json:"spec"`
+			} `json:"template"`
+		} `json:"spec"`
+	}
+	require.NoError(t, yaml.Unmarshal(readFile(t, "kubernetes/base/30-pdx-deployment.yaml"), &dep))
+	require.Len(t, dep.Spec.Template.Spec.Containers, 1)
+	require.Equal(t, ociimage.Repository+":"+chart.AppVersion, dep.Spec.Template.Spec.Containers[0].Image)
 }

@@ -3,18 +3,24 @@ package deploy_test
 import (
 	"encoding/json"
 	"fmt"
+	"log/slog"
+	"maps"
 	"os"
+	"reflect"
 	"regexp"
 	"slices"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/kvcache"
+	"github.com/pdx-router/pdx/internal/kvevents"
 	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/routing"
@@ -160,9 +166,10 @@ func metricNames(expr string) ([]string, error) {
 	return out, nil
 }
 
-// registered gathers the families pdx's metrics export once every one has
-// a sample, with their types.
-func registered(t *testing.T) map[string]dto.MetricType {
+// pdxMetrics returns pdx's metrics as a server registers them: metrics.New
+// and every Collect* method, the KV event ones with a subscriber and an
+// index that hold an engine, so that every family has a sample.
+func pdxMetrics(t *testing.T) *metrics.Metrics {
 	t.Helper()
 	table, err := routing.New(&configv1.Config{Pools: []*configv1.Pool{{
 		Name: "p", Models: []string{"m"}, Connector: "nixl",
@@ -172,8 +179,30 @@ func registered(t *testing.T) map[string]dto.MetricType {
 		Saturation:     &configv1.Saturation{QueueDepth: 5, KvUsage: 0.8, MaxQueueTime: durationpb.New(time.Second)},
 	}}})
 	require.NoError(t, err)
+	index := kvcache.New(kvcache.Config{})
+	index.Apply("127.0.0.1:8200", &kvevents.Batch{Events: []kvevents.Event{{
+		Kind: kvevents.BlockStored, Hashes: []kvevents.Hash{{Lo: 1}}, TokenIDs: make([]uint32, 16), BlockSize: 16,
+	}}})
+	index.Reset("127.0.0.1:8100", -1, "gap")
+	sub, err := kvevents.Start(t.Context(), kvevents.Options{Sink: index, Log: slog.New(slog.DiscardHandler)})
+	require.NoError(t, err)
+	t.Cleanup(func() { require.NoError(t, sub.Close()) })
+
 	m := metrics.New()
+	// A new Collect* method registers metrics this test would not see:
+	// call it above and list it here.
+	collects := map[string]bool{"CollectEndpoints": true, "CollectKVEvents": true}
+	typ := reflect.TypeFor[*metrics.Metrics]()
+	for i := range typ.NumMethod() {
+		if name := typ.Method(i).Name; strings.HasPrefix(name, "Collect") {
+			require.True(t, collects[name], "metrics.Metrics.%s registers metrics: call it in pdxMetrics", name)
+			delete(collects, name)
+		}
+	}
+	require.Empty(t, collects, "methods pdxMetrics calls that metrics.Metrics no longer has")
 	m.CollectEndpoints(func() *routing.Table { return table })
+	m.CollectKVEvents(sub, index)
+
 	m.StreamStarted()
 	pool := m.Pool(table.Pools()[0])
 	pool.Request(metrics.OutcomeRouted, time.Millisecond)
@@ -183,25 +212,57 @@ func registered(t *testing.T) map[string]dto.MetricType {
 	pool.Decision("disaggregated")
 	pool.DecodeHeaders(time.Millisecond)
 	pool.DecodeDone(time.Millisecond)
+	pool.DecodeServed("127.0.0.1:8200", false)
 	pool.FirstByte(time.Millisecond, time.Millisecond)
 	pool.Tokens(3, 2, 1)
+	pool.Tokenized("render")
+	pool.Checked("127.0.0.1:8100", "match", true, 64, 64)
 	pool.Waited("decode", 0, "admitted", time.Millisecond)
 	pool.LoRAPick("decode", picker.LoRALoaded)
 	pool.Session(picker.RoleDecode, picker.SessionKept)
 	m.ScrapeFailed("127.0.0.1:8200")
+	return m
+}
+
+// fqName reads a descriptor's metric name: prometheus.Desc has no getter,
+// its String is Desc{fqName: "name", ...}.
+var fqName = regexp.MustCompile(`^Desc\{fqName: "([a-zA-Z_:][a-zA-Z0-9_:]*)"`)
+
+// described returns the names of the pdx_ metrics m registers, from the
+// registry's descriptors: every metric, whether or not it has a sample.
+func described(t *testing.T, m *metrics.Metrics) []string {
+	t.Helper()
+	ch := make(chan *prometheus.Desc)
+	go func() {
+		m.Registry().Describe(ch)
+		close(ch)
+	}()
+	var names []string
+	for d := range ch {
+		sub := fqName.FindStringSubmatch(d.String())
+		require.NotNil(t, sub, "cannot read the name of %s", d)
+		if strings.HasPrefix(sub[1], "pdx_") && !slices.Contains(names, sub[1]) {
+			names = append(names, sub[1])
+		}
+	}
+	slices.Sort(names)
+	return names
+}
+
+// registered gathers the families pdx's metrics export once every one has
+// a sample, with their types.
+func registered(t *testing.T) map[string]dto.MetricType {
+	t.Helper()
+	m := pdxMetrics(t)
 	families, err := m.Registry().Gather()
 	require.NoError(t, err)
 	out := map[string]dto.MetricType{}
 	for _, f := range families {
 		out[f.GetName()] = f.GetType()
 	}
-	// Every pdx family has a sample: a new metric without one here would
-	// go unchecked.
-	for _, name := range []string{"pdx_requests_total", "pdx_request_duration_seconds", "pdx_prefill_duration_seconds",
-		"pdx_prefill_attempts_total", "pdx_streams_in_flight", "pdx_endpoint_in_flight", "pdx_endpoint_healthy",
-		"pdx_disaggregation_decisions_total", "pdx_engine_metrics_failures_total", "pdx_decode_ttfb_seconds",
-		"pdx_decode_duration_seconds", "pdx_handoff_duration_seconds", "pdx_ttft_seconds", "pdx_tokens_total"} {
-		require.Contains(t, out, name)
+	// Every pdx family has a sample: one without would go unchecked.
+	for _, name := range described(t, m) {
+		require.Contains(t, out, name, "pdxMetrics gives %s no sample", name)
 	}
 	return out
 }
@@ -280,7 +341,6 @@ func TestDashboardUsesPdxMetrics(t *testing.T) {
 		vars = append(vars, v.Type+":"+v.Name)
 	}
 	require.Contains(t, vars, "datasource:datasource")
-	seen := map[string]bool{}
 	for _, p := range d.Panels {
 		if p.Type == "row" {
 			continue
@@ -291,16 +351,67 @@ func TestDashboardUsesPdxMetrics(t *testing.T) {
 	for where, names := range queries(t, d) {
 		for _, name := range names {
 			require.NoError(t, unknownMetric(name, families), where)
-			seen[strings.TrimSuffix(strings.TrimSuffix(strings.TrimSuffix(name, "_bucket"), "_sum"), "_count")] = true
 		}
 	}
-	// What the issue asks the dashboard to show.
-	for _, name := range []string{"pdx_requests_total", "pdx_prefill_duration_seconds", "pdx_handoff_duration_seconds",
-		"pdx_ttft_seconds", "pdx_decode_duration_seconds", "pdx_tokens_total", "pdx_endpoint_in_flight",
-		"pdx_engine_metrics_failures_total", "pdx_disaggregation_decisions_total",
-		"pdx_flow_control_waiting", "pdx_flow_control_wait_seconds", "pdx_lora_picks_total", "pdx_session_picks_total"} {
-		require.True(t, seen[name], "the dashboard shows %s", name)
+}
+
+// observabilityDoc is the metric reference.
+const observabilityDoc = "../docs/observability.md"
+
+// metricRow matches a row of the metric reference's table: its first cell
+// is the metric's name.
+var metricRow = regexp.MustCompile("(?m)^\\| `(pdx_[a-z0-9_]+)` \\|")
+
+// TestEveryMetricShownAndDocumented: every metric pdx registers (read from
+// its registry's descriptors, so whether or not it has a sample) is queried
+// by a panel of the dashboard and has a row of its own in
+// docs/observability.md's metric table; the table has no row for a metric
+// pdx does not register.
+func TestEveryMetricShownAndDocumented(t *testing.T) {
+	names := described(t, pdxMetrics(t))
+	require.Contains(t, names, "pdx_requests_total")
+	require.Contains(t, names, "pdx_kv_cache_blocks", "the collectors' metrics are read too")
+
+	raw, err := os.ReadFile(dashboardFile)
+	require.NoError(t, err)
+	var d dashboard
+	require.NoError(t, json.Unmarshal(raw, &d))
+	shown := map[string]bool{}
+	for where, selected := range queries(t, d) {
+		if !strings.HasPrefix(where, "panel ") {
+			continue // a variable shows nothing
+		}
+		for _, name := range selected {
+			for _, suffix := range []string{"_bucket", "_sum", "_count"} {
+				if base, ok := strings.CutSuffix(name, suffix); ok && slices.Contains(names, base) {
+					name = base
+				}
+			}
+			shown[name] = true
+		}
 	}
+	doc, err := os.ReadFile(observabilityDoc)
+	require.NoError(t, err)
+	rows := map[string]bool{}
+	for _, m := range metricRow.FindAllStringSubmatch(string(doc), -1) {
+		require.False(t, rows[m[1]], "%s has two rows for %s", observabilityDoc, m[1])
+		rows[m[1]] = true
+	}
+
+	var problems []string
+	for _, name := range names {
+		if !shown[name] {
+			problems = append(problems, fmt.Sprintf("%s: no panel of %s queries it", name, dashboardFile))
+		}
+		if !rows[name] {
+			problems = append(problems, fmt.Sprintf("%s: no row in the metric table of %s", name, observabilityDoc))
+		}
+		delete(rows, name)
+	}
+	for _, name := range slices.Sorted(maps.Keys(rows)) {
+		problems = append(problems, fmt.Sprintf("%s: a row of %s's metric table, but pdx registers no such metric", name, observabilityDoc))
+	}
+	require.Empty(t, problems, "the metrics pdx registers, its dashboard and its metric reference differ:\n%s", strings.Join(problems, "\n"))
 }
 
 // TestDashboardCheck is the check's own table: what it reads from PromQL,

@@ -19,6 +19,7 @@ import (
 	"time"
 
 	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
+	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 	"helm.sh/helm/v3/pkg/chart/loader"
@@ -53,6 +54,7 @@ import (
 	"github.com/pdx-router/pdx/internal/discovery"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/objectives"
+	"github.com/pdx-router/pdx/internal/ociimage"
 	"github.com/pdx-router/pdx/internal/testbed/kubeapi"
 	"github.com/pdx-router/pdx/processor"
 )
@@ -86,7 +88,7 @@ func newScheme() *runtime.Scheme {
 	s := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{
 		corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme, rbacv1.AddToScheme,
-		gwv1.Install, egv1a1.AddToScheme, infv1.Install,
+		gwv1.Install, egv1a1.AddToScheme, infv1.Install, monitoringv1.AddToScheme,
 	} {
 		if err := add(s); err != nil {
 			panic(err)
@@ -372,16 +374,22 @@ func requirePdxService(t *testing.T, objs []object, p pdx, name string, port int
 		"Service %s port %d does not reach pdx's grpc_address", name, port)
 }
 
-// requireGateway requires a route's parentRef to name a Gateway, its
-// listener and a GatewayClass the chart renders.
-func requireGateway(t *testing.T, objs []object, ref gwv1.ParentReference) {
+// requireGateway requires a route's parentRef to name a Gateway and its
+// listener, and the Gateway the GatewayClass the chart renders or, when it
+// renders none, the existing one the values name.
+func requireGateway(t *testing.T, objs []object, ref gwv1.ParentReference, existingClass string) {
 	t.Helper()
 	require.NotNil(t, ref.Kind)
 	require.Equal(t, gwv1.Kind("Gateway"), *ref.Kind)
 	require.Nil(t, ref.Namespace, "the route's namespace")
 	gw := get[*gwv1.Gateway](t, objs, string(ref.Name))
-	gc := get[*gwv1.GatewayClass](t, objs, string(gw.Spec.GatewayClassName))
-	require.Equal(t, gwv1.GatewayController("gateway.envoyproxy.io/gatewayclass-controller"), gc.Spec.ControllerName)
+	if classes := all[*gwv1.GatewayClass](objs); len(classes) > 0 {
+		require.Len(t, classes, 1)
+		require.Equal(t, classes[0].Name, string(gw.Spec.GatewayClassName))
+		require.Equal(t, gwv1.GatewayController("gateway.envoyproxy.io/gatewayclass-controller"), classes[0].Spec.ControllerName)
+	} else {
+		require.Equal(t, existingClass, string(gw.Spec.GatewayClassName), "the existing GatewayClass the values name")
+	}
 	require.NotNil(t, ref.SectionName)
 	require.True(t, slices.ContainsFunc(gw.Spec.Listeners, func(l gwv1.Listener) bool { return l.Name == *ref.SectionName }),
 		"Gateway %s has no listener %s", gw.Name, *ref.SectionName)
@@ -423,10 +431,20 @@ func parseDuration(t *testing.T, what string, d *gwv1.Duration) time.Duration {
 	return v
 }
 
+// existingClass names the GatewayClass a cluster already has, which the
+// modes use unless they create their own.
+const existingClass = "eg"
+
 // The values of the modes.
 var (
-	envoyGatewayValues  = map[string]any{"envoyGateway": map[string]any{"enabled": true}}
-	inferencePoolValues = map[string]any{"inferencePool": map[string]any{"enabled": true}}
+	envoyGatewayValues = map[string]any{"envoyGateway": map[string]any{
+		"enabled": true, "gatewayClass": map[string]any{"name": existingClass}}}
+	inferencePoolValues = map[string]any{"inferencePool": map[string]any{
+		"enabled": true, "gatewayClass": map[string]any{"name": existingClass}}}
+	// envoyGatewayOwnClassValues is the Envoy Gateway mode with the
+	// chart's own GatewayClass.
+	envoyGatewayOwnClassValues = map[string]any{"envoyGateway": map[string]any{
+		"enabled": true, "gatewayClass": map[string]any{"create": true}}}
 )
 
 // TestChartRenders renders the chart in each mode and with overrides,
@@ -447,7 +465,7 @@ func TestChartRenders(t *testing.T) {
 			name:  "default",
 			kinds: pdxKinds,
 			check: func(t *testing.T, r rendered, p pdx) {
-				require.Equal(t, "registry.example.com/pdx:0.1.0", p.container.Image, "the chart's appVersion")
+				require.Equal(t, ociimage.Repository+":0.1.0", p.container.Image, "the project's image at the chart's appVersion")
 				require.EqualValues(t, 2, *p.dep.Spec.Replicas)
 				require.NotEmpty(t, p.dep.Spec.Template.Annotations["checksum/config"], "a changed config restarts pdx")
 				require.Contains(t, r.notes, "point your Envoy's ext_proc filter at pdx.pdx.svc:9002")
@@ -457,17 +475,27 @@ func TestChartRenders(t *testing.T) {
 			name:   "envoyGateway",
 			values: envoyGatewayValues,
 			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
-				"Gateway", "GatewayClass", "HTTPRoute", "Service"),
+				"Gateway", "HTTPRoute", "Service"),
 			check: checkEnvoyGateway,
+		},
+		{
+			name:   "envoyGateway, the chart's GatewayClass",
+			values: envoyGatewayOwnClassValues,
+			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
+				"Gateway", "GatewayClass", "HTTPRoute", "Service"),
+			check: func(t *testing.T, r rendered, p pdx) {
+				require.EqualValues(t, "pdx", get[*gwv1.Gateway](t, r.objs, "pdx").Spec.GatewayClassName, "the full name")
+				checkEnvoyGateway(t, r, p)
+			},
 		},
 		{
 			name: "envoyGateway, 4 MiB bodies",
 			values: map[string]any{
-				"envoyGateway": map[string]any{"enabled": true},
+				"envoyGateway": envoyGatewayValues["envoyGateway"],
 				"config":       map[string]any{"max_body_bytes": 4 << 20},
 			},
 			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
-				"Gateway", "GatewayClass", "HTTPRoute", "Service"),
+				"Gateway", "HTTPRoute", "Service"),
 			check: func(t *testing.T, r rendered, p pdx) {
 				require.EqualValues(t, 4<<20, p.cfg.GetMaxBodyBytes())
 				checkEnvoyGateway(t, r, p) // the buffer limits follow max_body_bytes
@@ -476,8 +504,18 @@ func TestChartRenders(t *testing.T) {
 		{
 			name:   "inferencePool",
 			values: inferencePoolValues,
-			kinds:  append(slices.Clone(pdxKinds), "Gateway", "GatewayClass", "HTTPRoute", "InferencePool"),
+			kinds:  append(slices.Clone(pdxKinds), "Gateway", "HTTPRoute", "InferencePool"),
 			check:  checkInferencePool,
+		},
+		{
+			name: "inferencePool, the chart's GatewayClass",
+			values: map[string]any{"inferencePool": map[string]any{
+				"enabled": true, "gatewayClass": map[string]any{"create": true}}},
+			kinds: append(slices.Clone(pdxKinds), "Gateway", "GatewayClass", "HTTPRoute", "InferencePool"),
+			check: func(t *testing.T, r rendered, p pdx) {
+				require.EqualValues(t, "pdx-inference", get[*gwv1.Gateway](t, r.objs, "pdx-inference").Spec.GatewayClassName)
+				checkInferencePool(t, r, p)
+			},
 		},
 		{
 			name:   "overrides",
@@ -486,7 +524,10 @@ func TestChartRenders(t *testing.T) {
 			kinds: []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"},
 			check: func(t *testing.T, r rendered, p pdx) {
 				require.EqualValues(t, 3, *p.dep.Spec.Replicas)
-				require.Equal(t, map[string]string{"example.com/team": "inference"}, p.dep.Spec.Template.Annotations, "restartOnConfigChange: false")
+				require.Equal(t, map[string]string{
+					"example.com/team":     "inference",
+					"prometheus.io/scrape": "true", "prometheus.io/port": "9103", "prometheus.io/path": "/metrics",
+				}, p.dep.Spec.Template.Annotations, "restartOnConfigChange: false; the scrape annotations follow ports.admin")
 				require.Equal(t, "registry.example.com:5000/team/pdx@sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef", p.container.Image)
 				require.Equal(t, "0.0.0.0:9102", p.cfg.GetGrpcAddress())
 				require.Equal(t, "0.0.0.0:9103", p.cfg.GetAdminAddress())
@@ -501,6 +542,28 @@ func TestChartRenders(t *testing.T) {
 				require.EqualValues(t, config.DefaultMaxBodyBytes, p.cfg.GetMaxBodyBytes())
 				require.Equal(t, intstr.FromString("50%"), *get[*policyv1.PodDisruptionBudget](t, r.objs, "pdx").Spec.MaxUnavailable)
 				require.Equal(t, "9102", strconv.Itoa(int(get[*corev1.Service](t, r.objs, "pdx").Spec.Ports[0].Port)))
+			},
+		},
+		{
+			// With the decode engines' Service of the Envoy Gateway mode,
+			// which the ServiceMonitor must not select.
+			name: "ServiceMonitor",
+			values: map[string]any{
+				"envoyGateway": envoyGatewayValues["envoyGateway"],
+				"metrics": map[string]any{"scrapeAnnotations": false, "serviceMonitor": map[string]any{
+					"enabled": true, "labels": map[string]any{"release": "kube-prometheus-stack"}, "interval": "15s", "scrapeTimeout": "5s"}},
+			},
+			kinds: append(slices.Clone(pdxKinds), "BackendTrafficPolicy", "ClientTrafficPolicy", "EnvoyExtensionPolicy",
+				"Gateway", "HTTPRoute", "Service", "ServiceMonitor"),
+			check: func(t *testing.T, r rendered, p pdx) {
+				require.NotContains(t, p.dep.Spec.Template.Annotations, "prometheus.io/scrape")
+				got := scrapes(t, r.objs, p)
+				require.Len(t, got, 1)
+				require.Equal(t, "ServiceMonitor pdx", got[0].what)
+				sm := get[*monitoringv1.ServiceMonitor](t, r.objs, "pdx")
+				require.Equal(t, "kube-prometheus-stack", sm.Labels["release"], "the label the Prometheus selects")
+				require.EqualValues(t, "15s", sm.Spec.Endpoints[0].Interval)
+				require.EqualValues(t, "5s", sm.Spec.Endpoints[0].ScrapeTimeout)
 			},
 		},
 		{
@@ -573,6 +636,57 @@ func TestChartRenders(t *testing.T) {
 	}
 }
 
+// scrape is where a Prometheus scrapes pdx, and what told it to.
+type scrape struct {
+	what string
+	port int32 // the pdx container's port
+	path string
+}
+
+// scrapes are the targets a render gives a Prometheus: the pdx pods'
+// prometheus.io annotations, and the endpoints of the ServiceMonitor,
+// which must select only the pdx Service in its namespace and name a port
+// of it. Each must be pdx's admin port.
+func scrapes(t *testing.T, objs []object, p pdx) []scrape {
+	t.Helper()
+	podLabels := labels.Set(p.dep.Spec.Template.Labels)
+	var out []scrape
+	if ann := p.dep.Spec.Template.Annotations; ann["prometheus.io/scrape"] == "true" {
+		port, err := strconv.ParseInt(ann["prometheus.io/port"], 10, 32)
+		require.NoError(t, err, "annotation prometheus.io/port")
+		out = append(out, scrape{what: "the pods' prometheus.io annotations", port: int32(port), path: ann["prometheus.io/path"]})
+	}
+	for _, sm := range all[*monitoringv1.ServiceMonitor](objs) {
+		require.False(t, sm.Spec.NamespaceSelector.Any, "ServiceMonitor %s: pdx's namespace only", sm.Name)
+		require.Empty(t, sm.Spec.NamespaceSelector.MatchNames, "ServiceMonitor %s: its own namespace", sm.Name)
+		sel, err := metav1.LabelSelectorAsSelector(&sm.Spec.Selector)
+		require.NoError(t, err)
+		require.False(t, sel.Empty(), "ServiceMonitor %s selects every Service", sm.Name)
+		var svcs []*corev1.Service
+		for _, svc := range all[*corev1.Service](objs) {
+			if svc.Namespace == sm.Namespace && sel.Matches(labels.Set(svc.Labels)) {
+				require.True(t, labels.SelectorFromSet(svc.Spec.Selector).Matches(podLabels),
+					"ServiceMonitor %s selects Service %s, which is not pdx's", sm.Name, svc.Name)
+				svcs = append(svcs, svc)
+			}
+		}
+		require.Len(t, svcs, 1, "ServiceMonitor %s: the pdx Service", sm.Name)
+		require.NotEmpty(t, sm.Spec.Endpoints)
+		for _, ep := range sm.Spec.Endpoints {
+			require.Nil(t, ep.TargetPort, "ServiceMonitor %s: name the Service's port", sm.Name)
+			i := slices.IndexFunc(svcs[0].Spec.Ports, func(sp corev1.ServicePort) bool { return sp.Name == ep.Port })
+			require.GreaterOrEqual(t, i, 0, "ServiceMonitor %s: Service %s has no port %q", sm.Name, svcs[0].Name, ep.Port)
+			require.Nil(t, ep.Scheme, "pdx's admin port is plain HTTP")
+			out = append(out, scrape{what: "ServiceMonitor " + sm.Name, port: resolvePort(t, svcs[0].Spec.Ports[i].TargetPort, p.container), path: ep.Path})
+		}
+	}
+	for _, s := range out {
+		require.Equal(t, listenPort(t, p.cfg.GetAdminAddress()), s.port, "%s: not pdx's admin port", s.what)
+		require.Equal(t, "/metrics", s.path, s.what)
+	}
+	return out
+}
+
 // checkWorkload checks the pdx Deployment, Service and PDB against pdx's
 // config and each other, in every mode.
 func checkWorkload(t *testing.T, objs []object, p pdx) {
@@ -609,10 +723,14 @@ func checkWorkload(t *testing.T, objs []object, p pdx) {
 	adminPort := listenPort(t, p.cfg.GetAdminAddress())
 	require.Equal(t, grpcPort, containerPort(t, c, "grpc"))
 	require.Equal(t, adminPort, containerPort(t, c, "admin"))
-	require.Len(t, svc.Spec.Ports, 1)
-	sp := svc.Spec.Ports[0]
+	require.Len(t, svc.Spec.Ports, 2)
+	sp := svc.Spec.Ports[1]
+	require.Equal(t, "admin", sp.Name, "the admin port, for Prometheus")
+	require.Equal(t, adminPort, resolvePort(t, sp.TargetPort, c))
+	sp = svc.Spec.Ports[0]
 	require.Equal(t, "grpc", sp.Name)
 	require.Equal(t, grpcPort, resolvePort(t, sp.TargetPort, c))
+	scrapes(t, objs, p) // Prometheus's targets are the admin port
 	tls := p.cfg.GetTls().GetSelfSigned()
 	if tls {
 		require.Nil(t, sp.AppProtocol, "pdx serves TLS: not h2c")
@@ -802,7 +920,7 @@ func checkEnvoyGateway(t *testing.T, r rendered, p pdx) {
 	routes := all[*gwv1.HTTPRoute](objs)
 	require.Len(t, routes, 1)
 	route := routes[0]
-	requireGateway(t, objs, route.Spec.ParentRefs[0])
+	requireGateway(t, objs, route.Spec.ParentRefs[0], existingClass)
 	gw := get[*gwv1.Gateway](t, objs, string(route.Spec.ParentRefs[0].Name))
 	rule := requireEveryPath(t, route)
 	b := rule.BackendRefs[0].BackendObjectReference
@@ -878,7 +996,7 @@ func checkInferencePool(t *testing.T, r rendered, p pdx) {
 	routes := all[*gwv1.HTTPRoute](objs)
 	require.Len(t, routes, 1)
 	route := routes[0]
-	requireGateway(t, objs, route.Spec.ParentRefs[0])
+	requireGateway(t, objs, route.Spec.ParentRefs[0], existingClass)
 	b := requireEveryPath(t, route).BackendRefs[0]
 	require.Equal(t, gwv1.Group(infv1.GroupName), *b.Group)
 	require.Equal(t, gwv1.Kind("InferencePool"), *b.Kind)
@@ -1005,6 +1123,21 @@ func TestChartRefuses(t *testing.T) {
 			wantErr: "/envoyGateway/decode/retry/triggers/0",
 		},
 		{
+			name:    "envoyGateway without a GatewayClass",
+			values:  map[string]any{"envoyGateway": map[string]any{"enabled": true}},
+			wantErr: "envoyGateway.gatewayClass.name is required: name an existing GatewayClass",
+		},
+		{
+			name:    "inferencePool without a GatewayClass",
+			values:  map[string]any{"inferencePool": map[string]any{"enabled": true}},
+			wantErr: "inferencePool.gatewayClass.create=true to have the chart create one",
+		},
+		{
+			name:    "ServiceMonitor interval not a duration",
+			values:  map[string]any{"metrics": map[string]any{"serviceMonitor": map[string]any{"interval": "30"}}},
+			wantErr: "/metrics/serviceMonitor/interval",
+		},
+		{
 			name:    "no ServiceAccount name",
 			values:  map[string]any{"serviceAccount": map[string]any{"create": false}},
 			wantErr: "serviceAccount.name is required",
@@ -1058,10 +1191,11 @@ func TestStrictDecodeRejects(t *testing.T) {
 // values: no warning or error.
 func TestChartLints(t *testing.T) {
 	for name, values := range map[string]map[string]any{
-		"default":       nil,
-		"envoyGateway":  envoyGatewayValues,
-		"inferencePool": inferencePoolValues,
-		"overrides":     readValues(t, "testdata/overrides.yaml"),
+		"default":        nil,
+		"envoyGateway":   envoyGatewayValues,
+		"inferencePool":  inferencePoolValues,
+		"overrides":      readValues(t, "testdata/overrides.yaml"),
+		"serviceMonitor": {"metrics": map[string]any{"serviceMonitor": map[string]any{"enabled": true}}},
 	} {
 		t.Run(name, func(t *testing.T) {
 			l := lint.All(chartDir, values, namespace, true)

@@ -24,14 +24,17 @@ import (
 // loopback; in inferencePool mode without its TLS, which only the gRPC
 // port serves) and asks it what the rendered probes ask: each gRPC health
 // service answers SERVING, each admin HTTP path 200. A probe of a service
-// or path pdx does not serve would fail here as in the kubelet.
+// or path pdx does not serve would fail here as in the kubelet. Prometheus's
+// scrapes (annotations, ServiceMonitor) get pdx's metrics.
 func TestChartProbesAnswer(t *testing.T) {
 	for name, values := range map[string]map[string]any{
-		"default (gRPC probes)":       nil,
-		"inferencePool (HTTP probes)": inferencePoolValues,
+		"default":                              nil,
+		"inferencePool (TLS on the gRPC port)": inferencePoolValues,
+		"ServiceMonitor":                       {"metrics": map[string]any{"serviceMonitor": map[string]any{"enabled": true}}},
 	} {
 		t.Run(name, func(t *testing.T) {
-			p := loadPdx(t, mustRender(t, values).objs)
+			r := mustRender(t, values)
+			p := loadPdx(t, r.objs)
 			cfg := proto.Clone(p.cfg).(*configv1.Config)
 			cfg.GrpcAddress = "127.0.0.1:0"
 			cfg.AdminAddress = "127.0.0.1:0"
@@ -66,6 +69,19 @@ func TestChartProbesAnswer(t *testing.T) {
 					require.Failf(t, "probe", "%s probe is neither gRPC nor HTTP", probeName)
 				}
 				cancel()
+			}
+			for _, sc := range scrapes(t, r.objs, p) {
+				ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+				req, err := http.NewRequestWithContext(ctx, http.MethodGet, fmt.Sprintf("http://%s%s", srv.AdminAddr(), sc.path), nil)
+				require.NoError(t, err)
+				resp, err := http.DefaultClient.Do(req)
+				require.NoError(t, err, sc.what)
+				body, err := io.ReadAll(resp.Body)
+				resp.Body.Close()
+				cancel()
+				require.NoError(t, err)
+				require.Equal(t, http.StatusOK, resp.StatusCode, "%s: GET %s", sc.what, sc.path)
+				require.Contains(t, string(body), "pdx_streams_in_flight", "%s: GET %s", sc.what, sc.path)
 			}
 		})
 	}

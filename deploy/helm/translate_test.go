@@ -18,6 +18,7 @@ import (
 	"strings"
 	"testing"
 
+	egv1a1 "github.com/envoyproxy/gateway/api/v1alpha1"
 	"github.com/stretchr/testify/require"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"sigs.k8s.io/yaml"
@@ -43,7 +44,7 @@ type egStatus struct {
 func TestChartEnvoyGatewayTranslation(t *testing.T) {
 	egctl := os.Getenv("EGCTL")
 	require.NotEmpty(t, egctl, "set EGCTL to Envoy Gateway's egctl (make k8s-translate installs it)")
-	r := mustRender(t, envoyGatewayValues)
+	r := mustRender(t, envoyGatewayOwnClassValues) // egctl translates the Gateways of the GatewayClass it is given
 	var in bytes.Buffer
 	for _, o := range r.objs {
 		// As written, without the empty status a typed object marshals
@@ -135,6 +136,16 @@ func TestChartEnvoyGatewayTranslation(t *testing.T) {
 	require.NoError(t, err)
 	require.Contains(t, string(lb), "envoy.extensions.load_balancing_policies.override_host.v3.OverrideHost", "the decode cluster overrides the host: %s", lb)
 	require.Contains(t, string(lb), `"`+processor.DestinationHeader+`"`, "from pdx's header: %s", lb)
+	// The fallback is the BackendTrafficPolicy's type.
+	btp := all[*egv1a1.BackendTrafficPolicy](r.objs)
+	require.Len(t, btp, 1)
+	fallback := map[egv1a1.LoadBalancerType]string{
+		egv1a1.RoundRobinLoadBalancerType:   "load_balancing_policies.round_robin.v3.RoundRobin",
+		egv1a1.LeastRequestLoadBalancerType: "load_balancing_policies.least_request.v3.LeastRequest",
+		egv1a1.RandomLoadBalancerType:       "load_balancing_policies.random.v3.Random",
+	}[btp[0].Spec.LoadBalancer.Type]
+	require.NotEmpty(t, fallback, "load balancer type %s", btp[0].Spec.LoadBalancer.Type)
+	require.Contains(t, string(lb), fallback, "the override_host fallback: %s", lb)
 
 	t.Logf("decode cluster load balancing: %s", lb)
 	require.Len(t, routes, 1, "one route, every path")

@@ -3,6 +3,7 @@ package kubernetes_test
 import (
 	"bufio"
 	"bytes"
+	"cmp"
 	"errors"
 	"fmt"
 	"io"
@@ -22,6 +23,7 @@ import (
 	listenerv3 "github.com/envoyproxy/go-control-plane/envoy/config/listener/v3"
 	routev3 "github.com/envoyproxy/go-control-plane/envoy/config/route/v3"
 	hcmv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/network/http_connection_manager/v3"
+	monitoringv1 "github.com/prometheus-operator/prometheus-operator/pkg/apis/monitoring/v1"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/protobuf/proto"
 	appsv1 "k8s.io/api/apps/v1"
@@ -56,6 +58,8 @@ const (
 	// pdx's JSON local replies.
 	jsonErrorsDir = "envoy-gateway-json-errors"
 	poolDir       = "inferencepool"
+	// monitoringDir is the optional ServiceMonitor (Prometheus Operator).
+	monitoringDir = "monitoring"
 )
 
 const (
@@ -78,7 +82,7 @@ func newScheme() *runtime.Scheme {
 	s := runtime.NewScheme()
 	for _, add := range []func(*runtime.Scheme) error{
 		corev1.AddToScheme, appsv1.AddToScheme, policyv1.AddToScheme, rbacv1.AddToScheme,
-		gwv1.Install, egv1a1.AddToScheme, infv1.Install,
+		gwv1.Install, egv1a1.AddToScheme, infv1.Install, monitoringv1.AddToScheme,
 	} {
 		if err := add(s); err != nil {
 			panic(err)
@@ -246,7 +250,7 @@ func TestManifestsDecodeStrictly(t *testing.T) {
 		"Namespace", "ServiceAccount", "Role", "RoleBinding", "ConfigMap", "Deployment", "Service", "PodDisruptionBudget",
 		"GatewayClass", "Gateway", "HTTPRoute",
 		"EnvoyExtensionPolicy", "EnvoyPatchPolicy", "ClientTrafficPolicy", "BackendTrafficPolicy",
-		"InferencePool",
+		"InferencePool", "ServiceMonitor",
 	}, slices.Collect(maps.Keys(kinds)))
 }
 
@@ -689,12 +693,15 @@ func TestPdxPortsProbesAndDrain(t *testing.T) {
 	require.Equal(t, adminPort, containerPort(t, c, "admin"))
 
 	svc := get[*corev1.Service](t, objs, "pdx")
-	require.Len(t, svc.Spec.Ports, 1)
+	require.Len(t, svc.Spec.Ports, 2)
 	sp := svc.Spec.Ports[0]
 	require.Equal(t, "grpc", sp.Name)
 	require.NotNil(t, sp.AppProtocol)
 	require.Equal(t, h2c, *sp.AppProtocol, "ext_proc is gRPC: HTTP/2 without TLS")
 	require.Equal(t, grpcPort, servicePortTarget(t, sp, c))
+	sp = svc.Spec.Ports[1]
+	require.Equal(t, "admin", sp.Name, "the admin port, for Prometheus")
+	require.Equal(t, adminPort, servicePortTarget(t, sp, c))
 
 	for name, probe := range map[string]*corev1.Probe{"liveness": c.LivenessProbe, "readiness": c.ReadinessProbe} {
 		require.NotNil(t, probe, "%s probe", name)
@@ -727,6 +734,69 @@ func TestPdxPortsProbesAndDrain(t *testing.T) {
 	require.NotNil(t, grace)
 	require.Greater(t, time.Duration(*grace)*time.Second, preStop+drain,
 		"terminationGracePeriodSeconds must exceed the preStop sleep (%s) plus --drain-timeout (%s)", preStop, drain)
+}
+
+// scrape is where a Prometheus scrapes pdx, and what told it to.
+type scrape struct {
+	what string
+	port int32 // the pdx container's port
+	path string
+}
+
+// scrapes are the targets objs give a Prometheus: the pdx pods'
+// prometheus.io annotations, and the endpoints of every ServiceMonitor,
+// which must select only Services of the pdx pods in their namespace and
+// name a port of them. Each must be pdx's admin port.
+func scrapes(t *testing.T, objs []object, p pdxConfig) []scrape {
+	t.Helper()
+	dep := get[*appsv1.Deployment](t, objs, "pdx")
+	podLabels := labels.Set(dep.Spec.Template.Labels)
+	var out []scrape
+	if ann := dep.Spec.Template.Annotations; ann["prometheus.io/scrape"] == "true" {
+		port, err := strconv.ParseInt(ann["prometheus.io/port"], 10, 32)
+		require.NoError(t, err, "annotation prometheus.io/port")
+		out = append(out, scrape{what: "the pods' prometheus.io annotations", port: int32(port), path: cmp.Or(ann["prometheus.io/path"], "/metrics")})
+	}
+	for _, sm := range all[*monitoringv1.ServiceMonitor](objs) {
+		require.False(t, sm.Spec.NamespaceSelector.Any, "ServiceMonitor %s: pdx's namespace only", sm.Name)
+		require.Empty(t, sm.Spec.NamespaceSelector.MatchNames, "ServiceMonitor %s: its own namespace", sm.Name)
+		sel, err := metav1.LabelSelectorAsSelector(&sm.Spec.Selector)
+		require.NoError(t, err)
+		require.False(t, sel.Empty(), "ServiceMonitor %s selects every Service", sm.Name)
+		var svcs []*corev1.Service
+		for _, svc := range all[*corev1.Service](objs) {
+			if svc.Namespace == sm.Namespace && sel.Matches(labels.Set(svc.Labels)) {
+				require.True(t, labels.SelectorFromSet(svc.Spec.Selector).Matches(podLabels),
+					"ServiceMonitor %s selects Service %s, which is not pdx's", sm.Name, svc.Name)
+				svcs = append(svcs, svc)
+			}
+		}
+		require.Len(t, svcs, 1, "ServiceMonitor %s: the pdx Service", sm.Name)
+		require.NotEmpty(t, sm.Spec.Endpoints)
+		for _, ep := range sm.Spec.Endpoints {
+			require.Nil(t, ep.TargetPort, "ServiceMonitor %s: name the Service's port", sm.Name)
+			i := slices.IndexFunc(svcs[0].Spec.Ports, func(sp corev1.ServicePort) bool { return sp.Name == ep.Port })
+			require.GreaterOrEqual(t, i, 0, "ServiceMonitor %s: Service %s has no port %q", sm.Name, svcs[0].Name, ep.Port)
+			require.Nil(t, ep.Scheme, "pdx's admin port is plain HTTP")
+			out = append(out, scrape{what: "ServiceMonitor " + sm.Name, port: servicePortTarget(t, svcs[0].Spec.Ports[i], p.container), path: cmp.Or(ep.Path, "/metrics")})
+		}
+	}
+	for _, s := range out {
+		require.Equal(t, listenPort(t, p.cfg.GetAdminAddress()), s.port, "%s: not pdx's admin port", s.what)
+	}
+	return out
+}
+
+// TestMetricsScrape: the pods' annotations and monitoring/'s ServiceMonitor
+// both point a Prometheus at pdx's admin port (TestProbesAnswer asks a
+// running pdx for their paths).
+func TestMetricsScrape(t *testing.T) {
+	objs := load(t, baseDir, monitoringDir)
+	var what []string
+	for _, s := range scrapes(t, objs, loadPdx(t, objs)) {
+		what = append(what, s.what)
+	}
+	require.ElementsMatch(t, []string{"the pods' prometheus.io annotations", "ServiceMonitor pdx"}, what)
 }
 
 // probeTarget is the gRPC health service or the HTTP path a probe checks.

@@ -24,9 +24,11 @@ import (
 // loopback, engines moved to closed loopback ports) and asks it what the
 // Deployment's liveness and readiness probes ask: each gRPC health service
 // answers SERVING, each HTTP path 200. A probe on a service pdx does not
-// register would fail here as it would in the kubelet.
+// register would fail here as it would in the kubelet. Prometheus's
+// scrapes (annotations, ServiceMonitor) get pdx's metrics.
 func TestProbesAnswer(t *testing.T) {
-	p := loadPdx(t, load(t, baseDir))
+	objs := load(t, baseDir, monitoringDir)
+	p := loadPdx(t, objs)
 	cfg := proto.Clone(p.cfg).(*configv1.Config)
 	cfg.GrpcAddress = "127.0.0.1:0"
 	cfg.AdminAddress = "127.0.0.1:0"
@@ -73,5 +75,19 @@ func TestProbesAnswer(t *testing.T) {
 			require.Failf(t, "probe", "%s probe is neither gRPC nor HTTP", name)
 		}
 		cancel()
+	}
+
+	for _, sc := range scrapes(t, objs, p) {
+		ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+srv.AdminAddr()+sc.path, nil)
+		require.NoError(t, err)
+		resp, err := http.DefaultClient.Do(req)
+		require.NoError(t, err, sc.what)
+		body, err := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		cancel()
+		require.NoError(t, err)
+		require.Equal(t, http.StatusOK, resp.StatusCode, "%s: GET %s", sc.what, sc.path)
+		require.Contains(t, string(body), "pdx_streams_in_flight", "%s: GET %s", sc.what, sc.path)
 	}
 }

@@ -303,13 +303,9 @@ func endpoints(w *watch, t Target) (prefill, decode []endpoint.Endpoint) {
 		engines = podEngines(w, spec)
 	}
 	for _, e := range engines {
-		isPrefill := false
+		isPrefill, isDecode := false, true
 		if t.Prefills {
-			switch e.pod.Labels[spec.GetRoleLabel()] {
-			case spec.GetPrefillRole():
-				isPrefill = true
-			case spec.GetDecodeRole():
-			default:
+			if isPrefill, isDecode = roles(e.pod.Labels, spec); !isPrefill && !isDecode {
 				continue // another role (a router, a proxy) or none
 			}
 		}
@@ -324,9 +320,11 @@ func endpoints(w *watch, t Target) (prefill, decode []endpoint.Endpoint) {
 		}
 		ep.DPSize = int(spec.GetDpSize())
 		if isPrefill {
-			ep.BootstrapPort = int(spec.GetBootstrapPort())
-			prefill = append(prefill, ep)
-		} else {
+			p := ep
+			p.BootstrapPort = int(spec.GetBootstrapPort())
+			prefill = append(prefill, p)
+		}
+		if isDecode {
 			if d := spec.GetDecodeDpSize(); d != 0 {
 				ep.DPSize = int(d)
 			}
@@ -345,6 +343,32 @@ func endpoints(w *watch, t Target) (prefill, decode []endpoint.Endpoint) {
 	slices.SortFunc(prefill, byAddress)
 	slices.SortFunc(decode, byAddress)
 	return prefill, decode
+}
+
+// LLMDRoleLabel is llm-d's role label. With it as role_label, the values
+// llm-d's prefill-filter and decode-filter accept beyond prefill_role and
+// decode_role are read as they read them: a pod that serves both legs
+// (prefill-decode, both, its older name, and encode-prefill-decode) is a
+// prefill and a decode endpoint, and an encode-prefill pod a prefill one.
+const LLMDRoleLabel = "llm-d.ai/role"
+
+// roles tells which legs a pod with labels serves.
+func roles(labels map[string]string, spec *configv1.KubernetesDiscovery) (prefill, decode bool) {
+	switch v := labels[spec.GetRoleLabel()]; {
+	case v == "":
+		return false, false
+	case v == spec.GetPrefillRole():
+		return true, false
+	case v == spec.GetDecodeRole():
+		return false, true
+	case spec.GetRoleLabel() != LLMDRoleLabel:
+		return false, false
+	case v == "prefill-decode" || v == "both" || v == "encode-prefill-decode":
+		return true, true
+	case v == "encode-prefill":
+		return true, false
+	}
+	return false, false
 }
 
 // paired keeps the endpoints of the groups that have both roles.

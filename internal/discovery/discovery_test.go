@@ -2,6 +2,7 @@ package discovery
 
 import (
 	"context"
+	"fmt"
 	"maps"
 	"slices"
 	"strings"
@@ -608,6 +609,47 @@ func TestPodDiscovery(t *testing.T) {
 			for _, ep := range h.pool.Prefill.Set.Endpoints() {
 				require.Equal(t, 9000, ep.BootstrapPort, "prefill endpoints carry the bootstrap port")
 			}
+		})
+	}
+}
+
+// TestRoleValues: with llm-d's role label, pods take the legs llm-d's
+// prefill-filter and decode-filter give them; with another label the
+// same values name no role.
+func TestRoleValues(t *testing.T) {
+	pods := func(label string) []podSpec {
+		var out []podSpec
+		for i, v := range []string{"prefill", "decode", "both", "prefill-decode", "encode-prefill",
+			"encode-prefill-decode", "encode", "router", ""} {
+			s := podSpec{name: fmt.Sprintf("pod-%d", i), ip: fmt.Sprintf("10.0.0.%d", i+1)}
+			if v != "" {
+				s.labels = map[string]string{label: v}
+			}
+			out = append(out, s)
+		}
+		return out
+	}
+	for _, tc := range []struct {
+		label           string
+		prefill, decode []string
+	}{
+		{
+			label:   LLMDRoleLabel,
+			prefill: []string{"10.0.0.1:8000", "10.0.0.3:8000", "10.0.0.4:8000", "10.0.0.5:8000", "10.0.0.6:8000"},
+			decode:  []string{"10.0.0.2:8000", "10.0.0.3:8000", "10.0.0.4:8000", "10.0.0.6:8000"},
+		},
+		{
+			label:   "app.kubernetes.io/component",
+			prefill: []string{"10.0.0.1:8000"},
+			decode:  []string{"10.0.0.2:8000"},
+		},
+	} {
+		t.Run(tc.label, func(t *testing.T) {
+			h := newHarness(t, fmt.Sprintf(`  connector: nixl
+  kubernetes: {namespace: llm, match_labels: {app: llm}, role_label: %s, port: 8000}
+`, tc.label))
+			h.createPods(pods(tc.label)...)
+			h.requirePicks(tc.prefill, tc.decode)
 		})
 	}
 }

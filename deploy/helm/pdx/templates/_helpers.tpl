@@ -79,6 +79,20 @@ this, so that any render of the chart fails on both.
 {{- end }}
 {{- end }}
 
+{{/*
+The GatewayClass a mode's Gateway names: the chart's own when
+gatewayClass.create (default name: .default), else an existing one, which
+must be named. Called with (dict "mode" "envoyGateway" "values" $eg
+"default" name).
+*/}}
+{{- define "pdx.gatewayClassName" -}}
+{{- if .values.gatewayClass.create }}
+{{- default .default .values.gatewayClass.name }}
+{{- else }}
+{{- required (printf "%s.gatewayClass.name is required: name an existing GatewayClass of your gateway (kubectl get gatewayclass), or set %s.gatewayClass.create=true to have the chart create one (cluster-scoped)" .mode .mode) .values.gatewayClass.name }}
+{{- end }}
+{{- end }}
+
 {{/* pdx serves TLS: the InferencePool's gateway connects with TLS. */}}
 {{- define "pdx.tls" -}}
 {{- if .Values.inferencePool.enabled }}true{{ end }}
