@@ -532,8 +532,11 @@ var (
 		"Requests waiting for room on a saturated leg of the pool now, by band (their objective's priority).",
 		[]string{"pool", "band"}, nil)
 	serviceDesc = prometheus.NewDesc("pdx_prefill_service_rate_tokens_per_second",
-		"What placement has learned of each prefill endpoint from pdx's timed prefills (the forecast policy's model): the rate it drains its queue at (kind=queue) and computes one prompt at (kind=prompt), in tokens a second; the seed's until it has answered.",
+		"What placement has learned of each prefill endpoint from pdx's timed prefills (the forecast policy's model), in tokens a second: what a token in the engine before a call costs it (kind=ahead), what a token it waits for before a slot frees costs (kind=waiting), and the rate one prompt computes at (kind=prompt); +Inf where the fit finds no cost; the seed's until the endpoint has answered.",
 		[]string{"pool", "endpoint", "kind"}, nil)
+	slotsDesc = prometheus.NewDesc("pdx_prefill_service_slots",
+		"How many prompts each prefill endpoint has been seen computing at once while others waited (its metrics' running requests), which the forecast policy's model reads; 1 before its metrics have shown it.",
+		[]string{"pool", "endpoint"}, nil)
 	overheadDesc = prometheus.NewDesc("pdx_prefill_service_overhead_seconds",
 		"What placement has learned of each prefill endpoint's fixed cost of a prefill call (the forecast policy's model).",
 		[]string{"pool", "endpoint"}, nil)
@@ -552,6 +555,7 @@ func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- waitingDesc
 	ch <- serviceDesc
 	ch <- overheadDesc
+	ch <- slotsDesc
 }
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
@@ -584,9 +588,11 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 				ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, v, p.Name, side.role, ep.Address)
 				ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(side.set.InFlight(ep)), p.Name, side.role, ep.Address)
 				if sv, ok := side.set.Service(ep); ok && side.role == "prefill" && p.Traits.Prefills {
-					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.QueueRate, p.Name, ep.Address, "queue")
+					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.AheadRate, p.Name, ep.Address, "ahead")
+					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.WaitingRate, p.Name, ep.Address, "waiting")
 					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.PromptRate, p.Name, ep.Address, "prompt")
 					ch <- prometheus.MustNewConstMetric(overheadDesc, prometheus.GaugeValue, sv.Overhead.Seconds(), p.Name, ep.Address)
+					ch <- prometheus.MustNewConstMetric(slotsDesc, prometheus.GaugeValue, float64(sv.Slots), p.Name, ep.Address)
 				}
 			}
 		}

@@ -61,7 +61,7 @@ func BenchmarkForecastInFlight(b *testing.B) {
 	for i := range eps {
 		m := set.view.Load().states[i].service
 		for k := range 32 {
-			m.learn(0.01+float64(k*100+i)/15000, k*50, k*100+i)
+			m.learn(0.01+float64(k*100+i)/15000, queue{ahead: k * 50, waiting: k * 25}, k*100+i)
 		}
 	}
 	var taught []*Lease

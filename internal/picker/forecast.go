@@ -15,13 +15,14 @@ func forecastSpec() Spec {
 
 // Forecast picks the prefill endpoint where the request's prefill is
 // forecast to answer first: each engine's learned service model
-// (service.forecast) of the uncached tokens queued there and of this
+// (service.forecast) of the uncached tokens queued there, the part of
+// them the prompt would wait for before the engine takes it, and this
 // prompt's tokens it does not hold. It is least_work in seconds, with each
 // engine's own overhead and rates, and with a queued token weighing what
-// it costs: an engine that computes several prompts at once drains its
-// queue faster than it computes one prompt, so waiting behind its queue
-// for a prompt's cache beats computing the prompt elsewhere more often
-// than least_work says. What is queued is counted as least_work counts it
+// it costs: an engine that computes several prompts at once takes a new
+// one as soon as a slot frees, so waiting behind its queue for a prompt's
+// cache beats computing the prompt elsewhere more often than least_work
+// says. What is queued is counted as least_work counts it
 // (the fluid model of pdx's prefills in flight, the mean prompt for each
 // request the engine's fresh metrics count and pdx did not send); what is
 // held is the deeper of what pdx sent and, with KV events, what the engine
@@ -52,7 +53,8 @@ func (Forecast) Choose(c *Candidates) int {
 			continue
 		}
 		h := c.health(k)
-		t := h.service.forecast(queuedAhead(c, g, h, mean), c.tokens-d.cachedTokens(k))
+		q := queueOf(queuedAhead(c, g, h, mean), g.requests(), h.service.slotsSeen())
+		t := h.service.forecast(q, c.tokens-d.cachedTokens(k))
 		if best < 0 || t < least {
 			best, least = k, t
 		}
@@ -92,7 +94,7 @@ func queuedAhead(c *Candidates, g *signal, h *health, mean int) int {
 // Forecast counted it (the endpoint's own mean prompt standing for the
 // requests pdx did not send), and the time, for the service model to
 // learn from the prefill's answer.
-func (s *Set) ahead(h *health, tokens int) (int, int64) {
+func (s *Set) ahead(h *health, tokens int) (queue, int64) {
 	t := s.clock()
 	var g signal
 	t.look(h, &g)
@@ -104,5 +106,5 @@ func (s *Set) ahead(h *health, tokens int) (int, int64) {
 	if g.inFlight > 0 {
 		queued = h.work.remaining(&g, &t)
 	}
-	return queued + (g.foreign+g.pending)*mean, t.read()
+	return queueOf(queued+(g.foreign+g.pending)*mean, g.requests(), h.service.slotsSeen()), t.read()
 }

@@ -37,13 +37,13 @@ type Lease struct {
 	// -1 where the pick did not read its events.
 	held int
 	// prefill is a prefill leg's lease, which the endpoint's fluid model
-	// counts; ahead are the uncached tokens queued before it at the pick
+	// counts; ahead is what was queued before it at the pick
 	// and at when it was picked (nanoseconds since the Set's base), for
 	// the endpoint's service model to learn from its answer; uncached,
 	// when not negative, is how many of its tokens the engine said it
 	// computed (Observe).
 	prefill  bool
-	ahead    int
+	ahead    queue
 	at       int64
 	uncached int
 	// session is what became of the request's session, if it has one.

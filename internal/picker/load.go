@@ -54,6 +54,7 @@ func (s *Set) Observe(address string, l Load) {
 	for i, ep := range v.endpoints {
 		if ep.Address == address {
 			h := v.states[i]
+			h.service.load(l.Running, l.Waiting)
 			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load(), lora: l.Adapters})
 		}
 	}

@@ -12,40 +12,52 @@ import (
 // service is a prefill endpoint's learned service model: how long pdx's
 // call to it takes to answer, from the call to the answer, as
 //
-//	T = overhead + perQueued × ahead + perOwn × own
+//	T = overhead + perAhead × ahead + perWaiting × waiting + perOwn × own
 //
-// where ahead are the uncached prompt tokens queued before the call's
-// (what remains of pdx's prefills there, and the others' the engine's
-// metrics count) and own the call's uncached tokens. perOwn is the time
-// the engine takes a token of one prompt, perQueued a token of the queue:
-// an engine that computes c prompts at once drains its queue c times
-// faster than it computes one of them (perQueued ≈ perOwn / c), and a
-// router that weighs both alike (least_work) moves a prompt away from its
-// cache too readily.
+// where ahead are the uncached prompt tokens in the engine before the
+// call's (what remains of pdx's prefills there, and the others' the
+// engine's metrics count), waiting the part of them the call waits for
+// before the engine takes it (none while the engine runs fewer prompts
+// than it can at once, its observed slots: see load), and own the call's
+// uncached tokens. perOwn is the time the engine takes a token of one
+// prompt. An engine whose prompts share one accelerator (vLLM's batched
+// prefill chunks) computes the queue and the call together: perAhead
+// near perOwn. One that computes c prompts at once each at full speed (a
+// simulator's slots) starts the call as soon as a slot frees: perWaiting
+// near perOwn / c, perAhead near 0. A router that weighs every queued
+// token as one of the prompt's own (least_work) moves a prompt away from
+// its cache too readily on the second kind.
 //
 // It is learned from every prefill pdx calls there and that answers
-// (learn): a weighted least-squares fit of the three coefficients to the
-// calls' durations, each sample's weight decaying by decay per sample (the
-// last ~serviceMemory prefills count), a residual far beyond the fit's
-// usual error counting less (Huber weights: a stalled call or a GC pause
-// does not drag the fit), and a prior (seed) that holds the coefficients
-// the samples do not tell apart: at low load nothing is ever queued, and
-// perQueued stays the seed's until the engine is busy. Picks read the
-// coefficients without locking (forecast); learn holds mu.
+// (learn): a weighted least-squares fit of the coefficients to the calls'
+// durations, each sample's weight decaying by 1/serviceMemory per later
+// one, a residual far beyond the fit's usual error counting less (Huber
+// weights: a stalled call or a GC pause does not drag the fit), and a
+// prior (seed) that holds the coefficients the samples do not tell apart:
+// at low load nothing is queued, and perAhead and perWaiting stay the
+// seed's until the engine is busy. Picks read the coefficients without
+// locking (forecast); learn holds mu.
 type service struct {
 	mu sync.Mutex
-	// coef are the fitted overhead (s), perQueued and perOwn (s per
-	// thousand tokens), as float64 bits, published for picks.
-	coef [3]atomic.Uint64
+	// coef are the fitted overhead (s), perAhead, perWaiting and perOwn
+	// (s per thousand tokens), as float64 bits, published for picks.
+	coef [features]atomic.Uint64
 	// samples counts the prefills learned from.
 	samples atomic.Int64
+	// slots is how many prompts the engine has been seen computing at
+	// once while others waited (its metrics: running, with some
+	// waiting), at least 1.
+	slots atomic.Int32
 	// Under mu: the weighted sums of x xᵀ and x y over the samples
-	// (x = (1, ahead, own) in thousands of tokens, y = T in seconds), and
-	// scale, the decayed mean absolute residual.
-	xx    [3][3]float64
-	xy    [3]float64
+	// (x = (1, ahead, waiting, own) in thousands of tokens, y = T in
+	// seconds), and scale, the decayed mean absolute residual.
+	xx    [features][features]float64
+	xy    [features]float64
 	scale float64
 }
+
+// features is the model's number of coefficients.
+const features = 4
 
 // Units and the model's memory and prior.
 const (
@@ -59,7 +71,7 @@ const (
 	scaleMemory = 16
 	// huberK: residuals beyond huberK × the mean absolute residual
 	// count as that far (Huber's loss).
-	huberK = 3
+	huberK = 2
 	// DefaultPrefillTokensPerSec seeds an engine's rate before pdx has
 	// timed its prefills: the order of an 8B model on one H100 (10–20k
 	// tokens a second). The fit replaces it within tens of prefills.
@@ -69,46 +81,82 @@ const (
 	defaultOverhead = 0.010
 )
 
-// seed is the model before any sample: one prompt at a time at rate,
-// defaultOverhead a call.
-func seed(rate float64) [3]float64 {
+// seed is the model before any sample: prompts sharing the engine at
+// rate, defaultOverhead a call.
+func seed(rate float64) [features]float64 {
 	per := 1000 / rate
-	return [3]float64{defaultOverhead, per, per}
+	return [features]float64{defaultOverhead, per, 0, per}
 }
 
-// forecast is the model's time for a call of own uncached tokens behind
-// ahead queued ones, in seconds. Before the first sample it is the seed's.
-func (m *service) forecast(ahead, own int) float64 {
-	if m.samples.Load() == 0 {
-		c := seed(DefaultPrefillTokensPerSec)
-		return c[0] + (c[1]*float64(ahead)+c[2]*float64(own))/1000
+// queue is what is in an engine before a call: ahead, the uncached
+// tokens of its requests, and waiting, those the call waits for before a
+// slot frees.
+type queue struct{ ahead, waiting int }
+
+// queueOf is the queue of an engine with requests requests in it, of
+// ahead uncached tokens together, that computes slots prompts at once:
+// the call waits for the requests beyond slots − 1 to finish, each taken
+// as the mean of ahead.
+func queueOf(ahead, requests, slots int) queue {
+	q := queue{ahead: ahead}
+	if beyond := requests - max(slots, 1) + 1; beyond > 0 && requests > 0 {
+		q.waiting = ahead * beyond / requests
 	}
-	o := math.Float64frombits(m.coef[0].Load())
-	q := math.Float64frombits(m.coef[1].Load())
-	p := math.Float64frombits(m.coef[2].Load())
-	return o + (q*float64(ahead)+p*float64(own))/1000
+	return q
+}
+
+// load takes what the engine's metrics said: a sample with requests
+// waiting shows how many it computes at once.
+func (m *service) load(running, waiting int) {
+	if waiting <= 0 || running <= 0 {
+		return
+	}
+	for {
+		old := m.slots.Load()
+		if int32(running) <= old || m.slots.CompareAndSwap(old, int32(min(running, 1<<20))) {
+			return
+		}
+	}
+}
+
+// slotsSeen is how many prompts the engine computes at once, as far as
+// its metrics have shown (1 before they have).
+func (m *service) slotsSeen() int { return max(int(m.slots.Load()), 1) }
+
+// forecast is the model's time for a call of own uncached tokens behind
+// q, in seconds. Before the first sample it is the seed's.
+func (m *service) forecast(q queue, own int) float64 {
+	c := seed(DefaultPrefillTokensPerSec)
+	if m.samples.Load() > 0 {
+		for i := range c {
+			c[i] = math.Float64frombits(m.coef[i].Load())
+		}
+	}
+	return c[0] + (c[1]*float64(q.ahead)+c[2]*float64(q.waiting)+c[3]*float64(own))/1000
 }
 
 // coefficients returns the fitted overhead (s) and rates (tokens a
-// second, of the queue and of one prompt), and how many samples taught
-// them.
-func (m *service) coefficients() (overhead, queueRate, ownRate float64, samples int64) {
-	if m.samples.Load() == 0 {
-		return defaultOverhead, DefaultPrefillTokensPerSec, DefaultPrefillTokensPerSec, 0
+// second: of the engine's whole queue while it computes the call, of the
+// part the call waits for, and of one prompt), and how many samples
+// taught them. A rate the fit found no time for is +Inf.
+func (m *service) coefficients() (overhead, aheadRate, waitingRate, ownRate float64, samples int64) {
+	c := seed(DefaultPrefillTokensPerSec)
+	n := m.samples.Load()
+	if n > 0 {
+		for i := range c {
+			c[i] = math.Float64frombits(m.coef[i].Load())
+		}
 	}
-	return math.Float64frombits(m.coef[0].Load()),
-		1000 / math.Float64frombits(m.coef[1].Load()),
-		1000 / math.Float64frombits(m.coef[2].Load()),
-		m.samples.Load()
+	return c[0], 1000 / c[1], 1000 / c[2], 1000 / c[3], n
 }
 
 // learn fits the model to one more prefill: it took t seconds, own
-// uncached tokens behind ahead queued ones. It does not allocate.
-func (m *service) learn(t float64, ahead, own int) {
-	if !(t > 0) || math.IsInf(t, 0) || ahead < 0 || own < 0 {
+// uncached tokens behind q. It does not allocate.
+func (m *service) learn(t float64, q queue, own int) {
+	if !(t > 0) || math.IsInf(t, 0) || q.ahead < 0 || q.waiting < 0 || own < 0 {
 		return
 	}
-	x := [3]float64{1, float64(ahead) / 1000, float64(own) / 1000}
+	x := [features]float64{1, float64(q.ahead) / 1000, float64(q.waiting) / 1000, float64(own) / 1000}
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	n := m.samples.Load()
@@ -118,12 +166,15 @@ func (m *service) learn(t float64, ahead, own int) {
 			cur[i] = math.Float64frombits(m.coef[i].Load())
 		}
 	}
-	residual := t - (cur[0] + cur[1]*x[1] + cur[2]*x[2])
+	predicted := 0.0
+	for i := range x {
+		predicted += cur[i] * x[i]
+	}
+	residual := t - predicted
 	w := 1.0
 	if a := math.Abs(residual); n >= 8 && a > huberK*m.scale {
 		w = huberK * m.scale / a
 	}
-	const keep = 1 - 1.0/serviceMemory
 	if n == 0 {
 		m.scale = math.Abs(residual)
 	} else {
@@ -131,6 +182,7 @@ func (m *service) learn(t float64, ahead, own int) {
 		// first, large residual soon stops setting it.
 		m.scale += (math.Min(math.Abs(residual), huberK*max(m.scale, 1e-6)) - m.scale) / scaleMemory
 	}
+	const keep = 1 - 1.0/serviceMemory
 	for i := range x {
 		for j := range x {
 			m.xx[i][j] = keep*m.xx[i][j] + w*x[i]*x[j]
@@ -149,59 +201,64 @@ func (m *service) learn(t float64, ahead, own int) {
 
 // solve returns the coefficients that fit the weighted sums best with the
 // seed as a prior of priorWeight samples at one thousand tokens, bounded
-// to sane values: a positive overhead under a minute, a rate between one
-// token and a billion a second.
-func (m *service) solve() ([3]float64, bool) {
+// to sane values: an overhead from 0 to a minute, rates from one token a
+// second up (a rate the samples show no time for is 0 seconds a token).
+func (m *service) solve() ([features]float64, bool) {
 	prior := seed(DefaultPrefillTokensPerSec)
-	var a [3][4]float64
-	for i := range 3 {
-		for j := range 3 {
+	var a [features][features + 1]float64
+	for i := range features {
+		for j := range features {
 			a[i][j] = m.xx[i][j]
 		}
 		a[i][i] += priorWeight
-		a[i][3] = m.xy[i] + priorWeight*prior[i]
+		a[i][features] = m.xy[i] + priorWeight*prior[i]
 	}
-	// Gaussian elimination with partial pivoting on the 3×4 system.
-	for col := range 3 {
+	// Gauss-Jordan elimination with partial pivoting.
+	for col := range features {
 		pivot := col
-		for r := col + 1; r < 3; r++ {
+		for r := col + 1; r < features; r++ {
 			if math.Abs(a[r][col]) > math.Abs(a[pivot][col]) {
 				pivot = r
 			}
 		}
 		if math.Abs(a[pivot][col]) < 1e-12 {
-			return [3]float64{}, false
+			return [features]float64{}, false
 		}
 		a[col], a[pivot] = a[pivot], a[col]
-		for r := range 3 {
+		for r := range features {
 			if r == col {
 				continue
 			}
 			f := a[r][col] / a[col][col]
-			for c := col; c < 4; c++ {
+			for c := col; c <= features; c++ {
 				a[r][c] -= f * a[col][c]
 			}
 		}
 	}
-	var out [3]float64
+	var out [features]float64
 	for i := range out {
-		out[i] = a[i][3] / a[i][i]
+		out[i] = a[i][features] / a[i][i]
 	}
 	out[0] = min(max(out[0], 0), 60)
-	for i := 1; i < 3; i++ {
-		out[i] = min(max(out[i], 1e-6), 1000)
+	for i := 1; i < features; i++ {
+		out[i] = min(max(out[i], 0), 1000)
 	}
 	return out, true
 }
 
-// Service is what a prefill endpoint's service model has learned: its
-// overhead a call, the rate it drains its queue at and the rate it
-// computes one prompt at, and how many of pdx's prefills taught it (0: the
-// seed's). False for an endpoint the Set does not have.
+// Service is what a prefill endpoint's service model has learned, and how
+// many of pdx's prefills taught it (0: the seed's). False for an endpoint
+// the Set does not have.
 type Service struct {
-	Overhead              time.Duration
-	QueueRate, PromptRate float64 // tokens a second
-	Samples               int64
+	Overhead time.Duration
+	// AheadRate, WaitingRate and PromptRate are in tokens a second (see
+	// service): what the engine's whole queue costs a call, what the part
+	// it waits for costs, and one prompt's own tokens; +Inf for a term
+	// the fit found costs nothing.
+	AheadRate, WaitingRate, PromptRate float64
+	// Slots is how many prompts the engine was seen computing at once.
+	Slots   int
+	Samples int64
 }
 
 // Service returns what ep's service model has learned.
@@ -210,6 +267,7 @@ func (s *Set) Service(ep endpoint.Endpoint) (Service, bool) {
 	if h == nil || h.service == nil {
 		return Service{}, false
 	}
-	o, q, p, n := h.service.coefficients()
-	return Service{Overhead: time.Duration(o * float64(time.Second)), QueueRate: q, PromptRate: p, Samples: n}, true
+	o, a, w, p, n := h.service.coefficients()
+	return Service{Overhead: time.Duration(o * float64(time.Second)), AheadRate: a, WaitingRate: w, PromptRate: p,
+		Slots: h.service.slotsSeen(), Samples: n}, true
 }

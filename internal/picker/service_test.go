@@ -12,37 +12,46 @@ import (
 )
 
 // trueService is an engine's real service: overhead seconds a call, rate
-// tokens a second for one prompt, slots prompts at once.
+// tokens a second for one prompt, slots prompts at once each at rate (a
+// simulator's slots); shared: its prompts share the rate instead (an
+// accelerator), the call done when the work ahead and its own is.
 type trueService struct {
 	overhead, rate float64
 	slots          int
+	shared         bool
 }
 
-func (e trueService) time(ahead, own int) float64 {
-	return e.overhead + float64(ahead)/(e.rate*float64(e.slots)) + float64(own)/e.rate
+func (e trueService) time(q queue, own int) float64 {
+	if e.shared {
+		return e.overhead + float64(q.ahead+own)/e.rate
+	}
+	return e.overhead + float64(q.waiting)/(e.rate*float64(e.slots)) + float64(own)/e.rate
 }
+
+// queueFor is the queue of n requests of ahead tokens on e.
+func (e trueService) queueFor(ahead, n int) queue { return queueOf(ahead, n, e.slots) }
 
 // samplesToConverge feeds m total samples of e (ahead and own drawn at
 // random, 5% noise and, when outliers, one call in twenty 10× slower)
 // and returns after how many its forecasts were within tol of e's at
 // three test points and stayed so to the end; -1 if they never did.
 func samplesToConverge(m *service, e trueService, rng *rand.Rand, outliers bool, tol float64, total int) int {
-	points := [][2]int{{0, 1000}, {4000, 500}, {2000, 2000}}
+	m.load(e.slots, 1) // the engine's metrics have shown its slots
+	points := []queue{e.queueFor(0, 0), e.queueFor(4000, 4), e.queueFor(2000, 1), e.queueFor(6000, 3)}
 	since := -1
 	for n := 1; n <= total; n++ {
-		ahead, own := rng.IntN(4000), 100+rng.IntN(2000)
-		if rng.IntN(3) == 0 {
-			ahead = 0 // an idle engine
-		}
-		t := e.time(ahead, own) * (1 + 0.05*rng.NormFloat64())
+		requests := rng.IntN(6)
+		q := e.queueFor(requests*(200+rng.IntN(1000)), requests)
+		own := 100 + rng.IntN(2000)
+		t := e.time(q, own) * (1 + 0.05*rng.NormFloat64())
 		if outliers && rng.IntN(20) == 0 {
 			t *= 10
 		}
-		m.learn(t, ahead, own)
+		m.learn(t, q, own)
 		ok := true
 		for _, p := range points {
-			want := e.time(p[0], p[1])
-			if math.Abs(m.forecast(p[0], p[1])-want) > tol*want {
+			want := e.time(p, 1000)
+			if math.Abs(m.forecast(p, 1000)-want) > tol*want {
 				ok = false
 			}
 		}
@@ -69,17 +78,17 @@ func TestServiceConverges(t *testing.T) {
 		{name: "two slots, slow", engine: trueService{overhead: 0.03, rate: 1000, slots: 2}},
 		{name: "four slots, fast", engine: trueService{overhead: 0.002, rate: 40000, slots: 4}},
 		{name: "two slots, outliers", engine: trueService{overhead: 0.03, rate: 1000, slots: 2}, outliers: true},
+		{name: "shared accelerator", engine: trueService{overhead: 0.008, rate: 20000, slots: 64, shared: true}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			m := new(service)
 			n := samplesToConverge(m, tc.engine, rand.New(rand.NewPCG(1, 2)), tc.outliers, 0.10, 1000)
+			o, a, w, p, _ := m.coefficients()
+			t.Logf("within 10%% for good after %d prefills; overhead %.4f s (true %.4f), ahead %.0f, waiting %.0f, own %.0f tok/s (true %.0f, %d slots)",
+				n, o, tc.engine.overhead, a, w, p, tc.engine.rate, tc.engine.slots)
 			require.Positive(t, n, "not within 10%% at the end of 1,000 prefills")
 			require.LessOrEqual(t, n, 100, "within 10%% of the engine's times for good after %d prefills", n)
-			o, q, p, _ := m.coefficients()
-			t.Logf("within 10%% for good after %d prefills; overhead %.4f s (true %.4f), queue %.0f tok/s (true %.0f), own %.0f tok/s (true %.0f)",
-				n, o, tc.engine.overhead, q, tc.engine.rate*float64(tc.engine.slots), p, tc.engine.rate)
 			require.InDelta(t, tc.engine.rate, p, 0.1*tc.engine.rate)
-			require.InDelta(t, tc.engine.rate*float64(tc.engine.slots), q, 0.1*tc.engine.rate*float64(tc.engine.slots))
 		})
 	}
 }
@@ -92,23 +101,24 @@ func TestServiceUnqueued(t *testing.T) {
 	rng := rand.New(rand.NewPCG(3, 4))
 	for range 200 {
 		own := 100 + rng.IntN(2000)
-		m.learn(e.time(0, own), 0, own)
+		m.learn(e.time(queue{}, own), queue{}, own)
 	}
-	o, q, p, n := m.coefficients()
+	o, a, _, p, n := m.coefficients()
 	require.EqualValues(t, 200, n)
 	require.InDelta(t, e.overhead, o, 0.002)
 	require.InDelta(t, e.rate, p, 0.05*e.rate)
-	require.InDelta(t, DefaultPrefillTokensPerSec, q, 0.5*DefaultPrefillTokensPerSec, "the seed's, nothing taught otherwise")
+	require.InDelta(t, DefaultPrefillTokensPerSec, a, 0.5*DefaultPrefillTokensPerSec, "the seed's, nothing taught otherwise")
 }
 
 // Learning from a finished prefill allocates nothing, and nonsense times
 // teach nothing.
 func TestServiceLearn(t *testing.T) {
 	m := new(service)
-	require.Zero(t, testing.AllocsPerRun(100, func() { m.learn(0.1, 100, 1000) }))
+	q := queue{ahead: 100, waiting: 50}
+	require.Zero(t, testing.AllocsPerRun(100, func() { m.learn(0.1, q, 1000) }))
 	n := m.samples.Load()
 	for _, bad := range []float64{0, -1, math.NaN(), math.Inf(1)} {
-		m.learn(bad, 100, 1000)
+		m.learn(bad, q, 1000)
 	}
 	require.Equal(t, n, m.samples.Load())
 }
@@ -127,11 +137,11 @@ func TestLeaseTeachesService(t *testing.T) {
 		lease, ok := l.Pick(Request{Subset: []string{eps[0].Address}, Tokens: tokens})
 		require.True(t, ok)
 		lease.Observe(tokens, tokens/2) // the engine had half cached
-		clk.Advance(time.Duration(e.time(0, tokens/2) * float64(time.Second)))
+		clk.Advance(time.Duration(e.time(queue{}, tokens/2) * float64(time.Second)))
 		lease.End(Succeeded)
 	}
 	m := set.view.Load().states[0].service
-	overhead, _, rate, n := m.coefficients()
+	overhead, _, _, rate, n := m.coefficients()
 	require.EqualValues(t, 60, n)
 	require.InDelta(t, e.overhead, overhead, 0.002)
 	require.InDelta(t, e.rate, rate, 0.05*e.rate, "from the tokens the engine computed, half the prompt")
@@ -144,25 +154,32 @@ func TestLeaseTeachesService(t *testing.T) {
 }
 
 // Forecast waits behind a queue for a prompt's cache where the engine
-// drains its queue fast enough, and least_work does not.
+// takes the prompt as soon as one of its slots frees, and least_work does
+// not.
 func TestForecastWeighsTheQueue(t *testing.T) {
 	eps := endpoints(2)
 	set := NewSet(eps, Options{})
 	holder, other := set.view.Load().states[0], set.view.Load().states[1]
-	// Both engines compute a prompt at 1,000 tokens a second, four at once.
+	// Both engines compute four prompts at once, each at 1,000 tokens a
+	// second.
 	e := trueService{overhead: 0.01, rate: 1000, slots: 4}
 	rng := rand.New(rand.NewPCG(5, 6))
-	for range 300 {
-		ahead, own := rng.IntN(8000), 100+rng.IntN(2000)
-		holder.service.learn(e.time(ahead, own), ahead, own)
-		other.service.learn(e.time(ahead, own), ahead, own)
+	for _, h := range []*health{holder, other} {
+		h.service.load(e.slots, 1)
+		for range 300 {
+			requests := rng.IntN(8)
+			q := e.queueFor(requests*(100+rng.IntN(1000)), requests)
+			own := 100 + rng.IntN(2000)
+			h.service.learn(e.time(q, own), q, own)
+		}
 	}
 	prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
 	hold(t, set, eps[0], prompt, 0)
-	// 2,000 tokens queued on the holder, which holds 8 × 64 = 512 of the
-	// prompt's 1,000: its forecast is 2000/4000 + 488/1000 s against
-	// 1000/1000 s on the idle one.
-	startPrefill(t, set, eps[0], 2000)
+	// 2,000 tokens in two prefills on the holder, which holds 8 × 64 = 512
+	// of the prompt's 1,000 and has two slots free: its forecast is
+	// 488/1000 s against 1000/1000 s on the idle one.
+	startPrefill(t, set, eps[0], 1000)
+	startPrefill(t, set, eps[0], 1000)
 	req := Request{Blocks: prompt, BlockTokens: 64, Tokens: 1000}
 	pick := func(p Policy) string {
 		leg := newLeg(set, p, RolePrefill)
@@ -173,6 +190,23 @@ func TestForecastWeighsTheQueue(t *testing.T) {
 	}
 	require.Equal(t, eps[0].Address, pick(Forecast{}))
 	require.Equal(t, eps[1].Address, pick(LeastWork{}), "2,000 queued + 488 against 1,000")
+}
+
+// An engine's metrics show how many prompts it computes at once: running
+// while others wait.
+func TestServiceSlots(t *testing.T) {
+	m := new(service)
+	require.Equal(t, 1, m.slotsSeen())
+	m.load(3, 0)
+	require.Equal(t, 1, m.slotsSeen(), "nothing waited: not all its slots")
+	m.load(2, 4)
+	require.Equal(t, 2, m.slotsSeen())
+	m.load(1, 4)
+	require.Equal(t, 2, m.slotsSeen(), "the most seen")
+	require.Equal(t, queue{ahead: 3000}, queueOf(3000, 1, 2), "a slot free")
+	require.Equal(t, queue{ahead: 3000, waiting: 1000}, queueOf(3000, 3, 3), "every slot taken: the first to finish")
+	require.Equal(t, queue{ahead: 3000, waiting: 2000}, queueOf(3000, 3, 2))
+	require.Equal(t, queue{}, queueOf(0, 0, 1))
 }
 
 // The forecast policy is for prefill legs only.
