@@ -88,7 +88,7 @@ bench: envoy vllm-router
 ## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
 ## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
 ## Then the cache-bound rig (replay.CacheBound: where the prefix cache
-## decides; about 50 minutes) into bench/replay/cachebound/, CACHEBOUND_ARGS
+## decides; about 45 minutes) into bench/replay/cachebound/, CACHEBOUND_ARGS
 ## its flags (by default REPLAY_ARGS's --quick, if given), and the
 ## flow-control experiment (tenants sharing a saturated pool, a few
 ## minutes) into bench/replay/flow/.
@@ -101,7 +101,7 @@ replay: envoy vllm-router
 
 ## replay-cachebound: the cache-bound rig alone, e.g.
 ## CACHEBOUND_ARGS="--policies pdx-default --quick" (one policy, 500
-## requests at the middle load: about two minutes).
+## requests at the middle load: about a minute).
 replay-cachebound: envoy vllm-router
 	$(GO) run ./cmd/pdx-replay --rig cachebound --out bench/replay/cachebound $(CACHEBOUND_ARGS)
 

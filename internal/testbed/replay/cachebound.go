@@ -3,6 +3,7 @@ package replay
 import (
 	"fmt"
 	"math"
+	"path/filepath"
 	"time"
 
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
@@ -106,7 +107,7 @@ func DefaultCacheBound(traceDir string) CacheBound {
 	return CacheBound{
 		Prefill: 3, Decode: 3,
 		TokenScale: 16,
-		TracePath:  traceDir + "/mooncake-conversation.jsonl",
+		TracePath:  filepath.Join(traceDir, "mooncake-conversation.jsonl"),
 		Requests:   1000,
 		// 4,096 of the 21,514 distinct blocks of the first 1,000 requests
 		// (the KV).
