@@ -96,12 +96,23 @@ bench: envoy vllm-router
 ## oracle that reads the simulators' state (tens of minutes);
 ## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
 ## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
-## Then the flow-control experiment (tenants sharing a saturated pool, a
-## few minutes) into bench/replay/flow/.
-.PHONY: replay replay-flow
+## Then the cache-bound rig (replay.CacheBound: where the prefix cache
+## decides; about 45 minutes) into bench/replay/cachebound/, CACHEBOUND_ARGS
+## its flags (by default REPLAY_ARGS's --quick, if given), and the
+## flow-control experiment (tenants sharing a saturated pool, a few
+## minutes) into bench/replay/flow/.
+CACHEBOUND_ARGS ?= $(filter --quick,$(REPLAY_ARGS))
+.PHONY: replay replay-cachebound replay-flow
 replay: envoy vllm-router
 	$(GO) run ./cmd/pdx-replay --out bench/replay $(REPLAY_ARGS)
+	$(GO) run ./cmd/pdx-replay --rig cachebound --out bench/replay/cachebound $(CACHEBOUND_ARGS)
 	$(GO) run ./cmd/pdx-replay --flow --out bench/replay
+
+## replay-cachebound: the cache-bound rig alone, e.g.
+## CACHEBOUND_ARGS="--policies pdx-default --quick" (one policy, 500
+## requests at the middle load: about a minute).
+replay-cachebound: envoy vllm-router
+	$(GO) run ./cmd/pdx-replay --rig cachebound --out bench/replay/cachebound $(CACHEBOUND_ARGS)
 
 ## replay-flow: the flow-control experiment alone.
 replay-flow: envoy

@@ -3,7 +3,9 @@
 // simulated engines, once per placement policy at each load point (vLLM's
 // own router over the same engines among them, and an oracle that reads
 // the simulators' state as the yardstick's limit), and writes
-// results.json, summary.md and charts. See `make replay`.
+// results.json, summary.md and charts. With --rig cachebound it replays
+// the cache-bound rig instead (replay.CacheBound), where the prefix cache
+// decides. See `make replay`.
 package main
 
 import (
@@ -16,6 +18,7 @@ import (
 	"path/filepath"
 	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"syscall"
@@ -56,6 +59,8 @@ func run(ctx context.Context, args []string) error {
 		flow           = fs.Bool("flow", false, "run the flow-control experiment instead (tenants sharing a saturated pool: priorities, fairness), into <out>/flow")
 		flowWindow     = fs.Duration("flow-window", 20*time.Second, "how long each priority run of --flow sends (its fairness runs: half)")
 		flowInFlight   = fs.Int("flow-max-in-flight", 1, "--flow's saturation.prefill_max_in_flight: how many prefills an engine runs at once, the rest waiting in pdx")
+		rig            = fs.String("rig", "", "replay a named rig instead of the reference grid: "+replay.CacheBoundRig+
+			" (3+3 engines whose KV holds a fifth of what the conversation trace touches, 2 prefill slots, the trace's own bursts, goodput at TTFT ≤ 0.5 s; its own policies, loads and window, which --policies, --loads (among its points), --requests, --repeats, --replicas and --quick change; default --out bench/replay/"+replay.CacheBoundRig+")")
 	)
 	fs.IntVar(&plan.Requests, "requests", 500, "trace window: the first N requests of each trace")
 	fs.IntVar(&plan.Rig.Prefill, "prefill", 4, "prefill engines")
@@ -82,6 +87,23 @@ func run(ctx context.Context, args []string) error {
 			return err
 		}
 		defer pprof.StopCPUProfile()
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	if *rig != "" {
+		cb, err := rigOf(*rig, set, *policies, *loads, *replicas, *quick, plan)
+		if err != nil {
+			return err
+		}
+		p, err := cb.Plan()
+		if err != nil {
+			return err
+		}
+		p.ExtraPoolYAML, p.Rig.EnvoyBin = plan.ExtraPoolYAML, plan.Rig.EnvoyBin
+		if !set["out"] {
+			*out = filepath.Join("bench", "replay", *rig)
+		}
+		return replayPlan(ctx, p, *out)
 	}
 	if *flow {
 		return runFlow(ctx, replay.FlowPlan{Rig: plan.Rig, Window: *flowWindow, MaxInFlight: *flowInFlight, Progress: os.Stdout}, filepath.Join(*out, "flow"))
@@ -115,7 +137,13 @@ func run(ctx context.Context, args []string) error {
 		plan.Requests = 150
 		plan.ReplicaCounts = nil
 	}
+	return replayPlan(ctx, plan, *out)
+}
+
+// replayPlan runs a plan and writes its report to out.
+func replayPlan(ctx context.Context, plan replay.Plan, out string) error {
 	if plan.Rig.EnvoyBin == "" {
+		var err error
 		if plan.Rig.EnvoyBin, err = envoyproc.Binary(); err != nil {
 			return err
 		}
@@ -125,15 +153,84 @@ func run(ctx context.Context, args []string) error {
 	rep, err := replay.Run(ctx, plan)
 	if rep != nil {
 		rep.Machine = fmt.Sprintf("%s/%s, %d CPUs, %s", runtime.GOOS, runtime.GOARCH, runtime.NumCPU(), runtime.Version())
-		if werr := rep.Write(*out); werr != nil {
+		if werr := rep.Write(out); werr != nil {
 			return errors.Join(err, werr)
 		}
-		fmt.Printf("wrote %s in %s\n", filepath.Join(*out, "{results.json,summary.md,*.png}"), time.Duration(rep.WallSec*float64(time.Second)).Round(time.Second))
+		fmt.Printf("wrote %s in %s\n", filepath.Join(out, "{results.json,summary.md,*.png}"), time.Duration(rep.WallSec*float64(time.Second)).Round(time.Second))
 		if err == nil {
 			err = rep.Violations()
 		}
 	}
 	return err
+}
+
+// rigQuickRequests is a --quick run's window on a named rig: enough
+// conversation turns for the cache to decide (a window of 200 reuses
+// little: one unlimited cache would hit 6% of its tokens, 16% of 500's),
+// the engines' KV sized to it.
+const rigQuickRequests = 500
+
+// rigOf is the named rig, changed by the flags set that apply to it (a
+// flag that does not fails, naming the rig). base holds the parsed flags
+// of Plan's own.
+func rigOf(name string, set map[string]bool, policies, loads, replicas string, quick bool, base replay.Plan) (replay.CacheBound, error) {
+	if name != replay.CacheBoundRig {
+		return replay.CacheBound{}, fmt.Errorf("--rig: unknown rig %q (known: %s)", name, replay.CacheBoundRig)
+	}
+	for _, f := range []string{"traces", "tenant-loads", "tenant-kv-ratio", "tenant-requests", "prefill", "decode", "token-scale",
+		"time-scale", "ttft-slo", "tpot-slo", "tolerance", "flow", "flow-window", "flow-max-in-flight"} {
+		if set[f] {
+			return replay.CacheBound{}, fmt.Errorf("--%s: the %s rig sets it itself (replay.DefaultCacheBound)", f, name)
+		}
+	}
+	cb := replay.DefaultCacheBound(traceDir)
+	all := cb.Points
+	if quick {
+		cb.Points = cb.Points[len(cb.Points)/2:][:1]
+		cb.Requests, cb.ReplicaCounts, cb.Repeats = rigQuickRequests, nil, 1
+	}
+	if set["policies"] {
+		cb.Policies = split(policies)
+	}
+	if set["loads"] {
+		want, err := floats("loads", loads)
+		if err != nil {
+			return cb, err
+		}
+		if cb.Points, err = rigPoints(all, want); err != nil {
+			return cb, err
+		}
+	}
+	if set["requests"] {
+		cb.Requests = base.Requests
+	}
+	if set["repeats"] {
+		cb.Repeats = base.Repeats
+	}
+	if set["replicas"] {
+		var err error
+		if cb.ReplicaCounts, err = ints("replicas", replicas); err != nil {
+			return cb, err
+		}
+	}
+	return cb, nil
+}
+
+// rigPoints are the rig's points whose loads are want, in want's order.
+func rigPoints(points []replay.CacheBoundPoint, want []float64) ([]replay.CacheBoundPoint, error) {
+	var out []replay.CacheBoundPoint
+	var known []string
+	for _, pt := range points {
+		known = append(known, strconv.FormatFloat(pt.Load, 'g', -1, 64))
+	}
+	for _, w := range want {
+		i := slices.IndexFunc(points, func(pt replay.CacheBoundPoint) bool { return pt.Load == w })
+		if i < 0 {
+			return nil, fmt.Errorf("--loads: the rig has no point at %g (its points: %s)", w, strings.Join(known, ", "))
+		}
+		out = append(out, points[i])
+	}
+	return out, nil
 }
 
 // runFlow runs the flow-control experiment and writes its report to dir.

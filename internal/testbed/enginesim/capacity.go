@@ -27,7 +27,11 @@ import (
 //     sequences decoding, see One GPU); later ones wait. Prefill legs and the
 //     prompt phase of plain requests (on any role: a vLLM kv_consumer
 //     without kv_transfer_params prefills locally) share it. Its blocks
-//     enter the cache when it is done.
+//     enter the cache when it is done. With PrefillSlots n > 1 the server
+//     computes up to n prompts at once, each in that time as if alone, the
+//     rest waiting FIFO: the model of simulators that run a fixed number of
+//     requests side by side at a fixed cost per token (llm-d-inference-sim's
+//     max-num-seqs), not of a GPU, whose prompts computed together share it.
 //   - KV pull. A decode that takes KV from a prefill first pulls the prompt
 //     blocks its own cache lacks (vLLM's decode computes local prefix hits
 //     first), KVPullPerBlock each; meanwhile it counts as waiting, like
@@ -83,6 +87,11 @@ type Capacity struct {
 	DecodeStep          time.Duration // time per output token with one running sequence
 	DecodeStepPerSeq    time.Duration // added to each decode step per further running sequence
 	KVPullPerBlock      time.Duration // KV transfer time per block a decode pulls
+	// PrefillSlots is how many prompts the prefill server computes at
+	// once, each as fast as alone (0 or 1: one at a time, as one GPU
+	// does; see Prefill above). More than one needs MaxBatchedTokens 0:
+	// the step budget models one prompt computed beside the batch.
+	PrefillSlots int
 	// MaxBatchedTokens is vLLM's --max-num-batched-tokens: the tokens one
 	// step computes, a decode's one each and chunks of a prompt in the rest,
 	// so that a prompt computed while sequences decode slows them down and
@@ -200,6 +209,11 @@ func (c *Capacity) validate() error {
 		return fmt.Errorf("enginesim: Capacity.MaxLoRA must not be negative (0: no adapters), got %d", c.MaxLoRA)
 	case c.MaxBatchedTokens < 0:
 		return fmt.Errorf("enginesim: Capacity.MaxBatchedTokens must not be negative (0: no step budget), got %d", c.MaxBatchedTokens)
+	case c.PrefillSlots < 0:
+		return fmt.Errorf("enginesim: Capacity.PrefillSlots must not be negative (0: one), got %d", c.PrefillSlots)
+	case c.PrefillSlots > 1 && c.MaxBatchedTokens > 0:
+		return fmt.Errorf("enginesim: Capacity.PrefillSlots %d needs MaxBatchedTokens 0 (the step budget models one prompt computed at a time), got %d",
+			c.PrefillSlots, c.MaxBatchedTokens)
 	case !(c.PrefillTokensPerSec > 0) || math.IsInf(c.PrefillTokensPerSec, 0):
 		return fmt.Errorf("enginesim: Capacity.PrefillTokensPerSec must be positive and finite, got %v", c.PrefillTokensPerSec)
 	}
@@ -219,7 +233,9 @@ func (c *Capacity) validate() error {
 // report of how load spread (requests served by kind are in Tally).
 type Usage struct {
 	// PrefillBusy is the total time the prefill server was busy (without
-	// Capacity: the time some prefill was in progress). Divided by the
+	// Capacity: the time some prefill was in progress; with
+	// Capacity.PrefillSlots n > 1, each slot's busy time over n, so that
+	// two slots each busy half the time count half). Divided by the
 	// replay's duration it is the engine's prefill busy share.
 	PrefillBusy time.Duration
 	// DecodeBusy is the total time at least one sequence was generating.
@@ -271,6 +287,9 @@ func (s *Server) Usage() Usage {
 	now := time.Now()
 	u := m.usage
 	u.PrefillBusy = m.prefillBusy.total(now)
+	if n := m.slots(); n > 1 {
+		u.PrefillBusy = m.prefillSlotTime.total(now) / time.Duration(n)
+	}
 	u.DecodeBusy = m.decodeBusy.total(now)
 	u.Running, u.Waiting = m.running(), m.waitingLocked()+queued
 	u.Evictions = m.cache.evictions
@@ -295,13 +314,16 @@ type engineLoad struct {
 	cache      prefixCache
 	prefillQ   []*ticket
 	decodeQ    []*ticket
-	prefilling int // prompts being computed (at most 1 under Capacity)
+	prefilling int // prompts being computed (at most PrefillSlots under Capacity)
 	decoding   int // sequences generating (the decode batch under Capacity)
 	pulling    int // decodes transferring their KV
 	// prefillBusy and decodeBusy measure the time prefilling, resp.
 	// decoding, was not zero.
 	prefillBusy, decodeBusy busyClock
-	usage                   Usage // the counters; the rest is filled in by Usage
+	// prefillSlotTime adds up the time each prefill slot was busy
+	// (Capacity.PrefillSlots).
+	prefillSlotTime slotClock
+	usage           Usage // the counters; the rest is filled in by Usage
 	// hitBlocks and queryBlocks count prefix-cache lookups in blocks, for
 	// TensorRT-LLM's reused/missed block counters.
 	hitBlocks, queryBlocks int64
@@ -342,6 +364,10 @@ type ticket struct {
 	private int
 	// a prefill's prompt: the forecasts' view of the queue (oracle.go)
 	prompt *promptBlocks
+	// a granted prefill's compute, once its cache lookup is done: started,
+	// and with several prefill slots when it ends (with one, m.run's)
+	started bool
+	end     time.Time
 	// a decode's starting seat.paid: the prompt compute shared with the
 	// batch before it was admitted (share.go)
 	paid time.Duration
@@ -374,6 +400,31 @@ func (b *busyClock) total(now time.Time) time.Duration {
 	return b.sum + now.Sub(b.since)
 }
 
+// slotClock accumulates a count over time: busy slots × the time they
+// were.
+type slotClock struct {
+	count int
+	at    time.Time
+	sum   time.Duration
+}
+
+func (c *slotClock) update(count int, now time.Time) {
+	c.sum = c.total(now)
+	c.count, c.at = count, now
+}
+
+func (c *slotClock) total(now time.Time) time.Duration {
+	return c.sum + time.Duration(c.count)*now.Sub(c.at)
+}
+
+// slots is the prompts the prefill server computes at once.
+func (m *engineLoad) slots() int {
+	if m.capa == nil {
+		return 1
+	}
+	return max(m.capa.PrefillSlots, 1)
+}
+
 func (m *engineLoad) running() int { return m.prefilling + m.decoding }
 
 func (m *engineLoad) waitingLocked() int { return len(m.prefillQ) + len(m.decodeQ) + m.pulling }
@@ -383,6 +434,7 @@ func (m *engineLoad) waitingLocked() int { return len(m.prefillQ) + len(m.decode
 func (m *engineLoad) changed() {
 	now := time.Now()
 	m.prefillBusy.update(m.prefilling, now)
+	m.prefillSlotTime.update(m.prefilling, now)
 	m.decodeBusy.update(m.decoding, now)
 	m.usage.PeakRunning = max(m.usage.PeakRunning, m.running())
 	m.usage.PeakWaiting = max(m.usage.PeakWaiting, m.waitingLocked())
@@ -449,11 +501,11 @@ func (m *engineLoad) lookup(p promptBlocks) int {
 	return hit
 }
 
-// dispatch grants queued tickets while the prefill server and the decode
-// batch have room, in FIFO order (a head that does not fit blocks those
-// behind it, as in vLLM's FCFS scheduler). m.mu is held.
+// dispatch grants queued tickets while the prefill server's slots and the
+// decode batch have room, in FIFO order (a head that does not fit blocks
+// those behind it, as in vLLM's FCFS scheduler). m.mu is held.
 func (m *engineLoad) dispatch() {
-	for m.prefilling == 0 {
+	for m.prefilling < m.slots() {
 		i := m.admissible(m.prefillQ)
 		if i < 0 {
 			break
@@ -461,7 +513,7 @@ func (m *engineLoad) dispatch() {
 		t := m.prefillQ[i]
 		m.prefillQ = slices.Delete(m.prefillQ, i, i+1)
 		m.prefilling++
-		m.truth.current = t
+		m.truth.running = append(m.truth.running, t)
 		m.grant(t)
 	}
 	for {
@@ -560,7 +612,7 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string
 	m.truth.queued()
 	m.dispatch()
 	m.mu.Unlock()
-	if err := m.await(ctx, t, &m.prefillQ, func() { m.prefilling-- }); err != nil {
+	if err := m.await(ctx, t, &m.prefillQ, func() { m.prefilling--; m.truth.done(t) }); err != nil {
 		return 0, err
 	}
 	// Loading the adapter holds the prefill server, as it holds vLLM's
@@ -568,6 +620,7 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string
 	if err := sleep(ctx, t.loadLoRA); err != nil {
 		m.mu.Lock()
 		m.prefilling--
+		m.truth.done(t)
 		m.lora.stop(adapter)
 		m.dispatch()
 		m.mu.Unlock()
@@ -585,15 +638,25 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string
 	uncached := p.tokens - hit*m.capa.BlockTokens
 	m.usage.Prefills++
 	m.usage.PrefillTokens += int64(uncached)
-	m.startRun(uncached, time.Now())
-	end := m.run.end
+	// One slot computes the prompt as m.run, chunk by chunk beside the
+	// decode batch (share.go); several (no step budget) each in one go.
+	shared := m.slots() == 1
+	var end time.Time
+	if shared {
+		m.startRun(uncached, time.Now())
+		end = m.run.end
+	} else {
+		end = time.Now().Add(m.prefillTime(uncached, 0))
+		t.end = end
+	}
+	t.started = true
 	m.mu.Unlock()
 
 	// The prompt computes chunk by chunk, each ending at a time fixed when
 	// it begins (the next begins there, however late this wakes).
 	var err error
 	for {
-		if err = sleep(ctx, time.Until(end)); err != nil {
+		if err = sleep(ctx, time.Until(end)); err != nil || !shared {
 			break
 		}
 		m.mu.Lock()
@@ -607,12 +670,15 @@ func (m *engineLoad) prefill(ctx context.Context, p promptBlocks, adapter string
 
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	m.endRun()
+	if shared {
+		m.endRun()
+	}
 	m.cache.unpin(held, computing)
 	if err == nil {
 		m.cache.insert(p.hashes, p.ids)
 	}
 	m.prefilling--
+	m.truth.done(t)
 	m.lora.stop(adapter)
 	m.dispatch()
 	return hit * m.capa.BlockTokens, err

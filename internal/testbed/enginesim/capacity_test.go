@@ -287,6 +287,54 @@ func TestPrefillFIFOQueues(t *testing.T) {
 	requireGauges(t, s, "vllm:num_requests_running", "vllm:num_requests_waiting", 0, 0)
 }
 
+// TestPrefillSlots: with two prefill slots two prompts compute at once,
+// each as fast as alone, and a third waits for a slot; the busy time
+// counts each slot's share.
+func TestPrefillSlots(t *testing.T) {
+	const perToken = 10 * time.Millisecond // a 100-token prompt takes a second
+	s := startSim(t, Config{Role: RolePrefill, Capacity: testCapacity(func(c *Capacity) {
+		c.PrefillTokensPerSec = float64(time.Second / perToken)
+		c.PrefillSlots = 2
+	})})
+	ctx, cancel := context.WithCancel(t.Context())
+	var replies []<-chan asyncReply
+	for i := range 3 {
+		replies = append(replies, goPostCtx(t, ctx, s, "/v1/completions", "req-"+itoa(i), completionBody(tokensText(byte('a'+i), 100)).asPrefill()))
+		if i < 2 {
+			requireGauges(t, s, "vllm:num_requests_running", "vllm:num_requests_waiting", i+1, 0)
+		}
+	}
+	requireGauges(t, s, "vllm:num_requests_running", "vllm:num_requests_waiting", 2, 1)
+	// The queued prompt takes the first slot free, the next prompt the
+	// other: it waits for about a running prompt's rest, not two prompts.
+	f := s.ForecastPrefill(tokensText('z', 10))
+	require.LessOrEqual(t, f.Wait, 100*perToken)
+	require.Positive(t, f.Wait)
+	require.Equal(t, 10*perToken, f.Compute)
+	cancel()
+	for _, r := range replies {
+		<-r
+	}
+	requireIdle(t, s)
+
+	// One 50 ms prompt on two slots keeps the engine half busy.
+	busy := s.Usage().PrefillBusy
+	took := timed(t, s, "alone", completionBody(tokensText('y', 5)).asPrefill())
+	got := s.Usage().PrefillBusy - busy
+	require.GreaterOrEqual(t, got, 5*perToken/2)
+	require.Less(t, got, took)
+}
+
+func TestSlotClock(t *testing.T) {
+	t0 := time.Unix(1000, 0)
+	var c slotClock
+	c.update(1, t0)
+	c.update(2, t0.Add(time.Second))
+	require.Equal(t, 3*time.Second, c.total(t0.Add(2*time.Second)), "a slot for 1 s, then two for 1 s")
+	c.update(0, t0.Add(3*time.Second))
+	require.Equal(t, 5*time.Second, c.total(t0.Add(10*time.Second)))
+}
+
 func TestDecodeBatchLimit(t *testing.T) {
 	tests := []struct {
 		connector        string
@@ -555,6 +603,8 @@ func TestCapacityValidation(t *testing.T) {
 		{"no prefill rate", func(c *Capacity) { c.PrefillTokensPerSec = 0 }, "PrefillTokensPerSec"},
 		{"negative step", func(c *Capacity) { c.DecodeStep = -1 }, "DecodeStep"},
 		{"negative step budget", func(c *Capacity) { c.MaxBatchedTokens = -1 }, "MaxBatchedTokens"},
+		{"negative prefill slots", func(c *Capacity) { c.PrefillSlots = -1 }, "PrefillSlots"},
+		{"prefill slots and a step budget", func(c *Capacity) { c.PrefillSlots, c.MaxBatchedTokens = 2, 8192 }, "needs MaxBatchedTokens 0"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

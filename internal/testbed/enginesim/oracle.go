@@ -1,6 +1,9 @@
 package enginesim
 
-import "time"
+import (
+	"slices"
+	"time"
+)
 
 // The forecasts below read an engine's true state under Capacity (its
 // prefix cache, its prefill queue, its decode batch), which no real router
@@ -14,7 +17,9 @@ type PrefillForecast struct {
 	// Wait is until the prefill server takes the prompt: the rest of the
 	// prompt being computed and the work of every prompt queued before it,
 	// each with the cache hits the prompts ahead of it leave it, and each
-	// beside the sequences decoding now (see Compute).
+	// beside the sequences decoding now (see Compute). With several
+	// prefill slots (Capacity.PrefillSlots), until the first slot is free
+	// once each prompt ahead has taken the slot free first.
 	Wait time.Duration
 	// CachedTokens are the prompt's tokens it will find cached when taken:
 	// in the cache now, or computed by a prompt ahead of it. Eviction
@@ -52,19 +57,28 @@ func (m *engineLoad) forecastPrefill(p promptBlocks) PrefillForecast {
 	var (
 		f     PrefillForecast
 		ahead [][]uint64 // the prompts that will be cached before p is taken
+		// free is each prefill slot's time until it is free: the rest of
+		// the prompt it computes, then the queued prompts it will take,
+		// each queued prompt taken by the slot free first, as FIFO does.
+		free = make([]time.Duration, m.slots())
 	)
-	if c := m.truth.current; m.prefilling > 0 && c != nil {
-		if !m.run.running { // granted, its lookup not yet done
-			f.Wait += m.prefillTime(c.prompt.tokens-m.hitAfter(*c.prompt, nil)*m.capa.BlockTokens, n)
-		} else {
-			f.Wait += m.restOfRun(now, n)
+	for i, c := range m.truth.running {
+		switch {
+		case !c.started: // granted, its lookup not yet done
+			free[i] = m.prefillTime(c.prompt.tokens-m.hitAfter(*c.prompt, nil)*m.capa.BlockTokens, n)
+		case len(free) == 1:
+			free[i] = m.restOfRun(now, n)
+		default:
+			free[i] = max(c.end.Sub(now), 0)
 		}
 		ahead = append(ahead, c.prompt.hashes)
 	}
 	for _, t := range m.prefillQ {
-		f.Wait += m.prefillTime(t.prompt.tokens-m.hitAfter(*t.prompt, ahead)*m.capa.BlockTokens, n)
+		i := slices.Index(free, slices.Min(free))
+		free[i] += m.prefillTime(t.prompt.tokens-m.hitAfter(*t.prompt, ahead)*m.capa.BlockTokens, n)
 		ahead = append(ahead, t.prompt.hashes)
 	}
+	f.Wait = slices.Min(free)
 	f.CachedTokens = m.hitAfter(p, ahead) * m.capa.BlockTokens
 	f.Compute = m.prefillTime(p.tokens-f.CachedTokens, n)
 	return f
@@ -186,12 +200,17 @@ func (s *Server) PrefillArrivals() (uint64, <-chan struct{}) {
 }
 
 // truth is an engine's bookkeeping for the forecasts, under engineLoad.mu:
-// the prefill being computed (the ticket granted last, valid while
-// prefilling > 0) and the prefill queue's arrivals.
+// the prefills being computed (granted, in the order granted; one per
+// busy prefill slot) and the prefill queue's arrivals.
 type truth struct {
-	current  *ticket
+	running  []*ticket
 	arrivals uint64
 	next     chan struct{} // closed at the next arrival; nil while nobody waits
+}
+
+// done notes that t, a granted prefill, ended or gave its slot back.
+func (t *truth) done(p *ticket) {
+	t.running = slices.DeleteFunc(t.running, func(o *ticket) bool { return o == p })
 }
 
 // queued notes a prompt's arrival in the prefill queue. m.mu is held.

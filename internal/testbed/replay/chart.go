@@ -41,7 +41,7 @@ func (rep *Report) Charts(dir string) error {
 			max            float64 // of the y axis; 0 for the data's
 		}{
 			{"ttft-p90-vs-load-" + tr.Name + ".png", "TTFT p90 vs load (" + tr.Name + ")", "TTFT p90 (ms)", func(r RunResult) float64 { return r.TTFT.P90 }, 0},
-			{"goodput-vs-load-" + tr.Name + ".png", fmt.Sprintf("Goodput vs load (%s; TTFT ≤ %.0f ms, TPOT ≤ %.1f ms)", tr.Name, ms(tr.SLO.TTFT), ms(tr.SLO.TPOT)),
+			{"goodput-vs-load-" + tr.Name + ".png", fmt.Sprintf("Goodput vs load (%s; %s)", tr.Name, tr.SLO),
 				"goodput (%)", func(r RunResult) float64 { return 100 * r.Goodput }, 100},
 		} {
 			if err := rep.chart(filepath.Join(dir, c.file), c.title, c.y, c.max, tr.Name, c.value); err != nil {
@@ -69,7 +69,7 @@ func (rep *Report) chart(path, title, yLabel string, yMax float64, trace string,
 	lo, hi := math.Inf(1), math.Inf(-1)
 	for _, r := range rep.Runs {
 		if r.Trace == trace {
-			lo, hi = min(lo, 100*r.RRBusyShare), max(hi, 100*r.RRBusyShare)
+			lo, hi = min(lo, 100*r.load()), max(hi, 100*r.load())
 		}
 	}
 	if lo <= hi {
@@ -80,7 +80,7 @@ func (rep *Report) chart(path, title, yLabel string, yMax float64, trace string,
 		var xys plotter.XYs
 		for _, r := range rep.Runs {
 			if r.Trace == trace && r.Policy == name {
-				xys = append(xys, plotter.XY{X: 100 * r.RRBusyShare, Y: value(r)})
+				xys = append(xys, plotter.XY{X: 100 * r.load(), Y: value(r)})
 			}
 		}
 		if len(xys) == 0 {
@@ -114,6 +114,16 @@ func (rep *Report) chart(path, title, yLabel string, yMax float64, trace string,
 		p.Legend.Add(name, line, points)
 	}
 	return p.Save(8*vg.Inch, 5*vg.Inch, path)
+}
+
+// load is r's point's load: round robin's busy share there, or the
+// share the point was chosen for when round robin did not run
+// (Plan.Speedups).
+func (r RunResult) load() float64 {
+	if r.RRBusyShare > 0 {
+		return r.RRBusyShare
+	}
+	return r.TargetLoad
 }
 
 // isOracle reports whether a policy's runs were the oracle's.

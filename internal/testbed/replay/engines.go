@@ -19,6 +19,9 @@ type EngineStats struct {
 	Rejected int `json:"kv_rejected"`
 	// PrefillBusy is the prefill engines' busy time, summed.
 	PrefillBusy time.Duration `json:"prefill_busy_ns"`
+	// Prefills and PrefillTokens are the prompts the prefill engines
+	// computed and their uncached tokens.
+	Prefills, PrefillTokens int64
 	// Prefix cache counters (tokens) of the prefill engines, and of all.
 	PrefillQueryTokens, PrefillHitTokens int64
 	AllQueryTokens, AllHitTokens         int64
@@ -33,6 +36,8 @@ func engineStats(st *stack.Stack) EngineStats {
 		es.PrefillRequests = append(es.PrefillRequests, t.Prefill+t.Plain)
 		es.Rejected += t.Rejected
 		es.PrefillBusy += u.PrefillBusy
+		es.Prefills += u.Prefills
+		es.PrefillTokens += u.PrefillTokens
 		es.PrefillQueryTokens += u.PrefixQueryTokens
 		es.PrefillHitTokens += u.PrefixHitTokens
 		es.add(u)
@@ -52,6 +57,8 @@ func (es *EngineStats) merge(o EngineStats) {
 	es.DecodeRequests = addInts(es.DecodeRequests, o.DecodeRequests)
 	es.Rejected += o.Rejected
 	es.PrefillBusy += o.PrefillBusy
+	es.Prefills += o.Prefills
+	es.PrefillTokens += o.PrefillTokens
 	es.PrefillQueryTokens += o.PrefillQueryTokens
 	es.PrefillHitTokens += o.PrefillHitTokens
 	es.AllQueryTokens += o.AllQueryTokens
@@ -82,10 +89,13 @@ func (es *EngineStats) add(u enginesim.Usage) {
 	es.PulledBlocks += u.PulledBlocks
 }
 
-// engineConfig is every simulator's config: the reference capacity at the
-// run's scales, fixed before any policy was tuned, and counts instead of
-// records.
-func engineConfig(s Scale, timeScale float64) (enginesim.Config, enginesim.Capacity) {
-	c := enginesim.ReferenceCapacity(float64(s.TokenScale), timeScale)
+// engineConfig is every simulator's config: the rig's capacity (by
+// default the reference capacity at the run's scales, fixed before any
+// policy was tuned), and counts instead of records.
+func (rig Rig) engineConfig() (enginesim.Config, enginesim.Capacity) {
+	c := enginesim.ReferenceCapacity(float64(rig.Scale.TokenScale), rig.TimeScale)
+	if rig.Capacity != nil {
+		c = *rig.Capacity
+	}
 	return enginesim.Config{Capacity: &c, TallyOnly: true}, c
 }

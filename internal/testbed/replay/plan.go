@@ -30,6 +30,13 @@
 // SLOs: multiples of the TTFT and TPOT that the trace's median request
 // (uncached) gets from an idle rig, so they scale with both scales.
 //
+// Rigs: the reference rig above, and the cache-bound rig (CacheBound,
+// cachebound.go), where the prefix cache decides: engines whose KV holds a
+// fifth of what the conversation trace touches, prefill engines computing
+// two prompts at once, fixed arrival speedups instead of calibrated loads,
+// goodput at a fixed TTFT bound; its report is its own
+// (cacheBoundSummary).
+//
 // Oracle: an in-process P/D router (oracle.go) that picks, per request,
 // the prefill engine with the least forecast TTFT and the decode engine
 // with the least pull plus two decode steps, from enginesim's forecasts of
@@ -40,6 +47,7 @@ package replay
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -87,6 +95,12 @@ type Plan struct {
 	// Loads are the target round-robin prefill busy shares, e.g. 0.5
 	// (a trace's own TraceFile.Loads replace them).
 	Loads []float64
+	// Speedups, when set, fix each load point's arrivals instead: the
+	// trace's own rate times Speedups[i] at Loads[i], which then only
+	// names the busy share the point was chosen for. No calibration, and
+	// round robin runs only when among Profiles (its busy share is the
+	// point's measured load).
+	Speedups []float64
 	// Requests is the trace window: its first Requests requests.
 	Requests int
 	// ReplicaCounts are the pdx replica counts of the affinity experiment
@@ -95,9 +109,15 @@ type Plan struct {
 	// no pdx); empty skips it.
 	// Every other run has one replica.
 	ReplicaCounts []int
+	// ReplicaPolicies, when set, are the profiles of the affinity
+	// experiment (those among Profiles); by default every pdx profile that
+	// places by prefix.
+	ReplicaPolicies []string
 	// TTFTFactor and TPOTFactor set the SLOs as multiples of an idle
-	// engine's uncached TTFT and TPOT for the trace's median request.
+	// engine's uncached TTFT and TPOT for the trace's median request;
+	// SLO, when set, is the SLO instead.
 	TTFTFactor, TPOTFactor float64
+	SLO                    *SLO
 	// Tolerance is how far a point's measured round-robin busy share may
 	// miss its target before the rate is corrected once (0: never).
 	Tolerance float64
@@ -114,6 +134,8 @@ type Plan struct {
 
 // Report is everything a grid measured, with its parameters.
 type Report struct {
+	// Rig names the rig (Rig.Name): "" for the reference rig.
+	Rig        string            `json:"rig,omitempty"`
 	TokenScale int               `json:"token_scale"`
 	TimeScale  float64           `json:"time_scale"`
 	BlockBytes int               `json:"block_bytes"`
@@ -122,6 +144,8 @@ type Report struct {
 	Capacity   any               `json:"engine_capacity"`
 	Policies   map[string]string `json:"policies"`
 	Loads      []float64         `json:"target_loads"`
+	// Speedups are the load points' fixed arrival speedups (Plan.Speedups).
+	Speedups []float64 `json:"speedups,omitempty"`
 	// SLO factors: multiples of the idle uncached median request's TTFT
 	// and TPOT (see Plan).
 	TTFTFactor float64 `json:"ttft_slo_factor"`
@@ -154,8 +178,13 @@ type TraceReport struct {
 	NativeRate float64 `json:"native_rate_rps"`
 	// Median and mean scaled request, in simulated tokens.
 	MedianInput, MeanInput, MedianOutput int
-	Probe                                Probe `json:"probe"`
-	SLO                                  SLO   `json:"slo"`
+	// DistinctBlocks are the trace blocks the window touches;
+	// UnlimitedHit the share of its prompt tokens one unlimited prefix
+	// cache would hold (UnlimitedCacheHit).
+	DistinctBlocks int     `json:"distinct_blocks"`
+	UnlimitedHit   float64 `json:"unlimited_cache_hit"`
+	Probe          Probe   `json:"probe"`
+	SLO            SLO     `json:"slo"`
 	// Calibration: round robin at GuessRate measured GuessBusy.
 	GuessRate float64 `json:"guess_rate_rps"`
 	GuessBusy float64 `json:"guess_busy_share"`
@@ -173,7 +202,16 @@ const maxCorrections = 2
 // anything starts; a failing run ends it with what was measured so far.
 func Run(ctx context.Context, p Plan) (*Report, error) {
 	began := time.Now()
-	profiles := withRoundRobin(p.Profiles, Profiles(p.Rig.Scale))
+	if len(p.Speedups) > 0 && len(p.Speedups) != len(p.Loads) {
+		return nil, fmt.Errorf("%d speedups for %d loads", len(p.Speedups), len(p.Loads))
+	}
+	profiles := p.Profiles
+	if len(p.Speedups) == 0 {
+		profiles = withRoundRobin(p.Profiles, Profiles(p.Rig.Scale))
+	} else if len(profiles) == 0 {
+		return nil, errors.New("no policy")
+	}
+	profiles = slices.Clone(profiles)
 	for i := range profiles {
 		if profiles[i].pdx() {
 			profiles[i].PoolYAML = lines(strings.TrimSpace(profiles[i].PoolYAML), p.ExtraPoolYAML)
@@ -184,6 +222,7 @@ func Run(ctx context.Context, p Plan) (*Report, error) {
 	}
 	_, capacity := p.Rig.options(profiles[0], 1)
 	rep := &Report{
+		Rig: p.Rig.Name, Speedups: p.Speedups,
 		TokenScale: p.Rig.Scale.TokenScale, TimeScale: p.Rig.TimeScale, BlockBytes: p.Rig.Scale.BlockBytes(),
 		Prefill: p.Rig.Prefill, Decode: p.Rig.Decode, Capacity: capacity, Loads: p.Loads,
 		Policies: map[string]string{}, TTFTFactor: p.TTFTFactor, TPOTFactor: p.TPOTFactor,
@@ -232,27 +271,40 @@ func withRoundRobin(ps, all []Profile) []Profile {
 
 // runTrace probes, calibrates and runs every load point of one trace.
 func (p Plan) runTrace(ctx context.Context, tf TraceFile, profiles []Profile, rep *Report) error {
-	reqs, tr, err := p.prepare(ctx, tf, profiles[0])
+	reqs, tr, err := p.prepare(ctx, tf)
 	if err != nil {
 		return err
 	}
 	tr.Loads = tf.loads(p.Loads)
-	for _, load := range tr.Loads {
-		rr, err := p.steer(ctx, tf.Name, profiles[0], load, tr.GuessRate*load/tr.GuessBusy, reqs, tr.SLO)
-		if err != nil {
+	if len(p.Speedups) == 0 {
+		if err := p.calibrate(ctx, &tr, profiles[0], reqs); err != nil {
 			return err
 		}
-		tr.Rates = append(tr.Rates, rr.Rate)
-		point := []RunResult{rr}
-		for _, pr := range profiles[1:] {
-			res, err := p.runOne(ctx, tf.Name, pr, 1, rr.Rate, reqs, tr.SLO)
+	}
+	for k, load := range tr.Loads {
+		var point []RunResult
+		rest, rate := profiles, tr.NativeRate*p.speedup(k)
+		if len(p.Speedups) == 0 {
+			rr, err := p.steer(ctx, tf.Name, profiles[0], load, tr.GuessRate*load/tr.GuessBusy, reqs, tr.SLO)
+			if err != nil {
+				return err
+			}
+			point, rest, rate = append(point, rr), profiles[1:], rr.Rate
+		}
+		tr.Rates = append(tr.Rates, rate)
+		for _, pr := range rest {
+			res, err := p.runOne(ctx, tf.Name, pr, 1, rate, reqs, tr.SLO)
 			if err != nil {
 				return err
 			}
 			point = append(point, res)
 		}
+		var rrBusy float64 // the point's load; 0 when round robin did not run
+		if i := slices.IndexFunc(point, func(r RunResult) bool { return r.Policy == "round-robin" }); i >= 0 {
+			rrBusy = point[i].BusyShare
+		}
 		for i := range point {
-			point[i].TargetLoad, point[i].RRBusyShare = load, rr.BusyShare
+			point[i].TargetLoad, point[i].RRBusyShare = load, rrBusy
 			if v := point[i].VLLMRouter; v != "" {
 				rep.VLLMRouter = v
 			}
@@ -264,10 +316,17 @@ func (p Plan) runTrace(ctx context.Context, tf TraceFile, profiles []Profile, re
 	return p.replicaRuns(ctx, tf, profiles, reqs, tr, rep)
 }
 
-// prepare reads and scales a trace window, probes the idle rig for the
-// SLOs, and calibrates: round robin at a first guess of the rate says how
-// busy a rate keeps the prefill engines.
-func (p Plan) prepare(ctx context.Context, tf TraceFile, rr Profile) ([]Request, TraceReport, error) {
+// speedup is load point i's fixed arrival speedup, 0 when it has none.
+func (p Plan) speedup(i int) float64 {
+	if i < len(p.Speedups) {
+		return p.Speedups[i]
+	}
+	return 0
+}
+
+// prepare reads and scales a trace window and probes the idle rig for the
+// SLOs.
+func (p Plan) prepare(ctx context.Context, tf TraceFile) ([]Request, TraceReport, error) {
 	n := p.Requests
 	if tf.Requests > 0 {
 		n = tf.Requests
@@ -281,6 +340,7 @@ func (p Plan) prepare(ctx context.Context, tf TraceFile, rr Profile) ([]Request,
 		return nil, TraceReport{}, err
 	}
 	tr := describe(tf, reqs)
+	tr.DistinctBlocks, tr.UnlimitedHit = DistinctBlocks(raw), UnlimitedCacheHit(raw)
 	if tr.Probe, err = p.Rig.probe(ctx, tr); err != nil {
 		return nil, tr, fmt.Errorf("probe: %w", err)
 	}
@@ -288,19 +348,28 @@ func (p Plan) prepare(ctx context.Context, tf TraceFile, rr Profile) ([]Request,
 		TTFT: time.Duration(p.TTFTFactor * float64(tr.Probe.TTFT)),
 		TPOT: time.Duration(p.TPOTFactor * float64(tr.Probe.TPOT)),
 	}
-	p.logf("%s: %d requests, native %.2f req/s; idle TTFT %.0f ms (median prompt %d tokens), TPOT %.1f ms; SLO TTFT %.0f ms, TPOT %.1f ms",
-		tf.Name, tr.Requests, tr.NativeRate, ms(tr.Probe.TTFT), tr.MedianInput, ms(tr.Probe.TPOT), ms(tr.SLO.TTFT), ms(tr.SLO.TPOT))
+	if p.SLO != nil {
+		tr.SLO = *p.SLO
+	}
+	p.logf("%s: %d requests, native %.2f req/s; idle TTFT %.0f ms (median prompt %d tokens), TPOT %.1f ms; SLO %s",
+		tf.Name, tr.Requests, tr.NativeRate, ms(tr.Probe.TTFT), tr.MedianInput, ms(tr.Probe.TPOT), tr.SLO)
+	return reqs, tr, nil
+}
+
+// calibrate runs round robin at a first guess of the rate, which says how
+// busy a rate keeps the prefill engines.
+func (p Plan) calibrate(ctx context.Context, tr *TraceReport, rr Profile, reqs []Request) error {
 	// The guess: the mean prompt's uncached prefill keeping the prefill
 	// engines 60% busy (cache hits make the real requests cheaper).
 	tr.GuessRate = 0.6 * float64(p.Rig.Prefill) / tr.Probe.MeanTTFT.Seconds()
-	calib, err := p.runOne(ctx, tf.Name, rr, 1, tr.GuessRate, reqs, tr.SLO)
+	calib, err := p.runOne(ctx, tr.Name, rr, 1, tr.GuessRate, reqs, tr.SLO)
 	if err != nil {
-		return nil, tr, err
+		return err
 	}
 	if tr.GuessBusy = calib.BusyShare; tr.GuessBusy <= 0 {
-		return nil, tr, fmt.Errorf("calibration: round robin at %.2f req/s kept the prefill engines 0%% busy", tr.GuessRate)
+		return fmt.Errorf("calibration: round robin at %.2f req/s kept the prefill engines 0%% busy", tr.GuessRate)
 	}
-	return reqs, tr, nil
+	return nil
 }
 
 // steer runs round robin at rate and, while its busy share misses load by
@@ -338,8 +407,12 @@ func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile,
 	}
 	mid := len(tr.Loads) / 2
 	load, rate := tr.Loads[mid], tr.Rates[mid]
+	names := p.ReplicaPolicies
+	if len(names) == 0 {
+		names = []string{"round-robin", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", PreciseProfile, PreciseReuseProfile}
+	}
 	for _, pr := range profiles {
-		if !slices.Contains([]string{"round-robin", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", PreciseProfile, PreciseReuseProfile}, pr.Name) {
+		if !slices.Contains(names, pr.Name) || !pr.pdx() {
 			continue
 		}
 		for _, n := range p.ReplicaCounts {
@@ -356,6 +429,9 @@ func (p Plan) replicaRuns(ctx context.Context, tf TraceFile, profiles []Profile,
 				}
 				res.TargetLoad = load
 				res.RRBusyShare = runAt(rep.Runs, tf.Name, "round-robin", load).RRBusyShare
+				if o := runAt(rep.Runs, tf.Name, OracleProfile, load); o.Oracle {
+					res.VsOracle = vsOracle(res, o)
+				}
 			}
 			rep.ReplicaRuns = append(rep.ReplicaRuns, res)
 		}
@@ -394,7 +470,8 @@ func (p Plan) runOne(ctx context.Context, trace string, pr Profile, replicas int
 		}
 		samples = append(samples, s)
 	}
-	res := summarizeRun(r, samples, slo)
+	_, c := p.Rig.engineConfig()
+	res := summarizeRun(r, samples, slo, c)
 	p.logf("  %-23s x%d %6.2f req/s: busy %3.0f%%  TTFT p50/p90 %6.0f/%6.0f ms  TPOT p50 %5.1f ms  goodput %3.0f%%  hit %3.0f%%  429 %d  broken %d  mix-ups %d  rejected %d  %.1fs  cpu router %.2f (%.2f ms/req) harness %.2f",
 		pr.Name, replicas, rate, 100*res.BusyShare, res.TTFT.P50, res.TTFT.P90, res.TPOT.P50, 100*res.Goodput,
 		100*res.PrefixHitRate, res.Shed, res.Broken, res.MixUps, res.Engines.Rejected, res.DurationSec, res.CPU.Router, res.CPU.RouterMsPerRequest, res.CPU.Harness)

@@ -23,7 +23,7 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", "precise",
-		"precise-reuse", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse"}, names(all))
+		"precise-reuse", "forecast", "forecast-precise", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse"}, names(all))
 	require.Contains(t, all[4].ConfigYAML, "end_streams_at_routing: false")
 	require.Contains(t, all[5].ConfigYAML, "end_streams_at_routing: true")
 	precise := all[7]
@@ -33,19 +33,19 @@ func TestProfiles(t *testing.T) {
 	require.True(t, reuse.pdx() && reuse.KVEvents)
 	require.Contains(t, reuse.Config(), "kv_events")
 	require.Contains(t, reuse.PoolYAML, fmt.Sprintf("min_uncached_tokens: %d", Scale{TokenScale: 16}.Tokens(1000)), "Dynamo's 1,000 tokens, scaled")
-	for _, p := range all[9:12] {
+	for _, p := range all[11:14] {
 		require.NotEmpty(t, p.Peer, p.Name)
 		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
 		require.Contains(t, p.Config(), "--policy "+p.Peer)
 		require.Equal(t, p.Peer == "kv_aware", p.KVEvents, "only kv_aware reads the engines' KV events")
 	}
-	oracle := all[12]
+	oracle := all[14]
 	require.True(t, oracle.Oracle)
 	require.Empty(t, oracle.Peer+oracle.PoolYAML+oracle.ConfigYAML, "the oracle is neither a peer nor pdx")
 	require.False(t, oracle.pdx())
 	require.Contains(t, oracle.Config(), "true state")
 	require.False(t, oracle.DecodeAlone)
-	oracleReuse := all[13]
+	oracleReuse := all[15]
 	require.True(t, oracleReuse.Oracle && oracleReuse.DecodeAlone)
 	require.False(t, oracleReuse.pdx())
 	require.Contains(t, oracleReuse.Config(), "plain request to the decode engine")
@@ -73,8 +73,8 @@ func TestCheckProfiles(t *testing.T) {
 	require.ErrorContains(t, err, "policy broken")
 
 	t.Setenv(vllmrouter.DirEnv, t.TempDir())
-	require.NoError(t, rig.CheckProfiles(append(all[:9:9], all[12:]...)), "pdx's profiles and the oracles need no vllm-router")
-	err = rig.CheckProfiles(all[9:10])
+	require.NoError(t, rig.CheckProfiles(append(all[:11:11], all[14:]...)), "pdx's profiles and the oracles need no vllm-router")
+	err = rig.CheckProfiles(all[11:12])
 	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
 	require.ErrorContains(t, err, "policy vllm-router-cache-aware")
 	t.Setenv(vllmrouter.DirEnv, installed)

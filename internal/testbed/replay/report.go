@@ -32,6 +32,9 @@ func (rep *Report) Write(dir string) error {
 
 // Summary is the Markdown report: parameters, then one table per trace.
 func (rep *Report) Summary() string {
+	if rep.Rig == CacheBoundRig {
+		return rep.cacheBoundSummary()
+	}
 	var b strings.Builder
 	fmt.Fprintf(&b, "# Trace replay\n\n")
 	fmt.Fprintf(&b, "Real Envoy + pdx, %d prefill + %d decode simulated NIXL engines, fresh per run. "+
@@ -219,4 +222,159 @@ func compactJSON(v any) string {
 		return fmt.Sprint(v)
 	}
 	return string(b)
+}
+
+// cacheBoundSummary is the cache-bound rig's report (CacheBound): its
+// parameters, then per trace a row per policy, point and replica count
+// with what the rig is for (goodput, prefix hit, TTFT, the engines' true
+// service rate, the violations), and every row's distance from the
+// oracle.
+func (rep *Report) cacheBoundSummary() string {
+	var b strings.Builder
+	c, _ := rep.Capacity.(enginesim.Capacity)
+	fmt.Fprintf(&b, "# Trace replay: the cache-bound rig\n\n")
+	fmt.Fprintf(&b, "Real Envoy + pdx, %d prefill + %d decode simulated NIXL engines, fresh per run, where the prefix cache decides "+
+		"(`pdx-replay --rig %s`; every parameter is in `replay.DefaultCacheBound`). Token scale %d. %d replay(s) pooled per row. Wall time %.0f s",
+		rep.Prefill, rep.Decode, CacheBoundRig, rep.TokenScale, rep.Repeats, rep.WallSec)
+	if rep.Machine != "" {
+		fmt.Fprintf(&b, " on %s", rep.Machine)
+	}
+	b.WriteString(".\n\n")
+	fmt.Fprintf(&b, "**Engines.** KV: %d blocks of %d simulated tokens (%d real, one trace block) each, least recently used "+
+		"evicted among the blocks no request holds. Prefill: %d prompts at once, each %.0f ms plus its uncached tokens at %.0f a second "+
+		"(%.0f real), as if alone; the rest wait FIFO. Decode steps and KV pulls: the reference engine's (enginesim.ReferenceCapacity) "+
+		"at time scale %g. Capacity: `%s`\n\n",
+		c.KVBlocks, c.BlockTokens, c.BlockTokens*rep.TokenScale, max(c.PrefillSlots, 1), ms(c.PrefillOverhead), c.PrefillTokensPerSec,
+		c.PrefillTokensPerSec*float64(rep.TokenScale), rep.TimeScale, compactJSON(rep.Capacity))
+	if rep.VLLMRouter != "" {
+		fmt.Fprintf(&b, "**Peer: vllm-router %s** in NIXL P/D mode in front of the same engines instead of Envoy + pdx. ", rep.VLLMRouter)
+	}
+	if rep.hasOracle() {
+		b.WriteString("**Oracle:** the yardstick's limit, a P/D router in the harness process that reads the simulators' true state and " +
+			"sends each prefill to the engine with the least forecast TTFT (see docs/placement.md).")
+	}
+	b.WriteString("\n\n")
+	fmt.Fprintf(&b, "Load: arrivals are the trace's own timestamps compressed by each point's speedup over the window's native rate (%s), "+
+		"the same schedule for every policy at a point; a point's load is round robin's prefill busy share there (each engine's busy "+
+		"slot time over its slots, over the prefill window from the first send to the last first token). Prefix hit: the share of "+
+		"the prefill engines' prompt tokens found cached. Prefill service: the engines' true rate per slot (and overhead), then the "+
+		"rate they delivered (their uncached tokens over busy slot time less the overheads: below the true one by timers waking "+
+		"late on a busy machine). A learned rate is read against these. Mix-ups and KV rejections must be 0.\n\n", floatList(rep.Speedups, "×"))
+	for _, tr := range rep.Traces {
+		rep.cacheBoundTrace(&b, tr, c)
+	}
+	fmt.Fprintf(&b, "## Policies\n\n")
+	for _, name := range slices.Sorted(maps.Keys(rep.Policies)) {
+		yaml := strings.TrimSpace(strings.ReplaceAll(rep.Policies[name], "\n", "; "))
+		if yaml == "" {
+			fmt.Fprintf(&b, "- **%s**: pdx's defaults (no picker lines)\n", name)
+			continue
+		}
+		fmt.Fprintf(&b, "- **%s**: `%s`\n", name, yaml)
+	}
+	return b.String()
+}
+
+// cacheBoundTrace is a trace's part of the cache-bound rig's report.
+func (rep *Report) cacheBoundTrace(b *strings.Builder, tr TraceReport, c enginesim.Capacity) {
+	fmt.Fprintf(b, "## %s (`%s`)\n\n", tr.Name, tr.Path)
+	fmt.Fprintf(b, "First %d requests (native %.2f req/s; rates %s req/s); median prompt %d simulated tokens, mean %d, median output %d. "+
+		"They touch %d distinct trace blocks: each engine's KV holds %.0f%% of them. One unlimited prefix cache in front of every "+
+		"request would find %.1f%% of their prompt tokens cached. Idle uncached median request: TTFT %.0f ms. **Goodput: %s** "+
+		"(streamed).\n\n",
+		tr.Requests, tr.NativeRate, floatList(tr.Rates, ""), tr.MedianInput, tr.MeanInput, tr.MedianOutput,
+		tr.DistinctBlocks, 100*ratio(float64(c.KVBlocks), float64(tr.DistinctBlocks)), 100*tr.UnlimitedHit, ms(tr.Probe.TTFT), tr.SLO)
+	rows := rep.cacheBoundRows(tr.Name)
+	spread := rep.Repeats > 1
+	if spread {
+		b.WriteString("Pooled over the replays, each replay's own figures in brackets.\n\n")
+	}
+	fmt.Fprintf(b, "| load: target → RR busy | policy | pdx replicas | goodput | prefix hit (prefill) | TTFT p50 / p90 ms | busy | errors: 429 / broken | mix-ups | KV rejected | prefill service: true → delivered tok/s per slot |\n")
+	fmt.Fprintf(b, "|---|---|---:|---|---|---|---:|---|---:|---:|---|\n")
+	for _, r := range rows {
+		goodput, hit := fmt.Sprintf("%.1f%%", 100*r.Goodput), fmt.Sprintf("%.1f%%", 100*r.PrefixHitRate)
+		ttft := fmt.Sprintf("%.0f / %.0f", r.TTFT.P50, r.TTFT.P90)
+		if spread && len(r.PerRepeat) > 1 {
+			goodput += " (" + repeatList(r.PerRepeat, func(x RepeatResult) string { return fmt.Sprintf("%.1f", 100*x.Goodput) }) + ")"
+			hit += " (" + repeatList(r.PerRepeat, func(x RepeatResult) string { return fmt.Sprintf("%.1f", 100*x.PrefixHitRate) }) + ")"
+			ttft += " (" + repeatList(r.PerRepeat, func(x RepeatResult) string { return fmt.Sprintf("%.0f / %.0f", x.TTFT.P50, x.TTFT.P90) }) + ")"
+		}
+		fmt.Fprintf(b, "| %s | %s | %d | %s | %s | %s | %.0f%% | %d / %d | %d | %d | %.0f + %.0f ms → %.0f |\n",
+			loadLabel(r), r.Policy, r.Replicas, goodput, hit, ttft, 100*r.BusyShare, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected,
+			r.Service.TokensPerSec, r.Service.OverheadMs, r.Service.DeliveredTokensPerSec)
+	}
+	b.WriteString("\n")
+	var far []RunResult
+	for _, r := range rows {
+		if r.VsOracle != nil {
+			far = append(far, r)
+		}
+	}
+	if len(far) > 0 {
+		b.WriteString("Distance from the oracle at the same point: TTFT as a multiple of the oracle's (1 = as fast), goodput and prefix " +
+			"hit (prefill engines) in points above the oracle's (0 = as good, negative = worse).\n\n")
+		fmt.Fprintf(b, "| load: target → RR busy | policy | pdx replicas | TTFT p50 × oracle | TTFT p90 × oracle | goodput − oracle | prefix hit − oracle |\n")
+		fmt.Fprintf(b, "|---|---|---:|---:|---:|---:|---:|\n")
+		for _, r := range far {
+			g := r.VsOracle
+			fmt.Fprintf(b, "| %s | %s | %d | %.2f | %.2f | %+.1f | %+.1f |\n",
+				loadLabel(r), r.Policy, r.Replicas, g.TTFTP50, g.TTFTP90, g.GoodputPoints, g.PrefixHitPoints)
+		}
+		b.WriteString("\n")
+	}
+	for _, r := range rows {
+		if len(r.ErrorSamples) > 0 {
+			fmt.Fprintf(b, "- %s x%d at %.0f%%: %s\n", r.Policy, r.Replicas, 100*r.TargetLoad, strings.Join(r.ErrorSamples, "; "))
+		}
+	}
+}
+
+// cacheBoundRows are a trace's runs, each point's one-replica runs then
+// its runs at more replicas.
+func (rep *Report) cacheBoundRows(trace string) []RunResult {
+	var loads []float64
+	for _, r := range rep.Runs {
+		if r.Trace == trace && !slices.Contains(loads, r.TargetLoad) {
+			loads = append(loads, r.TargetLoad)
+		}
+	}
+	var rows []RunResult
+	for _, load := range loads {
+		for _, r := range rep.Runs {
+			if r.Trace == trace && r.TargetLoad == load {
+				rows = append(rows, r)
+			}
+		}
+		for _, r := range rep.ReplicaRuns {
+			if r.Trace == trace && r.TargetLoad == load && r.Replicas > 1 {
+				rows = append(rows, r)
+			}
+		}
+	}
+	return rows
+}
+
+// loadLabel is a row's load: the point's target, then round robin's busy
+// share there ("–" when round robin did not run).
+func loadLabel(r RunResult) string {
+	if r.RRBusyShare <= 0 {
+		return fmt.Sprintf("%.0f%% → –", 100*r.TargetLoad)
+	}
+	return fmt.Sprintf("%.0f%% → %.0f%%", 100*r.TargetLoad, 100*r.RRBusyShare)
+}
+
+func repeatList(xs []RepeatResult, f func(RepeatResult) string) string {
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = f(x)
+	}
+	return strings.Join(s, "; ")
+}
+
+func floatList(xs []float64, suffix string) string {
+	s := make([]string, len(xs))
+	for i, x := range xs {
+		s[i] = fmt.Sprintf("%.4g%s", x, suffix)
+	}
+	return strings.Join(s, ", ")
 }

@@ -19,10 +19,15 @@ import (
 // caches): N prefill and M decode NIXL simulators behind pdx and Envoy, or
 // behind a peer router for a peer profile.
 type Rig struct {
+	// Name is a named rig's (CacheBoundRig); "" for the reference rig.
+	Name            string
 	Prefill, Decode int
 	Scale           Scale
 	TimeScale       float64
-	EnvoyBin        string
+	// Capacity, when set, is every engine's capacity instead of
+	// enginesim.ReferenceCapacity(Scale.TokenScale, TimeScale).
+	Capacity *enginesim.Capacity
+	EnvoyBin string
 }
 
 // run is one replay: a policy, a schedule, a replica count.
@@ -91,6 +96,48 @@ type RunResult struct {
 	// oracle ran there.
 	Oracle   bool      `json:"oracle,omitempty"`
 	VsOracle *VsOracle `json:"vs_oracle,omitempty"`
+	// PerRepeat is each pooled replay's own figures, when there were
+	// several.
+	PerRepeat []RepeatResult `json:"per_repeat,omitempty"`
+	// Service is the prefill engines' service rate, true and delivered.
+	Service Service `json:"prefill_service"`
+}
+
+// RepeatResult is what one replay of a run measured alone.
+type RepeatResult struct {
+	Goodput       float64     `json:"goodput"`
+	PrefixHitRate float64     `json:"prefix_hit_rate"`
+	TTFT          Percentiles `json:"ttft"`
+	BusyShare     float64     `json:"busy_share"`
+}
+
+// Service is the prefill engines' true service: a prompt takes Overhead
+// plus its uncached tokens over TokensPerSec, Slots prompts at once (the
+// simulators' capacity), and what they delivered: Prefills prompts of
+// UncachedTokens, at DeliveredTokensPerSec, those tokens over the slots'
+// busy time less the overheads (below the true rate by the simulators'
+// timers waking late on a busy machine). A placement's learned rate is
+// measured against these.
+type Service struct {
+	Slots                 int     `json:"slots"`
+	TokensPerSec          float64 `json:"tokens_per_s"`
+	OverheadMs            float64 `json:"overhead_ms"`
+	Prefills              int64   `json:"prefills"`
+	UncachedTokens        int64   `json:"uncached_tokens"`
+	DeliveredTokensPerSec float64 `json:"delivered_tokens_per_s"`
+}
+
+// service is s's true figures and what the engines of es delivered.
+func service(c enginesim.Capacity, es EngineStats) Service {
+	s := Service{
+		Slots: max(c.PrefillSlots, 1), TokensPerSec: c.PrefillTokensPerSec, OverheadMs: ms(c.PrefillOverhead),
+		Prefills: es.Prefills, UncachedTokens: es.PrefillTokens,
+	}
+	compute := es.PrefillBusy*time.Duration(s.Slots) - time.Duration(es.Prefills)*c.PrefillOverhead
+	if compute > 0 {
+		s.DeliveredTokensPerSec = float64(es.PrefillTokens) / compute.Seconds()
+	}
+	return s
 }
 
 // VsOracle is how far a run is from the oracle's at the same point:
@@ -115,18 +162,20 @@ func compareToOracle(point []RunResult) {
 	if i < 0 {
 		return
 	}
-	o := point[i]
 	for j := range point {
-		if j == i {
-			continue
+		if j != i {
+			point[j].VsOracle = vsOracle(point[j], point[i])
 		}
-		r := &point[j]
-		r.VsOracle = &VsOracle{
-			TTFTP50:         ratio(r.TTFT.P50, o.TTFT.P50),
-			TTFTP90:         ratio(r.TTFT.P90, o.TTFT.P90),
-			GoodputPoints:   100 * (r.Goodput - o.Goodput),
-			PrefixHitPoints: 100 * (r.PrefixHitRate - o.PrefixHitRate),
-		}
+	}
+}
+
+// vsOracle is r's distance from o, the oracle's run at its point.
+func vsOracle(r, o RunResult) *VsOracle {
+	return &VsOracle{
+		TTFTP50:         ratio(r.TTFT.P50, o.TTFT.P50),
+		TTFTP90:         ratio(r.TTFT.P90, o.TTFT.P90),
+		GoodputPoints:   100 * (r.Goodput - o.Goodput),
+		PrefixHitPoints: 100 * (r.PrefixHitRate - o.PrefixHitRate),
 	}
 }
 
@@ -267,7 +316,7 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 
 // options are the stack options of a profile; the engine capacity too.
 func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capacity) {
-	engine, capacity := engineConfig(rig.Scale, rig.TimeScale)
+	engine, capacity := rig.engineConfig()
 	kvMode := ""
 	switch {
 	case p.KVEvents && p.pdx():
@@ -367,7 +416,7 @@ const maxErrorSamples = 5
 // outcomes pooled, engine counters summed, busy share over the summed
 // prefill windows, cores averaged over time, the router's CPU per request
 // from its core-seconds.
-func summarizeRun(r run, samples []sample, slo SLO) RunResult {
+func summarizeRun(r run, samples []sample, slo SLO, c enginesim.Capacity) RunResult {
 	var (
 		outs            []Outcome
 		es              EngineStats
@@ -406,6 +455,15 @@ func summarizeRun(r run, samples []sample, slo SLO) RunResult {
 	}
 	res.PrefillWindowSec = window.Seconds()
 	res.BusyShare = busyShare(es.PrefillBusy, window, len(es.PrefillRequests))
+	res.Service = service(c, es)
+	if len(samples) > 1 {
+		for i := range samples {
+			one := summarizeRun(r, samples[i:i+1], slo, c)
+			res.PerRepeat = append(res.PerRepeat, RepeatResult{
+				Goodput: one.Goodput, PrefixHitRate: one.PrefixHitRate, TTFT: one.TTFT, BusyShare: one.BusyShare,
+			})
+		}
+	}
 	var ttft, e2e, tpot []time.Duration
 	for _, o := range outs {
 		if o.MixedUp {

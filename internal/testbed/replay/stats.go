@@ -1,6 +1,7 @@
 package replay
 
 import (
+	"fmt"
 	"math"
 	"slices"
 	"time"
@@ -35,13 +36,21 @@ func ms(d time.Duration) float64 { return float64(d) / float64(time.Millisecond)
 // SLO is the service level a request must meet to count as goodput.
 type SLO struct {
 	TTFT time.Duration `json:"ttft_ns"`
+	// TPOT 0 bounds nothing.
 	TPOT time.Duration `json:"tpot_ns"`
+}
+
+func (s SLO) String() string {
+	if s.TPOT == 0 {
+		return fmt.Sprintf("TTFT ≤ %.0f ms", ms(s.TTFT))
+	}
+	return fmt.Sprintf("TTFT ≤ %.0f ms, TPOT ≤ %.1f ms", ms(s.TTFT), ms(s.TPOT))
 }
 
 // Meets reports whether o succeeded within both bounds. A one-token answer
 // has no TPOT and meets that bound.
 func (s SLO) Meets(o Outcome) bool {
-	return o.OK() && o.TTFT <= s.TTFT && o.TPOT() <= s.TPOT
+	return o.OK() && o.TTFT <= s.TTFT && (s.TPOT == 0 || o.TPOT() <= s.TPOT)
 }
 
 // goodput is the share of all requests (failures included) meeting slo.

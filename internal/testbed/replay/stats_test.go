@@ -5,6 +5,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 )
 
 func TestPercentiles(t *testing.T) {
@@ -68,6 +70,9 @@ func TestGoodput(t *testing.T) {
 	}
 	require.InDelta(t, float64(met)/float64(len(outs)), goodput(outs, slo), 1e-9)
 	require.Zero(t, goodput(nil, slo))
+	ttftOnly := SLO{TTFT: slo.TTFT} // the cache-bound rig's: no TPOT bound
+	require.True(t, ttftOnly.Meets(ok(50*ms, 150*ms, 10)), "TPOT 11.1 ms, unbounded")
+	require.False(t, ttftOnly.Meets(ok(101*ms, 110*ms, 10)))
 	require.Equal(t, 10*ms, ok(100*ms, 190*ms, 10).TPOT())
 }
 
@@ -98,15 +103,17 @@ func TestSummarizeRepeats(t *testing.T) {
 	s := time.Second
 	one := func(ttft, busy, elapsed time.Duration, router float64) sample {
 		return sample{
-			outs:       []Outcome{{Status: 200, TTFT: ttft, E2E: ttft + s, Tokens: 2, Want: 2}},
-			engines:    EngineStats{PrefillRequests: []int{1, 0}, DecodeRequests: []int{0, 1}, PrefillBusy: busy, PrefillQueryTokens: 10, PrefillHitTokens: 5},
+			outs: []Outcome{{Status: 200, TTFT: ttft, E2E: ttft + s, Tokens: 2, Want: 2}},
+			engines: EngineStats{PrefillRequests: []int{1, 0}, DecodeRequests: []int{0, 1}, PrefillBusy: busy, PrefillQueryTokens: 10, PrefillHitTokens: 5,
+				Prefills: 1, PrefillTokens: 90},
 			elapsed:    elapsed,
 			cpu:        CPUUse{Router: router, Harness: 0.3},
 			vllmRouter: "9.9.9",
 		}
 	}
 	res := summarizeRun(run{trace: "t", profile: Profile{Name: "p", Peer: "cache_aware"}, replicas: 1, rate: 3},
-		[]sample{one(s, s, 4*s, 0.1), one(2*s, 3*s, 6*s, 0.6)}, SLO{TTFT: 1500 * time.Millisecond, TPOT: s})
+		[]sample{one(s, s, 4*s, 0.1), one(2*s, 3*s, 6*s, 0.6)}, SLO{TTFT: 1500 * time.Millisecond, TPOT: s},
+		enginesim.Capacity{PrefillSlots: 2, PrefillTokensPerSec: 100, PrefillOverhead: 100 * time.Millisecond})
 	require.Equal(t, 2, res.Requests)
 	require.Equal(t, 2, res.Repeats)
 	require.Equal(t, []int{2, 0}, res.Engines.PrefillRequests)
@@ -122,6 +129,13 @@ func TestSummarizeRepeats(t *testing.T) {
 	require.InDelta(t, 2000, res.CPU.RouterMsPerRequest, 1e-6)
 	require.Equal(t, "9.9.9", res.VLLMRouter)
 	require.Equal(t, Percentiles{P50: 1000, P90: 2000, P99: 2000}, res.TTFT)
+	// Each replay alone: busy 1 s over 2 engines × 1 s, then 3 s over 2 × 2 s.
+	require.Equal(t, []RepeatResult{
+		{Goodput: 1, PrefixHitRate: 0.5, TTFT: Percentiles{P50: 1000, P90: 1000, P99: 1000}, BusyShare: 0.5},
+		{Goodput: 0, PrefixHitRate: 0.5, TTFT: Percentiles{P50: 2000, P90: 2000, P99: 2000}, BusyShare: 0.75},
+	}, res.PerRepeat)
+	// 180 uncached tokens in 4 s busy × 2 slots less 2 overheads of 0.1 s.
+	require.Equal(t, Service{Slots: 2, TokensPerSec: 100, OverheadMs: 100, Prefills: 2, UncachedTokens: 180, DeliveredTokensPerSec: 180 / 7.8}, res.Service)
 }
 
 // TestViolations: 429s are a policy's outcome; broken requests, mix-ups

@@ -76,7 +76,7 @@ func TenantsFor(rig Rig, kvRatio float64) Tenants {
 	if kvRatio <= 0 {
 		kvRatio = TenantKVRatio
 	}
-	_, c := engineConfig(rig.Scale, rig.TimeScale)
+	_, c := rig.engineConfig()
 	kvTokens := float64(rig.Prefill) * float64(c.KVBlocks*c.BlockTokens*rig.Scale.TokenScale)
 	blocks := max(1, int(math.Round(kvRatio*kvTokens/(tenantCount*TraceBlockTokens))))
 	return Tenants{

@@ -41,7 +41,7 @@ func TestTenantsFor(t *testing.T) {
 				require.Less(t, ratio, 1.0, "by default the contexts fit the engines together")
 			}
 			require.Equal(t, ratio, w.KVRatio)
-			_, c := engineConfig(tt.rig.Scale, tt.rig.TimeScale)
+			_, c := tt.rig.engineConfig()
 			engineKV := float64(c.KVBlocks * c.BlockTokens * tt.rig.Scale.TokenScale) // real tokens
 			contexts := float64(w.Tenants * w.ContextTokens())
 			require.InEpsilon(t, ratio, contexts/(float64(tt.rig.Prefill)*engineKV), 0.05, "the ratio asked")
