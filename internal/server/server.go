@@ -276,6 +276,9 @@ func (s *Server) SetTable(t *routing.Table) {
 	}
 }
 
+// Table is the routing table new streams are routed by.
+func (s *Server) Table() *routing.Table { return s.proc.Table() }
+
 // AdminAddr is the HTTP admin listener's address.
 func (s *Server) AdminAddr() string { return s.adminLn.Addr().String() }
 

@@ -289,7 +289,7 @@ func (rep *Report) cacheBoundTrace(b *strings.Builder, tr TraceReport, c engines
 	if spread {
 		b.WriteString("Pooled over the replays, each replay's own figures in brackets.\n\n")
 	}
-	fmt.Fprintf(b, "| load: target → RR busy | policy | pdx replicas | goodput | prefix hit (prefill) | TTFT p50 / p90 ms | busy | errors: 429 / broken | mix-ups | KV rejected | prefill service: true → delivered tok/s per slot |\n")
+	fmt.Fprintf(b, "| load: target → RR busy | policy | pdx replicas | goodput | prefix hit (prefill) | TTFT p50 / p90 ms | busy | errors: 429 / broken | mix-ups | KV rejected | prefill service: true → delivered tok/s per slot; pdx's learned |\n")
 	fmt.Fprintf(b, "|---|---|---:|---|---|---|---:|---|---:|---:|---|\n")
 	for _, r := range rows {
 		goodput, hit := fmt.Sprintf("%.1f%%", 100*r.Goodput), fmt.Sprintf("%.1f%%", 100*r.PrefixHitRate)
@@ -299,9 +299,14 @@ func (rep *Report) cacheBoundTrace(b *strings.Builder, tr TraceReport, c engines
 			hit += " (" + repeatList(r.PerRepeat, func(x RepeatResult) string { return fmt.Sprintf("%.1f", 100*x.PrefixHitRate) }) + ")"
 			ttft += " (" + repeatList(r.PerRepeat, func(x RepeatResult) string { return fmt.Sprintf("%.0f / %.0f", x.TTFT.P50, x.TTFT.P90) }) + ")"
 		}
-		fmt.Fprintf(b, "| %s | %s | %d | %s | %s | %s | %.0f%% | %d / %d | %d | %d | %.0f + %.0f ms → %.0f |\n",
+		learned := ""
+		if l := r.Learned; l != nil {
+			learned = fmt.Sprintf("; %.0f + %.1f ms, a queued token %.0f/s, %.1f slots (%.0f prefills)",
+				l.PromptTokensPerS, l.OverheadMs, l.WaitingTokensPerS, l.Slots, l.Samples)
+		}
+		fmt.Fprintf(b, "| %s | %s | %d | %s | %s | %s | %.0f%% | %d / %d | %d | %d | %.0f + %.0f ms → %.0f%s |\n",
 			loadLabel(r), r.Policy, r.Replicas, goodput, hit, ttft, 100*r.BusyShare, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected,
-			r.Service.TokensPerSec, r.Service.OverheadMs, r.Service.DeliveredTokensPerSec)
+			r.Service.TokensPerSec, r.Service.OverheadMs, r.Service.DeliveredTokensPerSec, learned)
 	}
 	b.WriteString("\n")
 	var far []RunResult

@@ -101,6 +101,23 @@ type RunResult struct {
 	PerRepeat []RepeatResult `json:"per_repeat,omitempty"`
 	// Service is the prefill engines' service rate, true and delivered.
 	Service Service `json:"prefill_service"`
+	// Learned is what pdx's service model learned of the prefill engines
+	// (the forecast policy's), averaged over them and the replays; nil for
+	// the peer and the oracle.
+	Learned *Learned `json:"learned_service,omitempty"`
+}
+
+// Learned is what pdx's service model learned of the prefill engines from
+// its timed prefills (picker.Service), the mean over them: their overhead,
+// the rate one prompt computes at, what a queued token a new call waits
+// for costs it (tokens a second), the slots seen, and how many prefills
+// taught it.
+type Learned struct {
+	OverheadMs        float64 `json:"overhead_ms"`
+	PromptTokensPerS  float64 `json:"prompt_tokens_per_s"`
+	WaitingTokensPerS float64 `json:"waiting_tokens_per_s"`
+	Slots             float64 `json:"slots"`
+	Samples           float64 `json:"samples"`
 }
 
 // RepeatResult is what one replay of a run measured alone.
@@ -138,6 +155,58 @@ func service(c enginesim.Capacity, es EngineStats) Service {
 		s.DeliveredTokensPerSec = float64(es.PrefillTokens) / compute.Seconds()
 	}
 	return s
+}
+
+// learned reads what the first pdx replica of st learned of its prefill
+// engines, the mean over them, its rates in simulated tokens (pdx counted
+// per of them as one); nil when it has none.
+func learned(st *stack.Stack, per int) *Learned {
+	var l Learned
+	n := 0
+	for _, p := range st.Pdx.Table().Pools() {
+		for _, ep := range p.Prefill.Set.Endpoints() {
+			sv, ok := p.Prefill.Set.Service(ep)
+			if !ok {
+				continue
+			}
+			n++
+			l.OverheadMs += float64(sv.Overhead) / float64(time.Millisecond)
+			l.PromptTokensPerS += sv.PromptRate / float64(per)
+			l.WaitingTokensPerS += sv.WaitingRate / float64(per)
+			l.Slots += float64(sv.Slots)
+			l.Samples += float64(sv.Samples)
+		}
+	}
+	if n == 0 {
+		return nil
+	}
+	f := float64(n)
+	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.Slots, l.Samples = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.Slots/f, l.Samples/f
+	return &l
+}
+
+// meanLearned is the mean of the samples' learned services; nil when
+// none has one.
+func meanLearned(samples []sample) *Learned {
+	var l Learned
+	n := 0
+	for _, s := range samples {
+		if s.learned == nil {
+			continue
+		}
+		n++
+		l.OverheadMs += s.learned.OverheadMs
+		l.PromptTokensPerS += s.learned.PromptTokensPerS
+		l.WaitingTokensPerS += s.learned.WaitingTokensPerS
+		l.Slots += s.learned.Slots
+		l.Samples += s.learned.Samples
+	}
+	if n == 0 {
+		return nil
+	}
+	f := float64(n)
+	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.Slots, l.Samples = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.Slots/f, l.Samples/f
+	return &l
 }
 
 // VsOracle is how far a run is from the oracle's at the same point:
@@ -193,6 +262,8 @@ type sample struct {
 	// kvLookups and kvHits are the peer's KV-event placement lookups
 	// (Profile.KVEvents).
 	kvLookups, kvHits int
+	// learned is what the first pdx replica learned; nil without pdx.
+	learned *Learned
 }
 
 // replay starts a fresh deployment for r, sends every request at its scheduled
@@ -214,6 +285,15 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 		return sample{}, err
 	}
 	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use}
+	if d.peer == nil && d.oracle == nil {
+		// With KV events the engines count their render's tokens, of the
+		// token scale; pdx then learns in those.
+		per := 1
+		if r.profile.KVEvents {
+			per = max(rig.Scale.TokenScale, 1)
+		}
+		s.learned = learned(d.st, per)
+	}
 	if d.peer != nil {
 		s.vllmRouter = d.peer.Version()
 	}
@@ -456,6 +536,7 @@ func summarizeRun(r run, samples []sample, slo SLO, c enginesim.Capacity) RunRes
 	res.PrefillWindowSec = window.Seconds()
 	res.BusyShare = busyShare(es.PrefillBusy, window, len(es.PrefillRequests))
 	res.Service = service(c, es)
+	res.Learned = meanLearned(samples)
 	if len(samples) > 1 {
 		for i := range samples {
 			one := summarizeRun(r, samples[i:i+1], slo, c)
