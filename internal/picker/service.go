@@ -202,7 +202,8 @@ func (m *service) learn(t float64, q queue, own int) {
 // solve returns the coefficients that fit the weighted sums best with the
 // seed as a prior of priorWeight samples at one thousand tokens, bounded
 // to sane values: an overhead from 0 to a minute, rates from one token a
-// second up (a rate the samples show no time for is 0 seconds a token).
+// second up, and the queue costing at least what the engine's slots take
+// to compute it.
 func (m *service) solve() ([features]float64, bool) {
 	prior := seed(DefaultPrefillTokensPerSec)
 	var a [features][features + 1]float64
@@ -242,6 +243,13 @@ func (m *service) solve() ([features]float64, bool) {
 	out[0] = min(max(out[0], 0), 60)
 	for i := 1; i < features; i++ {
 		out[i] = min(max(out[i], 0), 1000)
+	}
+	// An engine drains what is ahead of a call no faster than all its
+	// slots computing at the prompt rate: a fit that says the queue costs
+	// less (samples of an idle engine, a burst's) would draw every
+	// request to it.
+	if least := out[3] / float64(m.slotsSeen()); out[1]+out[2] < least {
+		out[2] = least - out[1]
 	}
 	return out, true
 }

@@ -217,3 +217,18 @@ func TestForecastPrefillOnly(t *testing.T) {
 	_, err = NewLeg(NewSet(endpoints(1), Options{}), &configv1.Picker{Policy: ForecastPolicy}, RolePrefill)
 	require.NoError(t, err)
 }
+
+// However the samples fall, a queued token costs a call at least what
+// the engine's slots take to compute it: an engine never looks as if it
+// drained its queue for free.
+func TestServiceQueueFloor(t *testing.T) {
+	m := new(service)
+	m.load(2, 1)
+	// A burst's samples: long queues, answered as fast as idle calls.
+	for i := range 200 {
+		q := queueOf(1000*(i%5), i%5, 2)
+		m.learn(0.01+0.5, q, 500)
+	}
+	_, a, w, p, _ := m.coefficients()
+	require.GreaterOrEqual(t, 1/a+1/w, 0.9999/(2*p), "the queue costs at least a token over both slots' rate")
+}
