@@ -88,7 +88,7 @@ func TestParseAppliesDefaults(t *testing.T) {
 			OnPrefillFailure:      configv1.PrefillFailure_PREFILL_FAILURE_FAIL,
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
-			PrefillPicker:         &configv1.Picker{Policy: "least_work"},
+			PrefillPicker:         &configv1.Picker{Policy: "forecast"},
 			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Prefix: 1, Queue: 1, KvUsage: 2, InFlight: 1}},
 			Saturation:            defaultSaturation(),
 			PrefixBlockTokens:     64,
@@ -145,7 +145,7 @@ func TestParseAllFields(t *testing.T) {
 			OnPrefillFailure:      configv1.PrefillFailure_PREFILL_FAILURE_FAIL,
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
-			PrefillPicker:         &configv1.Picker{Policy: "least_work"},
+			PrefillPicker:         &configv1.Picker{Policy: "forecast"},
 			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Prefix: 1, Queue: 1, KvUsage: 2, InFlight: 1}},
 			Saturation:            defaultSaturation(),
 			PrefixBlockTokens:     64,
@@ -515,9 +515,9 @@ func TestPickers(t *testing.T) {
 		wantErr    string
 		want       [2]string // prefill, decode policy; "" for no picker
 	}{
-		{name: "defaults", pool: disagg, want: [2]string{"least_work", "load_aware"}},
+		{name: "defaults", pool: disagg, want: [2]string{"forecast", "load_aware"}},
 		{name: "explicit", pool: disagg + "\n  prefill_picker: {policy: round_robin}\n  decode_picker: {policy: round_robin}", want: [2]string{"round_robin", "round_robin"}},
-		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"least_work", "load_aware"}},
+		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"forecast", "load_aware"}},
 		{name: "every policy", pool: disagg + "\n  prefill_picker: {policy: least_request}\n  decode_picker: {policy: prefix_affinity, load_factor: 2}", want: [2]string{"least_request", "prefix_affinity"}},
 		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "load_aware"}},
 		{name: "unknown prefill policy", pool: disagg + "\n  prefill_picker: {policy: least_loaded}",

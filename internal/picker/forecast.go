@@ -42,6 +42,19 @@ func (Forecast) Choose(c *Candidates) int {
 	start := c.Start()
 	d := c.depths()
 	n := len(gs)
+	// Engines new to pdx are forecast as their peers are, which is read
+	// only when there is one.
+	var pm peerModel
+	var peers *peerModel
+	for k := range gs {
+		if gs[k].usable && c.health(k).service.samples.Load() == 0 {
+			for k := range gs {
+				pm.add(c.health(k).service)
+			}
+			peers = &pm
+			break
+		}
+	}
 	best, least := -1, 0.0
 	// k goes round from start without a division a candidate.
 	for j, k := 0, start; j < n; j, k = j+1, k+1 {
@@ -54,7 +67,7 @@ func (Forecast) Choose(c *Candidates) int {
 		}
 		h := c.health(k)
 		q := queueOf(queuedAhead(c, g, h, mean), g.requests(), h.service.slotsSeen())
-		t := h.service.forecast(q, c.tokens-d.cachedTokens(k))
+		t := h.service.forecast(q, c.tokens-d.cachedTokens(k), peers)
 		if best < 0 || t < least {
 			best, least = k, t
 		}

@@ -16,7 +16,7 @@ func TestNewLeg(t *testing.T) {
 		want    Policy
 		wantErr string
 	}{
-		{policy: "", want: LeastWork{}},
+		{policy: "", want: Forecast{}},
 		{policy: "round_robin", want: &RoundRobin{}},
 		{policy: "least_request", want: LeastRequest{}},
 		{policy: "prefix_affinity", want: &PrefixAffinity{}},

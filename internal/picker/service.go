@@ -124,15 +124,42 @@ func (m *service) load(running, waiting int) {
 func (m *service) slotsSeen() int { return max(int(m.slots.Load()), 1) }
 
 // forecast is the model's time for a call of own uncached tokens behind
-// q, in seconds. Before the first sample it is the seed's.
-func (m *service) forecast(q queue, own int) float64 {
-	c := seed(DefaultPrefillTokensPerSec)
-	if m.samples.Load() > 0 {
+// q, in seconds. Before the first sample it is peers' (see peers), or
+// without them the seed's.
+func (m *service) forecast(q queue, own int, peers *peerModel) float64 {
+	var c [features]float64
+	switch {
+	case m.samples.Load() > 0:
 		for i := range c {
 			c[i] = math.Float64frombits(m.coef[i].Load())
 		}
+	case peers != nil && peers.n > 0:
+		c = peers.coef
+	default:
+		c = seed(DefaultPrefillTokensPerSec)
 	}
 	return c[0] + (c[1]*float64(q.ahead)+c[2]*float64(q.waiting)+c[3]*float64(own))/1000
+}
+
+// peerModel is the mean model of a pick's candidates that have learned
+// theirs: what an engine new to pdx (one discovery just added) is taken
+// to be until it has answered, rather than the seed, which can be far
+// from what its peers have shown and would draw requests to it, or keep
+// them away, for no reason of its own.
+type peerModel struct {
+	coef [features]float64
+	n    int
+}
+
+// add counts m in the mean, if it has learned.
+func (p *peerModel) add(m *service) {
+	if m.samples.Load() == 0 {
+		return
+	}
+	p.n++
+	for i := range p.coef {
+		p.coef[i] += (math.Float64frombits(m.coef[i].Load()) - p.coef[i]) / float64(p.n)
+	}
 }
 
 // coefficients returns the fitted overhead (s) and rates (tokens a

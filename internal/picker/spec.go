@@ -45,13 +45,14 @@ func specs() []Spec {
 }
 
 // DefaultPolicy returns the policy of a leg whose config names none:
-// prefill engines by the work queued on them and what they have cached,
-// decode engines by their load.
+// prefill engines by the time their learned service model forecasts for
+// the prompt (the work queued on them and what they have cached), decode
+// engines by their load.
 func DefaultPolicy(r Role) string {
 	if r == RoleDecode {
 		return LoadAwarePolicy
 	}
-	return LeastWorkPolicy
+	return ForecastPolicy
 }
 
 // Lookup returns the spec of the policy named name.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math"
 	"net/http"
 	"slices"
 	"sync"
@@ -172,7 +173,9 @@ func learned(st *stack.Stack, per int) *Learned {
 			n++
 			l.OverheadMs += float64(sv.Overhead) / float64(time.Millisecond)
 			l.PromptTokensPerS += sv.PromptRate / float64(per)
-			l.WaitingTokensPerS += sv.WaitingRate / float64(per)
+			if !math.IsInf(sv.WaitingRate, 1) { // +Inf: no cost found, counted as 0
+				l.WaitingTokensPerS += sv.WaitingRate / float64(per)
+			}
 			l.Slots += float64(sv.Slots)
 			l.Samples += float64(sv.Samples)
 		}

@@ -833,7 +833,7 @@ type Pool struct {
 	// anything else). Only valid with connector "trtllm".
 	TrtllmProtocol string `protobuf:"bytes,17,opt,name=trtllm_protocol,json=trtllmProtocol,proto3" json:"trtllm_protocol,omitempty"`
 	// How the prefill endpoint of a request is picked among the pool's
-	// prefill endpoints. Default: "least_work". Whatever the policy, endpoints
+	// prefill endpoints. Default: "forecast". Whatever the policy, endpoints
 	// that passive health ejected (eject_after_failures) are passed over, a
 	// prefill endpoint is picked only in its decode endpoint's group (see
 	// kubernetes.group_label), and a retry never picks an endpoint the
@@ -1515,9 +1515,13 @@ type Picker struct {
 	//     to most traffic, bounded by load (load_factor), the same on every pdx
 	//     replica without shared state;
 	//   - "load_aware" scores each endpoint on prefix match (what this pdx sent
-	//     it), queue, KV usage and in-flight requests (weights).
+	//     it), queue, KV usage and in-flight requests (weights);
+	//   - "forecast" (prefill only) picks the endpoint whose service model,
+	//     learned from pdx's own timed prefills, forecasts the prompt's answer
+	//     soonest: the work queued there, what of it the prompt waits for
+	//     before a slot frees, and the prompt's uncached tokens.
 	//
-	// Default: "least_work" for prefill, "load_aware" for decode.
+	// Default: "forecast" for prefill, "load_aware" for decode.
 	Policy string `protobuf:"bytes,1,opt,name=policy,proto3" json:"policy,omitempty"`
 	// load_aware's weights. Unset: prefill prefix 3, queue 2, in_flight 1;
 	// decode prefix 1, queue 1, kv_usage 2, in_flight 1.
