@@ -7,9 +7,11 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/kvcache"
 	"github.com/pdx-router/pdx/internal/routing"
@@ -19,6 +21,14 @@ import (
 const (
 	tokensRendered = "render"
 	tokensEstimate = "estimate"
+)
+
+// Why a render failed (pdx_render_failures_total's reasons).
+const (
+	// renderForbidden: the server answered 403, as vLLM does unless it
+	// runs with --enable-scale-out.
+	renderForbidden = "forbidden"
+	renderError     = "error"
 )
 
 // vLLM's Renderer APIs (vllm/entrypoints/serve/render/api_router.py): the
@@ -50,6 +60,15 @@ func (r *request) tokenize(ctx context.Context, pool *routing.Pool, creq *connec
 	}
 	ids, err := r.render(ctx, pool, creq)
 	if err != nil {
+		reason := renderError
+		if e, ok := errors.AsType[*engines.Error](err); ok && e.Status == http.StatusForbidden {
+			reason = renderForbidden
+			if rd.Forbidden() {
+				r.log.LogAttrs(ctx, slog.LevelWarn, "the render server refused to render (403): vLLM serves its render API only when started with --enable-scale-out; placing by the estimate",
+					slog.String("pool", pool.Name), slog.String("render_server", e.Endpoint.Address), slog.String("error", err.Error()))
+			}
+		}
+		r.obs.renderFailed(pool, reason)
 		if rd.Failed() {
 			r.log.LogAttrs(ctx, slog.LevelWarn, "renders keep failing, placing by the estimate for a while",
 				slog.String("pool", pool.Name), slog.Duration("pause", routing.RenderPause), slog.String("error", err.Error()))

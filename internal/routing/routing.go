@@ -118,6 +118,8 @@ type Render struct {
 	// nanoseconds) is when renders are tried again after RenderFailures.
 	failures    atomic.Int32
 	pausedUntil atomic.Int64
+	// forbidden is set by the first refused render since the last success.
+	forbidden atomic.Bool
 }
 
 // Renders that fail RenderFailures times in a row pause for RenderPause:
@@ -149,6 +151,16 @@ func (r *Render) Succeeded() {
 	if r.failures.Load() != 0 {
 		r.failures.Store(0)
 	}
+	if r.forbidden.Load() {
+		r.forbidden.Store(false)
+	}
+}
+
+// Forbidden notes a render the server refused (403) and reports whether it
+// is the first since renders last succeeded, so that the reason is logged
+// once, not per request.
+func (r *Render) Forbidden() bool {
+	return !r.forbidden.Swap(true)
 }
 
 // RenderEndpoint is where the next render goes: the configured server, or
