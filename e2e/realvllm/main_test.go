@@ -42,12 +42,13 @@ func TestMain(m *testing.M) {
 // fleet is the engines the tests share, started on first use. Starting one
 // set stops the other, so that at most three engines run at once.
 type fleet struct {
-	mu      sync.Mutex
-	in      realvllm.Install
-	nixl    *nixlSet
-	storage *storageSet
-	// failed is a set's start error, kept so that every later test fails
-	// at once with it rather than starting the set again.
+	mu        sync.Mutex
+	installMu sync.Mutex
+	in        realvllm.Install
+	nixl      *nixlSet
+	storage   *storageSet
+	// nixlErr and storageErr are a set's start error, kept so that every
+	// later test fails at once with it rather than starting the set again.
 	nixlErr, storageErr error
 }
 
@@ -82,6 +83,8 @@ const startTimeout = 20 * time.Minute
 
 func (f *fleet) install(t *testing.T) realvllm.Install {
 	t.Helper()
+	f.installMu.Lock()
+	defer f.installMu.Unlock()
 	if f.in.Python == "" {
 		in, err := realvllm.Find()
 		require.NoError(t, err)
