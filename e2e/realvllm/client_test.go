@@ -196,17 +196,23 @@ func reference(t *testing.T, hc *http.Client, e *realvllm.Engine, c call) result
 
 // prompt is a text of some hundreds of tokens (several of vLLM's 128-token
 // CPU blocks) that starts with tag, so that prompts of different tags
-// share no block, and ends with words of its own: the tiny random model's
-// answer hangs mostly on a prompt's last tokens, and prompts that end
-// alike (or differ by a digit) often get the same answer.
+// share no block, and ends with made-up words of its own, no punctuation:
+// the tiny random model's answer hangs mostly on a prompt's last tokens,
+// and prompts that end alike (a period, or a digit apart) often get the
+// same answer.
 func prompt(tag string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "%s. ", tag)
 	for i := range 12 {
 		fmt.Fprintf(&b, "Sentence %d of %s tells of routers, engines and caches. ", i, tag)
 	}
-	sum := sha256.Sum256([]byte(tag))
-	fmt.Fprintf(&b, "The end of %s, signed %x.", tag, sum[:12])
+	syllables := []string{"ka", "lo", "mi", "ne", "su", "ta", "vo", "ri", "pe", "gu", "zo", "fa", "xi", "bu", "de", "wy"}
+	for i, c := range sha256.Sum256([]byte(tag)) {
+		if i%3 == 0 {
+			b.WriteByte(' ')
+		}
+		b.WriteString(syllables[c>>4] + syllables[c&15])
+	}
 	return b.String()
 }
 

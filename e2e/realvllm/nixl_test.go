@@ -81,9 +81,9 @@ func TestNixlConcurrentPrompts(t *testing.T) {
 	calls := make([]call, n)
 	for i := range calls {
 		text := prompt(fmt.Sprintf("concurrent prompt %d", i))
-		calls[i] = completion(text, 6)
+		calls[i] = completion(text, 12)
 		if i%2 == 1 {
-			calls[i] = chat(text, 6)
+			calls[i] = chat(text, 12)
 		}
 		if i%4 >= 2 {
 			calls[i] = calls[i].streamed()
@@ -193,7 +193,11 @@ func TestNixlPrefillRefused(t *testing.T) {
 // KV for a decode that never comes, until VLLM_NIXL_ABORT_REQUEST_TIMEOUT),
 // and no decode is sent.
 func TestNixlClientGoneMidPrefill(t *testing.T) {
-	const busyRequests = 24
+	// Some 1,500 tokens each (the engines' max-model-len is 2048), 90k in
+	// all: the engine takes them all into its batch (its 64 MiB cache holds
+	// 131k tokens) and computes them in chunks, seconds of work that the
+	// prefill below must share.
+	const busyRequests = 60
 	s := engines.nixlEngines(t)
 	p := s.prefill[1]
 	st := startStack(t, s.options("", p), p, s.decode)
@@ -210,7 +214,7 @@ func TestNixlClientGoneMidPrefill(t *testing.T) {
 	defer wg.Wait()
 	for i := range busyRequests {
 		wg.Go(func() {
-			body := completion(strings.Repeat(prompt(fmt.Sprintf("busy %d", i)), 5), 1)
+			body := completion(strings.Repeat(prompt(fmt.Sprintf("busy %d", i)), 3), 1)
 			payload, _ := json.Marshal(body.body)
 			req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, p.URL()+completionsPath, strings.NewReader(string(payload)))
 			req.Header.Set("Content-Type", "application/json")
@@ -220,8 +224,9 @@ func TestNixlClientGoneMidPrefill(t *testing.T) {
 		})
 	}
 	require.Eventually(t, func() bool {
-		return value(engineMetrics(t, p), "vllm:num_requests_waiting", nil) > 0
-	}, time.Minute, 20*time.Millisecond, "the prefill engine queues requests")
+		fams := engineMetrics(t, p)
+		return value(fams, "vllm:num_requests_running", nil)+value(fams, "vllm:num_requests_waiting", nil) > 0
+	}, time.Minute, 20*time.Millisecond, "the prefill engine is busy")
 
 	ctx, cancel := context.WithCancel(t.Context())
 	defer cancel()
