@@ -15,11 +15,13 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -27,7 +29,6 @@ import (
 	"time"
 
 	"github.com/pdx-router/pdx/internal/testbed/logbuf"
-	"github.com/pdx-router/pdx/internal/testbed/loopback"
 )
 
 // Version is the vLLM the Makefile installs (mk/vllm.mk's VLLM_VERSION).
@@ -169,19 +170,54 @@ func Start(ctx context.Context, in Install, cfg Config) (*Engine, error) {
 	if cfg.StartTimeout == 0 {
 		cfg.StartTimeout = 15 * time.Minute
 	}
-	addrs, err := loopback.FreeAddrs(4)
+	e := &Engine{in: in, cfg: cfg, log: &logbuf.Buffer{}}
+	var err error
+	for range startAttempts {
+		ports, perr := freePorts(4)
+		if perr != nil {
+			return nil, perr
+		}
+		e.port, e.sidePort, e.kvPort, e.replayPort = ports[0], ports[1], ports[2], ports[3]
+		if err = e.start(ctx); !errors.Is(err, errPortTaken) {
+			break
+		}
+	}
 	if err != nil {
 		return nil, err
 	}
-	e := &Engine{in: in, cfg: cfg, log: &logbuf.Buffer{}}
-	for i, p := range []*int{&e.port, &e.sidePort, &e.kvPort, &e.replayPort} {
-		_, port, _ := net.SplitHostPort(addrs[i])
-		*p, _ = strconv.Atoi(port)
-	}
-	if err := e.start(ctx); err != nil {
-		return nil, err
-	}
 	return e, nil
+}
+
+// startAttempts bounds the starts of an engine whose ports another process
+// took before it bound them.
+const startAttempts = 3
+
+// errPortTaken is a start that failed because a port the engine was given
+// was taken by the time it bound it, a minute or more after it was chosen.
+var errPortTaken = errors.New("a port was taken before the engine bound it")
+
+// freePorts are n ports free on every address now, chosen below the
+// kernel's ephemeral range (32768 and up here): vLLM binds its own
+// internal ports there, as every test that listens on port 0 does, and an
+// engine binds its ports a minute or more after they are chosen.
+func freePorts(n int) ([]int, error) {
+	var out []int
+	for tries := 0; len(out) < n; tries++ {
+		if tries > 1000 {
+			return nil, errors.New("realvllm: no free port in [20000, 32000)")
+		}
+		port := 20000 + rand.IntN(12000)
+		if slices.Contains(out, port) {
+			continue
+		}
+		ln, err := net.Listen("tcp", net.JoinHostPort("0.0.0.0", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
+		ln.Close()
+		out = append(out, port)
+	}
+	return out, nil
 }
 
 // StartAll starts every engine at once (they spend their start importing
@@ -317,14 +353,18 @@ func (e *Engine) start(ctx context.Context) error {
 		e.mu.Unlock()
 		close(done)
 	}()
-	if err := e.waitHealthy(ctx, done); err != nil {
+	if err := e.waitHealthy(ctx, done, e.log.Len()); err != nil {
 		e.Stop()
 		return fmt.Errorf("realvllm: %s: %w\n%s log (tail):\n%s", e.cfg.Name, err, e.cfg.Name, tail(e.log.String(), 60))
 	}
 	return nil
 }
 
-func (e *Engine) waitHealthy(ctx context.Context, done <-chan struct{}) error {
+// waitHealthy waits for /health to answer 200. A port taken before the
+// engine bound it does not always end the engine (the NIXL side channel's
+// thread dies, the engine waits for it for ever): its log, from offset
+// on, says so.
+func (e *Engine) waitHealthy(ctx context.Context, done <-chan struct{}, offset int) error {
 	ctx, cancel := context.WithTimeout(ctx, e.cfg.StartTimeout)
 	defer cancel()
 	client := &http.Client{Timeout: 5 * time.Second}
@@ -341,6 +381,9 @@ func (e *Engine) waitHealthy(ctx context.Context, done <-chan struct{}) error {
 		case <-ctx.Done():
 			return fmt.Errorf("not healthy within %v: %w", e.cfg.StartTimeout, context.Cause(ctx))
 		case <-tick.C:
+		}
+		if strings.Contains(strings.ToLower(e.log.From(offset)), "address already in use") {
+			return errPortTaken
 		}
 		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, e.URL()+"/health", nil)
 		if resp, err := client.Do(req); err == nil {
