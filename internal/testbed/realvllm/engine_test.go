@@ -33,6 +33,7 @@ func TestEngineCommandLine(t *testing.T) {
 	require.Equal(t, "m", flagValue(args, "--served-model-name"))
 	require.Equal(t, "8000", flagValue(args, "--port"))
 	require.Equal(t, "64M", flagValue(args, "--kv-cache-memory-bytes"))
+	require.Equal(t, "float32", flagValue(args, "--dtype"))
 	require.Subset(t, args, []string{"--enable-prefix-caching", "--enable-prompt-tokens-details", "--enable-scale-out", "--enable-lora"})
 	require.JSONEq(t, `{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu"}`, flagValue(args, "--kv-transfer-config"))
 	require.JSONEq(t, `{"enable_kv_cache_events":true,"publisher":"zmq","topic":"","endpoint":"tcp://*:8002","replay_endpoint":"tcp://*:8003"}`,
