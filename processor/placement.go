@@ -27,6 +27,9 @@ func (r *request) place(ctx context.Context, pool *routing.Pool, creq *connector
 	if s := r.placed.Source; s != "" {
 		r.obs.tokenized(pool, s)
 	}
+	if f := r.placed.RenderFailure; f != "" {
+		r.obs.renderFailed(pool, f)
+	}
 	if r.placed.Decode.Endpoint().Address != "" {
 		r.obs.picked(pool, "decode", r.placed.Decode.LoRA())
 	}

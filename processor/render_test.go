@@ -1,8 +1,11 @@
 package processor
 
 import (
+	"bytes"
 	"errors"
+	"log/slog"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -10,8 +13,11 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/kvevents"
 	"github.com/pdx-router/pdx/internal/placement"
+	"github.com/pdx-router/pdx/internal/metrics"
 	"github.com/pdx-router/pdx/internal/routing"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
@@ -125,4 +131,30 @@ func TestRenderPausesAfterFailures(t *testing.T) {
 		}
 	}
 	require.Equal(t, placement.RenderFailures, renders)
+}
+
+// vLLM serves its render API only with --enable-scale-out, and refuses it
+// with 403 otherwise: pdx says so once, naming the flag, and counts every
+// refusal; the requests are placed by the estimate and served.
+func TestRenderForbiddenNamesTheFlag(t *testing.T) {
+	table := preciseTable(t, &configv1.Render{Timeout: durationpb.New(time.Second)})
+	forbidden := &engines.Error{Endpoint: endpoint.Endpoint{Address: "127.0.0.1:8100"}, Status: http.StatusForbidden,
+		Message: "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."}
+	eng := fakeengine.New().
+		On(http.MethodPost, "", placement.RenderCompletionsPath, fakeengine.Reply{Err: forbidden}).
+		On(http.MethodPost, "", placement.RenderChatPath, fakeengine.Reply{Err: errors.New("connection refused")}).
+		On(http.MethodPost, "", "", fakeengine.Reply{Body: kvAnswer})
+	var logs bytes.Buffer
+	m := metrics.New()
+	srv := New(table, eng, slog.New(slog.NewJSONHandler(&logs, nil)), WithMetrics(m))
+	for range 3 {
+		out := runOn(t, srv, headers("POST", "/v1/completions", false), body(`{"model":"m","prompt":"hi"}`, true))
+		require.NotNil(t, out[1].GetRequestBody().GetResponse().GetBodyMutation(), "routed to decode")
+	}
+	runOn(t, srv, headers("POST", "/v1/chat/completions", false), body(chatHi, true))
+	require.Equal(t, 1, strings.Count(logs.String(), "--enable-scale-out;"), "one line names the flag:\n%s", logs.String())
+	require.Contains(t, logs.String(), `"render_server":"127.0.0.1:8100"`)
+	require.Equal(t, 3.0, counterValue(t, m, "pdx_render_failures_total", map[string]string{"pool": "p", "reason": "forbidden"}))
+	require.Equal(t, 1.0, counterValue(t, m, "pdx_render_failures_total", map[string]string{"pool": "p", "reason": "error"}))
+	require.Equal(t, 4.0, counterValue(t, m, "pdx_prompt_tokens_total", map[string]string{"pool": "p", "source": "estimate"}))
 }

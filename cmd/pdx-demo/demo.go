@@ -35,6 +35,7 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	port := fs.Int("port", demoPort, "Envoy's client port; 0 or a busy port picks a free one")
 	prefillLatency := fs.Duration("prefill-latency", 20*time.Millisecond, "simulated prefill time")
 	tokenLatency := fs.Duration("token-latency", 2*time.Millisecond, "simulated time per output token")
+	engines := fs.String("engines", "sim", "the engines: sim (pdx's simulated vLLM engines) or vllm (real vLLM engines on CPU, as `make vllm` installs them: minutes to start)")
 	if err := fs.Parse(args); err != nil {
 		return fmt.Errorf("%w: %w", errUsage, err)
 	}
@@ -44,7 +45,14 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	} else {
 		ln.Close()
 	}
-	fmt.Fprintln(stdout, "Starting 2 prefill + 2 decode simulated vLLM engines (NIXL), pdx and Envoy on loopback...")
+	switch *engines {
+	case "sim":
+	case "vllm":
+		return demoVLLM(ctx, *port, *n, *keep, stdout)
+	default:
+		return fmt.Errorf("%w: --engines=%q: sim or vllm", errUsage, *engines)
+	}
+	fmt.Fprintln(stdout, "Starting 2 prefill + 2 decode simulated vLLM engines (pdx's engine simulator, NIXL), pdx and Envoy on loopback...")
 	st, err := stack.Start(ctx, stack.Options{
 		ListenPort: *port,
 		Engine:     enginesim.Config{PrefillLatency: *prefillLatency, DecodePerToken: *tokenLatency},

@@ -1,7 +1,8 @@
 // Command pdx-demo runs pdx the way the Quick start shows it: simulated
 // prefill and decode engines, pdx and a real Envoy on loopback, a batch of
-// real requests through them, and a table of what each engine saw. It is
-// the test wing's command (it links the engine simulator); `make demo` runs
+// real requests through them, and a table of what each engine saw; with
+// --engines=vllm, real vLLM engines on CPU instead (`make vllm`). It is the
+// test wing's command (it links the engine simulator); `make demo` runs
 // it, and `pdx` itself links none of it.
 package main
 

@@ -203,15 +203,21 @@ func (x *Index) placeable(e *engine, rank int, ev *kvevents.Event) (tier, int, b
 // blocks; such a block's children would be taken for chain starts, and
 // match only prompts that start with their tokens.
 func (x *Index) seedOf(e *engine, rank int, t tier, ev *kvevents.Event) (seed, parent uint64, ok bool) {
+	keys := ev.ExtraKeys
 	if ev.LoRAName != "" {
 		if _, ok := x.loras[ev.LoRAName]; !ok && len(x.loras) < maxLoRANames {
 			x.loras[strings.Clone(ev.LoRAName)] = struct{}{}
+		}
+		// vLLM 0.32 puts the adapter's name in every block's extra keys
+		// ([["sql"], ...]): the adapter is the seed's already.
+		if onlyLoRAKeys(keys, ev.LoRAName) {
+			keys = nil
 		}
 	}
 	if ev.HasParent {
 		if p, ok := e.parent(rank, t, ev.Parent); ok {
 			// A child inherits its parent's LoRA through the chain.
-			return taint(p, ev.ExtraKeys), p, true
+			return taint(p, keys), p, true
 		}
 		if ev.Parent != (kvevents.Hash{}) || e.orphan(rank, zeroKey) != nil {
 			return 0, 0, false
@@ -219,11 +225,11 @@ func (x *Index) seedOf(e *engine, rank int, t tier, ev *kvevents.Event) (seed, p
 	}
 	switch {
 	case ev.LoRAName != "":
-		return Seed(ev.LoRAName, ev.ExtraKeys), 0, true
+		return Seed(ev.LoRAName, keys), 0, true
 	case ev.LoRAID != 0:
-		return taint(loraIDSeed(ev.LoRAID), ev.ExtraKeys), 0, true
+		return taint(loraIDSeed(ev.LoRAID), keys), 0, true
 	}
-	return Seed("", ev.ExtraKeys), 0, true
+	return Seed("", keys), 0, true
 }
 
 // add records a copy of pdx block pdx, whose parent is parent, under key k

@@ -13,7 +13,8 @@
 // Identity. A chain of blocks starts from a seed: 0 for the base model,
 // else Seed of its LoRA adapter's name (lora_name; blocks known only by a
 // lora_id get a seed no request has) and extra keys (cache salt,
-// multimodal hashes), so that an adapter's or a salted prefix never
+// multimodal hashes; vLLM 0.32's [lora_name] per block is the adapter,
+// already in the seed), so that an adapter's or a salted prefix never
 // matches the base model's. A stored run with a parent chains from the
 // parent's hash, which carries the adapter; its own extra keys, if any,
 // taint it further. A request is hashed from SeedFor(model): the model

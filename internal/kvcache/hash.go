@@ -140,6 +140,73 @@ func nonZero(h uint64) uint64 {
 	return h
 }
 
+// onlyLoRAKeys reports whether extraKeys, msgpack, is a list with one entry
+// per block that is nil or the adapter's name alone, [lora]: the extra keys
+// vLLM gives an adapter's blocks (generate_block_hash_extra_keys: the LoRA
+// name, then multimodal hashes, a cache salt, ... when there are some).
+func onlyLoRAKeys(extraKeys []byte, lora string) bool {
+	n, off, ok := msgpackArray(extraKeys)
+	if !ok {
+		return false
+	}
+	b := extraKeys[off:]
+	for range n {
+		switch {
+		case len(b) > 0 && b[0] == 0xc0:
+			b = b[1:]
+			continue
+		case len(b) > 0 && b[0] == 0x91: // an array of one
+			b = b[1:]
+		default:
+			return false
+		}
+		s, rest, ok := msgpackStr(b)
+		if !ok || s != lora {
+			return false
+		}
+		b = rest
+	}
+	return len(b) == 0
+}
+
+// msgpackArray reads an array header: its length and size.
+func msgpackArray(b []byte) (n, off int, ok bool) {
+	switch {
+	case len(b) == 0:
+		return 0, 0, false
+	case b[0]&0xf0 == 0x90:
+		return int(b[0] & 0x0f), 1, true
+	case b[0] == 0xdc && len(b) >= 3:
+		return int(binary.BigEndian.Uint16(b[1:])), 3, true
+	case b[0] == 0xdd && len(b) >= 5:
+		return int(binary.BigEndian.Uint32(b[1:])), 5, true
+	}
+	return 0, 0, false
+}
+
+// msgpackStr reads a string and returns it and what follows.
+func msgpackStr(b []byte) (s string, rest []byte, ok bool) {
+	var n, off int
+	switch {
+	case len(b) == 0:
+		return "", nil, false
+	case b[0]&0xe0 == 0xa0:
+		n, off = int(b[0]&0x1f), 1
+	case b[0] == 0xd9 && len(b) >= 2:
+		n, off = int(b[1]), 2
+	case b[0] == 0xda && len(b) >= 3:
+		n, off = int(binary.BigEndian.Uint16(b[1:])), 3
+	case b[0] == 0xdb && len(b) >= 5:
+		n, off = int(binary.BigEndian.Uint32(b[1:])), 5
+	default:
+		return "", nil, false
+	}
+	if len(b)-off < n {
+		return "", nil, false
+	}
+	return string(b[off : off+n]), b[off+n:], true
+}
+
 // hasKeys reports whether extraKeys, msgpack, is anything but nothing: nil,
 // empty, a msgpack nil or an array of only nils.
 func hasKeys(extraKeys []byte) bool {

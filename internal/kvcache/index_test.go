@@ -307,6 +307,23 @@ func TestIndex(t *testing.T) {
 			stats: func(t *testing.T, st Stats) { require.Equal(t, 1, st.LoRANames) },
 		},
 		{
+			// vLLM 0.32: the adapter's name is each block's extra key too.
+			name: "LoRA taint, the name in the extra keys",
+			steps: []step{apply("e1", -1,
+				stored(0, []uint64{1, 2}, a, lora("sql"), extra(encode(t, []any{[]any{"sql"}, []any{"sql"}}))),
+				stored(2, []uint64{3}, b, lora("sql"), extra(encode(t, []any{[]any{"sql"}}))))},
+			probes: []probe{
+				{"e1", "sql", ab, 3, -1},
+				{"e1", "", ab, 0, -1},
+			},
+		},
+		{
+			// Another key beside the name (a cache salt) is another block.
+			name:   "LoRA with a salt",
+			steps:  []step{apply("e1", -1, stored(0, []uint64{1, 2}, a, lora("sql"), extra(encode(t, []any{[]any{"sql", "salt"}, []any{"sql"}}))))},
+			probes: []probe{{"e1", "sql", a, 0, -1}},
+		},
+		{
 			name: "LoRA and base blocks side by side",
 			steps: []step{apply("e1", -1, stored(0, []uint64{1, 2}, a, lora("sql"))),
 				apply("e1", -1, stored(0, []uint64{11}, tokens(0, 4)))},

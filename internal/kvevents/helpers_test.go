@@ -278,6 +278,9 @@ type testPub struct {
 	buffered map[uint64][]byte
 	from     uint64 // the replay buffer holds from this seq on
 	mute     bool   // the replay socket answers nothing
+	// noTopic answers replays as vLLM before 0.32 did, without the topic
+	// frame: ["", seq, payload], then ["", -1, ""].
+	noTopic bool
 
 	close func() // stops the publisher (also at the test's end)
 }
@@ -338,7 +341,7 @@ func (p *testPub) serveReplay(done chan struct{}) {
 		default:
 		}
 		p.mu.Lock()
-		mute := p.mute
+		mute, noTopic := p.mute, p.noTopic
 		var seqs []uint64
 		for seq := range p.buffered {
 			if seq >= start && seq >= p.from {
@@ -354,10 +357,18 @@ func (p *testPub) serveReplay(done chan struct{}) {
 		if mute {
 			continue
 		}
-		for i, seq := range seqs {
-			_ = p.router.SendMulti(zmq4.NewMsgFrom(id, nil, binary.BigEndian.AppendUint64(nil, seq), replies[i]))
+		if noTopic {
+			for i, seq := range seqs {
+				_ = p.router.SendMulti(zmq4.NewMsgFrom(id, nil, binary.BigEndian.AppendUint64(nil, seq), replies[i]))
+			}
+			_ = p.router.SendMulti(zmq4.NewMsgFrom(id, nil, endReplay, nil))
+			continue
 		}
-		_ = p.router.SendMulti(zmq4.NewMsgFrom(id, nil, endReplay, nil))
+		// vLLM 0.32's ZmqEventPublisher._service_replay.
+		for i, seq := range seqs {
+			_ = p.router.SendMulti(zmq4.NewMsgFrom(id, nil, p.topic, binary.BigEndian.AppendUint64(nil, seq), replies[i]))
+		}
+		_ = p.router.SendMulti(zmq4.NewMsgFrom(id, nil, nil, endReplay, nil))
 	}
 }
 

@@ -722,9 +722,10 @@ var endReplay = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 // before until to apply, in order, returning how many. The socket is
 // vLLM's ROUTER (ZmqEventPublisher._service_replay): it takes [identity,
 // "", start seq (8 bytes, big-endian)], so a DEALER sends ["", start], and
-// answers each buffered batch from start on as ["", seq, payload], then
-// ["", -1, ""]. It fails when no answer comes within ReplayTimeout, or the
-// socket no longer has batch from.
+// answers each buffered batch from start on as ["", topic, seq, payload],
+// then ["", "", -1, ""] (vLLM 0.32; older releases sent no topic frame:
+// ["", seq, payload], then ["", -1, ""]). It fails when no answer comes
+// within ReplayTimeout, or the socket no longer has batch from.
 func (s *Subscriber) replay(ctx context.Context, endpoint string, from, until uint64, apply func(*Batch)) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.opts.ReplayTimeout)
 	defer cancel()
@@ -746,20 +747,24 @@ func (s *Subscriber) replay(ctx context.Context, endpoint string, from, until ui
 		if err != nil {
 			return applied, fmt.Errorf("waiting for batch %d: %w", next, err)
 		}
-		if len(msg.Frames) != 3 || len(msg.Frames[0]) != 0 || len(msg.Frames[1]) != 8 {
-			return applied, fmt.Errorf("a reply of %d frames, want [\"\", seq, payload]", len(msg.Frames))
+		frames := msg.Frames
+		if len(frames) == 4 {
+			frames = [][]byte{frames[0], frames[2], frames[3]} // the topic is the publisher's own
 		}
-		if bytes.Equal(msg.Frames[1], endReplay) {
+		if len(frames) != 3 || len(frames[0]) != 0 || len(frames[1]) != 8 {
+			return applied, fmt.Errorf("a reply of %d frames, want [\"\", topic, seq, payload] or [\"\", seq, payload]", len(msg.Frames))
+		}
+		if bytes.Equal(frames[1], endReplay) {
 			return applied, fmt.Errorf("the replay ended before batch %d", next)
 		}
-		seq := binary.BigEndian.Uint64(msg.Frames[1])
+		seq := binary.BigEndian.Uint64(frames[1])
 		if seq < next {
 			continue
 		}
 		if seq > next {
 			return applied, fmt.Errorf("batch %d is no longer buffered (the replay starts at %d)", next, seq)
 		}
-		b, err := Decode(seq, msg.Frames[2])
+		b, err := Decode(seq, frames[2])
 		if err != nil {
 			return applied, err
 		}

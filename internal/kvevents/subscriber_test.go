@@ -221,6 +221,8 @@ func TestSubscriberGap(t *testing.T) {
 		replays bool   // the gap is filled
 	}{
 		{name: "replayed", replay: true, replays: true},
+		{name: "replayed without topic frames (vLLM before 0.32)", replay: true, replays: true,
+			setup: func(p *testPub, _ uint64) { p.noTopic = true }},
 		{name: "no replay endpoint"},
 		{name: "no longer buffered", replay: true, setup: func(p *testPub, from uint64) { p.from = from + 1 }},
 		{name: "no answer", replay: true, setup: func(p *testPub, _ uint64) { p.mute = true }},

@@ -58,6 +58,7 @@ type Metrics struct {
 	tokens     *prometheus.CounterVec   // pool, connector, kind
 	decisions  *prometheus.CounterVec   // pool, decision
 	tokenSrc   *prometheus.CounterVec   // pool, source
+	renderErrs *prometheus.CounterVec   // pool, reason
 	scrapes    *prometheus.CounterVec   // endpoint
 	served     *prometheus.CounterVec   // pool, endpoint, fallback
 	flowWait   *prometheus.HistogramVec // pool, leg, band, outcome
@@ -130,6 +131,10 @@ func New() *Metrics {
 			Name: "pdx_prompt_tokens_total",
 			Help: "Requests of pools that render their prompts (render, on with kv_events) by where placement got the prompt's tokens: render (the engines' render API: exact, matched against the engines' KV events) or estimate (the render failed or was late: 4 bytes a token, placed by what pdx sent where).",
 		}, []string{"pool", "source"}),
+		renderErrs: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_render_failures_total",
+			Help: "Renders of prompts (pools that render, on with kv_events) that failed, by reason: forbidden (the render server answered 403: vLLM serves its render API only when started with --enable-scale-out) or error (any other failure, a late answer included); such requests are placed by the estimate.",
+		}, []string{"pool", "reason"}),
 		scrapes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdx_engine_metrics_failures_total",
 			Help: "Scrapes of an engine's metrics that failed (unreachable, slow, malformed); its endpoint is picked by pdx's in-flight counts meanwhile.",
@@ -164,7 +169,7 @@ func New() *Metrics {
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.scrapes, m.served, m.flowWait, m.sessions, m.loraPicks, m.checks, m.cached, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.renderErrs, m.scrapes, m.served, m.flowWait, m.sessions, m.loraPicks, m.checks, m.cached, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -372,6 +377,13 @@ func (p *Pool) LoRAPick(leg string, o picker.LoRAOutcome) {
 func (p *Pool) Tokenized(source string) {
 	if p != nil && p.name != "" {
 		p.m.tokenSrc.WithLabelValues(p.name, source).Inc()
+	}
+}
+
+// RenderFailed counts a failed render by reason.
+func (p *Pool) RenderFailed(reason string) {
+	if p != nil && p.name != "" {
+		p.m.renderErrs.WithLabelValues(p.name, reason).Inc()
 	}
 }
 

@@ -60,8 +60,9 @@ type Placement struct {
 	// "" for a pool without one.
 	Reason string
 	// Source is where the prompt's token count came from: TokensRendered,
-	// TokensEstimate, or "" where the pool does not render.
-	Source string
+	// TokensEstimate, or "" where the pool does not render; RenderFailure
+	// why a render failed (RenderForbidden, RenderError), "" when none did.
+	Source, RenderFailure string
 	// prompt is the request as its picks know it.
 	prompt picker.Request
 	// rendered: prompt has the engines' tokens.

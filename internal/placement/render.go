@@ -7,11 +7,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net/http"
 	"sync/atomic"
 	"time"
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/engines"
 	"github.com/pdx-router/pdx/internal/jsonedit"
 	"github.com/pdx-router/pdx/internal/kvcache"
 )
@@ -20,6 +22,15 @@ import (
 const (
 	TokensRendered = "render"
 	TokensEstimate = "estimate"
+)
+
+// Why a render failed (Placement.RenderFailure, pdx_render_failures_total's
+// reasons).
+const (
+	// RenderForbidden: the server answered 403, as vLLM does unless it
+	// runs with --enable-scale-out.
+	RenderForbidden = "forbidden"
+	RenderError     = "error"
 )
 
 // vLLM's Renderer APIs (vllm/entrypoints/serve/render/api_router.py): the
@@ -62,6 +73,8 @@ type Render struct {
 	// nanoseconds) is when renders are tried again after RenderFailures.
 	failures    atomic.Int32
 	pausedUntil atomic.Int64
+	// forbidden is set by the first refused render since the last success.
+	forbidden atomic.Bool
 }
 
 // Renders that fail RenderFailures times in a row pause for RenderPause:
@@ -93,6 +106,16 @@ func (r *Render) Succeeded() {
 	if r.failures.Load() != 0 {
 		r.failures.Store(0)
 	}
+	if r.forbidden.Load() {
+		r.forbidden.Store(false)
+	}
+}
+
+// Forbidden notes a render the server refused (403) and reports whether it
+// is the first since renders last succeeded, so that the reason is logged
+// once, not per request.
+func (r *Render) Forbidden() bool {
+	return !r.forbidden.Swap(true)
 }
 
 // RenderEndpoint is where the next render goes: the configured server, or
@@ -131,6 +154,14 @@ func (p *Pool) tokenize(ctx context.Context, req *Request, pl *Placement) string
 	}
 	ids, err := p.render(ctx, req)
 	if err != nil {
+		pl.RenderFailure = RenderError
+		if e, ok := errors.AsType[*engines.Error](err); ok && e.Status == http.StatusForbidden {
+			pl.RenderFailure = RenderForbidden
+			if rd.Forbidden() {
+				req.Log.LogAttrs(ctx, slog.LevelWarn, "the render server refused to render (403): vLLM serves its render API only when started with --enable-scale-out; placing by the estimate",
+					slog.String("pool", p.Name), slog.String("render_server", e.Endpoint.Address), slog.String("error", err.Error()))
+			}
+		}
 		if rd.Failed() {
 			req.Log.LogAttrs(ctx, slog.LevelWarn, "renders keep failing, placing by the estimate for a while",
 				slog.String("pool", p.Name), slog.Duration("pause", RenderPause), slog.String("error", err.Error()))

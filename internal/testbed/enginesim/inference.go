@@ -201,6 +201,10 @@ func (s *Server) servePrefill(x *exchange) {
 		RemoteHost:      s.host,
 		RemotePort:      s.port,
 		TPSize:          1,
+		DCPSize:         1,
+		PPSize:          1,
+		RemoteNumTokens: promptTokens(x.req.prompt),
+		TransferMode:    "pull",
 	}))
 	s.answerVLLMPrefill(x, toks, finish, params)
 }
@@ -631,36 +635,34 @@ type promptTokensDetails struct {
 
 // usageOf is the usage of an answer with completion output tokens. With
 // Config.PromptTokensDetails it has vLLM's prompt_tokens_details, which
-// vLLM's serving code adds only when --enable-prompt-tokens-details is on
-// and the request's num_cached_tokens is not 0.
+// vLLM 0.32 adds whenever --enable-prompt-tokens-details is on, its
+// cached_tokens 0 too (the real-engine tier saw it).
 //
 // Prompt tokens count in the unit of the engine's render API and KV
 // events (KVEvents.TokenScale), as a real engine's usage and render agree.
 func (s *Server) usageOf(x *exchange, completion int) *usage {
-	scale := 1
-	if k := s.cfg.KVEvents; k != nil && k.TokenScale > 1 {
-		scale = k.TokenScale
-	}
+	scale := s.tokenScale()
 	p := x.req.promptTokens * scale
 	u := &usage{PromptTokens: p, CompletionTokens: completion, TotalTokens: p + completion}
-	if n := cachedTokens(x) * scale; s.cfg.PromptTokensDetails && n > 0 {
-		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: n}
+	switch {
+	case !s.cfg.PromptTokensDetails:
+	case dialectOf(s.cfg.Connector) == dialectVLLM:
+		// cached_tokens is vLLM's num_cached_tokens: the prompt tokens the
+		// engine's local prefix cache held (the capacity model's hits;
+		// none without one). KV a decode pulled from a prefill is not
+		// among them: vLLM 0.32 reports 0 for such a decode, and counts
+		// its prompt as external_kv_transfer in
+		// vllm:prompt_tokens_by_source_total.
+		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: x.req.cachedTokens * scale}
+	case x.rec.KV == KVPulled && p > 1:
+		// The other engines' decodes that received their prompt's KV
+		// report all of it but the last token, which they recompute to
+		// sample the next one (not compared with a real engine here).
+		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: p - 1}
+	case x.req.cachedTokens > 0:
+		u.PromptTokensDetails = &promptTokensDetails{CachedTokens: x.req.cachedTokens * scale}
 	}
 	return u
-}
-
-// cachedTokens is vLLM's num_cached_tokens for the request: the prompt
-// tokens it did not compute when first scheduled. A decode that pulled its
-// prompt's KV from a prefill has all of it but the last token, which vLLM
-// recomputes to sample the next one (the scheduler's
-// _update_waiting_for_remote_kv: "on a full prompt hit, we need to
-// re-compute the last token"). A prompt the engine computed has the
-// prefix-cache hits its capacity model found (none without one).
-func cachedTokens(x *exchange) int {
-	if x.rec.KV == KVPulled {
-		return max(x.req.promptTokens-1, 0)
-	}
-	return x.req.cachedTokens
 }
 
 // answer is a whole non-streaming response in the shape of the request's

@@ -374,8 +374,10 @@ func (p *kvPublisher) run() {
 }
 
 // serveReplay answers replay requests, [identity, "", start seq], with every
-// buffered batch from start on, [identity, "", seq, payload], then
-// [identity, "", -1, ""] (ZmqEventPublisher._service_replay).
+// buffered batch from start on, [identity, "", topic, seq, payload], then
+// [identity, "", "", -1, ""], as vLLM 0.32's ZmqEventPublisher
+// ._service_replay does (the real-engine tier saw it; releases before sent
+// no topic frame).
 func (p *kvPublisher) serveReplay() {
 	for {
 		msg, err := p.replay.Recv()
@@ -397,9 +399,9 @@ func (p *kvPublisher) serveReplay() {
 		for _, b := range todo {
 			var seqFrame [8]byte
 			binary.BigEndian.PutUint64(seqFrame[:], b.seq)
-			_ = p.replay.SendMulti(zmq4.NewMsgFrom(id, nil, seqFrame[:], b.payload))
+			_ = p.replay.SendMulti(zmq4.NewMsgFrom(id, nil, []byte(p.cfg.Topic), seqFrame[:], b.payload))
 		}
-		_ = p.replay.SendMulti(zmq4.NewMsgFrom(id, nil, endReplay, nil))
+		_ = p.replay.SendMulti(zmq4.NewMsgFrom(id, nil, nil, endReplay, nil))
 	}
 }
 

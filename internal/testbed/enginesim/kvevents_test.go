@@ -249,7 +249,7 @@ func TestKVEventsPublished(t *testing.T) {
 
 			// A subscriber that missed batches asks the replay socket for
 			// them from a sequence number on: it gets each as it was sent,
-			// then the end marker (-1, empty).
+			// with its topic, then the end marker (no topic, -1, empty).
 			from := got[2]
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
@@ -259,13 +259,18 @@ func TestKVEventsPublished(t *testing.T) {
 			var start [8]byte
 			binary.BigEndian.PutUint64(start[:], from.seq)
 			require.NoError(t, dealer.SendMulti(zmq4.NewMsgFrom(nil, start[:])))
-			for _, want := range append(got[2:], frame{seq: ^uint64(0), payload: []byte{}}) {
+			for i, want := range append(got[2:], frame{seq: ^uint64(0), payload: []byte{}}) {
 				msg, err := dealer.Recv()
 				require.NoError(t, err)
-				require.Len(t, msg.Frames, 3, "['', seq, payload]")
+				require.Len(t, msg.Frames, 4, "['', topic, seq, payload]")
 				require.Empty(t, msg.Frames[0])
-				require.Equal(t, want.seq, binary.BigEndian.Uint64(msg.Frames[1]))
-				require.Equal(t, want.payload, msg.Frames[2], "replayed as sent")
+				if i < len(got)-2 {
+					require.Equal(t, "kv@"+encoding, string(msg.Frames[1]))
+				} else {
+					require.Empty(t, msg.Frames[1], "the end marker has no topic")
+				}
+				require.Equal(t, want.seq, binary.BigEndian.Uint64(msg.Frames[2]))
+				require.Equal(t, want.payload, msg.Frames[3], "replayed as sent")
 			}
 		})
 	}
@@ -340,6 +345,14 @@ func TestRender(t *testing.T) {
 	}
 	r = post(t, s, "/v1/completions/render", "", map[string]any{"prompt": "x"})
 	require.Equal(t, http.StatusBadRequest, r.status, "rendered requests are checked as served ones")
+
+	// vllm serve without --enable-scale-out, vLLM 0.32's answer.
+	off := startSim(t, Config{NoScaleOut: true})
+	for _, path := range []string{"/v1/chat/completions/render", "/v1/completions/render"} {
+		r := post(t, off, path, "", map[string]any{"model": "m", "prompt": "hello there"})
+		require.Equal(t, http.StatusForbidden, r.status, "%s", r.body)
+		require.JSONEq(t, `{"error":{"message":"Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.","type":"PermissionDeniedError","param":null,"code":403}}`, string(r.body))
+	}
 }
 
 // TestServedModelName is vLLM's --served-model-name: what /v1/models lists
@@ -474,7 +487,8 @@ func TestKVEventsRestart(t *testing.T) {
 	require.NoError(t, dealer.SendMulti(zmq4.NewMsgFrom(nil, make([]byte, 8))))
 	msg, err := dealer.Recv()
 	require.NoError(t, err)
-	require.Equal(t, uint64(0), binary.BigEndian.Uint64(msg.Frames[1]), "the first batch after the restart")
+	require.Len(t, msg.Frames, 4, "['', topic, seq, payload]")
+	require.Equal(t, uint64(0), binary.BigEndian.Uint64(msg.Frames[2]), "the first batch after the restart")
 
 	other := startSim(t, Config{Capacity: &capa})
 	require.ErrorContains(t, other.RestartKVEvents(), "publishes no KV events")

@@ -30,16 +30,28 @@ type kvTransferParams struct {
 	RemotePort      *int            `json:"remote_port"`
 }
 
-// issuedKVParams is what a prefill hands back for the decode engine.
+// issuedKVParams is what a prefill hands back for the decode engine: the
+// members, in their order, of vLLM 0.32's answer (NixlConnectorScheduler
+// .request_finished), as the real-engine tier saw them.
 type issuedKVParams struct {
 	DoRemotePrefill bool    `json:"do_remote_prefill"`
 	DoRemoteDecode  bool    `json:"do_remote_decode"`
-	RemoteEngineID  string  `json:"remote_engine_id"`
 	RemoteBlockIDs  [][]int `json:"remote_block_ids"`
+	RemoteEngineID  string  `json:"remote_engine_id"`
 	RemoteRequestID string  `json:"remote_request_id"`
 	RemoteHost      string  `json:"remote_host"`
 	RemotePort      int     `json:"remote_port"`
 	TPSize          int     `json:"tp_size"`
+	DCPSize         int     `json:"dcp_size"`
+	PPSize          int     `json:"pp_size"`
+	// RemoteNumTokens is the prompt's length in tokens.
+	RemoteNumTokens int `json:"remote_num_tokens"`
+	// RemoteBlocksExpiryTime is null on vLLM 0.32 (CPU buffers).
+	RemoteBlocksExpiryTime *float64 `json:"remote_blocks_expiry_time"`
+	TransferMode           string   `json:"transfer_mode"`
+	// RemotePrefillCachedTokens: the prefill's prefix-cache hits on the
+	// prompt; the simulator says 0 (it does not count them per request).
+	RemotePrefillCachedTokens int `json:"remote_prefill_cached_tokens"`
 }
 
 // eosMarker in a prompt makes the prefill finish on EOS, in which case vLLM

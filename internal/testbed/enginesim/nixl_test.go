@@ -2,8 +2,10 @@ package enginesim
 
 import (
 	"encoding/json"
+	"maps"
 	"net"
 	"net/http"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -73,6 +75,13 @@ func TestNixlHandoff(t *testing.T) {
 			require.Equal(t, port, strconv.Itoa(int(kv["remote_port"].(float64))))
 			require.EqualValues(t, 1, kv["tp_size"])
 			require.NotEmpty(t, kv["remote_request_id"])
+			// vLLM 0.32's members (e2e/realvllm compares the two answers).
+			require.ElementsMatch(t, []string{"do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+				"remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
+				"remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens"}, slices.Collect(maps.Keys(kv)))
+			require.EqualValues(t, presp.Usage.PromptTokens, kv["remote_num_tokens"])
+			require.Equal(t, "pull", kv["transfer_mode"])
+			require.Nil(t, kv["remote_blocks_expiry_time"])
 			blocks := kv["remote_block_ids"].([]any)
 			require.Len(t, blocks, 1)
 			require.NotEmpty(t, blocks[0])

@@ -118,6 +118,8 @@ func errorType(status int) string {
 	switch status {
 	case http.StatusBadRequest:
 		return "BadRequestError"
+	case http.StatusForbidden:
+		return "PermissionDeniedError"
 	case http.StatusNotFound:
 		return "NotFoundError"
 	case http.StatusMethodNotAllowed:

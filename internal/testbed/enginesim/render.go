@@ -37,8 +37,16 @@ type samplingParams struct {
 	MinTokens int `json:"min_tokens"`
 }
 
+// scaleOutDisabled is vLLM 0.32's answer to a render without
+// --enable-scale-out.
+const scaleOutDisabled = "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them."
+
 func (s *Server) handleRender(a api) http.HandlerFunc {
 	return func(w http.ResponseWriter, r *http.Request) {
+		if s.cfg.NoScaleOut {
+			writeError(w, &apiError{status: http.StatusForbidden, msg: scaleOutDisabled})
+			return
+		}
 		body, err := readBody(w, r)
 		if err != nil {
 			writeError(w, badRequest("reading request body: %v", err))

@@ -282,7 +282,10 @@ type responsesOutDetails struct {
 // responsesUsageOf is the usage of an answer with completion output tokens.
 func (s *Server) responsesUsageOf(x *exchange, completion int) *responsesUsage {
 	u := s.usageOf(x, completion)
-	cached := cachedTokens(x) * max(1, s.tokenScale())
+	cached := 0
+	if d := u.PromptTokensDetails; d != nil {
+		cached = d.CachedTokens
+	}
 	return &responsesUsage{
 		InputTokens: u.PromptTokens, OutputTokens: completion, TotalTokens: u.PromptTokens + completion,
 		InputTokensDetails:  responsesInputDetails{CachedTokens: cached, InputTokensPerTurn: []int{}, CachedTokensPerTurn: []int{}},

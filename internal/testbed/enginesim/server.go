@@ -149,6 +149,11 @@ type Config struct {
 	// one of them uses it, and under Capacity.MaxLoRA competes for the
 	// engine's adapter slots (lora.go). GET /v1/models lists them.
 	LoRAModules []string
+	// NoScaleOut plays `vllm serve` without --enable-scale-out (vLLM's
+	// default): the render routes answer 403, as vLLM 0.32's do
+	// (vllm/entrypoints/scale_out/factories.py). The simulator serves them
+	// by default, as an engine started with the flag.
+	NoScaleOut bool
 	// ServedModelName is the model GET /v1/models lists (vLLM's
 	// --served-model-name); default ModelName. Requests may name any.
 	ServedModelName string

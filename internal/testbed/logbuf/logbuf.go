@@ -24,3 +24,20 @@ func (b *Buffer) String() string {
 	defer b.mu.Unlock()
 	return b.buf.String()
 }
+
+// Len is how many bytes were written so far.
+func (b *Buffer) Len() int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Len()
+}
+
+// From is what was written from offset on.
+func (b *Buffer) From(offset int) string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if offset > b.buf.Len() {
+		return ""
+	}
+	return string(b.buf.Bytes()[offset:])
+}

@@ -172,10 +172,9 @@ func learned(st *stack.Stack, per int) *Learned {
 			}
 			n++
 			l.OverheadMs += float64(sv.Overhead) / float64(time.Millisecond)
-			l.PromptTokensPerS += sv.PromptRate / float64(per)
-			if !math.IsInf(sv.WaitingRate, 1) { // +Inf: no cost found, counted as 0
-				l.WaitingTokensPerS += sv.WaitingRate / float64(per)
-			}
+			// +Inf: the fit found no cost, counted as 0 (JSON has no Inf).
+			l.PromptTokensPerS += finite(sv.PromptRate) / float64(per)
+			l.WaitingTokensPerS += finite(sv.WaitingRate) / float64(per)
 			l.Slots += float64(sv.Slots)
 			l.Samples += float64(sv.Samples)
 		}
@@ -186,6 +185,14 @@ func learned(st *stack.Stack, per int) *Learned {
 	f := float64(n)
 	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.Slots, l.Samples = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.Slots/f, l.Samples/f
 	return &l
+}
+
+// finite is x, or 0 for an infinity.
+func finite(x float64) float64 {
+	if math.IsInf(x, 0) {
+		return 0
+	}
+	return x
 }
 
 // meanLearned is the mean of the samples' learned services; nil when

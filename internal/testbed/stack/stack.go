@@ -16,6 +16,9 @@ import (
 	"strings"
 	"time"
 
+	"google.golang.org/protobuf/proto"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/envoy"
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/server"
@@ -102,6 +105,30 @@ type Options struct {
 	// "bind", pdx listens on a free port and each engine connects to it,
 	// its topic kv@<address>@<model>.
 	KVEvents string
+	// External, when set, are engines already running (real vLLM:
+	// package realvllm) that the stack fronts instead of starting
+	// simulators; Prefill, Decode, Engine, Tune and MooncakeProtocol are
+	// then not read, and Stack.Prefill and Stack.Decode stay empty.
+	External *External
+}
+
+// External engines a stack fronts: what pdx's config says of them.
+type External struct {
+	Prefill, Decode []Endpoint
+	// KVBind is where pdx listens for the engines' KV events in mode bind
+	// ("tcp://127.0.0.1:port"): the engines were told it before they
+	// started.
+	KVBind string
+	// BlockSize is the engines' KV block size (kv_events.block_size).
+	BlockSize int
+}
+
+// Endpoint is an external engine: its address, the NIXL side channel its
+// prefill answers name (kv_address; optional) and, in mode dial, its KV
+// event ports.
+type Endpoint struct {
+	Addr, KVAddr                     string
+	KVEventsPort, KVEventsReplayPort int
 }
 
 // Stack is a running deployment.
@@ -118,6 +145,9 @@ type Stack struct {
 	pdxLog *logbuf.Buffer
 	// kvBind is where pdx listens for the engines' KV events in mode bind.
 	kvBind string
+	// cfg and log are pdx's, for RestartPdx.
+	cfg *configv1.Config
+	log *slog.Logger
 }
 
 // Start brings the stack up and returns once Envoy routes to pdx.
@@ -129,9 +159,16 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 			return nil, err
 		}
 	}
-	s, err := StartEngines(ctx, opts)
-	if err != nil {
-		return nil, err
+	var s *Stack
+	var prefill, decode []endpoint
+	if ext := opts.External; ext != nil {
+		s = &Stack{pdxLog: &logbuf.Buffer{}, kvBind: ext.KVBind}
+		prefill, decode = externalEndpoints(ext.Prefill), externalEndpoints(ext.Decode)
+	} else {
+		if s, err = StartEngines(ctx, opts); err != nil {
+			return nil, err
+		}
+		prefill, decode = endpointsOf(s.Prefill), endpointsOf(s.Decode)
 	}
 	defer func() {
 		if err != nil {
@@ -142,16 +179,17 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if opts.Profile == envoy.ProfileAIGateway {
 		opts.ConfigYAML = "tls: {self_signed: true}\n" + opts.ConfigYAML
 	}
-	cfg, err := config.Parse([]byte(pdxConfig(opts, s.kvBind, withKVEvents(opts, endpointsOf(s.Prefill)), withKVEvents(opts, endpointsOf(s.Decode)))))
+	cfg, err := config.Parse([]byte(pdxConfig(opts, s.kvBind, withKVEvents(opts, prefill), withKVEvents(opts, decode))))
 	if err != nil {
 		return nil, fmt.Errorf("stack config: %w", err)
 	}
-	log := slog.New(slog.NewJSONHandler(s.pdxLog, &slog.HandlerOptions{Level: opts.LogLevel}))
+	s.cfg = cfg
+	s.log = slog.New(slog.NewJSONHandler(s.pdxLog, &slog.HandlerOptions{Level: opts.LogLevel}))
 	var addrs []string
 	for i := range opts.PdxReplicas {
-		l := log
+		l := s.log
 		if opts.PdxReplicas > 1 {
-			l = log.With("replica", i)
+			l = s.log.With("replica", i)
 		}
 		p, err := server.Start(cfg, l)
 		if err != nil {
@@ -381,6 +419,14 @@ type endpoint struct {
 	kvEventsPort, kvEventsReplayPort int
 }
 
+func externalEndpoints(eps []Endpoint) []endpoint {
+	out := make([]endpoint, len(eps))
+	for i, e := range eps {
+		out[i] = endpoint{addr: e.Addr, kvAddr: e.KVAddr, kvEventsPort: e.KVEventsPort, kvEventsReplayPort: e.KVEventsReplayPort}
+	}
+	return out
+}
+
 func endpointsOf(sims []*enginesim.Server) []endpoint {
 	out := make([]endpoint, len(sims))
 	for i, sim := range sims {
@@ -453,7 +499,9 @@ func pdxConfig(opts Options, kvBind string, prefill, decode []endpoint) string {
 	}
 	// The engines' published block size is what pdx hashes prompts in.
 	block := 16
-	if c := opts.Engine.Capacity; c != nil {
+	if ext := opts.External; ext != nil && ext.BlockSize > 0 {
+		block = ext.BlockSize
+	} else if c := opts.Engine.Capacity; c != nil {
 		block = c.BlockTokens
 		if k := opts.Engine.KVEvents; k != nil && k.TokenScale > 1 {
 			block *= k.TokenScale
@@ -523,6 +571,36 @@ func (e endpoint) kvEvents(b *strings.Builder) {
 
 // URL is the base URL clients use, e.g. "http://127.0.0.1:10000".
 func (s *Stack) URL() string { return s.Envoy.URL() }
+
+// RestartPdx stops the first pdx replica and starts a new one with the same
+// config on the same addresses, as a restarted pdx process: everything it
+// had learnt is gone, and Envoy reconnects to it.
+func (s *Stack) RestartPdx(ctx context.Context) error {
+	old := s.Replicas[0]
+	grpcAddr, adminAddr := old.GRPCAddr(), old.AdminAddr()
+	sctx, cancel := context.WithTimeout(ctx, 5*time.Second)
+	err := old.Shutdown(sctx)
+	cancel()
+	if err != nil {
+		return fmt.Errorf("stopping pdx: %w", err)
+	}
+	cfg := proto.CloneOf(s.cfg)
+	cfg.GrpcAddress, cfg.AdminAddress = grpcAddr, adminAddr
+	// The old listeners may take a moment to be free again.
+	var p *server.Server
+	for {
+		if p, err = server.Start(cfg, s.log); err == nil {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("starting pdx again: %w", err)
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	s.Replicas[0], s.Pdx = p, p
+	return nil
+}
 
 // Engines returns every simulator, prefill first.
 func (s *Stack) Engines() []*enginesim.Server {
