@@ -84,23 +84,21 @@ var warmOn = []int{1, 0, 1, 1, 0, 0}
 // vLLM's, pdx dialing its publisher) can tell pdx where the prefix is; a
 // follow-up through Envoy must then prefill there, its tokens rendered by
 // the engines. The engine confirms it: the follow-up's prompt was a local
-// cache hit there. Then pdx restarts and the same holds for prompts warmed
-// after: the new pdx subscribes again.
+// cache hit there. Then pdx restarts: the prompts warmed before it, which
+// the new pdx never heard of, prefill where they were warmed (it caught up
+// with the engines' replay sockets as it subscribed), and so do prompts
+// warmed after.
 func TestPrecisePlacement(t *testing.T) {
 	s, st := sharedStack(t)
 	hc := httpClient(t)
-	check := func(tag string) {
+	// followUps sends a follow-up of each text and checks it prefilled
+	// where the text was warmed, by its rendered tokens.
+	followUps := func(tag string, texts []string, question string) {
 		t.Helper()
-		texts := make([]string, len(warmOn))
-		for i, e := range warmOn {
-			texts[i] = prompt(fmt.Sprintf("%s: tenant %d's shared document", tag, i))
-			before := pdxBlocks(t, st, s.prefill[e])
-			waitBlocks(t, st, s.prefill[e], before+warm(t, hc, s.prefill[e], chat(texts[i], 1)))
-		}
 		rendered := value(pdxMetrics(t, st), "pdx_prompt_tokens_total", map[string]string{"source": "render"})
 		for i, e := range warmOn {
 			hits := sourcesOf(t, s.prefill[e]).cacheHit
-			got := prefilledOn(t, hc, st, chat(texts[i]+" And a question about it?", 4), s.prefill)
+			got := prefilledOn(t, hc, st, chat(texts[i]+question, 4), s.prefill)
 			require.Equal(t, e, got, "%s: prompt %d, warmed on prefill-%d, prefilled on prefill-%d", tag, i, e, got)
 			require.Greater(t, sourcesOf(t, s.prefill[e]).cacheHit, hits, "%s: the engine found the prompt %d's prefix in its cache", tag, i)
 		}
@@ -108,9 +106,27 @@ func TestPrecisePlacement(t *testing.T) {
 			value(pdxMetrics(t, st), "pdx_prompt_tokens_total", map[string]string{"source": "render"}),
 			"every follow-up was placed by its rendered tokens")
 	}
-	check("before the restart")
+	warmUps := func(tag string) []string {
+		t.Helper()
+		texts := make([]string, len(warmOn))
+		for i, e := range warmOn {
+			texts[i] = prompt(fmt.Sprintf("%s: tenant %d's shared document", tag, i))
+			before := pdxBlocks(t, st, s.prefill[e])
+			waitBlocks(t, st, s.prefill[e], before+warm(t, hc, s.prefill[e], chat(texts[i], 1)))
+		}
+		return texts
+	}
+	texts := warmUps("before the restart")
+	followUps("before the restart", texts, " And a question about it?")
+	// A new pdx never heard the warm-ups' events: it learns them from
+	// the engines' replay sockets as it subscribes (its catch-up), before
+	// the engines publish anything new.
 	require.NoError(t, st.RestartPdx(t.Context()))
-	check("after the restart")
+	require.Eventually(t, func() bool {
+		return value(pdxMetrics(t, st), "pdx_kv_events_total", map[string]string{"kind": "catch_ups"}) >= float64(len(s.all()))
+	}, time.Minute, 100*time.Millisecond, "every engine's replay socket caught up with")
+	followUps("after the restart, warmed before it", texts, " And another question about it?")
+	followUps("after the restart", warmUps("after the restart"), " And a question about it?")
 	fams := pdxMetrics(t, st)
 	require.Zero(t, value(fams, "pdx_kv_events_total", map[string]string{"kind": "decode_errors"}))
 	require.Zero(t, value(fams, "pdx_kv_events_total", map[string]string{"kind": "malformed"}))

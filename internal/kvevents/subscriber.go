@@ -17,6 +17,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/cespare/xxhash/v2"
 	"github.com/go-zeromq/zmq4"
 )
 
@@ -117,6 +118,10 @@ func rankEndpoint(ep string, rank int) string {
 type Options struct {
 	// Sink (required) takes the batches and resets.
 	Sink Sink
+	// CatchUp begins each subscription with what the engine's replay
+	// socket holds (catch-ups): the blocks it stored before this
+	// subscriber came, which no later event names again.
+	CatchUp bool
 	// Topic is the subscription: a prefix of the topics read, "" for
 	// all. llm-d subscribes to "kv@".
 	Topic string
@@ -173,6 +178,7 @@ type Stats struct {
 	UnknownTopics  uint64
 	Gaps           uint64 // sequence gaps
 	Replays        uint64 // gaps filled by replay
+	CatchUps       uint64 // subscriptions that began with what the publisher held before
 	ReplayFailures uint64
 	Restarts       uint64 // sequences that went back
 	Overflows      uint64 // times a queue filled up (each a Reset)
@@ -183,6 +189,7 @@ type Stats struct {
 type counters struct {
 	batches, events, unknownEvents, decodeErrors, malformed, unknownTopics atomic.Uint64
 	gaps, replays, replayFailures, restarts, overflows, dropped, resets    atomic.Uint64
+	catchUps                                                               atomic.Uint64
 }
 
 // Subscriber keeps the subscriptions to engines' KV events: a SUB socket
@@ -278,7 +285,7 @@ func (s *Subscriber) Stats() Stats {
 	return Stats{
 		Batches: c.batches.Load(), Events: c.events.Load(), UnknownEvents: c.unknownEvents.Load(),
 		DecodeErrors: c.decodeErrors.Load(), Malformed: c.malformed.Load(), UnknownTopics: c.unknownTopics.Load(),
-		Gaps: c.gaps.Load(), Replays: c.replays.Load(), ReplayFailures: c.replayFailures.Load(),
+		Gaps: c.gaps.Load(), Replays: c.replays.Load(), CatchUps: c.catchUps.Load(), ReplayFailures: c.replayFailures.Load(),
 		Restarts: c.restarts.Load(), Overflows: c.overflows.Load(), Dropped: c.dropped.Load(), Resets: c.resets.Load(),
 	}
 }
@@ -476,6 +483,12 @@ const (
 type seqState struct {
 	known bool
 	last  uint64
+	// replayed holds the payloads' hashes of the batches a catch-up
+	// replayed, by sequence number, until a batch past them comes: the
+	// messages queued meanwhile repeat some of them, byte for byte, where
+	// a restarted publisher's batch of the same number differs (its
+	// timestamp). nil otherwise.
+	replayed map[uint64]uint64
 	// suspect: the connection dropped since last; a gap now may be a
 	// restart (see ReasonReconnect).
 	suspect bool
@@ -597,8 +610,12 @@ func (f *feed) put(it item) bool {
 	}
 }
 
-// run applies the queued messages in order until the feed stops.
+// run applies the queued messages in order until the feed stops, after
+// what each rank's replay socket holds from before (caughtUp).
 func (f *feed) run() {
+	for rank := range f.seqs {
+		f.caughtUp(rank)
+	}
 	for {
 		select {
 		case <-f.ctx.Done():
@@ -649,16 +666,21 @@ func (f *feed) handle(it item) {
 		f.decodeFailing = false
 		f.log.Info("KV events: batches decode again")
 	}
-	f.sequence(rank, b)
+	f.sequence(rank, b, it.payload)
 }
 
 // sequence applies b, rank's next batch, after what its sequence number
 // says: a gap is filled by replay or reset, a number that goes back is a
-// restart. The first batch's number is taken as it is.
-func (f *feed) sequence(rank int, b *Batch) {
+// restart. Before the first batch, what the publisher's replay socket
+// still holds of the batches before it is applied (catchUp).
+func (f *feed) sequence(rank int, b *Batch, payload []byte) {
 	st := &f.seqs[rank]
 	switch {
-	case !st.known, b.Seq == st.last+1:
+	case st.replayed != nil && b.Seq <= st.last && st.replayed[b.Seq] == xxhash.Sum64(payload):
+		return // applied by the catch-up
+	case !st.known:
+		f.catchUp(rank, b.Seq)
+	case b.Seq == st.last+1:
 	case b.Seq <= st.last:
 		f.s.stats.restarts.Add(1)
 		f.log.Info("KV events: the publisher restarted", "rank", rank, "last", st.last, "seq", b.Seq)
@@ -676,6 +698,58 @@ func (f *feed) sequence(rank int, b *Batch) {
 	f.seqs[rank] = seqState{known: true, last: b.Seq}
 }
 
+// caughtUp applies what rank's publisher's replay socket holds when the
+// subscription starts, so that the blocks the engine stored before this
+// pdx subscribed are known before any request is placed by them, without
+// waiting for the engine to publish again. It does nothing without a
+// replay socket, or when the engine does not answer yet (catchUp then
+// does at the first batch).
+func (f *feed) caughtUp(rank int) {
+	if f.cfg.Replay == "" || !f.s.opts.CatchUp {
+		return
+	}
+	ep := rankEndpoint(f.cfg.Replay, rank)
+	var last uint64
+	replayed := map[uint64]uint64{}
+	n, err := f.s.replayFrom(f.ctx, ep, 0, math.MaxUint64, func(b *Batch, payload []byte) {
+		last, replayed[b.Seq] = b.Seq, xxhash.Sum64(payload)
+		f.apply(b)
+	}, true)
+	if n > 0 {
+		f.seqs[rank] = seqState{known: true, last: last, replayed: replayed}
+	}
+	if err != nil || n == 0 {
+		return
+	}
+	f.s.stats.catchUps.Add(1)
+	f.log.Debug("KV events: caught up with what the publisher held before pdx subscribed", "rank", rank, "replayed", n, "last", last)
+}
+
+// catchUp applies what rank's publisher still buffers of the batches
+// before until, the first batch pdx heard of it: the blocks an engine
+// stored before this pdx subscribed (it started after the engine, or
+// restarted), which its events would otherwise never name again. The
+// oldest it holds may come later than the first asked for; blocks whose
+// parents it no longer holds wait as orphans for them. Nothing is reset
+// when it fails: the index then knows what it knew without it.
+func (f *feed) catchUp(rank int, until uint64) {
+	if f.cfg.Replay == "" || until == 0 || !f.s.opts.CatchUp {
+		return
+	}
+	from := uint64(0)
+	if until > maxReplay {
+		from = until - maxReplay
+	}
+	ep := rankEndpoint(f.cfg.Replay, rank)
+	n, err := f.s.replayFrom(f.ctx, ep, from, until, f.applyReplayed, true)
+	if err != nil {
+		f.log.Info("KV events: caught up in part with what the publisher held before pdx subscribed", "endpoint", ep, "until", until, "replayed", n, "err", err)
+		return
+	}
+	f.s.stats.catchUps.Add(1)
+	f.log.Debug("KV events: caught up with what the publisher held before pdx subscribed", "rank", rank, "until", until, "replayed", n)
+}
+
 // fill replays batches from..until-1 of rank's publisher, applying them;
 // false when it could not have them all (those it had are applied).
 func (f *feed) fill(rank int, from, until uint64) bool {
@@ -683,7 +757,7 @@ func (f *feed) fill(rank int, from, until uint64) bool {
 		return false
 	}
 	ep := rankEndpoint(f.cfg.Replay, rank)
-	n, err := f.s.replay(f.ctx, ep, from, until, f.apply)
+	n, err := f.s.replayFrom(f.ctx, ep, from, until, f.applyReplayed, false)
 	if err != nil {
 		f.s.stats.replayFailures.Add(1)
 		f.log.Warn("KV events: replay failed", "endpoint", ep, "from", from, "until", until, "replayed", n, "err", err)
@@ -693,6 +767,9 @@ func (f *feed) fill(rank int, from, until uint64) bool {
 	f.log.Debug("KV events: gap replayed", "rank", rank, "from", from, "until", until)
 	return true
 }
+
+// applyReplayed applies a batch a replay brought.
+func (f *feed) applyReplayed(b *Batch, _ []byte) { f.apply(b) }
 
 func (f *feed) apply(b *Batch) {
 	c := &f.s.stats
@@ -725,8 +802,9 @@ var endReplay = []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff}
 // answers each buffered batch from start on as ["", topic, seq, payload],
 // then ["", "", -1, ""] (vLLM 0.32; older releases sent no topic frame:
 // ["", seq, payload], then ["", -1, ""]). It fails when no answer comes
-// within ReplayTimeout, or the socket no longer has batch from.
-func (s *Subscriber) replay(ctx context.Context, endpoint string, from, until uint64, apply func(*Batch)) (int, error) {
+// within ReplayTimeout, or the socket no longer has batch from (unless
+// later: then it starts with the oldest batch it has).
+func (s *Subscriber) replayFrom(ctx context.Context, endpoint string, from, until uint64, apply func(b *Batch, payload []byte), later bool) (int, error) {
 	ctx, cancel := context.WithTimeout(ctx, s.opts.ReplayTimeout)
 	defer cancel()
 	d := zmq4.NewDealer(ctx, zmq4.WithDialerMaxRetries(1), zmq4.WithDialerRetry(50*time.Millisecond), zmq4.WithLogger(s.zlog))
@@ -755,11 +833,20 @@ func (s *Subscriber) replay(ctx context.Context, endpoint string, from, until ui
 			return applied, fmt.Errorf("a reply of %d frames, want [\"\", topic, seq, payload] or [\"\", seq, payload]", len(msg.Frames))
 		}
 		if bytes.Equal(frames[1], endReplay) {
+			if until == math.MaxUint64 {
+				return applied, nil // everything buffered
+			}
 			return applied, fmt.Errorf("the replay ended before batch %d", next)
 		}
 		seq := binary.BigEndian.Uint64(frames[1])
 		if seq < next {
 			continue
+		}
+		if seq > next && later && applied == 0 {
+			next = seq // the oldest the buffer still holds
+			if next >= until {
+				return 0, nil
+			}
 		}
 		if seq > next {
 			return applied, fmt.Errorf("batch %d is no longer buffered (the replay starts at %d)", next, seq)
@@ -768,7 +855,7 @@ func (s *Subscriber) replay(ctx context.Context, endpoint string, from, until ui
 		if err != nil {
 			return applied, err
 		}
-		apply(&b)
+		apply(&b, frames[2])
 		applied++
 		next++
 	}

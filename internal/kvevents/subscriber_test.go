@@ -239,6 +239,7 @@ func TestSubscriberGap(t *testing.T) {
 			}
 			require.NoError(t, sub.SetEngines([]Engine{e}))
 			p.sync(rec, e.Addr)
+			p.drainRequests()
 			mark := rec.len()
 			n := p.next
 			if tt.setup != nil {
@@ -268,6 +269,52 @@ func TestSubscriberGap(t *testing.T) {
 			if e.Replay != "" {
 				require.Equal(t, uint64(1), st.ReplayFailures)
 			}
+		})
+	}
+}
+
+// A subscriber that joins a publisher after it published (pdx started
+// after the engine, or restarted) begins with what the publisher's replay
+// socket still holds of the batches before the first it hears: the
+// blocks stored before, which no later event names again.
+func TestSubscriberCatchUp(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		oldest uint64 // the replay buffer's oldest batch
+		replay bool
+	}{
+		{name: "all buffered", oldest: 0, replay: true},
+		{name: "the oldest no longer buffered", oldest: 3, replay: true},
+		{name: "no replay socket"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			rec := newRecorder()
+			sub := startSub(t, rec, Options{ReplayTimeout: time.Second, CatchUp: true})
+			p := newTestPub(t, "tcp://127.0.0.1:0", false, tc.replay, "")
+			for seq := range uint64(6) {
+				p.skip(seq) // published before pdx subscribed
+			}
+			p.from = tc.oldest
+			e := Engine{Addr: "eng:8000", Endpoint: p.ep, Replay: p.replayEP}
+			require.NoError(t, sub.SetEngines([]Engine{e}))
+			if !tc.replay {
+				p.next = 6
+				p.sync(rec, e.Addr)
+				got := appliedSeqs(rec.since(0), e.Addr)
+				require.Greater(t, got[0], uint64(5), "nothing from before")
+				require.Zero(t, sub.Stats().CatchUps)
+				return
+			}
+			rec.waitFor(t, "the last batch published before", applied(e.Addr, 5))
+			var want []uint64
+			for seq := tc.oldest; seq < 6; seq++ {
+				want = append(want, seq)
+			}
+			require.Equal(t, want, appliedSeqs(rec.since(0), e.Addr), "what the buffer held, before any batch is published")
+			require.Empty(t, resets(rec.since(0)))
+			// Counted once the replay has ended, after its batches.
+			require.Eventually(t, func() bool { return sub.Stats().CatchUps == 1 }, 5*time.Second, time.Millisecond)
+			require.Equal(t, uint64(0), <-p.requests, "asked from the start")
 		})
 	}
 }

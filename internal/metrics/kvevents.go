@@ -15,7 +15,7 @@ func (m *Metrics) CollectKVEvents(sub *kvevents.Subscriber, index *kvcache.Index
 
 var (
 	kvMessagesDesc = prometheus.NewDesc("pdx_kv_events_total",
-		"The engines' KV event messages and events by what became of them: batches and events applied; unknown_events (types pdx does not know, skipped), decode_errors, malformed, unknown_topics (bind mode: a topic that names no engine); gaps, replays (gaps the replay socket filled), replay_failures, restarts (a publisher's sequence went back), overflows (pdx fell behind), dropped (batches lost to overflows).",
+		"The engines' KV event messages and events by what became of them: batches and events applied; unknown_events (types pdx does not know, skipped), decode_errors, malformed, unknown_topics (bind mode: a topic that names no engine); gaps, replays (gaps the replay socket filled), catch_ups (subscriptions that began with what the publisher held before pdx subscribed), replay_failures, restarts (a publisher's sequence went back), overflows (pdx fell behind), dropped (batches lost to overflows).",
 		[]string{"kind"}, nil)
 	kvResetsDesc = prometheus.NewDesc("pdx_kv_cache_resets_total",
 		"Times pdx forgot an engine's blocks to relearn them, by reason: gap, restart, reconnect (a gap across a dropped connection), overflow, decode, removed.",
@@ -53,7 +53,7 @@ func (c *kvCollector) Collect(ch chan<- prometheus.Metric) {
 		kind string
 		v    uint64
 	}{{"batches", s.Batches}, {"events", s.Events}, {"unknown_events", s.UnknownEvents}, {"decode_errors", s.DecodeErrors},
-		{"malformed", s.Malformed}, {"unknown_topics", s.UnknownTopics}, {"gaps", s.Gaps}, {"replays", s.Replays},
+		{"malformed", s.Malformed}, {"unknown_topics", s.UnknownTopics}, {"gaps", s.Gaps}, {"replays", s.Replays}, {"catch_ups", s.CatchUps},
 		{"replay_failures", s.ReplayFailures}, {"restarts", s.Restarts}, {"overflows", s.Overflows}, {"dropped", s.Dropped}} {
 		counter(kvMessagesDesc, k.v, k.kind)
 	}

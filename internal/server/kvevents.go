@@ -28,7 +28,7 @@ func (s *Server) subscribe(k *configv1.KVEvents) error {
 	if k == nil || cache == nil {
 		return nil
 	}
-	opts := kvevents.Options{Sink: cache, Topic: k.GetTopic(), Log: s.log.With(slog.String("component", "kv_events"))}
+	opts := kvevents.Options{Sink: cache, Topic: k.GetTopic(), CatchUp: true, Log: s.log.With(slog.String("component", "kv_events"))}
 	if k.GetMode() == config.KVEventsBind {
 		opts.Bind = k.GetBindAddress()
 	}

@@ -246,6 +246,12 @@ func TestKVEventsEngineBack(t *testing.T) {
 	r.pool.SetEndpoints([]endpoint.Endpoint{{Address: a}}, []endpoint.Endpoint{{Address: "127.0.0.1:2"}})
 	r.f.follow()
 	r.tracked(t, a, prompt)
+	// tracked may have published more than the index needed: one more,
+	// on the live subscription, lands after all of them, so that none
+	// registers a again once its slot is freed below.
+	marker := counting(50, 8)
+	r.publish(t, a, marker)
+	require.Eventually(t, func() bool { _, held := r.held(t, marker); return held == len(marker) }, guard, 5*time.Millisecond)
 	old := r.cache.Slot(a)
 
 	// The follower's turn takes a snapshot without a; a comes back, its
