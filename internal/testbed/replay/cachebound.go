@@ -118,7 +118,7 @@ func DefaultCacheBound(traceDir string) CacheBound {
 		DecodeTimeScale:     0.25,
 		TTFTSLO:             500 * time.Millisecond,
 		Points:              []CacheBoundPoint{{0.55, 3.5}, {0.7, 4.5}, {0.85, 5.5}},
-		Policies:            []string{"round-robin", "vllm-router-cache-aware", "pdx-default", PreciseProfile, OracleProfile},
+		Policies:            []string{"round-robin", "vllm-router-cache-aware", "least-work", "pdx-default", PreciseProfile, OracleProfile},
 		ReplicaPolicies:     []string{"pdx-default", PreciseProfile},
 		ReplicaCounts:       []int{1, 3},
 		Repeats:             2,

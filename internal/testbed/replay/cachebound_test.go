@@ -73,7 +73,7 @@ func TestCacheBoundPlan(t *testing.T) {
 	for _, pr := range p.Profiles {
 		names = append(names, pr.Name)
 	}
-	require.Equal(t, []string{"round-robin", "vllm-router-cache-aware", "pdx-default", PreciseProfile, OracleProfile}, names)
+	require.Equal(t, []string{"round-robin", "vllm-router-cache-aware", "least-work", "pdx-default", PreciseProfile, OracleProfile}, names)
 	require.Equal(t, []string{"pdx-default", PreciseProfile}, p.ReplicaPolicies)
 	require.Equal(t, []int{1, 3}, p.ReplicaCounts)
 	require.NoError(t, p.Rig.CheckProfiles(p.Profiles))

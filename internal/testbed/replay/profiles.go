@@ -121,11 +121,11 @@ func Profiles(s Scale) []Profile {
 		// router rule and its default max_local_prefill_length.
 		{Name: PreciseReuseProfile, KVEvents: true, PoolYAML: lines(
 			fmt.Sprintf("disaggregation: {min_uncached_tokens: %d}", s.Tokens(dynamoLocalPrefillTokens)))},
-		// The forecast policy on the prefill leg: each engine's service
-		// model learned from pdx's timed prefills, by what pdx sent and,
-		// with events, what the engines report.
-		{Name: "forecast", PoolYAML: lines("prefill_picker: {policy: forecast}", PdxDefaultDecider)},
-		{Name: "forecast-precise", KVEvents: true, PoolYAML: lines("prefill_picker: {policy: forecast}")},
+		// pdx's former prefill default, least_work (the default, forecast,
+		// is pdx-default and precise): what the forecast is measured
+		// against, without and with the engines' events.
+		{Name: "least-work", PoolYAML: lines("prefill_picker: {policy: least_work}", PdxDefaultDecider)},
+		{Name: "least-work-precise", KVEvents: true, PoolYAML: lines("prefill_picker: {policy: least_work}")},
 		// vLLM's own router: cache_aware is its default, the one users
 		// compare against; round_robin is its plain baseline.
 		{Name: "vllm-router-cache-aware", Peer: "cache_aware"},

@@ -23,7 +23,7 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", "precise",
-		"precise-reuse", "forecast", "forecast-precise", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse"}, names(all))
+		"precise-reuse", "least-work", "least-work-precise", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse"}, names(all))
 	require.Contains(t, all[4].ConfigYAML, "end_streams_at_routing: false")
 	require.Contains(t, all[5].ConfigYAML, "end_streams_at_routing: true")
 	precise := all[7]
