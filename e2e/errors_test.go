@@ -3,6 +3,7 @@ package e2e
 import (
 	"bufio"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net"
@@ -341,4 +342,21 @@ func TestErrorTableMatchesDocs(t *testing.T) {
 	for code, status := range documented {
 		require.True(t, tested[code] || status == "without Envoy", "docs/errors.md lists %s, which TestErrorTable does not check", code)
 	}
+}
+
+// TestMessagesLocalReplies: Envoy's own answers on Anthropic's Messages
+// API (an engine that cannot be reached, a body over Envoy's limit) are
+// Anthropic's error body, as pdx's own are there; on the other paths they
+// stay OpenAI's.
+func TestMessagesLocalReplies(t *testing.T) {
+	env := startErrorEnv(t, envoy.ProfilePdx)
+	messages := func(model, content string) string {
+		b, err := json.Marshal(map[string]any{"model": model, "max_tokens": 4,
+			"messages": []map[string]string{{"role": "user", "content": content}}})
+		require.NoError(t, err)
+		return string(b)
+	}
+	requireAnthropicError(t, env.post(t, "/v1/messages", messages("down-decode", "hi")), 503, "api_error", "the inference engine could not be reached")
+	requireAnthropicError(t, env.post(t, "/v1/messages", messages("demo-model", strings.Repeat("x", 64<<10))), 413, "request_too_large", "over the limit of 65536")
+	requireAPIError(t, env.post(t, "/v1/completions", completion("down-decode")), 503, "engine_unavailable", "")
 }

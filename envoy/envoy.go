@@ -163,7 +163,8 @@ type hostPort struct {
 
 // LocalReply is how the listener answers one kind of Envoy's own local
 // replies: as OpenAI-style JSON with a code, instead of Envoy's plain text
-// or empty body.
+// or empty body; on Anthropic's Messages API (MessagesPath), as
+// Anthropic's error body.
 type LocalReply struct {
 	// Expression is the CEL filter choosing the replies.
 	Expression string
@@ -172,46 +173,57 @@ type LocalReply struct {
 	// Type and Code are the error's "type" and "code"; Message is its
 	// "message", to which Envoy's response code details are added.
 	Type, Code, Message string
+	// Anthropic is the error's type in Anthropic's body
+	// ({"type": "error", "error": {"type", "message"}}), which has no code.
+	Anthropic string
 }
+
+// MessagesPath is where Anthropic's Messages API is served: its requests'
+// local replies are Anthropic's error body (LocalReply.Anthropic).
+const MessagesPath = "/v1/messages"
+
+// messagesOnly is the CEL condition of a request on the Messages API.
+const messagesOnly = "request.path.startsWith('" + MessagesPath + "')"
 
 // notPdx matches the local replies that are not pdx's own answers, whose
 // response code details start with "pdx_" and which carry their JSON body.
 const notPdx = "!response.code_details.startsWith('pdx_')"
 
 // LocalReplies are the mappers of every listener pdx ships, in order (the
-// first that matches a reply shapes it). docs/errors.md's error table
+// first that matches a reply shapes it), each in Anthropic's shape for the
+// Messages API first, then in OpenAI's. docs/errors.md's error table
 // lists them.
 var LocalReplies = []LocalReply{
 	// The ext_proc filter's own failures: pdx unreachable, killed,
 	// draining, or silent past message_timeout.
-	{Expression: "response.code_details.startsWith('ext_proc_error_per-message_timeout')", Type: "server_error", Code: "router_timeout",
+	{Expression: "response.code_details.startsWith('ext_proc_error_per-message_timeout')", Type: "server_error", Code: "router_timeout", Anthropic: "timeout_error",
 		Message: "the request router (pdx) did not answer within the ext_proc message_timeout"},
-	{Expression: "response.code_details.startsWith('ext_proc_error')", Type: "server_error", Code: "router_unavailable",
+	{Expression: "response.code_details.startsWith('ext_proc_error')", Type: "server_error", Code: "router_unavailable", Anthropic: "api_error",
 		Message: "the request router (pdx) is unavailable, retry later"},
 	// A header mutation of pdx's that Envoy refused; pdx answers 431 to
 	// requests whose headers leave no room for its own before it comes to
 	// this.
-	{Expression: "response.code_details.startsWith('Header_mutation')", Status: 431, Type: "invalid_request_error", Code: "headers_too_large",
+	{Expression: "response.code_details.startsWith('Header_mutation')", Status: 431, Type: "invalid_request_error", Code: "headers_too_large", Anthropic: "invalid_request_error",
 		Message: "the request headers leave no room for the router's own"},
-	{Expression: notPdx + " && response.code == 400", Type: "invalid_request_error", Code: "bad_request",
+	{Expression: notPdx + " && response.code == 400", Type: "invalid_request_error", Code: "bad_request", Anthropic: "invalid_request_error",
 		Message: "the request is malformed"},
-	{Expression: notPdx + " && response.code == 408", Type: "invalid_request_error", Code: "request_timeout",
+	{Expression: notPdx + " && response.code == 408", Type: "invalid_request_error", Code: "request_timeout", Anthropic: "invalid_request_error",
 		Message: "the request did not arrive in time"},
-	{Expression: notPdx + " && response.code == 413", Type: "invalid_request_error", Code: "body_too_large",
+	{Expression: notPdx + " && response.code == 413", Type: "invalid_request_error", Code: "body_too_large", Anthropic: "request_too_large",
 		Message: "the request body is over the limit"},
-	{Expression: notPdx + " && response.code == 426", Type: "invalid_request_error", Code: "upgrade_required",
+	{Expression: notPdx + " && response.code == 426", Type: "invalid_request_error", Code: "upgrade_required", Anthropic: "invalid_request_error",
 		Message: "HTTP/1.0 is not supported: use HTTP/1.1 or HTTP/2"},
-	{Expression: notPdx + " && response.code == 431", Type: "invalid_request_error", Code: "headers_too_large",
+	{Expression: notPdx + " && response.code == 431", Type: "invalid_request_error", Code: "headers_too_large", Anthropic: "invalid_request_error",
 		Message: "the request headers are over the limit"},
-	{Expression: notPdx + " && response.code == 502", Type: "server_error", Code: "engine_error",
+	{Expression: notPdx + " && response.code == 502", Type: "server_error", Code: "engine_error", Anthropic: "api_error",
 		Message: "the inference engine's answer broke off or could not be read"},
-	{Expression: notPdx + " && response.code == 503", Type: "server_error", Code: "engine_unavailable",
+	{Expression: notPdx + " && response.code == 503", Type: "server_error", Code: "engine_unavailable", Anthropic: "api_error",
 		Message: "the inference engine could not be reached"},
-	{Expression: notPdx + " && response.code == 504", Type: "server_error", Code: "engine_timeout",
+	{Expression: notPdx + " && response.code == 504", Type: "server_error", Code: "engine_timeout", Anthropic: "timeout_error",
 		Message: "the inference engine did not answer in time"},
-	{Expression: notPdx + " && response.code >= 500", Type: "server_error", Code: "gateway_error",
+	{Expression: notPdx + " && response.code >= 500", Type: "server_error", Code: "gateway_error", Anthropic: "api_error",
 		Message: "the gateway could not serve the request"},
-	{Expression: notPdx + " && response.code >= 400", Type: "invalid_request_error", Code: "invalid_request",
+	{Expression: notPdx + " && response.code >= 400", Type: "invalid_request_error", Code: "invalid_request", Anthropic: "invalid_request_error",
 		Message: "the gateway refused the request"},
 }
 
@@ -295,6 +307,7 @@ func Render(w io.Writer, c Config) error {
 		"AdminPort":           c.AdminPort,
 		"Pdx":                 pdx,
 		"LocalReplies":        LocalReplies,
+		"MessagesOnly":        messagesOnly,
 		"MessageTimeout":      seconds(c.MessageTimeout),
 		"StreamIdleTimeout":   seconds(c.StreamIdleTimeout),
 		"BufferLimitBytes":    c.BufferLimitBytes,

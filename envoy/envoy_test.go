@@ -152,20 +152,31 @@ func TestRenderErrorReplies(t *testing.T) {
 	require.EqualValues(t, 503, ep.GetStatusOnError().GetCode())
 
 	var got []LocalReply
-	for i := range dig(t, hcm, "local_reply_config", "mappers").([]any) {
-		m := dig(t, hcm, "local_reply_config", "mappers", i).(map[string]any)
-		require.Equal(t, "envoy.access_loggers.extension_filters.cel", dig(t, m, "filter", "extension_filter", "name"))
-		var cel celv3.ExpressionFilter
-		typedConfig(t, dig(t, m, "filter", "extension_filter", "typed_config"), "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter", &cel)
-		require.Equal(t, "application/json", dig(t, m, "body_format_override", "content_type"))
+	mappers := dig(t, hcm, "local_reply_config", "mappers").([]any)
+	require.Len(t, mappers, 2*len(LocalReplies), "each reply in Anthropic's shape, then in OpenAI's")
+	for i := 0; i < len(mappers); i += 2 {
+		cel := func(m map[string]any) string {
+			require.Equal(t, "envoy.access_loggers.extension_filters.cel", dig(t, m, "filter", "extension_filter", "name"))
+			var f celv3.ExpressionFilter
+			typedConfig(t, dig(t, m, "filter", "extension_filter", "typed_config"), "envoy.extensions.access_loggers.filters.cel.v3.ExpressionFilter", &f)
+			require.Equal(t, "application/json", dig(t, m, "body_format_override", "content_type"))
+			return f.GetExpression()
+		}
+		a, m := mappers[i].(map[string]any), mappers[i+1].(map[string]any)
+		expr := cel(m)
+		require.Equal(t, messagesOnly+" && ("+expr+")", cel(a), "the Messages API's reply first")
+		require.Equal(t, "error", dig(t, a, "body_format_override", "json_format", "type"), "Anthropic's error body")
+		require.Equal(t, a["status_code"], m["status_code"])
 		msg := dig(t, m, "body_format_override", "json_format", "error", "message").(string)
+		require.Equal(t, msg, dig(t, a, "body_format_override", "json_format", "error", "message"))
 		base, ok := strings.CutSuffix(msg, " (%RESPONSE_CODE_DETAILS%)")
 		require.True(t, ok, "the message names Envoy's reason: %q", msg)
 		r := LocalReply{
-			Expression: cel.GetExpression(),
+			Expression: expr,
 			Type:       dig(t, m, "body_format_override", "json_format", "error", "type").(string),
 			Code:       dig(t, m, "body_format_override", "json_format", "error", "code").(string),
 			Message:    base,
+			Anthropic:  dig(t, a, "body_format_override", "json_format", "error", "type").(string),
 		}
 		if st, ok := m["status_code"]; ok {
 			r.Status = int(st.(float64))

@@ -1102,7 +1102,7 @@ func TestEnvoyGatewayJSONErrors(t *testing.T) {
 	hcm := hcmOf(t, l)
 	require.EqualValues(t, client, hcm.GetHttp2ProtocolOptions().GetInitialStreamWindowSize().GetValue(), egListenerFile)
 	requireProtoEqual(t, own.hcm.GetLocalReplyConfig(), hcm.GetLocalReplyConfig(), "the listener's local_reply_config")
-	require.Len(t, own.hcm.GetLocalReplyConfig().GetMappers(), len(envoy.LocalReplies))
+	require.Len(t, own.hcm.GetLocalReplyConfig().GetMappers(), 2*len(envoy.LocalReplies), "each in Anthropic's shape and OpenAI's")
 	require.Nil(t, hcm.GetMaxRequestHeadersKb(), "Envoy Gateway sets no header size limit: Envoy's default")
 	require.Nil(t, hcm.GetCommonHttpProtocolOptions().GetMaxHeadersCount(), "Envoy Gateway sets no header count limit: Envoy's default")
 	require.EqualValues(t, envoy.DefaultMaxRequestHeadersKB, own.hcm.GetMaxRequestHeadersKb().GetValue(), "Envoy's default")
