@@ -20,13 +20,22 @@ func startPrefill(t testing.TB, set *Set, ep endpoint.Endpoint, tokens int) *Lea
 	return &lease
 }
 
-// BenchmarkLeastWorkInFlight is BenchmarkPolicies' least_work pick with
-// the fluid model at work: each of 64 endpoints has a learned rate and 1–4
-// of pdx's prefills in flight, and fresh engine metrics.
-func BenchmarkLeastWorkInFlight(b *testing.B) {
+// inFlightSet is a prefill Set of 64 endpoints with the fluid model at
+// work: each has a learned rate and 1–4 of pdx's prefills in flight, and
+// fresh engine metrics; learn, when set, teaches each endpoint's service
+// model first.
+func inFlightSet(b *testing.B, learn bool) *Set {
 	eps := endpoints(64)
 	clk := newFakeClock()
 	set := NewSet(eps, Options{Now: clk.Now, Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
+	if learn {
+		for i := range eps {
+			m := set.view.Load().states[i].service
+			for k := range 32 {
+				m.learn(0.01+float64(k*100+i)/15000, queue{ahead: k * 50, waiting: k * 25}, k*100+i)
+			}
+		}
+	}
 	var taught []*Lease
 	for _, ep := range eps {
 		taught = append(taught, startPrefill(b, set, ep, 15_000))
@@ -42,8 +51,13 @@ func BenchmarkLeastWorkInFlight(b *testing.B) {
 		set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: clk.Now()})
 	}
 	clk.Advance(300 * time.Millisecond)
+	return set
+}
+
+// benchInFlight is a pick of p on set, prompts going round.
+func benchInFlight(b *testing.B, set *Set, p Policy) {
 	prompts := benchPrompts()
-	l := newLeg(set, LeastWork{}, RolePrefill)
+	l := newLeg(set, p, RolePrefill)
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
@@ -52,39 +66,14 @@ func BenchmarkLeastWorkInFlight(b *testing.B) {
 	}
 }
 
-// BenchmarkForecastInFlight is BenchmarkLeastWorkInFlight's pick with the
-// forecast policy, each endpoint's service model learned.
+// BenchmarkLeastWorkInFlight is BenchmarkPolicies' least_work pick with
+// the fluid model at work (inFlightSet).
+func BenchmarkLeastWorkInFlight(b *testing.B) {
+	benchInFlight(b, inFlightSet(b, false), LeastWork{})
+}
+
+// BenchmarkForecastInFlight is the same pick with the forecast policy,
+// each endpoint's service model learned.
 func BenchmarkForecastInFlight(b *testing.B) {
-	eps := endpoints(64)
-	clk := newFakeClock()
-	set := NewSet(eps, Options{Now: clk.Now, Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
-	for i := range eps {
-		m := set.view.Load().states[i].service
-		for k := range 32 {
-			m.learn(0.01+float64(k*100+i)/15000, queue{ahead: k * 50, waiting: k * 25}, k*100+i)
-		}
-	}
-	var taught []*Lease
-	for _, ep := range eps {
-		taught = append(taught, startPrefill(b, set, ep, 15_000))
-	}
-	clk.Advance(time.Second)
-	for _, l := range taught {
-		l.End(Succeeded)
-	}
-	for i, ep := range eps {
-		for k := range 1 + i%4 {
-			startPrefill(b, set, ep, 1000+100*((i+k)%13))
-		}
-		set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: clk.Now()})
-	}
-	clk.Advance(300 * time.Millisecond)
-	prompts := benchPrompts()
-	l := newLeg(set, Forecast{}, RolePrefill)
-	b.ReportAllocs()
-	i := 0
-	for b.Loop() {
-		l.peek(Request{Blocks: prompts[i%len(prompts)], BlockTokens: 64, Tokens: 2048})
-		i++
-	}
+	benchInFlight(b, inFlightSet(b, true), Forecast{})
 }

@@ -44,24 +44,15 @@ var _ Policy = LeastWork{}
 // Choose implements [Policy]: the usable candidate with the least work.
 func (LeastWork) Choose(c *Candidates) int {
 	gs := c.all()
-	n := len(gs)
 	// The mean prompt in flight stands for requests pdx did not send,
 	// whole: how far their engine is with them pdx cannot tell.
-	requests, tokens, usable := 0, 0, false
-	for k := range gs {
-		requests += gs[k].inFlight
-		tokens += gs[k].inFlightTokens
-		usable = usable || gs[k].usable
-	}
-	mean := c.tokens
-	if requests > 0 {
-		mean = tokens / requests
-	}
-	start := c.Start()
+	mean, usable := meanInFlight(gs, c.tokens)
 	if !usable {
 		return -1
 	}
+	start := c.Start()
 	d := c.depths()
+	n := len(gs)
 	best, least := -1, 0
 	// k goes round from start without a division a candidate.
 	for j, k := 0, start; j < n; j, k = j+1, k+1 {
@@ -73,11 +64,7 @@ func (LeastWork) Choose(c *Candidates) int {
 			continue
 		}
 		// A decode lease lasts its whole generation: it counts whole.
-		queued := g.inFlightTokens
-		if c.prefill && g.inFlight > 0 {
-			queued = c.health(k).work.remaining(g, &c.now)
-		}
-		work := queued + (g.foreign+g.pending)*mean + c.tokens - d.cachedTokens(k)
+		work := queuedAhead(c, g, c.health(k), mean) + c.tokens - d.cachedTokens(k)
 		if best < 0 || work < least {
 			best, least = k, work
 		}
