@@ -67,6 +67,20 @@ func prefilledOn(t *testing.T, hc *http.Client, st *stack.Stack, c call, es []*r
 	return on
 }
 
+// learned is what pdx's service models say of each prefill endpoint, for
+// a failure's message.
+func learned(t *testing.T, st *stack.Stack) string {
+	t.Helper()
+	fams := pdxMetrics(t, st)
+	var b strings.Builder
+	for _, m := range matching(fams, "pdx_prefill_service_overhead_seconds", nil) {
+		ep := labelOf(m, "endpoint")
+		fmt.Fprintf(&b, "%s: overhead %.1f ms, prompt %.0f tokens/s; ", ep, 1000*m.GetGauge().GetValue(),
+			value(fams, "pdx_prefill_service_rate_tokens_per_second", map[string]string{"endpoint": ep, "kind": "prompt"}))
+	}
+	return b.String()
+}
+
 // warm computes c's prompt directly on e (behind pdx's back) and returns
 // the full blocks it leaves there, those its events publish.
 func warm(t *testing.T, hc *http.Client, e *realvllm.Engine, c call) float64 {
@@ -99,7 +113,9 @@ func TestPrecisePlacement(t *testing.T) {
 		for i, e := range warmOn {
 			hits := sourcesOf(t, s.prefill[e]).cacheHit
 			got := prefilledOn(t, hc, st, chat(texts[i]+question, 4), s.prefill)
-			require.Equal(t, e, got, "%s: prompt %d, warmed on prefill-%d, prefilled on prefill-%d", tag, i, e, got)
+			if got != e {
+				t.Fatalf("%s: prompt %d, warmed on prefill-%d, prefilled on prefill-%d; pdx's service models: %s", tag, i, e, got, learned(t, st))
+			}
 			require.Greater(t, sourcesOf(t, s.prefill[e]).cacheHit, hits, "%s: the engine found the prompt %d's prefix in its cache", tag, i)
 		}
 		require.Equal(t, rendered+float64(len(warmOn)),

@@ -236,13 +236,28 @@ func TestNixlClientGoneMidPrefill(t *testing.T) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodPost, st.URL()+chatPath, strings.NewReader(string(body)))
 	require.NoError(t, err)
 	req.Header.Set("Content-Type", "application/json")
-	time.AfterFunc(300*time.Millisecond, cancel)
-	resp, err := hc.Do(req)
-	if err == nil {
-		resp.Body.Close()
-		t.Fatalf("the client got an answer (%d) before it gave up: the prefill engine was not busy enough", resp.StatusCode)
+	type answer struct {
+		resp *http.Response
+		err  error
 	}
-	require.ErrorIs(t, err, context.Canceled)
+	answered := make(chan answer, 1)
+	go func() {
+		resp, err := hc.Do(req)
+		answered <- answer{resp, err}
+	}()
+	// Give up once pdx's prefill call is in the engine's queue, not on a
+	// timer: on a loaded machine the render before it can take longer.
+	require.Eventually(t, func() bool {
+		return value(pdxMetrics(t, st), "pdx_endpoint_in_flight", map[string]string{"role": "prefill", "endpoint": p.Addr()}) >= 1
+	}, time.Minute, 10*time.Millisecond, "pdx called the prefill engine")
+	time.Sleep(200 * time.Millisecond) // the call reaches vLLM
+	cancel()
+	got := <-answered
+	if got.err == nil {
+		got.resp.Body.Close()
+		t.Fatalf("the client got an answer (%d) before it gave up: the prefill engine was not busy enough", got.resp.StatusCode)
+	}
+	require.ErrorIs(t, got.err, context.Canceled)
 
 	wg.Wait()
 	require.Eventually(t, func() bool {

@@ -26,7 +26,15 @@ func forecastSpec() Spec {
 // (the fluid model of pdx's prefills in flight, the mean prompt for each
 // request the engine's fresh metrics count and pdx did not send); what is
 // held is the deeper of what pdx sent and, with KV events, what the engine
-// reports. Ties go round.
+// reports.
+//
+// A forecast less than the best one's usual error (its model's mean
+// absolute residual) behind the best is not told apart from it: among
+// those, the candidate holding the most of the prompt wins. Otherwise an
+// engine's overhead learned a few milliseconds high, which is noise, would
+// send a prompt away from an idle engine that holds it whenever computing
+// it costs less than that (a short prompt, a fast engine), and the hit
+// would save every later request that engine's work. Ties go round.
 type Forecast struct{}
 
 var _ Policy = Forecast{}
@@ -55,24 +63,48 @@ func (Forecast) Choose(c *Candidates) int {
 			break
 		}
 	}
+	forecast := func(k int) float64 {
+		g, h := &gs[k], c.health(k)
+		q := queueOf(queuedAhead(c, g, h, mean), g.requests(), h.service.slotsSeen())
+		return h.service.forecast(q, c.tokens-d.cachedTokens(k), peers)
+	}
 	best, least := -1, 0.0
 	// k goes round from start without a division a candidate.
 	for j, k := 0, start; j < n; j, k = j+1, k+1 {
 		if k == n {
 			k = 0
 		}
-		g := &gs[k]
-		if !g.usable {
+		if !gs[k].usable {
 			continue
 		}
-		h := c.health(k)
-		q := queueOf(queuedAhead(c, g, h, mean), g.requests(), h.service.slotsSeen())
-		t := h.service.forecast(q, c.tokens-d.cachedTokens(k), peers)
-		if best < 0 || t < least {
+		if t := forecast(k); best < 0 || t < least {
 			best, least = k, t
 		}
 	}
-	return best
+	if best < 0 {
+		return best
+	}
+	band := c.health(best).service.noiseSeen()
+	if band == 0 {
+		return best
+	}
+	pick, held, at := best, d.cachedTokens(best), least
+	for j, k := 0, start; j < n; j, k = j+1, k+1 {
+		if k == n {
+			k = 0
+		}
+		if k == best || !gs[k].usable {
+			continue
+		}
+		cached := d.cachedTokens(k)
+		if cached < held || cached == held && pick == best {
+			continue
+		}
+		if t := forecast(k); t <= least+band && (cached > held || t < at) {
+			pick, held, at = k, cached, t
+		}
+	}
+	return pick
 }
 
 // meanInFlight is the mean prompt of pdx's requests in flight on the

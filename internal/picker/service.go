@@ -48,6 +48,9 @@ type service struct {
 	// once while others waited (its metrics: running, with some
 	// waiting), at least 1.
 	slots atomic.Int32
+	// noise is scale, as float64 bits, published for picks once
+	// huberMin samples have set it.
+	noise atomic.Uint64
 	// Under mu: the weighted sums of x xᵀ and x y over the samples
 	// (x = (1, ahead, waiting, own) in thousands of tokens, y = T in
 	// seconds), and scale, the decayed mean absolute residual.
@@ -72,6 +75,9 @@ const (
 	// huberK: residuals beyond huberK × the mean absolute residual
 	// count as that far (Huber's loss).
 	huberK = 2
+	// huberMin is how many samples the scale needs before it weighs
+	// residuals, or picks read it: the seed's first residuals set it.
+	huberMin = 8
 	// DefaultPrefillTokensPerSec seeds an engine's rate before pdx has
 	// timed its prefills: the order of an 8B model on one H100 (10–20k
 	// tokens a second). The fit replaces it within tens of prefills.
@@ -122,6 +128,11 @@ func (m *service) load(running, waiting int) {
 // slotsSeen is how many prompts the engine computes at once, as far as
 // its metrics have shown (1 before they have).
 func (m *service) slotsSeen() int { return max(int(m.slots.Load()), 1) }
+
+// noiseSeen is how far, in seconds, the model's forecasts usually miss:
+// the decayed mean absolute residual of its fit, 0 before huberMin
+// samples.
+func (m *service) noiseSeen() float64 { return math.Float64frombits(m.noise.Load()) }
 
 // forecast is the model's time for a call of own uncached tokens behind
 // q, in seconds. Before the first sample it is peers' (see peers), or
@@ -199,7 +210,7 @@ func (m *service) learn(t float64, q queue, own int) {
 	}
 	residual := t - predicted
 	w := 1.0
-	if a := math.Abs(residual); n >= 8 && a > huberK*m.scale {
+	if a := math.Abs(residual); n >= huberMin && a > huberK*m.scale {
 		w = huberK * m.scale / a
 	}
 	if n == 0 {
@@ -222,6 +233,9 @@ func (m *service) learn(t float64, q queue, own int) {
 	}
 	for i := range next {
 		m.coef[i].Store(math.Float64bits(next[i]))
+	}
+	if n+1 >= huberMin {
+		m.noise.Store(math.Float64bits(m.scale))
 	}
 	m.samples.Add(1)
 }

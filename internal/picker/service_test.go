@@ -258,3 +258,45 @@ func TestServiceQueueFloor(t *testing.T) {
 	_, a, w, p, _ := m.coefficients()
 	require.GreaterOrEqual(t, 1/a+1/w, 0.9999/(2*p), "the queue costs at least a token over both slots' rate")
 }
+
+// Forecasts closer than the models' usual error are not told apart: the
+// engine holding the prompt wins there, and only there.
+func TestForecastNoiseBand(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		// the other engine's true overhead; the holder's is 20 ms, each
+		// call ±4 ms off it.
+		overhead float64
+		want     int
+	}{
+		{"a few milliseconds quicker, within the noise", 0.013, 0},
+		{"far quicker", 0.005, 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			eps := endpoints(2)
+			set := NewSet(eps, Options{})
+			for i, overhead := range []float64{0.020, tc.overhead} {
+				m := set.view.Load().states[i].service
+				for k := range 100 {
+					own := 100 * (k%10 + 1)
+					jitter := 0.004
+					if k/10%2 == 0 {
+						jitter = -jitter
+					}
+					// A fast engine: 100k tokens a second.
+					m.learn(overhead+float64(own)/1e5+jitter, queue{}, own)
+				}
+				require.InDelta(t, 0.004, m.noiseSeen(), 0.001)
+			}
+			prompt := blocksOf(1, 2, 3, 4)
+			hold(t, set, eps[0], prompt, 0)
+			leg := newLeg(set, Forecast{}, RolePrefill)
+			for range 4 { // whichever candidate the round starts from
+				lease, ok := leg.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 256})
+				require.True(t, ok)
+				lease.End(Released)
+				require.Equal(t, eps[tc.want], lease.Endpoint())
+			}
+		})
+	}
+}
