@@ -202,7 +202,9 @@ func TestNixlClientGoneMidPrefill(t *testing.T) {
 	const busyRequests = 60
 	s := engines.nixlEngines(t)
 	p := s.prefill[1]
-	st := startStack(t, s.options("", p), p, s.decode)
+	// Saturation off: pdx would otherwise hold the prefill back from the
+	// busy engine (in its flow control) instead of sending it to wait there.
+	st := startStack(t, s.options("saturation: {disabled: true}", p), p, s.decode)
 	hc := httpClient(t)
 	usage := func() float64 { return value(engineMetrics(t, p), "vllm:kv_cache_usage_perc", nil) }
 	finished := func(reason string) float64 {

@@ -28,6 +28,12 @@ func forecastSpec() Spec {
 // held is the deeper of what pdx sent and, with KV events, what the engine
 // reports.
 //
+// The overhead is the candidates' mean, not each engine's own: a call's
+// fixed cost (the round trip, the engine's step around the prompt) is
+// alike across a pool's engines, and the fit tells it apart from the
+// rates poorly (most calls' prompts are alike), so one engine's overhead
+// learned high by a few slow calls would keep prompts from its cache.
+//
 // A forecast less than the best one's usual error (its model's mean
 // absolute residual) behind the best is not told apart from it: among
 // those, the candidate holding the most of the prompt wins. Otherwise an
@@ -50,23 +56,14 @@ func (Forecast) Choose(c *Candidates) int {
 	start := c.Start()
 	d := c.depths()
 	n := len(gs)
-	// Engines new to pdx are forecast as their peers are, which is read
-	// only when there is one.
-	var pm peerModel
-	var peers *peerModel
+	var peers peerModel
 	for k := range gs {
-		if gs[k].usable && c.health(k).service.samples.Load() == 0 {
-			for k := range gs {
-				pm.add(c.health(k).service)
-			}
-			peers = &pm
-			break
-		}
+		peers.add(c.health(k).service)
 	}
 	forecast := func(k int) float64 {
 		g, h := &gs[k], c.health(k)
 		q := queueOf(queuedAhead(c, g, h, mean), g.requests(), h.service.slotsSeen())
-		return h.service.forecast(q, c.tokens-d.cachedTokens(k), peers)
+		return h.service.forecast(q, c.tokens-d.cachedTokens(k), &peers)
 	}
 	best, least := -1, 0.0
 	// k goes round from start without a division a candidate.

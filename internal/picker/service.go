@@ -135,14 +135,18 @@ func (m *service) slotsSeen() int { return max(int(m.slots.Load()), 1) }
 func (m *service) noiseSeen() float64 { return math.Float64frombits(m.noise.Load()) }
 
 // forecast is the model's time for a call of own uncached tokens behind
-// q, in seconds. Before the first sample it is peers' (see peers), or
-// without them the seed's.
+// q, in seconds: its rates with its peers' overhead. Before the first
+// sample it is wholly its peers' (see peerModel), or without them the
+// seed's.
 func (m *service) forecast(q queue, own int, peers *peerModel) float64 {
 	var c [features]float64
 	switch {
 	case m.samples.Load() > 0:
 		for i := range c {
 			c[i] = math.Float64frombits(m.coef[i].Load())
+		}
+		if peers != nil && peers.n > 0 {
+			c[0] = peers.coef[0]
 		}
 	case peers != nil && peers.n > 0:
 		c = peers.coef
@@ -153,10 +157,11 @@ func (m *service) forecast(q queue, own int, peers *peerModel) float64 {
 }
 
 // peerModel is the mean model of a pick's candidates that have learned
-// theirs: what an engine new to pdx (one discovery just added) is taken
-// to be until it has answered, rather than the seed, which can be far
-// from what its peers have shown and would draw requests to it, or keep
-// them away, for no reason of its own.
+// theirs. Its overhead is every engine's in a forecast (see Forecast);
+// the whole of it is what an engine new to pdx (one discovery just added)
+// is taken to be until it has answered, rather than the seed, which can
+// be far from what its peers have shown and would draw requests to it,
+// or keep them away, for no reason of its own.
 type peerModel struct {
 	coef [features]float64
 	n    int

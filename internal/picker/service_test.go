@@ -259,44 +259,77 @@ func TestServiceQueueFloor(t *testing.T) {
 	require.GreaterOrEqual(t, 1/a+1/w, 0.9999/(2*p), "the queue costs at least a token over both slots' rate")
 }
 
+// teachIdle has each of set's first engines learn 100 idle prefills at its
+// rate (tokens a second), every call 10 ms plus its prompt, jitter
+// seconds off.
+func teachIdle(set *Set, jitter float64, rates ...float64) {
+	for i, rate := range rates {
+		m := set.view.Load().states[i].service
+		for k := range 100 {
+			own := 100 * (k%10 + 1)
+			off := jitter
+			if k/10%2 == 0 {
+				off = -off
+			}
+			m.learn(0.010+float64(own)/rate+off, queue{}, own)
+		}
+	}
+}
+
 // Forecasts closer than the models' usual error are not told apart: the
-// engine holding the prompt wins there, and only there.
+// engine holding more of the prompt wins there, and only there.
 func TestForecastNoiseBand(t *testing.T) {
 	for _, tc := range []struct {
-		name string
-		// the other engine's true overhead; the holder's is 20 ms, each
-		// call ±4 ms off it.
-		overhead float64
-		want     int
+		name   string
+		jitter float64 // each call's error
+		want   int
 	}{
-		{"a few milliseconds quicker, within the noise", 0.013, 0},
-		{"far quicker", 0.005, 1},
+		{"within the noise", 0.010, 0},
+		{"beyond it", 0.001, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			eps := endpoints(2)
 			set := NewSet(eps, Options{})
-			for i, overhead := range []float64{0.020, tc.overhead} {
-				m := set.view.Load().states[i].service
-				for k := range 100 {
-					own := 100 * (k%10 + 1)
-					jitter := 0.004
-					if k/10%2 == 0 {
-						jitter = -jitter
-					}
-					// A fast engine: 100k tokens a second.
-					m.learn(overhead+float64(own)/1e5+jitter, queue{}, own)
-				}
-				require.InDelta(t, 0.004, m.noiseSeen(), 0.001)
-			}
-			prompt := blocksOf(1, 2, 3, 4)
-			hold(t, set, eps[0], prompt, 0)
+			// The holder computes 20k tokens a second, the other 100k.
+			teachIdle(set, tc.jitter, 20_000, 100_000)
+			require.InDelta(t, tc.jitter, set.view.Load().states[0].service.noiseSeen(), tc.jitter/4)
+			// The holder holds half of the prompt's 512 tokens: 256 to
+			// compute at 20k a second (13 ms), against 512 at 100k (5 ms).
+			prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
+			hold(t, set, eps[0], prompt[:4], 0)
 			leg := newLeg(set, Forecast{}, RolePrefill)
 			for range 4 { // whichever candidate the round starts from
-				lease, ok := leg.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 256})
+				lease, ok := leg.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 512})
 				require.True(t, ok)
 				lease.End(Released)
 				require.Equal(t, eps[tc.want], lease.Endpoint())
 			}
 		})
+	}
+}
+
+// An engine's overhead learned high (a few slow calls) does not keep a
+// prompt from its cache: a forecast reads the candidates' mean overhead.
+func TestForecastPoolsOverhead(t *testing.T) {
+	eps := endpoints(2)
+	set := NewSet(eps, Options{})
+	teachIdle(set, 0, 20_000, 20_000)
+	// The holder's calls then took 200 ms more, long enough for its
+	// model to forget the rest.
+	m := set.view.Load().states[0].service
+	for k := range 2 * serviceMemory {
+		own := 100 * (k%10 + 1)
+		m.learn(0.210+float64(own)/20_000, queue{}, own)
+	}
+	overhead, _, _, _, _ := m.coefficients()
+	require.Greater(t, overhead, 0.1)
+	prompt := blocksOf(1, 2, 3, 4)
+	hold(t, set, eps[0], prompt, 0)
+	leg := newLeg(set, Forecast{}, RolePrefill)
+	for range 4 {
+		lease, ok := leg.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 256})
+		require.True(t, ok)
+		lease.End(Released)
+		require.Equal(t, eps[0], lease.Endpoint())
 	}
 }
