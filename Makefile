@@ -108,7 +108,7 @@ bench: envoy vllm-router
 ## results, summary and charts go to bench/replay/. REPLAY_ARGS adds
 ## pdx-replay flags, e.g. REPLAY_ARGS="--policies round-robin --quick".
 ## Then the cache-bound rig (replay.CacheBound: where the prefix cache
-## decides; about 45 minutes) into bench/replay/cachebound/, CACHEBOUND_ARGS
+## decides; about 53 minutes) into bench/replay/cachebound/, CACHEBOUND_ARGS
 ## its flags (by default REPLAY_ARGS's --quick, if given), and the
 ## flow-control experiment (tenants sharing a saturated pool, a few
 ## minutes) into bench/replay/flow/.

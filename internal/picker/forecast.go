@@ -36,11 +36,11 @@ func forecastSpec() Spec {
 //
 // A forecast less than the best one's usual error (its model's mean
 // absolute residual) behind the best is not told apart from it: among
-// those, the candidate holding the most of the prompt wins. Otherwise an
-// engine's overhead learned a few milliseconds high, which is noise, would
-// send a prompt away from an idle engine that holds it whenever computing
-// it costs less than that (a short prompt, a fast engine), and the hit
-// would save every later request that engine's work. Ties go round.
+// those, the candidate holding the most of the prompt wins. Otherwise a
+// prompt rate learned a little low, which is noise, would send a prompt
+// away from an idle engine that holds it whenever computing it costs less
+// than that (a short prompt, a fast engine), and the hit would save every
+// later request that engine's work. Ties go round.
 type Forecast struct{}
 
 var _ Policy = Forecast{}

@@ -159,9 +159,10 @@ func service(c enginesim.Capacity, es EngineStats) Service {
 }
 
 // learned reads what the first pdx replica of st learned of its prefill
-// engines, the mean over them, its rates in simulated tokens (pdx counted
-// per of them as one); nil when it has none.
-func learned(st *stack.Stack, per int) *Learned {
+// engines, the mean over them; nil when it has none. Its rates are in
+// simulated tokens: pdx's engines publish and render those (only
+// vllm-router's are given a KVEvents.TokenScale).
+func learned(st *stack.Stack) *Learned {
 	var l Learned
 	n := 0
 	for _, p := range st.Pdx.Table().Pools() {
@@ -173,8 +174,8 @@ func learned(st *stack.Stack, per int) *Learned {
 			n++
 			l.OverheadMs += float64(sv.Overhead) / float64(time.Millisecond)
 			// +Inf: the fit found no cost, counted as 0 (JSON has no Inf).
-			l.PromptTokensPerS += finite(sv.PromptRate) / float64(per)
-			l.WaitingTokensPerS += finite(sv.WaitingRate) / float64(per)
+			l.PromptTokensPerS += finite(sv.PromptRate)
+			l.WaitingTokensPerS += finite(sv.WaitingRate)
 			l.Slots += float64(sv.Slots)
 			l.Samples += float64(sv.Samples)
 		}
@@ -296,13 +297,7 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 	}
 	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use}
 	if d.peer == nil && d.oracle == nil {
-		// With KV events the engines count their render's tokens, of the
-		// token scale; pdx then learns in those.
-		per := 1
-		if r.profile.KVEvents {
-			per = max(rig.Scale.TokenScale, 1)
-		}
-		s.learned = learned(d.st, per)
+		s.learned = learned(d.st)
 	}
 	if d.peer != nil {
 		s.vllmRouter = d.peer.Version()
