@@ -104,14 +104,7 @@ pools:
 			t.Logf("pdx log:\n%s", pdxLog.String())
 		}
 	})
-	require.Eventually(t, func() bool {
-		resp, err := http.Get("http://" + adminAddr + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == 200
-	}, 10*time.Second, 20*time.Millisecond)
+	waitPdxReady(t, adminAddr)
 	require.Contains(t, pdxLog.String(), `"msg":"endpoint host name resolved","name":"localhost","addresses":["127.0.0.1"],"pools":["named"]`)
 
 	proxy := startEnvoy(t, grpcAddr)

@@ -60,14 +60,7 @@ pools:
 			t.Logf("pdx log:\n%s", pdxLog.String())
 		}
 	})
-	require.Eventually(t, func() bool {
-		resp, err := http.Get("http://" + adminAddr + "/readyz")
-		if err != nil {
-			return false
-		}
-		resp.Body.Close()
-		return resp.StatusCode == 200
-	}, 10*time.Second, 20*time.Millisecond)
+	waitPdxReady(t, adminAddr)
 
 	envoyBin, err := envoyproc.Binary()
 	require.NoError(t, err)
@@ -96,4 +89,18 @@ pools:
 	case <-time.After(15 * time.Second):
 		t.Fatal("pdx did not exit after SIGTERM")
 	}
+}
+
+// waitPdxReady waits until the pdx whose admin server is at adminAddr
+// answers /readyz with 200.
+func waitPdxReady(t *testing.T, adminAddr string) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		resp, err := http.Get("http://" + adminAddr + "/readyz")
+		if err != nil {
+			return false
+		}
+		resp.Body.Close()
+		return resp.StatusCode == 200
+	}, 10*time.Second, 20*time.Millisecond)
 }

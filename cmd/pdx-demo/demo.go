@@ -78,15 +78,20 @@ func demo(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return fmt.Errorf("demo: %d of %d requests failed", failed, len(results))
 	}
 	fmt.Fprintf(stdout, "\nAll %d requests succeeded: each decode engine pulled exactly the KV its own prefill produced.\n", len(results))
-	if !*keep {
-		return nil
+	if *keep {
+		keepServing(ctx, stdout, st.URL())
 	}
+	return nil
+}
+
+// keepServing tells how to try the running stack at url and waits for the
+// interrupt.
+func keepServing(ctx context.Context, stdout io.Writer, url string) {
 	fmt.Fprintf(stdout, "\nStill running; try it (Ctrl-C to stop):\n\n"+
 		"  curl -s %s/v1/chat/completions -H 'content-type: application/json' \\\n"+
 		"    -d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":8}'\n\n",
-		st.URL(), stack.Model)
+		url, stack.Model)
 	<-ctx.Done()
-	return nil
 }
 
 type demoResult struct {

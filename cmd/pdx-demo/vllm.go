@@ -118,14 +118,9 @@ func demoVLLM(ctx context.Context, port, n int, keep bool, stdout io.Writer) (er
 		return fmt.Errorf("demo on real vLLM: %d of %d requests failed, %.0f prompt tokens computed on the decode engine", failed, n, local)
 	}
 	fmt.Fprintf(stdout, "\nAll %d requests succeeded on real vLLM engines: every prompt was prefilled on the prefill engine and its KV pulled by the decode engine.\n", n)
-	if !keep {
-		return nil
+	if keep {
+		keepServing(ctx, stdout, st.URL())
 	}
-	fmt.Fprintf(stdout, "\nStill running; try it (Ctrl-C to stop):\n\n"+
-		"  curl -s %s/v1/chat/completions -H 'content-type: application/json' \\\n"+
-		"    -d '{\"model\":\"%s\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":8}'\n\n",
-		st.URL(), stack.Model)
-	<-ctx.Done()
 	return nil
 }
 
