@@ -135,10 +135,10 @@ func (m *service) slotsSeen() int { return max(int(m.slots.Load()), 1) }
 func (m *service) noiseSeen() float64 { return math.Float64frombits(m.noise.Load()) }
 
 // forecast is the model's time for a call of own uncached tokens behind
-// q, in seconds: its rates with its peers' overhead. Before the first
-// sample it is wholly its peers' (see peerModel), or without them the
-// seed's.
-func (m *service) forecast(q queue, own int, peers *peerModel) float64 {
+// q, in seconds, its own tokens' time weighed by weight (1: the time
+// alone): its rates with its peers' overhead. Before the first sample it
+// is wholly its peers' (see peerModel), or without them the seed's.
+func (m *service) forecast(q queue, own int, weight float64, peers *peerModel) float64 {
 	var c [features]float64
 	switch {
 	case m.samples.Load() > 0:
@@ -153,7 +153,7 @@ func (m *service) forecast(q queue, own int, peers *peerModel) float64 {
 	default:
 		c = seed(DefaultPrefillTokensPerSec)
 	}
-	return c[0] + (c[1]*float64(q.ahead)+c[2]*float64(q.waiting)+c[3]*float64(own))/1000
+	return c[0] + (c[1]*float64(q.ahead)+c[2]*float64(q.waiting)+weight*c[3]*float64(own))/1000
 }
 
 // peerModel is the mean model of a pick's candidates that have learned

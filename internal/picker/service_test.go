@@ -51,7 +51,7 @@ func samplesToConverge(m *service, e trueService, rng *rand.Rand, outliers bool,
 		ok := true
 		for _, p := range points {
 			want := e.time(p, 1000)
-			if math.Abs(m.forecast(p, 1000, nil)-want) > tol*want {
+			if math.Abs(m.forecast(p, 1000, 1, nil)-want) > tol*want {
 				ok = false
 			}
 		}
@@ -192,6 +192,58 @@ func TestForecastWeighsTheQueue(t *testing.T) {
 	require.Equal(t, eps[1].Address, pick(LeastWork{}), "2,000 queued + 488 against 1,000")
 }
 
+// On a busy pool a prompt's own uncached tokens weigh more: the same
+// queue ahead of the engine holding half of it sends it to an idle engine
+// while the rest of the pool is idle, and keeps it with its cache once
+// the pool's slots are mostly taken.
+func TestForecastWeighsThePool(t *testing.T) {
+	for _, tc := range []struct {
+		name string
+		busy int // prefills on the third engine
+		want int
+	}{
+		{"pool idle", 0, 1},
+		{"pool busy", 4, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			eps := endpoints(3)
+			set := NewSet(eps, Options{})
+			// Every engine computes two prompts at once, each at 1,000
+			// tokens a second.
+			e := trueService{overhead: 0.01, rate: 1000, slots: 2}
+			rng := rand.New(rand.NewPCG(7, 8))
+			for _, h := range set.view.Load().states {
+				h.service.load(e.slots, 1)
+				for range 300 {
+					requests := rng.IntN(6)
+					q := e.queueFor(requests*(100+rng.IntN(1000)), requests)
+					own := 100 + rng.IntN(2000)
+					h.service.learn(e.time(q, own), q, own)
+				}
+			}
+			prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
+			hold(t, set, eps[0], prompt, 0).End(Released)
+			// The holder has 512 of the prompt's 1,000 tokens and four
+			// prefills of 1,000: the prompt waits 1.5 s for a slot, then
+			// takes 0.488 s; on the idle engine it takes 1 s. The slots
+			// taken: the holder's two and the third engine's, of six.
+			for range 4 {
+				startPrefill(t, set, eps[0], 1000)
+			}
+			for range tc.busy {
+				startPrefill(t, set, eps[2], 1000)
+			}
+			leg := newLeg(set, Forecast{}, RolePrefill)
+			for range 3 { // whichever candidate the round starts from
+				lease, ok := leg.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 1000})
+				require.True(t, ok)
+				lease.End(Released)
+				require.Equal(t, eps[tc.want], lease.Endpoint())
+			}
+		})
+	}
+}
+
 // An engine new to pdx is forecast as its peers until it has answered.
 func TestForecastNewEngineAsPeers(t *testing.T) {
 	eps := endpoints(3)
@@ -296,7 +348,7 @@ func TestForecastNoiseBand(t *testing.T) {
 			// The holder holds half of the prompt's 512 tokens: 256 to
 			// compute at 20k a second (13 ms), against 512 at 100k (5 ms).
 			prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
-			hold(t, set, eps[0], prompt[:4], 0)
+			hold(t, set, eps[0], prompt[:4], 0).End(Released) // sent, done
 			leg := newLeg(set, Forecast{}, RolePrefill)
 			for range 4 { // whichever candidate the round starts from
 				lease, ok := leg.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 512})
@@ -324,7 +376,7 @@ func TestForecastPoolsOverhead(t *testing.T) {
 	overhead, _, _, _, _ := m.coefficients()
 	require.Greater(t, overhead, 0.1)
 	prompt := blocksOf(1, 2, 3, 4)
-	hold(t, set, eps[0], prompt, 0)
+	hold(t, set, eps[0], prompt, 0).End(Released)
 	leg := newLeg(set, Forecast{}, RolePrefill)
 	for range 4 {
 		lease, ok := leg.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 256})
