@@ -122,9 +122,9 @@ func (Forecast) Choose(c *Candidates) int {
 // poolWeight is how much more a prompt's own uncached token weighs in a
 // forecast on a pool all of whose slots are busy than on an idle one,
 // in proportion to the busy share of the candidates' slots between.
-// Measured on the cache-bound rig (docs/placement.md): 1, 2, 4, 8 and 16
-// gained hits and goodput at 85% load up to 4, and 8 and 16 lengthened the
-// TTFT tail at 70%.
+// Chosen on the cache-bound rig (docs/placement.md, forecast): at 85% load
+// weights from 1 to 8 gained goodput and hits over none, and 8 and 16
+// lengthened the TTFT tail at 70%.
 const poolWeight = 4
 
 // meanInFlight is the mean prompt of pdx's requests in flight on the

@@ -226,7 +226,7 @@ func TestForecastWeighsThePool(t *testing.T) {
 			// The holder has 512 of the prompt's 1,000 tokens and four
 			// prefills of 1,000: the prompt waits 1.5 s for a slot, then
 			// takes 0.488 s; on the idle engine it takes 1 s. The slots
-			// taken: the holder's two and the third engine's, of six.
+			// taken, of six: the holder's two and the third engine's.
 			for range 4 {
 				startPrefill(t, set, eps[0], 1000)
 			}
