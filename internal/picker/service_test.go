@@ -153,6 +153,18 @@ func TestLeaseTeachesService(t *testing.T) {
 	require.EqualValues(t, 60, m.samples.Load(), "a failure teaches nothing")
 }
 
+// teachSlotted has m learn e exactly from 300 prefills behind queues of fewer
+// than requests requests, its metrics having shown e's slots.
+func teachSlotted(m *service, e trueService, rng *rand.Rand, requests int) {
+	m.load(e.slots, 1)
+	for range 300 {
+		n := rng.IntN(requests)
+		q := e.queueFor(n*(100+rng.IntN(1000)), n)
+		own := 100 + rng.IntN(2000)
+		m.learn(e.time(q, own), q, own)
+	}
+}
+
 // Forecast waits behind a queue for a prompt's cache where the engine
 // takes the prompt as soon as one of its slots frees, and least_work does
 // not.
@@ -165,13 +177,7 @@ func TestForecastWeighsTheQueue(t *testing.T) {
 	e := trueService{overhead: 0.01, rate: 1000, slots: 4}
 	rng := rand.New(rand.NewPCG(5, 6))
 	for _, h := range []*health{holder, other} {
-		h.service.load(e.slots, 1)
-		for range 300 {
-			requests := rng.IntN(8)
-			q := e.queueFor(requests*(100+rng.IntN(1000)), requests)
-			own := 100 + rng.IntN(2000)
-			h.service.learn(e.time(q, own), q, own)
-		}
+		teachSlotted(h.service, e, rng, 8)
 	}
 	prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
 	hold(t, set, eps[0], prompt, 0)
@@ -213,13 +219,7 @@ func TestForecastWeighsThePool(t *testing.T) {
 			e := trueService{overhead: 0.01, rate: 1000, slots: 2}
 			rng := rand.New(rand.NewPCG(7, 8))
 			for _, h := range set.view.Load().states {
-				h.service.load(e.slots, 1)
-				for range 300 {
-					requests := rng.IntN(6)
-					q := e.queueFor(requests*(100+rng.IntN(1000)), requests)
-					own := 100 + rng.IntN(2000)
-					h.service.learn(e.time(q, own), q, own)
-				}
+				teachSlotted(h.service, e, rng, 6)
 			}
 			prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
 			hold(t, set, eps[0], prompt, 0).End(Released)
