@@ -6,7 +6,8 @@ import "sync/atomic"
 // request's group (every endpoint when it has none), in the Set's order,
 // as the Set reads them for the pick. A candidate is usable when the
 // request may use it (not tried, within its subset hint) and it is
-// admitted (not ejected) and not saturated. A policy chooses among the
+// admitted (not ejected) and not saturated (for a policy that weighs
+// queues, not saturated but by its queue: queueWeigher). A policy chooses among the
 // usable ones by their signals; which are not, and why, is the Set's
 // business.
 //
@@ -25,6 +26,9 @@ type Candidates struct {
 	// prefill: the pick is a prefill leg's, whose endpoints' fluid model
 	// counts (fluid.remaining).
 	prefill bool
+	// ownQueue: the pick's policy weighs each engine's queue itself
+	// (weighsQueue), and an engine's waiting requests leave it usable.
+	ownQueue bool
 	// blocks, blockTokens and tokens are the request's prompt (Request).
 	blocks              []uint64
 	blockTokens, tokens int
@@ -80,7 +84,7 @@ func putCandidates(c *Candidates) {
 // candidates returns the candidates of a pick of role for req, nil when
 // req's group has no endpoint; the pick releases them. The request's tried
 // endpoints and subset are applied here, once.
-func (s *Set) candidates(req *Request, role Role) *Candidates {
+func (s *Set) candidates(req *Request, role Role, ownQueue bool) *Candidates {
 	v := s.view.Load()
 	members, id, ok := v.members(req.Group)
 	n := v.count(members)
@@ -89,7 +93,7 @@ func (s *Set) candidates(req *Request, role Role) *Candidates {
 	}
 	c := getCandidates()
 	c.v, c.members, c.group, c.n, c.now = v, members, id, n, s.clock()
-	c.prefill = role == RolePrefill
+	c.prefill, c.ownQueue = role == RolePrefill, ownQueue
 	c.blocks, c.blockTokens, c.tokens = req.Blocks, req.BlockTokens, req.Tokens
 	c.tokenBlocks, c.tokenBlockSize, c.promptBytes = nil, 0, 0
 	if v.cache != nil && req.TokenBlocks != nil {
@@ -131,7 +135,7 @@ func (c *Candidates) release() {
 func (c *Candidates) Len() int { return c.n }
 
 // Usable reports whether the request may go to candidate k without panic
-// mode: allowed, admitted and not saturated.
+// mode: allowed, admitted and not saturated (see Candidates).
 func (c *Candidates) Usable(k int) bool { return c.signal(k).usable }
 
 // Start is where this pick's scans start, one further each pick of the
@@ -155,7 +159,7 @@ func (c *Candidates) signal(k int) *signal {
 // read reads candidate k's state into g: signal's first time, out of line
 // so that signal inlines.
 func (c *Candidates) read(k int, g *signal) {
-	c.now.look(c.v.states[position(c.members, k)], g)
+	c.now.look(c.v.states[position(c.members, k)], g, c.ownQueue)
 	g.gen = c.gen
 }
 
@@ -167,7 +171,7 @@ func (c *Candidates) all() []signal {
 	for k := range gs {
 		// look directly, not through read: one call a candidate, not two.
 		if g := &gs[k]; g.gen != gen {
-			c.now.look(states[position(c.members, k)], g)
+			c.now.look(states[position(c.members, k)], g, c.ownQueue)
 			g.gen = gen
 		}
 	}

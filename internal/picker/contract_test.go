@@ -35,7 +35,7 @@ func newContractLeg(t *testing.T, policy string, role Role) contractLeg {
 	clk := newFakeClock()
 	set := NewSet(contractEndpoints, Options{
 		FailureThreshold: 1, CoolDown: time.Minute, Now: clk.Now, StaleAfter: time.Hour,
-		Saturation: Saturation{QueueDepth: 5},
+		Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8},
 	})
 	l, err := NewLeg(set, &configv1.Picker{Policy: policy}, role)
 	require.NoError(t, err)
@@ -61,10 +61,12 @@ func (l contractLeg) eject(is ...int) {
 	}
 }
 
-// saturate makes the engines at is say their queue is full.
+// saturate makes the engines at is say their KV cache is full: every
+// policy passes over that (a full queue, the policies that weigh queues
+// weigh instead: TestQueueDepthWeighed).
 func (l contractLeg) saturate(is ...int) {
 	for _, i := range is {
-		l.Observe(contractEndpoints[i].Address, Load{Waiting: 5, At: l.clk.Now()})
+		l.Observe(contractEndpoints[i].Address, Load{KVUsage: 0.9, At: l.clk.Now()})
 	}
 }
 

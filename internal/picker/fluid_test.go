@@ -39,7 +39,7 @@ func teach(t testing.TB, set *Set, clk *fakeClock, tokens int, d time.Duration, 
 
 // remainingOn is what least_work counts of the prefills in flight on ep.
 func remainingOn(set *Set, ep endpoint.Endpoint) int {
-	c := set.candidates(&Request{}, RolePrefill)
+	c := set.candidates(&Request{}, RolePrefill, true)
 	defer c.release()
 	k := set.view.Load().position(ep)
 	return c.health(k).work.remaining(c.signal(k), &c.now)

@@ -43,14 +43,16 @@ func forecastSpec() Spec {
 // later request that engine's work. Ties go round.
 //
 // The prompt's own uncached tokens weigh more as the pool gets busy (see
-// poolWeight): a prompt computed away from its cache takes the pool's
-// slots for tokens a hit would not have cost, and on a busy pool every
-// later prompt waits for them. The least forecast for this request alone
+// poolWeight), the more at the pool's mean prompt rate: a prompt computed
+// away from its cache takes the pool's slots for tokens a hit would not
+// have cost, and on a busy pool every later prompt waits for them. The least forecast for this request alone
 // (greedy on its TTFT) overlooks that; vLLM's cache_aware, which keeps a
 // prompt with its cache whatever the queue, found more hits at high load.
 type Forecast struct{}
 
 var _ Policy = Forecast{}
+
+func (Forecast) weighsQueue() {}
 
 // Choose implements [Policy]: the usable candidate with the least
 // forecast time to answer.
@@ -162,7 +164,7 @@ func queuedAhead(c *Candidates, g *signal, h *health, mean int) int {
 func (s *Set) ahead(h *health, tokens int) (queue, int64) {
 	t := s.clock()
 	var g signal
-	t.look(h, &g)
+	t.look(h, &g, false)
 	mean := tokens
 	if g.inFlight > 0 {
 		mean = g.inFlightTokens / g.inFlight

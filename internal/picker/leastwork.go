@@ -41,6 +41,8 @@ type LeastWork struct{}
 
 var _ Policy = LeastWork{}
 
+func (LeastWork) weighsQueue() {}
+
 // Choose implements [Policy]: the usable candidate with the least work.
 func (LeastWork) Choose(c *Candidates) int {
 	gs := c.all()

@@ -15,6 +15,8 @@ type Leg struct {
 	// successor is policy's, when it has one.
 	successor Successor
 	role      Role
+	// ownQueue: policy weighs each engine's queue itself (queueWeigher).
+	ownQueue bool
 }
 
 // NewLeg returns the leg of role over set picked by the policy p names (""
@@ -35,7 +37,8 @@ func NewLeg(set *Set, p *configv1.Picker, role Role) (Leg, error) {
 
 func newLeg(set *Set, p Policy, role Role) Leg {
 	s, _ := p.(Successor)
-	return Leg{Set: set, policy: p, successor: s, role: role}
+	_, own := p.(queueWeigher)
+	return Leg{Set: set, policy: p, successor: s, role: role, ownQueue: own}
 }
 
 // Pick leases the endpoint the request goes to: the policy's choice among
@@ -77,7 +80,7 @@ func (l *Leg) Next(req Request) (endpoint.Endpoint, bool) {
 // so that the lease need not match them again, and how the preference for
 // the request's adapter went.
 func (l *Leg) pick(req *Request, fallback bool) (*view, int, int, LoRAOutcome, bool) {
-	c := l.candidates(req, l.role)
+	c := l.candidates(req, l.role, l.ownQueue)
 	if c == nil {
 		return nil, 0, -1, LoRANone, false
 	}

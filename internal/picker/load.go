@@ -108,7 +108,10 @@ func (g *signal) requests() int { return g.inFlight + g.pending + g.foreign }
 // look reads h at t into g. It writes through a pointer: picks call it for
 // every candidate, and a returned signal is a copy. It works in locals and
 // stores each field of g once: fields read back after a store wait on it.
-func (t *instant) look(h *health, g *signal) {
+// For a pick whose policy weighs each engine's queue itself (ownQueue),
+// the engine's waiting requests do not make it unusable (see weighsQueue);
+// they still make it saturated, which the leg's admission reads.
+func (t *instant) look(h *health, g *signal, ownQueue bool) {
 	inFlight := int(h.inFlight.Load())
 	g.inFlight, g.inFlightTokens = inFlight, int(h.inFlightTokens.Load())
 	waiting, running, foreign, pending, kvUsage := 0, 0, 0, 0, -1.0
@@ -123,10 +126,12 @@ func (t *instant) look(h *health, g *signal) {
 		}
 	}
 	sat := &t.set.saturation
-	saturated := sat.MaxInFlight > 0 && inFlight >= sat.MaxInFlight ||
-		fresh && (sat.QueueDepth > 0 && waiting >= sat.QueueDepth || sat.KVUsage > 0 && kvUsage >= sat.KVUsage)
+	full := sat.MaxInFlight > 0 && inFlight >= sat.MaxInFlight ||
+		fresh && sat.KVUsage > 0 && kvUsage >= sat.KVUsage
+	queued := fresh && sat.QueueDepth > 0 && waiting >= sat.QueueDepth
+	saturated := full || queued
 	g.waiting, g.running, g.foreign, g.pending, g.kvUsage = waiting, running, foreign, pending, kvUsage
-	g.admitted, g.usable, g.saturated, g.fresh, g.excluded = admitted, admitted && !saturated, saturated, fresh, false
+	g.admitted, g.usable, g.saturated, g.fresh, g.excluded = admitted, admitted && !full && (ownQueue || !queued), saturated, fresh, false
 }
 
 // Saturated reports whether every endpoint a request of group may use is
@@ -156,7 +161,7 @@ func (s *Set) saturated(group string) (bool, int64) {
 	for k := range n {
 		h := v.states[position(members, k)]
 		var g signal
-		if now.look(h, &g); !g.admitted {
+		if now.look(h, &g, false); !g.admitted {
 			next = min(next, h.until.Load())
 			continue
 		}

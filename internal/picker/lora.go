@@ -139,7 +139,11 @@ func (c *Candidates) preferAdapter(adapter string) LoRAOutcome {
 	c.tiers = slices.Grow(c.tiers[:0], c.n)[:c.n]
 	best := tierRest
 	for k := range gs {
-		if !gs[k].usable {
+		// A saturated engine is no better a tier: the preference comes
+		// before the policy, which would not weigh its queue against
+		// the adapter (see queueWeigher).
+		if !gs[k].usable || gs[k].saturated {
+			c.tiers[k] = tierRest
 			continue
 		}
 		t := c.tier(k, &gs[k], adapter, idx)

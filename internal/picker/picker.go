@@ -97,6 +97,17 @@ type Policy interface {
 	Choose(c *Candidates) int
 }
 
+// queueWeigher is implemented by policies that weigh the work queued on
+// each engine themselves (least_work, forecast). The pool's queue_depth
+// saturation does not pass an engine over for them: its waiting requests
+// are in their count already, and their engine word a scrape old, so the
+// bound would pass over the engines that were busy then and send a burst
+// to the few that were not, past what the policy itself weighs
+// (docs/placement.md, Saturation and shedding). Their picks still wait
+// for room when every engine of the leg is saturated, and pass over those
+// at kv_usage or max_in_flight.
+type queueWeigher interface{ weighsQueue() }
+
 // Successor is implemented by policies whose Choose changes their own
 // state (round robin's turns), which a request's decode fallbacks must
 // not: Next chooses the candidate a fallback after the last of the

@@ -161,6 +161,43 @@ func TestSaturation(t *testing.T) {
 	require.False(t, NewSet(abc, Options{}).Saturated(""), "no thresholds, never saturated")
 }
 
+// TestQueueDepthWeighed: a burst sent while two engines' last word said
+// their queues were full and the third's said it had room. Policies that
+// weigh each engine's queue (least_work, forecast) count the waiting
+// requests as work and spread the burst as that work says; the others
+// pass the two over and send it all to the third. Saturation as the leg's
+// admission reads it is the same for both.
+func TestQueueDepthWeighed(t *testing.T) {
+	const burst = 10
+	for _, policy := range []string{RoundRobinPolicy, LeastRequestPolicy, LeastWorkPolicy, ForecastPolicy} {
+		t.Run(policy, func(t *testing.T) {
+			clk := newFakeClock()
+			set := NewSet(abc, Options{Now: clk.Now, Saturation: Saturation{QueueDepth: 5}})
+			set.Observe(epA.Address, Load{Waiting: 5, Running: 1, At: clk.Now()})
+			set.Observe(epB.Address, Load{Waiting: 5, Running: 1, At: clk.Now()})
+			set.Observe(epC.Address, Load{Running: 1, At: clk.Now()})
+			require.False(t, set.Saturated(""), "the third has room")
+			l, err := NewLeg(set, &configv1.Picker{Policy: policy}, RolePrefill)
+			require.NoError(t, err)
+			sent := map[endpoint.Endpoint]int{}
+			for range burst {
+				lease, ok := l.Pick(Request{Tokens: 1000})
+				require.True(t, ok)
+				sent[lease.Endpoint()]++
+			}
+			if _, ok := l.policy.(queueWeigher); ok {
+				require.Less(t, sent[epC], burst-2, "the full queues are work to weigh, not a bar: %v", sent)
+				require.Positive(t, sent[epA], sent)
+				require.Positive(t, sent[epB], sent)
+			} else {
+				require.Equal(t, burst, sent[epC], "the full queues are passed over: %v", sent)
+			}
+			set.Observe(epC.Address, Load{Waiting: 5, Running: 1, At: clk.Now()})
+			require.True(t, set.Saturated(""), "every queue full: the leg waits for room, whatever the policy")
+		})
+	}
+}
+
 func TestPrefixAffinity(t *testing.T) {
 	eps := endpoints(8)
 	conversation := func(c, turn int) []uint64 {

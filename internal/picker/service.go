@@ -135,9 +135,14 @@ func (m *service) slotsSeen() int { return max(int(m.slots.Load()), 1) }
 func (m *service) noiseSeen() float64 { return math.Float64frombits(m.noise.Load()) }
 
 // forecast is the model's time for a call of own uncached tokens behind
-// q, in seconds, its own tokens' time weighed by weight (1: the time
-// alone): its rates with its peers' overhead. Before the first sample it
-// is wholly its peers' (see peerModel), or without them the seed's.
+// q, in seconds: its rates with its peers' overhead, and weight − 1 more
+// times the own tokens' time at the peers' prompt rate (1: the time
+// alone). The weight is what computing the tokens costs the pool (see
+// Forecast), at the pool's rate: at each engine's own, the weight would
+// multiply the small differences between alike engines' learned rates,
+// and send every long prompt to the one learned fastest. Before the first
+// sample it is wholly its peers' (see peerModel), or without them the
+// seed's.
 func (m *service) forecast(q queue, own int, weight float64, peers *peerModel) float64 {
 	var c [features]float64
 	switch {
@@ -153,7 +158,11 @@ func (m *service) forecast(q queue, own int, weight float64, peers *peerModel) f
 	default:
 		c = seed(DefaultPrefillTokensPerSec)
 	}
-	return c[0] + (c[1]*float64(q.ahead)+c[2]*float64(q.waiting)+weight*c[3]*float64(own))/1000
+	pool := c[3]
+	if peers != nil && peers.n > 0 {
+		pool = peers.coef[3]
+	}
+	return c[0] + (c[1]*float64(q.ahead)+c[2]*float64(q.waiting)+(c[3]+(weight-1)*pool)*float64(own))/1000
 }
 
 // peerModel is the mean model of a pick's candidates that have learned

@@ -244,6 +244,29 @@ func TestForecastWeighsThePool(t *testing.T) {
 	}
 }
 
+// The pool's weight on a prompt's own tokens is at the pool's rate, not
+// each engine's: between engines that learned their rates a little apart
+// (noise, on alike engines) it adds the same time to every forecast, and
+// does not multiply that noise by the weight, which sent every long prompt
+// to the engine whose rate was learned highest (the replay's conversation
+// trace: 147 to 333 prefills an engine).
+func TestForecastWeighsAtThePoolRate(t *testing.T) {
+	var fast, slow service
+	rng := rand.New(rand.NewPCG(9, 10))
+	teachSlotted(&fast, trueService{overhead: 0.01, rate: 1100, slots: 1}, rng, 4)
+	teachSlotted(&slow, trueService{overhead: 0.01, rate: 1000, slots: 1}, rng, 4)
+	var peers peerModel
+	peers.add(&fast)
+	peers.add(&slow)
+	_, _, _, fastRate, _ := fast.coefficients()
+	_, _, _, slowRate, _ := slow.coefficients()
+	require.Greater(t, fastRate, 1.05*slowRate, "the two learned rates apart")
+	q, own := queue{ahead: 2000, waiting: 2000}, 1500
+	extra := func(m *service) float64 { return m.forecast(q, own, 5, &peers) - m.forecast(q, own, 1, &peers) }
+	require.InDelta(t, extra(&slow), extra(&fast), 1e-9)
+	require.InDelta(t, 4*float64(own)*peers.coef[3]/1000, extra(&fast), 1e-9, "four times the prompt at the pool's rate")
+}
+
 // An engine new to pdx is forecast as its peers until it has answered.
 func TestForecastNewEngineAsPeers(t *testing.T) {
 	eps := endpoints(3)
