@@ -74,7 +74,7 @@ func (c *Candidates) session(key uint64) int {
 		}
 		w := sessionWeight(key, c.seed(k))
 		switch {
-		case g.usable:
+		case g.usable && !g.saturated: // a session does not weigh queues
 			if best < 0 || w > bestW {
 				best, bestW = k, w
 			}

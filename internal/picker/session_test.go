@@ -122,12 +122,17 @@ func sessionOrder(t testing.TB, r replica, req Request) []endpoint.Endpoint {
 // A session whose first endpoint is saturated (by the engine's word, which
 // every replica reads alike) or ejected yields to its second, on every
 // replica, and returns when the first has room again; one whose first two
-// are saturated goes to its third.
+// are saturated goes to its third. Whatever the leg's policy: one that
+// weighs queues (least_work, forecast) does not for a session.
 func TestSessionYieldsAndReturns(t *testing.T) {
 	eps := endpoints(4)
-	for _, role := range []Role{RolePrefill, RoleDecode} {
-		t.Run(role.String(), func(t *testing.T) {
-			a, b := newReplica(t, eps, LoadAwarePolicy, role, 1), newReplica(t, eps, LoadAwarePolicy, role, 2)
+	for _, leg := range []struct {
+		role   Role
+		policy string
+	}{{RolePrefill, LoadAwarePolicy}, {RolePrefill, ForecastPolicy}, {RolePrefill, LeastWorkPolicy}, {RoleDecode, LoadAwarePolicy}, {RoleDecode, LeastWorkPolicy}} {
+		role := leg.role
+		t.Run(role.String()+"/"+leg.policy, func(t *testing.T) {
+			a, b := newReplica(t, eps, leg.policy, role, 1), newReplica(t, eps, leg.policy, role, 2)
 			for n, key := range sessionKeys(20) {
 				req := Request{Session: key}
 				order := sessionOrder(t, a, req)
