@@ -7,9 +7,9 @@ import "sync/atomic"
 // as the Set reads them for the pick. A candidate is usable when the
 // request may use it (not tried, within its subset hint) and it is
 // admitted (not ejected) and not saturated (for a policy that weighs
-// queues, not saturated but by its queue: queueWeigher). A policy chooses among the
-// usable ones by their signals; which are not, and why, is the Set's
-// business.
+// queues, not saturated but by its queue: queueWeigher). A policy
+// chooses among the usable ones by their signals; which are not, and why,
+// is the Set's business.
 //
 // A candidate's state is read at most once per pick, when first asked:
 // round robin asks about the one whose turn it is, scoring policies about
@@ -27,7 +27,7 @@ type Candidates struct {
 	// counts (fluid.remaining).
 	prefill bool
 	// ownQueue: the pick's policy weighs each engine's queue itself
-	// (weighsQueue), and an engine's waiting requests leave it usable.
+	// (queueWeigher), and an engine's waiting requests leave it usable.
 	ownQueue bool
 	// blocks, blockTokens and tokens are the request's prompt (Request).
 	blocks              []uint64

@@ -109,7 +109,7 @@ func (g *signal) requests() int { return g.inFlight + g.pending + g.foreign }
 // every candidate, and a returned signal is a copy. It works in locals and
 // stores each field of g once: fields read back after a store wait on it.
 // For a pick whose policy weighs each engine's queue itself (ownQueue),
-// the engine's waiting requests do not make it unusable (see weighsQueue);
+// the engine's waiting requests do not make it unusable (queueWeigher);
 // they still make it saturated, which the leg's admission reads.
 func (t *instant) look(h *health, g *signal, ownQueue bool) {
 	inFlight := int(h.inFlight.Load())
