@@ -45,9 +45,10 @@ func forecastSpec() Spec {
 // The prompt's own uncached tokens weigh more as the pool gets busy (see
 // poolWeight), the more at the pool's mean prompt rate: a prompt computed
 // away from its cache takes the pool's slots for tokens a hit would not
-// have cost, and on a busy pool every later prompt waits for them. The least forecast for this request alone
-// (greedy on its TTFT) overlooks that; vLLM's cache_aware, which keeps a
-// prompt with its cache whatever the queue, found more hits at high load.
+// have cost, and on a busy pool every later prompt waits for them. The
+// least forecast for this request alone (greedy on its TTFT) overlooks
+// that; vLLM's cache_aware, which keeps a prompt with its cache whatever
+// the queue, found more hits at high load.
 type Forecast struct{}
 
 var _ Policy = Forecast{}
