@@ -449,10 +449,12 @@ func (t *Table) Addresses() []string {
 // address once (its first listing).
 func (t *Table) Endpoints() []endpoint.Endpoint {
 	var out []endpoint.Endpoint
+	seen := make(map[string]bool)
 	for _, p := range t.pools {
 		for _, set := range []*picker.Set{p.Prefill.Set, p.Decode.Set} {
 			for _, ep := range set.Endpoints() {
-				if !slices.ContainsFunc(out, func(e endpoint.Endpoint) bool { return e.Address == ep.Address }) {
+				if !seen[ep.Address] {
+					seen[ep.Address] = true
 					out = append(out, ep)
 				}
 			}

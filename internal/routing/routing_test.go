@@ -61,6 +61,32 @@ pools:
 	require.False(t, ok, "no default pool")
 }
 
+func TestTableEndpoints(t *testing.T) {
+	cfg, err := config.Parse([]byte(`
+pools:
+- name: one
+  models: [one-model]
+  connector: nixl
+  prefill: [{address: 127.0.0.1:1}, {address: 127.0.0.1:2}]
+  decode: [{address: 127.0.0.1:2}, {address: 127.0.0.1:3}]
+- name: two
+  default: true
+  connector: nixl
+  prefill: [{address: 127.0.0.1:3}]
+  decode: [{address: 127.0.0.1:4}, {address: 127.0.0.1:1}]
+`))
+	require.NoError(t, err)
+	table, err := New(cfg)
+	require.NoError(t, err)
+
+	var got []string
+	for _, ep := range table.Endpoints() {
+		got = append(got, ep.Address)
+	}
+	require.Equal(t, []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"}, got,
+		"every pool's prefill and decode endpoints, each address once, where first listed")
+}
+
 func TestUnknownNames(t *testing.T) {
 	// Configs that config.Parse would refuse, built by hand.
 	for _, tc := range []struct {
