@@ -49,7 +49,8 @@ func run(ctx context.Context, args []string) error {
 			"name=path of each Mooncake trace, or "+replay.TenantsTrace+" for the generated multi-tenant workload (sized for the rig)")
 		policies = fs.String("policies", "round-robin,least-request,llm-d-default,pdx-default,"+replay.PreciseProfile+","+replay.PreciseReuseProfile+",vllm-router-cache-aware,vllm-router-kv-aware,"+replay.OracleProfile+","+replay.OracleReuseProfile,
 			"placement policies (round-robin always runs: it defines the load); "+replay.PreciseProfile+" is pdx's defaults placing by the engines' KV events, "+replay.PreciseReuseProfile+" that with decode-side reuse; vllm-router-cache-aware, vllm-router-kv-aware (placing by the engines' KV events) and vllm-router-round-robin are vLLM's own router over the same engines; "+
-				replay.OracleProfile+" reads the simulators' true state, the yardstick's limit, and "+replay.OracleReuseProfile+" may also serve a request on a decode engine alone (the TTFT limit, TPOT not weighed)")
+				replay.OracleProfile+" reads the simulators' true state, the yardstick's limit, and "+replay.OracleReuseProfile+" may also serve a request on a decode engine alone (the TTFT limit, TPOT not weighed); "+
+				replay.DirectRoundRobinProfile+" is round robin on the oracle's path, without Envoy and pdx (against round-robin: what the path costs)")
 		loads          = fs.String("loads", "0.5,0.75,0.9", "target round-robin prefill busy shares")
 		tenantLoads    = fs.String("tenant-loads", "", "target loads of the "+replay.TenantsTrace+" trace (default: the middle of --loads; it costs as much per load as a Mooncake trace)")
 		tenantKVRatio  = fs.Float64("tenant-kv-ratio", replay.TenantKVRatio, "the "+replay.TenantsTrace+" trace's contexts together over the prefill engines' KV (llm-d's regime below 1: they fit the engines together, not one engine; 2 was the earlier default)")

@@ -127,8 +127,8 @@ func (Forecast) Choose(c *Candidates) int {
 // in proportion to the busy share of the candidates' slots between.
 // Chosen on the cache-bound rig (docs/placement.md, forecast): at 85% load
 // weights from 1 to 8 gained goodput and hits over none, and 8 and 16
-// lengthened the TTFT tail at 70%. That sweep weighed at each engine's own
-// rate; since the weight is at the pool's, 4 was measured, not re-swept.
+// lengthened the TTFT tail at 70%. Re-swept at the pool's rate (2, 4,
+// 4 × busy², none), no weight did better than 4 beyond the runs' spread.
 const poolWeight = 4
 
 // meanInFlight is the mean prompt of pdx's requests in flight on the

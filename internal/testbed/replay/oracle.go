@@ -50,13 +50,18 @@ import (
 // that serves the whole trace best (which might, say, keep a tenant on a
 // busy engine to save KV elsewhere), and it does not weigh TPOT: a prompt
 // computed on a decode engine lengthens the steps of every sequence
-// decoding there, which the report's TPOT shows. It has no Envoy hop in
-// front, which gives it a small edge in TTFT over pdx's rows.
+// decoding there, which the report's TPOT shows. It has no Envoy and pdx
+// in front: with roundRobin (the direct-round-robin profile) it places as
+// pdx's round robin does instead, and the two rows' difference is what
+// that path costs apart from placement.
 type oracle struct {
 	prefill, decode []*enginesim.Server
 	// decodeAlone: the oracle-reuse profile, which may take the
 	// decode-alone path; else every request goes P/D.
 	decodeAlone bool
+	// roundRobin: prefills and decodes go round robin, each placement
+	// reading nothing and waiting for nothing.
+	roundRobin bool
 	// prefillTie and decodeTie are the ties' widths.
 	prefillTie, decodeTie time.Duration
 	client                *http.Client
@@ -84,7 +89,7 @@ var nixlPrefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_pre
 
 // startOracle serves the oracle on a loopback port in front of the
 // engines, whose capacity is c at token scale s.
-func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale, decodeAlone bool) (*oracle, error) {
+func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale, decodeAlone, roundRobin bool) (*oracle, error) {
 	if len(prefill) == 0 || len(decode) == 0 {
 		return nil, fmt.Errorf("oracle: %d prefill and %d decode engines", len(prefill), len(decode))
 	}
@@ -99,7 +104,7 @@ func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c eng
 		prefillTie: time.Duration(float64(block) / c.PrefillTokensPerSec * float64(time.Second)),
 		decodeTie:  time.Duration((block+c.BlockTokens-1)/c.BlockTokens) * c.KVPullPerBlock,
 		client:     newClient(), url: "http://" + ln.Addr().String(), served: make(chan struct{}),
-		decodeAlone: decodeAlone,
+		decodeAlone: decodeAlone, roundRobin: roundRobin,
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", o.serve)
@@ -198,6 +203,10 @@ func (o *oracle) answer(w http.ResponseWriter, resp *http.Response, err error) {
 // the prompt: the oracle is the only sender to the engines, so the next
 // arrival there is this request's.
 func (o *oracle) hold(e *enginesim.Server) (answered func()) {
+	if o.roundRobin { // the next placement reads nothing of this one
+		o.mu.Unlock()
+		return func() {}
+	}
 	_, queued := e.PrefillArrivals()
 	done := make(chan struct{})
 	go func() {
@@ -261,6 +270,10 @@ func (o *oracle) prefillLeg(ctx context.Context, e *enginesim.Server, client map
 // (alone true). Of ties, the first after the last pick; between the
 // paths, P/D. o.mu is held.
 func (o *oracle) place(prompt string, maxTokens int) (e *enginesim.Server, alone bool) {
+	if o.roundRobin {
+		e, o.nextPrefill = o.prefill[o.nextPrefill], (o.nextPrefill+1)%len(o.prefill)
+		return e, false
+	}
 	ttft := make([]time.Duration, len(o.prefill))
 	for i, p := range o.prefill {
 		ttft[i] = p.ForecastPrefill(prompt).TTFT()
@@ -299,6 +312,9 @@ const noPlace = time.Hour
 // steps for a sequence of prompt, among those that admit it at once if
 // any does; ties go round robin.
 func (o *oracle) pickDecode(prompt string, maxTokens int) *enginesim.Server {
+	if o.roundRobin {
+		return o.decode[(o.nextDecode.Add(1)-1)%uint64(len(o.decode))]
+	}
 	cost := make([]time.Duration, len(o.decode))
 	for i, e := range o.decode {
 		f := e.ForecastDecode(prompt, maxTokens)

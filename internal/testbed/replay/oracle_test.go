@@ -20,7 +20,7 @@ func oracleProfile(t *testing.T, name string) Profile {
 	t.Helper()
 	ps, err := SelectProfiles(Profiles(Scale{TokenScale: 16}), []string{name})
 	require.NoError(t, err)
-	require.True(t, ps[0].Oracle)
+	require.True(t, ps[0].Oracle || ps[0].Direct)
 	return ps[0]
 }
 
@@ -143,6 +143,20 @@ func TestOraclePicks(t *testing.T) {
 	require.Zero(t, es.Rejected, "no KV hand-off refused")
 	require.Positive(t, es.PrefillHitTokens)
 	require.Zero(t, ot.d.oracle.DecodeAlone())
+}
+
+// TestDirectRoundRobin: on the oracle's path round robin places as pdx's
+// round robin does, whatever the engines hold.
+func TestDirectRoundRobin(t *testing.T) {
+	ot := startOracleTest(t, DirectRoundRobinProfile)
+	var prefills, decodes []int
+	for range 4 {
+		p, d := ot.sendTo(ot.request(1))
+		prefills, decodes = append(prefills, p), append(decodes, d)
+	}
+	require.Equal(t, []int{0, 1, 0, 1}, prefills, "round robin, not to the engine holding the context")
+	require.Equal(t, []int{0, 1, 0, 1}, decodes)
+	require.Zero(t, engineStats(ot.d.st).Rejected, "no KV hand-off refused")
 }
 
 // TestOracleReusePicks drives oracle-reuse through constructed cases on

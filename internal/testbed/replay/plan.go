@@ -40,8 +40,9 @@
 // Oracle: an in-process P/D router (oracle.go) that picks, per request,
 // the prefill engine with the least forecast TTFT and the decode engine
 // with the least pull plus two decode steps, from enginesim's forecasts of
-// the engines' true state. Greedy, with no Envoy hop in front; pdx never
-// ships it. Each run's VsOracle is its distance from the oracle's at the
+// the engines' true state. Greedy, with no Envoy and pdx in front (the
+// direct-round-robin profile measures what that saves); pdx never ships
+// it. Each run's VsOracle is its distance from the oracle's at the
 // same point.
 package replay
 

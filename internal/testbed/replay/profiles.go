@@ -34,10 +34,15 @@ type Profile struct {
 	// alone (decode-side reuse) when that gives the first token sooner:
 	// the TTFT limit, which weighs no TPOT.
 	DecodeAlone bool
+	// Direct runs the oracle's in-process router placing round robin
+	// instead: pdx's round robin without Envoy and pdx in front, so that
+	// the two rows' difference is what the path costs, apart from
+	// placement. Not a yardstick: runs are not compared with it.
+	Direct bool
 }
 
 // pdx reports whether p runs Envoy and pdx.
-func (p Profile) pdx() bool { return p.Peer == "" && !p.Oracle }
+func (p Profile) pdx() bool { return p.Peer == "" && !p.Oracle && !p.Direct }
 
 // Config is what the report lists of p: its pdx YAML, or the peer's
 // policy.
@@ -51,6 +56,9 @@ func (p Profile) Config() string {
 				", or a plain request to the decode engine whose own prefill of the prompt is soonest; greedy on TTFT, TPOT not weighed"
 		}
 		return "in-process oracle over the simulators' true state (no Envoy): " + pd
+	}
+	if p.Direct {
+		return "in-process router (the oracle's, no Envoy), prefill and decode round robin; NIXL P/D legs sent by itself"
 	}
 	if p.Peer != "" && p.KVEvents {
 		return "vllm-router in NIXL P/D mode, --policy " + p.Peer + ", --pd-kv-events from every prefill engine"
@@ -139,6 +147,9 @@ func Profiles(s Scale) []Profile {
 		// The TTFT limit with decode-side reuse: the oracle that may also
 		// serve a request on a decode engine alone.
 		{Name: OracleReuseProfile, Oracle: true, DecodeAlone: true},
+		// round-robin's placement on the oracle's path: what Envoy and
+		// pdx add to a request's TTFT, apart from placement.
+		{Name: DirectRoundRobinProfile, Direct: true},
 	}
 }
 
@@ -147,6 +158,8 @@ func Profiles(s Scale) []Profile {
 const (
 	OracleProfile      = "oracle"
 	OracleReuseProfile = "oracle-reuse"
+	// DirectRoundRobinProfile is round robin on the oracle's path.
+	DirectRoundRobinProfile = "direct-round-robin"
 )
 
 // SelectProfiles picks profiles by name, in the order given.

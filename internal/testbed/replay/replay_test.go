@@ -23,7 +23,8 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", "precise",
-		"precise-reuse", "least-work", "least-work-precise", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse"}, names(all))
+		"precise-reuse", "least-work", "least-work-precise", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse",
+		"direct-round-robin"}, names(all))
 	require.Contains(t, all[4].ConfigYAML, "end_streams_at_routing: false")
 	require.Contains(t, all[5].ConfigYAML, "end_streams_at_routing: true")
 	precise := all[7]
@@ -49,6 +50,10 @@ func TestProfiles(t *testing.T) {
 	require.True(t, oracleReuse.Oracle && oracleReuse.DecodeAlone)
 	require.False(t, oracleReuse.pdx())
 	require.Contains(t, oracleReuse.Config(), "plain request to the decode engine")
+	direct := all[16]
+	require.True(t, direct.Direct && !direct.Oracle, "round robin on the oracle's path, not a yardstick")
+	require.False(t, direct.pdx())
+	require.Contains(t, direct.Config(), "round robin")
 	require.Equal(t, all[2].PoolYAML, all[2].Config(), "a pdx profile's config is its YAML")
 	require.Contains(t, all[2].PoolYAML, "disaggregation: {min_uncached_tokens: 1}", "llm-d's 16 tokens at scale 16")
 	require.Contains(t, Profiles(Scale{TokenScale: 4})[2].PoolYAML, "min_uncached_tokens: 4")

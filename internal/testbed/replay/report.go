@@ -58,7 +58,8 @@ func (rep *Report) Summary() string {
 			"prefills the prompt's uncached part itself, beside its decode batch) when that is forecast to give the first token " +
 			"sooner. Both are greedy (least TTFT for each request, not the best placement for the whole trace; neither weighs the " +
 			"TPOT a prompt computed beside a decode batch costs the batch) and have no " +
-			"Envoy hop in front, a small TTFT edge over pdx's rows; their CPU is the harness's (router cores 0). Each trace's " +
+			"Envoy and pdx in front (`direct-round-robin`, round robin on their path, against pdx's `round-robin` is what that " +
+			"path saves); their CPU is the harness's (router cores 0). Each trace's " +
 			"second table is every policy's distance from `oracle` at the same point.\n\n")
 	}
 	fmt.Fprintf(&b, "Engine capacity: `%s`\n\n", compactJSON(rep.Capacity))

@@ -378,8 +378,8 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 	if err != nil {
 		return nil, err
 	}
-	if p.Oracle {
-		o, err := startOracle(ctx, st.Prefill, st.Decode, capacity, rig.Scale, p.DecodeAlone)
+	if p.Oracle || p.Direct {
+		o, err := startOracle(ctx, st.Prefill, st.Decode, capacity, rig.Scale, p.DecodeAlone, p.Direct)
 		if err != nil {
 			return nil, errors.Join(err, st.Close())
 		}
