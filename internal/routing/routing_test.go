@@ -85,6 +85,7 @@ pools:
 	}
 	require.Equal(t, []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3", "127.0.0.1:4"}, got,
 		"every pool's prefill and decode endpoints, each address once, where first listed")
+	require.Equal(t, got, table.Addresses(), "the engines scraped are those")
 }
 
 func TestUnknownNames(t *testing.T) {
