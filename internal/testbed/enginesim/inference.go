@@ -174,6 +174,9 @@ func (s *Server) servePrefill(x *exchange) {
 		s.reject(x, err)
 		return
 	}
+	if f := s.prefillObserver.Load(); f != nil {
+		(*f)(x.req.prompt)
+	}
 	if err := s.computePrompt(x.r.Context(), x.req); err != nil {
 		s.abandon(x, err)
 		return

@@ -199,6 +199,19 @@ func (s *Server) PrefillArrivals() (uint64, <-chan struct{}) {
 	return m.truth.arrivals, m.truth.next
 }
 
+// ObservePrefills has f called with the prompt text (as for
+// ForecastPrefill) of every prefill leg the engine takes from now on,
+// before the prompt is queued, so that the engines' forecasts read then
+// are what the placement that sent it could have had; nil stops it. f
+// runs on the request's goroutine and must not block.
+func (s *Server) ObservePrefills(f func(prompt string)) {
+	if f == nil {
+		s.prefillObserver.Store(nil)
+		return
+	}
+	s.prefillObserver.Store(&f)
+}
+
 // truth is an engine's bookkeeping for the forecasts, under engineLoad.mu:
 // the prefills being computed (granted, in the order granted; one per
 // busy prefill slot) and the prefill queue's arrivals.

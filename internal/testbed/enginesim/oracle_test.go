@@ -3,6 +3,7 @@ package enginesim
 import (
 	"context"
 	"net/http"
+	"sync"
 	"testing"
 	"time"
 
@@ -100,6 +101,33 @@ func TestPrefillArrivals(t *testing.T) {
 	require.Equal(t, http.StatusOK, await(t, r).status)
 	n, _ = s.PrefillArrivals()
 	require.EqualValues(t, 1, n)
+}
+
+// TestObservePrefills: the observer hears each prefill leg's prompt
+// before the engine queues it (its forecast then is an idle engine's for
+// a prompt it does not hold), and nothing once removed.
+func TestObservePrefills(t *testing.T) {
+	const perToken = time.Millisecond
+	s := startSim(t, Config{Role: RolePrefill, Capacity: testCapacity(func(c *Capacity) { c.PrefillTokensPerSec = 1000 })})
+	prompt := tokensText('a', 8)
+	var (
+		mu       sync.Mutex
+		observed []string
+		seen     []PrefillForecast
+	)
+	s.ObservePrefills(func(p string) {
+		f := s.ForecastPrefill(p)
+		mu.Lock()
+		defer mu.Unlock()
+		observed, seen = append(observed, p), append(seen, f)
+	})
+	require.Equal(t, http.StatusOK, await(t, goPost(t, s, "/v1/completions", "one", completionBody(prompt).asPrefill())).status)
+	s.ObservePrefills(nil)
+	require.Equal(t, http.StatusOK, await(t, goPost(t, s, "/v1/completions", "two", completionBody(prompt).asPrefill())).status)
+	mu.Lock()
+	defer mu.Unlock()
+	require.Equal(t, []string{prompt}, observed)
+	require.Equal(t, []PrefillForecast{{Compute: 8 * perToken}}, seen)
 }
 
 // TestForecastDecode: a sequence pulls the blocks the decode engine's

@@ -32,6 +32,7 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
@@ -343,6 +344,9 @@ type Server struct {
 
 	closeOnce sync.Once
 	closeErr  error
+
+	// prefillObserver is ObservePrefills' function, nil without one.
+	prefillObserver atomic.Pointer[func(prompt string)]
 }
 
 // sequenced is a Record with its arrival number, so records stay in arrival

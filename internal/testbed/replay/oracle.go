@@ -87,6 +87,13 @@ const oracleArrivalWait = time.Second
 var nixlPrefillParams = json.RawMessage(`{"do_remote_decode":true,"do_remote_prefill":false,` +
 	`"remote_engine_id":null,"remote_block_ids":null,"remote_host":null,"remote_port":null}`)
 
+// prefillTie is how close two prefill forecasts are taken as equal: the
+// prefill of a trace block (512 real tokens) on engines of capacity c at
+// token scale s.
+func prefillTie(c enginesim.Capacity, s Scale) time.Duration {
+	return time.Duration(float64(s.Tokens(TraceBlockTokens)) / c.PrefillTokensPerSec * float64(time.Second))
+}
+
 // startOracle serves the oracle on a loopback port in front of the
 // engines, whose capacity is c at token scale s.
 func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale, decodeAlone, roundRobin bool) (*oracle, error) {
@@ -101,7 +108,7 @@ func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c eng
 	block := s.Tokens(TraceBlockTokens) // simulated tokens of a trace block
 	o := &oracle{
 		prefill: prefill, decode: decode,
-		prefillTie: time.Duration(float64(block) / c.PrefillTokensPerSec * float64(time.Second)),
+		prefillTie: prefillTie(c, s),
 		decodeTie:  time.Duration((block+c.BlockTokens-1)/c.BlockTokens) * c.KVPullPerBlock,
 		client:     newClient(), url: "http://" + ln.Addr().String(), served: make(chan struct{}),
 		decodeAlone: decodeAlone, roundRobin: roundRobin,

@@ -312,6 +312,8 @@ func TestOracleReplay(t *testing.T) {
 		require.Zero(t, r.Engines.Rejected, "KV hand-offs refused")
 		require.Equal(t, 40, sum(r.Engines.DecodeRequests), "every request decoded once")
 		require.Positive(t, r.PrefixHitRateAll, "%s: tenants share their contexts", r.Policy)
+		require.NotNil(t, r.Placement, r.Policy)
+		require.Equal(t, sum(r.Engines.PrefillRequests), r.Placement.Prefills, "%s: every prefill leg judged", r.Policy)
 	}
 	reuse := rep.Runs[2]
 	require.Equal(t, OracleReuseProfile, reuse.Policy)
@@ -330,6 +332,7 @@ func TestOracleReplay(t *testing.T) {
 	summary, err := os.ReadFile(filepath.Join(out, "summary.md"))
 	require.NoError(t, err)
 	for _, want := range []string{"| oracle |", "**Oracle.**", "Distance from the oracle", "6 tenants chosen uniformly", "× oracle",
+		"Prefills misplaced", "The oracle's own prefills, judged alike: oracle at 60%",
 		fmt.Sprintf("- oracle-reuse at 60%%: %d of 40 requests decode-alone", 40-sum(reuse.Engines.PrefillRequests))} {
 		require.Contains(t, string(summary), want)
 	}

@@ -185,6 +185,7 @@ func TestReplay(t *testing.T) {
 		require.Positive(t, r.BusyShare)
 		require.Positive(t, r.TTFT.P50)
 		require.Equal(t, 40, sum(r.Engines.PrefillRequests), "every request prefilled once")
+		require.Equal(t, 40, r.Placement.Prefills, "%s: every prefill leg judged", r.Policy)
 		require.Equal(t, 40, sum(r.Engines.DecodeRequests))
 		require.Positive(t, r.CPU.Router, "%s: the router's cores", r.Policy)
 		require.Positive(t, r.CPU.RouterMsPerRequest)

@@ -155,15 +155,45 @@ func (rep *Report) oracleSummary(b *strings.Builder, tr TraceReport) {
 		return
 	}
 	fmt.Fprintf(b, "Distance from the oracle at the same point: TTFT as a multiple of the oracle's (1 = as fast), goodput and prefix hit "+
-		"(prefill engines) in points above the oracle's (0 = as good, negative = worse).\n\n")
-	fmt.Fprintf(b, "| load: target → RR busy | policy | TTFT p50 × oracle | TTFT p90 × oracle | goodput − oracle | prefix hit − oracle |\n")
-	fmt.Fprintf(b, "|---|---|---:|---:|---:|---:|\n")
+		"(prefill engines) in points above the oracle's (0 = as good, negative = worse). %s\n\n", regretLegend)
+	fmt.Fprintf(b, "| load: target → RR busy | policy | TTFT p50 × oracle | TTFT p90 × oracle | goodput − oracle | prefix hit − oracle | prefills misplaced |\n")
+	fmt.Fprintf(b, "|---|---|---:|---:|---:|---:|---|\n")
 	for _, r := range rows {
 		g := r.VsOracle
-		fmt.Fprintf(b, "| %.0f%% → %.0f%% | %s | %.2f | %.2f | %+.1f | %+.1f |\n",
-			100*r.TargetLoad, 100*r.RRBusyShare, r.Policy, g.TTFTP50, g.TTFTP90, g.GoodputPoints, g.PrefixHitPoints)
+		fmt.Fprintf(b, "| %.0f%% → %.0f%% | %s | %.2f | %.2f | %+.1f | %+.1f | %s |\n",
+			100*r.TargetLoad, 100*r.RRBusyShare, r.Policy, g.TTFTP50, g.TTFTP90, g.GoodputPoints, g.PrefixHitPoints, regretCell(r.Placement))
 	}
 	b.WriteString("\n")
+	rep.oracleRegret(b, tr.Name)
+}
+
+// regretLegend says what the distance tables' last column is.
+const regretLegend = "Prefills misplaced: the share of prefill legs whose engine, as the leg arrived, was forecast by the simulators' " +
+	"true state to answer it later than another by more than the oracle's tie (a trace block's prefill), with what those " +
+	"waited and computed more than on the best engine, and the mean excess over all prefills (a placement is judged at " +
+	"its arrival: of prefills placed at once, the first to arrive finds the idle engine)."
+
+// regretCell is a distance table's prefills misplaced.
+func regretCell(r *Regret) string {
+	if r == nil {
+		return "–"
+	}
+	return fmt.Sprintf("%.0f%% (wait %+.0f, compute %+.0f ms); mean %+.1f ms", 100*r.Misplaced, r.WaitMs, r.ComputeMs, r.MeanExcessMs)
+}
+
+// oracleRegret says how the oracle's own prefills were judged on trace:
+// it places by the same forecasts, so what it misplaces is what the
+// judging itself counts (placements overtaken on their way).
+func (rep *Report) oracleRegret(b *strings.Builder, trace string) {
+	var cells []string
+	for _, r := range rep.Runs {
+		if r.Trace == trace && r.Oracle && r.Placement != nil {
+			cells = append(cells, fmt.Sprintf("%s at %s: %s", r.Policy, loadLabel(r), regretCell(r.Placement)))
+		}
+	}
+	if len(cells) > 0 {
+		fmt.Fprintf(b, "The oracle's own prefills, judged alike: %s.\n\n", strings.Join(cells, "; "))
+	}
 }
 
 // decodeAloneSummary is how many of oracle-reuse's requests went
@@ -318,15 +348,16 @@ func (rep *Report) cacheBoundTrace(b *strings.Builder, tr TraceReport, c engines
 	}
 	if len(far) > 0 {
 		b.WriteString("Distance from the oracle at the same point: TTFT as a multiple of the oracle's (1 = as fast), goodput and prefix " +
-			"hit (prefill engines) in points above the oracle's (0 = as good, negative = worse).\n\n")
-		fmt.Fprintf(b, "| load: target → RR busy | policy | pdx replicas | TTFT p50 × oracle | TTFT p90 × oracle | goodput − oracle | prefix hit − oracle |\n")
-		fmt.Fprintf(b, "|---|---|---:|---:|---:|---:|---:|\n")
+			"hit (prefill engines) in points above the oracle's (0 = as good, negative = worse). " + regretLegend + "\n\n")
+		fmt.Fprintf(b, "| load: target → RR busy | policy | pdx replicas | TTFT p50 × oracle | TTFT p90 × oracle | goodput − oracle | prefix hit − oracle | prefills misplaced |\n")
+		fmt.Fprintf(b, "|---|---|---:|---:|---:|---:|---:|---|\n")
 		for _, r := range far {
 			g := r.VsOracle
-			fmt.Fprintf(b, "| %s | %s | %d | %.2f | %.2f | %+.1f | %+.1f |\n",
-				loadLabel(r), r.Policy, r.Replicas, g.TTFTP50, g.TTFTP90, g.GoodputPoints, g.PrefixHitPoints)
+			fmt.Fprintf(b, "| %s | %s | %d | %.2f | %.2f | %+.1f | %+.1f | %s |\n",
+				loadLabel(r), r.Policy, r.Replicas, g.TTFTP50, g.TTFTP90, g.GoodputPoints, g.PrefixHitPoints, regretCell(r.Placement))
 		}
 		b.WriteString("\n")
+		rep.oracleRegret(b, rows[0].Trace)
 	}
 	for _, r := range rows {
 		if len(r.ErrorSamples) > 0 {

@@ -106,6 +106,9 @@ type RunResult struct {
 	// (the forecast policy's), averaged over them and the replays; nil for
 	// the peer and the oracle.
 	Learned *Learned `json:"learned_service,omitempty"`
+	// Placement judges the prefill placements against the engines' true
+	// state (see Regret), the replays pooled; nil when none was judged.
+	Placement *Regret `json:"placement_regret,omitempty"`
 }
 
 // Learned is what pdx's service model learned of the prefill engines from
@@ -275,6 +278,8 @@ type sample struct {
 	kvLookups, kvHits int
 	// learned is what the first pdx replica learned; nil without pdx.
 	learned *Learned
+	// regret judges the replay's prefill placements.
+	regret Regret
 }
 
 // replay starts a fresh deployment for r, sends every request at its scheduled
@@ -289,13 +294,16 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 	client := newClient()
 	defer client.CloseIdleConnections()
 
+	_, capacity := rig.engineConfig()
+	regret := watchRegret(d.st.Prefill, prefillTie(capacity, rig.Scale))
 	cpu := startCPU(d.routerPid())
 	outs, elapsed := sendAll(ctx, client, d.URL(), r.reqs, r.at)
 	use := cpu.stop()
+	judged := regret.stop()
 	if err := ctx.Err(); err != nil {
 		return sample{}, err
 	}
-	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use}
+	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use, regret: judged}
 	if d.peer == nil && d.oracle == nil {
 		s.learned = learned(d.st)
 	}
@@ -542,6 +550,7 @@ func summarizeRun(r run, samples []sample, slo SLO, c enginesim.Capacity) RunRes
 	res.BusyShare = busyShare(es.PrefillBusy, window, len(es.PrefillRequests))
 	res.Service = service(c, es)
 	res.Learned = meanLearned(samples)
+	res.Placement = pooledRegret(samples)
 	if len(samples) > 1 {
 		for i := range samples {
 			one := summarizeRun(r, samples[i:i+1], slo, c)

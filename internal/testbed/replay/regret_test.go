@@ -1,0 +1,76 @@
+package replay
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
+)
+
+// TestRegret: a prefill counts as misplaced when its engine's forecast
+// is above the least by more than the tie, and its excess splits into
+// waiting and computing more.
+func TestRegret(t *testing.T) {
+	const ms = time.Millisecond
+	f := func(wait, compute time.Duration) enginesim.PrefillForecast {
+		return enginesim.PrefillForecast{Wait: wait, Compute: compute}
+	}
+	tests := []struct {
+		name string
+		at   []int                         // where each prefill came
+		fs   [][]enginesim.PrefillForecast // every engine's forecast at its arrival
+		want Regret
+	}{
+		{
+			name: "none judged",
+		},
+		{
+			name: "the best engine",
+			at:   []int{1},
+			fs:   [][]enginesim.PrefillForecast{{f(10*ms, 5*ms), f(0, 5*ms)}},
+			want: Regret{Prefills: 1},
+		},
+		{
+			name: "within the tie",
+			at:   []int{0},
+			fs:   [][]enginesim.PrefillForecast{{f(2*ms, 5*ms), f(0, 5*ms)}},
+			want: Regret{Prefills: 1, MeanExcessMs: 2},
+		},
+		{
+			name: "behind a queue, holding more",
+			at:   []int{0, 1},
+			fs: [][]enginesim.PrefillForecast{
+				{f(40*ms, 5*ms), f(0, 15*ms)},
+				{f(0, 5*ms), f(0, 5*ms)},
+			},
+			want: Regret{Prefills: 2, Misplaced: 0.5, MeanExcessMs: 15, WaitMs: 40, ComputeMs: -10},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			l := &regretLog{tie: 3 * ms}
+			for i, at := range tt.at {
+				l.add(tt.fs[i], at)
+			}
+			require.Equal(t, tt.want, l.stop())
+		})
+	}
+}
+
+// TestPooledRegret: replays pool by their prefills, the misplaced ones'
+// split by the misplaced.
+func TestPooledRegret(t *testing.T) {
+	require.Nil(t, pooledRegret([]sample{{}, {}}))
+	got := pooledRegret([]sample{
+		{regret: Regret{Prefills: 100, Misplaced: 0.5, MeanExcessMs: 10, WaitMs: 20, ComputeMs: 0}},
+		{regret: Regret{Prefills: 300, Misplaced: 0.1, MeanExcessMs: 2, WaitMs: 40, ComputeMs: -8}},
+		{},
+	})
+	require.Equal(t, 400, got.Prefills)
+	require.InDelta(t, 0.2, got.Misplaced, 1e-12)  // (50 + 30) / 400
+	require.InDelta(t, 4, got.MeanExcessMs, 1e-12) // (1000 + 600) / 400
+	require.InDelta(t, 27.5, got.WaitMs, 1e-12)    // (50×20 + 30×40) / 80
+	require.InDelta(t, -3, got.ComputeMs, 1e-12)   // (30×−8) / 80
+}
