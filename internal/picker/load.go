@@ -2,7 +2,6 @@ package picker
 
 import (
 	"math"
-	"slices"
 	"time"
 )
 
@@ -61,17 +60,10 @@ func (s *Set) Observe(address string, l Load) {
 	s.room.wake() // a lighter load may make room
 }
 
-// Addresses returns the distinct addresses of the set's endpoints, for the
-// metrics scraper.
-func (s *Set) Addresses() []string {
-	var out []string
-	for _, ep := range s.view.Load().endpoints {
-		if !slices.Contains(out, ep.Address) {
-			out = append(out, ep.Address)
-		}
-	}
-	return out
-}
+// Addresses returns the distinct addresses of the set's endpoints, in the
+// order first listed, for the metrics scraper, which asks at every tick:
+// the view computed them once. The caller must not modify them.
+func (s *Set) Addresses() []string { return s.view.Load().addresses }
 
 // signal is what one pick reads of an endpoint: everything at once, so
 // that a policy touches each endpoint's state once.

@@ -95,3 +95,15 @@ func TestSpecs(t *testing.T) {
 	require.Equal(t, []string{LoadAwarePolicy}, Claimants("weights"))
 	require.Equal(t, []string{PrefixAffinityPolicy}, Claimants("load_factor"))
 }
+
+// TestSetAddresses: a set's distinct addresses in the order first listed
+// (an endpoint listed twice, or one address under two bootstrap ports, is
+// one engine to scrape), and the new ones once its endpoints change.
+func TestSetAddresses(t *testing.T) {
+	a, b, c := "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"
+	s := NewSet([]endpoint.Endpoint{{Address: b}, {Address: a}, {Address: b}, {Address: a, BootstrapPort: 9000}}, Options{})
+	require.Equal(t, []string{b, a}, s.Addresses())
+	s.SetEndpoints([]endpoint.Endpoint{{Address: c}, {Address: b}})
+	require.Equal(t, []string{c, b}, s.Addresses())
+	require.Empty(t, NewSet(nil, Options{}).Addresses())
+}

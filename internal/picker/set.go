@@ -119,6 +119,9 @@ type view struct {
 	endpoints []endpoint.Endpoint
 	states    []*health
 	first     []int
+	// addresses are the endpoints' distinct addresses, in first listing
+	// order (Addresses).
+	addresses []string
 	// byEP finds an endpoint's health for Report and Healthy in large
 	// sets; small ones are scanned (see lookup). nil when small.
 	byEP map[endpoint.Endpoint]*health
@@ -247,7 +250,12 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 	}
 	byEP := make(map[endpoint.Endpoint]*health, len(endpoints))
 	firsts := make(map[endpoint.Endpoint]int, len(endpoints))
+	addresses := make(map[string]bool, len(endpoints))
 	for i, ep := range v.endpoints {
+		if !addresses[ep.Address] {
+			addresses[ep.Address] = true
+			v.addresses = append(v.addresses, ep.Address)
+		}
 		h, ok := byEP[ep]
 		if !ok {
 			firsts[ep] = i

@@ -432,11 +432,16 @@ func (t *Table) changed() {
 // Addresses returns the distinct addresses of every endpoint of the table's
 // pools: the engines whose metrics pdx scrapes.
 func (t *Table) Addresses() []string {
-	var out []string
+	n := 0
+	for _, p := range t.pools {
+		n += len(p.Prefill.Set.Addresses()) + len(p.Decode.Set.Addresses())
+	}
+	out, seen := make([]string, 0, n), make(map[string]bool, n)
 	for _, p := range t.pools {
 		for _, set := range []*picker.Set{p.Prefill.Set, p.Decode.Set} {
 			for _, a := range set.Addresses() {
-				if !slices.Contains(out, a) {
+				if !seen[a] {
+					seen[a] = true
 					out = append(out, a)
 				}
 			}

@@ -517,3 +517,28 @@ func TestPrefillMaxInFlight(t *testing.T) {
 		})
 	}
 }
+
+// BenchmarkTableAddresses: the metrics scraper asks for the engines at
+// every tick (every 50 ms by default); one pool of n engines, half
+// prefill, half decode.
+func BenchmarkTableAddresses(b *testing.B) {
+	for _, n := range []int{8, 64, 512} {
+		b.Run(fmt.Sprint(n), func(b *testing.B) {
+			var prefill, decode strings.Builder
+			for i := range n / 2 {
+				fmt.Fprintf(&prefill, "{address: 10.0.%d.%d:8000},", i/256, i%256)
+				fmt.Fprintf(&decode, "{address: 10.1.%d.%d:8000},", i/256, i%256)
+			}
+			cfg, err := config.Parse(fmt.Appendf(nil, "pools:\n- name: p\n  default: true\n  connector: nixl\n  prefill: [%s]\n  decode: [%s]\n",
+				strings.TrimSuffix(prefill.String(), ","), strings.TrimSuffix(decode.String(), ",")))
+			require.NoError(b, err)
+			table, err := New(cfg)
+			require.NoError(b, err)
+			require.Len(b, table.Addresses(), n)
+			b.ReportAllocs()
+			for b.Loop() {
+				table.Addresses()
+			}
+		})
+	}
+}
