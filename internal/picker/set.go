@@ -292,6 +292,7 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 			v.groups[ep.Group] = g
 		}
 	}
+	v.addresses = slices.Clip(v.addresses) // a caller's append copies them
 	if len(v.endpoints) > scanMax {
 		v.byEP = byEP
 	}
