@@ -312,8 +312,11 @@ func TestOracleReplay(t *testing.T) {
 		require.Zero(t, r.Engines.Rejected, "KV hand-offs refused")
 		require.Equal(t, 40, sum(r.Engines.DecodeRequests), "every request decoded once")
 		require.Positive(t, r.PrefixHitRateAll, "%s: tenants share their contexts", r.Policy)
-		require.NotNil(t, r.Placement, r.Policy)
-		require.Equal(t, sum(r.Engines.PrefillRequests), r.Placement.Prefills, "%s: every prefill leg judged", r.Policy)
+		judged := 0 // oracle-reuse may serve every request decode-alone: none to judge
+		if r.Placement != nil {
+			judged = r.Placement.Prefills
+		}
+		require.Equal(t, sum(r.Engines.PrefillRequests), judged, "%s: every prefill leg judged", r.Policy)
 	}
 	reuse := rep.Runs[2]
 	require.Equal(t, OracleReuseProfile, reuse.Policy)
