@@ -30,14 +30,62 @@ type Regret struct {
 	ComputeMs float64 `json:"compute_ms"`
 }
 
+// judged counts a replay's prefills as judged: each replay's are summed
+// to pool them, and the figures are taken once (regret).
+type judged struct {
+	prefills, misplaced int
+	// excess is over every prefill; wait and compute over the misplaced.
+	excess, wait, compute time.Duration
+}
+
+// add counts a prefill that came to engine at, with every engine's
+// forecast fs; tie is how much above the least still counts as well
+// placed.
+func (j *judged) add(fs []enginesim.PrefillForecast, at int, tie time.Duration) {
+	best := 0
+	for i, f := range fs {
+		if f.TTFT() < fs[best].TTFT() {
+			best = i
+		}
+	}
+	excess := fs[at].TTFT() - fs[best].TTFT()
+	j.prefills++
+	j.excess += excess
+	if excess > tie {
+		j.misplaced++
+		j.wait += fs[at].Wait - fs[best].Wait
+		j.compute += fs[at].Compute - fs[best].Compute
+	}
+}
+
+// plus is j and o together.
+func (j judged) plus(o judged) judged {
+	return judged{j.prefills + o.prefills, j.misplaced + o.misplaced, j.excess + o.excess, j.wait + o.wait, j.compute + o.compute}
+}
+
+// regret is what j judged; nil when it judged no prefill.
+func (j judged) regret() *Regret {
+	if j.prefills == 0 {
+		return nil
+	}
+	r := &Regret{
+		Prefills:     j.prefills,
+		Misplaced:    float64(j.misplaced) / float64(j.prefills),
+		MeanExcessMs: ms(j.excess) / float64(j.prefills),
+	}
+	if j.misplaced > 0 {
+		r.WaitMs, r.ComputeMs = ms(j.wait)/float64(j.misplaced), ms(j.compute)/float64(j.misplaced)
+	}
+	return r
+}
+
 // regretLog judges a replay's prefills as they arrive (see Regret).
 type regretLog struct {
 	engines []*enginesim.Server
 	tie     time.Duration
 
-	mu                          sync.Mutex
-	prefills, misplaced         int
-	excess, misWait, misCompute time.Duration
+	mu     sync.Mutex
+	judged judged
 }
 
 // watchRegret judges every prefill leg that reaches engines from now on,
@@ -59,71 +107,24 @@ func (l *regretLog) observe(at int, prompt string) {
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	l.add(fs, at)
-}
-
-// add counts a prefill that came to engine at, with every engine's
-// forecast fs. l.mu is held.
-func (l *regretLog) add(fs []enginesim.PrefillForecast, at int) {
-	best := 0
-	for i, f := range fs {
-		if f.TTFT() < fs[best].TTFT() {
-			best = i
-		}
-	}
-	excess := fs[at].TTFT() - fs[best].TTFT()
-	l.prefills++
-	l.excess += excess
-	if excess > l.tie {
-		l.misplaced++
-		l.misWait += fs[at].Wait - fs[best].Wait
-		l.misCompute += fs[at].Compute - fs[best].Compute
-	}
+	l.judged.add(fs, at, l.tie)
 }
 
 // stop ends the watch and returns what it judged.
-func (l *regretLog) stop() Regret {
+func (l *regretLog) stop() judged {
 	for _, e := range l.engines {
 		e.ObservePrefills(nil)
 	}
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	r := Regret{Prefills: l.prefills}
-	if l.prefills > 0 {
-		r.Misplaced = float64(l.misplaced) / float64(l.prefills)
-		r.MeanExcessMs = ms(l.excess) / float64(l.prefills)
-	}
-	if l.misplaced > 0 {
-		r.WaitMs, r.ComputeMs = ms(l.misWait)/float64(l.misplaced), ms(l.misCompute)/float64(l.misplaced)
-	}
-	return r
+	return l.judged
 }
 
-// pooledRegret is the regret of samples pooled, each weighed by its
-// prefills; nil when none judged any.
+// pooledRegret is the regret of samples pooled; nil when none judged any.
 func pooledRegret(samples []sample) *Regret {
-	var r Regret
-	misplaced := 0.0
+	var all judged
 	for _, s := range samples {
-		n := float64(s.regret.Prefills)
-		if n == 0 {
-			continue
-		}
-		r.Prefills += s.regret.Prefills
-		r.MeanExcessMs += n * s.regret.MeanExcessMs
-		m := n * s.regret.Misplaced
-		misplaced += m
-		r.Misplaced += m
-		r.WaitMs += m * s.regret.WaitMs
-		r.ComputeMs += m * s.regret.ComputeMs
+		all = all.plus(s.judged)
 	}
-	if r.Prefills == 0 {
-		return nil
-	}
-	r.MeanExcessMs /= float64(r.Prefills)
-	r.Misplaced /= float64(r.Prefills)
-	if misplaced > 0 {
-		r.WaitMs, r.ComputeMs = r.WaitMs/misplaced, r.ComputeMs/misplaced
-	}
-	return &r
+	return all.regret()
 }

@@ -21,7 +21,7 @@ func TestRegret(t *testing.T) {
 		name string
 		at   []int                         // where each prefill came
 		fs   [][]enginesim.PrefillForecast // every engine's forecast at its arrival
-		want Regret
+		want *Regret                       // nil: none judged
 	}{
 		{
 			name: "none judged",
@@ -30,13 +30,13 @@ func TestRegret(t *testing.T) {
 			name: "the best engine",
 			at:   []int{1},
 			fs:   [][]enginesim.PrefillForecast{{f(10*ms, 5*ms), f(0, 5*ms)}},
-			want: Regret{Prefills: 1},
+			want: &Regret{Prefills: 1},
 		},
 		{
 			name: "within the tie",
 			at:   []int{0},
 			fs:   [][]enginesim.PrefillForecast{{f(2*ms, 5*ms), f(0, 5*ms)}},
-			want: Regret{Prefills: 1, MeanExcessMs: 2},
+			want: &Regret{Prefills: 1, MeanExcessMs: 2},
 		},
 		{
 			name: "behind a queue, holding more",
@@ -45,16 +45,16 @@ func TestRegret(t *testing.T) {
 				{f(40*ms, 5*ms), f(0, 15*ms)},
 				{f(0, 5*ms), f(0, 5*ms)},
 			},
-			want: Regret{Prefills: 2, Misplaced: 0.5, MeanExcessMs: 15, WaitMs: 40, ComputeMs: -10},
+			want: &Regret{Prefills: 2, Misplaced: 0.5, MeanExcessMs: 15, WaitMs: 40, ComputeMs: -10},
 		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			l := &regretLog{tie: 3 * ms}
 			for i, at := range tt.at {
-				l.add(tt.fs[i], at)
+				l.judged.add(tt.fs[i], at, l.tie)
 			}
-			require.Equal(t, tt.want, l.stop())
+			require.Equal(t, tt.want, l.stop().regret())
 		})
 	}
 }
@@ -62,10 +62,15 @@ func TestRegret(t *testing.T) {
 // TestPooledRegret: replays pool by their prefills, the misplaced ones'
 // split by the misplaced.
 func TestPooledRegret(t *testing.T) {
+	const ms = time.Millisecond
 	require.Nil(t, pooledRegret([]sample{{}, {}}))
 	got := pooledRegret([]sample{
-		{regret: Regret{Prefills: 100, Misplaced: 0.5, MeanExcessMs: 10, WaitMs: 20, ComputeMs: 0}},
-		{regret: Regret{Prefills: 300, Misplaced: 0.1, MeanExcessMs: 2, WaitMs: 40, ComputeMs: -8}},
+		// 100 prefills, half misplaced, mean excess 10 ms, the misplaced
+		// waiting 20 ms more.
+		{judged: judged{prefills: 100, misplaced: 50, excess: 1000 * ms, wait: 1000 * ms}},
+		// 300 prefills, a tenth misplaced, mean excess 2 ms, the misplaced
+		// waiting 40 ms more and computing 8 ms less.
+		{judged: judged{prefills: 300, misplaced: 30, excess: 600 * ms, wait: 1200 * ms, compute: -240 * ms}},
 		{},
 	})
 	require.Equal(t, 400, got.Prefills)

@@ -278,8 +278,8 @@ type sample struct {
 	kvLookups, kvHits int
 	// learned is what the first pdx replica learned; nil without pdx.
 	learned *Learned
-	// regret judges the replay's prefill placements.
-	regret Regret
+	// judged is the replay's prefill placements judged (see Regret).
+	judged judged
 }
 
 // replay starts a fresh deployment for r, sends every request at its scheduled
@@ -299,11 +299,11 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 	cpu := startCPU(d.routerPid())
 	outs, elapsed := sendAll(ctx, client, d.URL(), r.reqs, r.at)
 	use := cpu.stop()
-	judged := regret.stop()
+	placed := regret.stop()
 	if err := ctx.Err(); err != nil {
 		return sample{}, err
 	}
-	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use, regret: judged}
+	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use, judged: placed}
 	if d.peer == nil && d.oracle == nil {
 		s.learned = learned(d.st)
 	}
