@@ -52,6 +52,8 @@ type Candidates struct {
 	start int
 	// tiers are the candidates' adapter tiers (preferAdapter), by index.
 	tiers []uint8
+	// forecasts are Forecast's, by index.
+	forecasts []float64
 }
 
 // freeCandidates keeps Candidates and their buffers between picks: a

@@ -1,6 +1,10 @@
 package picker
 
-import configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+import (
+	"slices"
+
+	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
+)
 
 // ForecastPolicy names Forecast in the config.
 const ForecastPolicy = "forecast"
@@ -22,9 +26,9 @@ func forecastSpec() Spec {
 // it costs: an engine that computes several prompts at once takes a new
 // one as soon as a slot frees, so waiting behind its queue for a prompt's
 // cache beats computing the prompt elsewhere more often than least_work
-// says. What is queued is counted as least_work counts it
-// (the fluid model of pdx's prefills in flight, the mean prompt for each
-// request the engine's fresh metrics count and pdx did not send); what is
+// says. What is queued is pdx's prefills in flight in the engine's
+// first-come-first-served slots (fifo), then the mean prompt for each
+// request the engine's fresh metrics count and pdx did not send; what is
 // held is the deeper of what pdx sent and, with KV events, what the engine
 // reports.
 //
@@ -63,7 +67,7 @@ func (Forecast) Choose(c *Candidates) int {
 	if !usable {
 		return -1
 	}
-	start := c.Start()
+	start, now := c.Start(), c.now.read()
 	d := c.depths()
 	n := len(gs)
 	var peers peerModel
@@ -77,23 +81,27 @@ func (Forecast) Choose(c *Candidates) int {
 			slots += s
 		}
 	}
+	peers.mean()
 	weight := 1 + poolWeight*float64(busy)/float64(max(slots, 1))
-	forecast := func(k int) float64 {
-		g, h := &gs[k], c.health(k)
-		q := queueOf(queuedAhead(c, g, h, mean), g.requests(), h.service.slotsSeen())
-		return h.service.forecast(q, c.tokens-d.cachedTokens(k), weight, &peers)
-	}
+	// Each usable candidate's forecast, once: reading an engine's queue
+	// takes its lock.
+	fs := slices.Grow(c.forecasts[:0], n)[:n]
+	c.forecasts = fs
 	best, least := -1, 0.0
 	// k goes round from start without a division a candidate.
 	for j, k := 0, start; j < n; j, k = j+1, k+1 {
 		if k == n {
 			k = 0
 		}
-		if !gs[k].usable {
+		g := &gs[k]
+		if !g.usable {
 			continue
 		}
-		if t := forecast(k); best < 0 || t < least {
-			best, least = k, t
+		h := c.health(k)
+		q := h.service.queueNow(now, g.foreign+g.pending, mean)
+		fs[k] = h.service.forecast(q, c.tokens-d.cachedTokens(k), weight, &peers)
+		if best < 0 || fs[k] < least {
+			best, least = k, fs[k]
 		}
 	}
 	if best < 0 {
@@ -115,7 +123,7 @@ func (Forecast) Choose(c *Candidates) int {
 		if cached < held || cached == held && pick == best {
 			continue
 		}
-		if t := forecast(k); t <= least+band && (cached > held || t < at) {
+		if t := fs[k]; t <= least+band && (cached > held || t < at) {
 			pick, held, at = k, cached, t
 		}
 	}
@@ -160,7 +168,7 @@ func queuedAhead(c *Candidates, g *signal, h *health, mean int) int {
 }
 
 // ahead is what is queued on h before a prefill of tokens leased now, as
-// Forecast counted it (the endpoint's own mean prompt standing for the
+// Forecast counts it (the endpoint's own mean prompt standing for the
 // requests pdx did not send), and the time, for the service model to
 // learn from the prefill's answer.
 func (s *Set) ahead(h *health, tokens int) (queue, int64) {
@@ -171,9 +179,6 @@ func (s *Set) ahead(h *health, tokens int) (queue, int64) {
 	if g.inFlight > 0 {
 		mean = g.inFlightTokens / g.inFlight
 	}
-	queued := g.inFlightTokens
-	if g.inFlight > 0 {
-		queued = h.work.remaining(&g, &t)
-	}
-	return queueOf(queued+(g.foreign+g.pending)*mean, g.requests(), h.service.slotsSeen()), t.read()
+	now := t.read()
+	return h.service.queueNow(now, g.foreign+g.pending, mean), now
 }

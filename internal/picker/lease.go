@@ -37,12 +37,13 @@ type Lease struct {
 	// -1 where the pick did not read its events.
 	held int
 	// prefill is a prefill leg's lease, which the endpoint's fluid model
-	// counts; ahead is what was queued before it at the pick
-	// and at when it was picked (nanoseconds since the Set's base), for
-	// the endpoint's service model to learn from its answer; uncached,
-	// when not negative, is how many of its tokens the engine said it
-	// computed (Observe).
+	// and queue count (queued is its number there); ahead is what was
+	// queued before it at the pick and at when it was picked (nanoseconds
+	// since the Set's base), for the endpoint's service model to learn
+	// from its answer; uncached, when not negative, is how many of its
+	// tokens the engine said it computed (Observe).
 	prefill  bool
+	queued   uint64
 	ahead    queue
 	at       int64
 	uncached int
@@ -87,6 +88,9 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 		l.ahead, l.at = s.ahead(h, req.Tokens)
 	}
 	s.count(h, l.tokens, l.prefill)
+	if l.prefill {
+		l.queued = h.service.queue.add(l.tokens, s.elapsed(), h.service.slotsSeen())
+	}
 	if len(req.Blocks) > 0 {
 		v.index.add(pos, req.Blocks)
 	}
@@ -213,6 +217,9 @@ func (l *Lease) Move(ep endpoint.Endpoint) {
 	if i := v.position(ep); i >= 0 {
 		l.h = v.states[i]
 		s.count(l.h, l.tokens, l.prefill)
+		if l.prefill {
+			l.queued = l.h.service.queue.add(l.tokens, s.elapsed(), l.h.service.slotsSeen())
+		}
 		s.sentAdapter(l.h, l.adapter)
 		if len(l.blocks) > 0 {
 			v.index.add(i, l.blocks)
@@ -229,6 +236,7 @@ func (l *Lease) uncount(s *Set, succeeded bool) {
 		h.ranks.end(l.rank)
 	}
 	if l.prefill {
+		h.service.queue.remove(l.queued, s.elapsed(), h.service.slotsSeen())
 		h.work.end(s, l.tokens, succeeded)
 		if succeeded {
 			own := l.tokens

@@ -16,17 +16,17 @@ import (
 //
 // where ahead are the uncached prompt tokens in the engine before the
 // call's (what remains of pdx's prefills there, and the others' the
-// engine's metrics count), waiting the part of them the call waits for
-// before the engine takes it (none while the engine runs fewer prompts
-// than it can at once, its observed slots: see load), and own the call's
-// uncached tokens. perOwn is the time the engine takes a token of one
-// prompt. An engine whose prompts share one accelerator (vLLM's batched
-// prefill chunks) computes the queue and the call together: perAhead
-// near perOwn. One that computes c prompts at once each at full speed (a
-// simulator's slots) starts the call as soon as a slot frees: perWaiting
-// near perOwn / c, perAhead near 0. A router that weighs every queued
-// token as one of the prompt's own (least_work) moves a prompt away from
-// its cache too readily on the second kind.
+// engine's metrics count), waiting those the slot free first computes
+// before the engine takes the call (fifo: none while a slot is free), and
+// own the call's uncached tokens. perOwn is the time the engine takes a
+// token of one prompt. An engine whose prompts share one accelerator
+// (vLLM's batched prefill chunks) computes the queue and the call
+// together; its metrics show it as one slot, so waiting is ahead and
+// perAhead + perWaiting is near perOwn. One that computes several prompts
+// at once each at full speed (a simulator's slots) starts the call as
+// soon as a slot frees: perWaiting near perOwn, perAhead near 0. A router
+// that weighs every queued token as one of the prompt's own (least_work)
+// moves a prompt away from its cache too readily on the second kind.
 //
 // It is learned from every prefill pdx calls there and that answers
 // (learn): a weighted least-squares fit of the coefficients to the calls'
@@ -57,6 +57,27 @@ type service struct {
 	xx    [features][features]float64
 	xy    [features]float64
 	scale float64
+	// rate is the prompt rate of coef in tokens a nanosecond, as float64
+	// bits (0: none learned, or a prompt that costs nothing), for the
+	// queue to count what each prefill has computed without a division.
+	rate atomic.Uint64
+	// queue is pdx's prefills in flight on the engine (fifo).
+	queue fifo
+}
+
+// perNs is the engine's rate for one prompt in tokens a nanosecond, for
+// the queue: the model's prompt rate, or the seed's before it learned.
+func (m *service) perNs() float64 {
+	if r := math.Float64frombits(m.rate.Load()); r > 0 {
+		return r
+	}
+	return DefaultPrefillTokensPerSec / 1e9
+}
+
+// queueNow is the engine's queue before a prompt sent at now (fifo.queue),
+// with extra requests of mean tokens pdx did not send.
+func (m *service) queueNow(now int64, extra, mean int) queue {
+	return m.queue.queue(now, m.slotsSeen(), m.perNs(), extra, mean)
 }
 
 // features is the model's number of coefficients.
@@ -87,29 +108,18 @@ const (
 	defaultOverhead = 0.010
 )
 
-// seed is the model before any sample: prompts sharing the engine at
-// rate, defaultOverhead a call.
+// seed is the model before any sample: a token waited for and one of the
+// prompt's own each at rate, the rest of the queue costing nothing (on an
+// engine of one slot, all of it is waited for), defaultOverhead a call.
 func seed(rate float64) [features]float64 {
 	per := 1000 / rate
-	return [features]float64{defaultOverhead, per, 0, per}
+	return [features]float64{defaultOverhead, 0, per, per}
 }
 
 // queue is what is in an engine before a call: ahead, the uncached
 // tokens of its requests, and waiting, those the call waits for before a
 // slot frees.
 type queue struct{ ahead, waiting int }
-
-// queueOf is the queue of an engine with requests requests in it, of
-// ahead uncached tokens together, that computes slots prompts at once:
-// the call waits for the requests beyond slots − 1 to finish, each taken
-// as the mean of ahead.
-func queueOf(ahead, requests, slots int) queue {
-	q := queue{ahead: ahead}
-	if beyond := requests - max(slots, 1) + 1; beyond > 0 && requests > 0 {
-		q.waiting = ahead * beyond / requests
-	}
-	return q
-}
 
 // load takes what the engine's metrics said: a sample with requests
 // waiting shows how many it computes at once.
@@ -176,14 +186,25 @@ type peerModel struct {
 	n    int
 }
 
-// add counts m in the mean, if it has learned.
+// add counts m in the sums, if it has learned; mean makes them the mean
+// once every candidate is added (a division a coefficient, not a
+// candidate).
 func (p *peerModel) add(m *service) {
 	if m.samples.Load() == 0 {
 		return
 	}
 	p.n++
 	for i := range p.coef {
-		p.coef[i] += (math.Float64frombits(m.coef[i].Load()) - p.coef[i]) / float64(p.n)
+		p.coef[i] += math.Float64frombits(m.coef[i].Load())
+	}
+}
+
+// mean turns the sums add made into their mean.
+func (p *peerModel) mean() {
+	if p.n > 1 {
+		for i := range p.coef {
+			p.coef[i] /= float64(p.n)
+		}
 	}
 }
 
@@ -248,6 +269,9 @@ func (m *service) learn(t float64, q queue, own int) {
 	for i := range next {
 		m.coef[i].Store(math.Float64bits(next[i]))
 	}
+	if next[3] > 0 {
+		m.rate.Store(math.Float64bits(1e-6 / next[3]))
+	}
 	if n+1 >= huberMin {
 		m.noise.Store(math.Float64bits(m.scale))
 	}
@@ -261,6 +285,12 @@ func (m *service) learn(t float64, q queue, own int) {
 // to compute it.
 func (m *service) solve() ([features]float64, bool) {
 	prior := seed(DefaultPrefillTokensPerSec)
+	if m.samples.Load() > 0 {
+		// A token waited for costs what one of the prompt's own does (a
+		// slot's rate), as far as the samples have not told otherwise:
+		// few calls wait on an engine of several slots short of busy.
+		prior[2] = math.Float64frombits(m.coef[3].Load())
+	}
 	var a [features][features + 1]float64
 	for i := range features {
 		for j := range features {

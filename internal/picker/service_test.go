@@ -3,6 +3,7 @@ package picker
 import (
 	"math"
 	"math/rand/v2"
+	"slices"
 	"testing"
 	"time"
 
@@ -25,23 +26,46 @@ func (e trueService) time(q queue, own int) float64 {
 	if e.shared {
 		return e.overhead + float64(q.ahead+own)/e.rate
 	}
-	return e.overhead + float64(q.waiting)/(e.rate*float64(e.slots)) + float64(own)/e.rate
+	return e.overhead + float64(q.waiting+own)/e.rate
 }
 
-// queueFor is the queue of n requests of ahead tokens on e.
-func (e trueService) queueFor(ahead, n int) queue { return queueOf(ahead, n, e.slots) }
+// queueFor is the queue pdx counts on e (fifo) of n requests just sent,
+// of ahead tokens together.
+func (e trueService) queueFor(ahead, n int) queue {
+	var f fifo
+	for range n {
+		f.add(ahead/n, 0, e.slots)
+	}
+	return f.queue(0, e.slots, 0, 0, 0)
+}
 
-// samplesToConverge feeds m total samples of e (ahead and own drawn at
-// random, 5% noise and, when outliers, one call in twenty 10× slower)
-// and returns after how many its forecasts were within tol of e's at
-// three test points and stayed so to the end; -1 if they never did.
+// randomQueue is the queue pdx counts on e of up to five requests of 200
+// to 1,200 tokens, sent up to a second ago (those in slots computed at a
+// token a millisecond since, the rest waiting whole).
+func (e trueService) randomQueue(rng *rand.Rand) queue {
+	var f fifo
+	for range rng.IntN(6) {
+		f.add(200+rng.IntN(1000), -rng.Int64N(int64(time.Second)), e.slots)
+	}
+	return f.queue(0, e.slots, 1/float64(time.Millisecond), 0, 0)
+}
+
+// samplesToConverge feeds m total samples of e (queues and own tokens
+// drawn at random, 5% noise and, when outliers, one call in twenty 10×
+// slower) and returns after how many its forecasts were within tol of
+// e's at an idle engine and four queues drawn alike, and stayed so to the
+// end; -1 if they never did.
 func samplesToConverge(m *service, e trueService, rng *rand.Rand, outliers bool, tol float64, total int) int {
 	m.load(e.slots, 1) // the engine's metrics have shown its slots
-	points := []queue{e.queueFor(0, 0), e.queueFor(4000, 4), e.queueFor(2000, 1), e.queueFor(6000, 3)}
+	points := []queue{{}}
+	for at := rand.New(rand.NewPCG(9, 9)); len(points) < 5; {
+		if q := e.randomQueue(at); q.ahead > 0 {
+			points = append(points, q)
+		}
+	}
 	since := -1
 	for n := 1; n <= total; n++ {
-		requests := rng.IntN(6)
-		q := e.queueFor(requests*(200+rng.IntN(1000)), requests)
+		q := e.randomQueue(rng)
 		own := 100 + rng.IntN(2000)
 		t := e.time(q, own) * (1 + 0.05*rng.NormFloat64())
 		if outliers && rng.IntN(20) == 0 {
@@ -67,7 +91,10 @@ func samplesToConverge(m *service, e trueService, rng *rand.Rand, outliers bool,
 
 // The model learns an engine's overhead, its rate and how many prompts it
 // computes at once from pdx's own timed prefills, whatever the seed, and
-// outliers do not drag it.
+// outliers do not drag it: over twenty draws of an engine's calls each,
+// its forecasts are within 10% of the engine's for good after a median
+// of at most 50 prefills (150 with one call in twenty 10× slower), each
+// within 500, and its prompt rate within 10%.
 func TestServiceConverges(t *testing.T) {
 	for _, tc := range []struct {
 		name     string
@@ -77,18 +104,30 @@ func TestServiceConverges(t *testing.T) {
 		{name: "one slot, near the seed", engine: trueService{overhead: 0.005, rate: 12000, slots: 1}},
 		{name: "two slots, slow", engine: trueService{overhead: 0.03, rate: 1000, slots: 2}},
 		{name: "four slots, fast", engine: trueService{overhead: 0.002, rate: 40000, slots: 4}},
-		{name: "two slots, outliers", engine: trueService{overhead: 0.03, rate: 1000, slots: 2}, outliers: true},
 		{name: "shared accelerator", engine: trueService{overhead: 0.008, rate: 20000, slots: 64, shared: true}},
+		{name: "one slot, outliers", engine: trueService{overhead: 0.005, rate: 12000, slots: 1}, outliers: true},
+		{name: "two slots, outliers", engine: trueService{overhead: 0.03, rate: 1000, slots: 2}, outliers: true},
+		{name: "four slots, outliers", engine: trueService{overhead: 0.002, rate: 40000, slots: 4}, outliers: true},
+		{name: "shared accelerator, outliers", engine: trueService{overhead: 0.008, rate: 20000, slots: 64, shared: true}, outliers: true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			m := new(service)
-			n := samplesToConverge(m, tc.engine, rand.New(rand.NewPCG(1, 2)), tc.outliers, 0.10, 1000)
-			o, a, w, p, _ := m.coefficients()
-			t.Logf("within 10%% for good after %d prefills; overhead %.4f s (true %.4f), ahead %.0f, waiting %.0f, own %.0f tok/s (true %.0f, %d slots)",
-				n, o, tc.engine.overhead, a, w, p, tc.engine.rate, tc.engine.slots)
-			require.Positive(t, n, "not within 10%% at the end of 1,000 prefills")
-			require.LessOrEqual(t, n, 100, "within 10%% of the engine's times for good after %d prefills", n)
-			require.InDelta(t, tc.engine.rate, p, 0.1*tc.engine.rate)
+			var took []int
+			for draw := range uint64(20) {
+				m := new(service)
+				n := samplesToConverge(m, tc.engine, rand.New(rand.NewPCG(draw, 2)), tc.outliers, 0.10, 1000)
+				_, _, _, p, _ := m.coefficients()
+				require.Positive(t, n, "draw %d: not within 10%% at the end of 1,000 prefills", draw)
+				require.LessOrEqual(t, n, 500, "draw %d", draw)
+				require.InDelta(t, tc.engine.rate, p, 0.1*tc.engine.rate, "draw %d", draw)
+				took = append(took, n)
+			}
+			slices.Sort(took)
+			t.Logf("within 10%% for good after %v prefills", took)
+			median := 50
+			if tc.outliers {
+				median = 150
+			}
+			require.LessOrEqual(t, took[len(took)/2], median)
 		})
 	}
 }
@@ -103,11 +142,12 @@ func TestServiceUnqueued(t *testing.T) {
 		own := 100 + rng.IntN(2000)
 		m.learn(e.time(queue{}, own), queue{}, own)
 	}
-	o, a, _, p, n := m.coefficients()
+	o, a, w, p, n := m.coefficients()
 	require.EqualValues(t, 200, n)
 	require.InDelta(t, e.overhead, o, 0.002)
 	require.InDelta(t, e.rate, p, 0.05*e.rate)
-	require.InDelta(t, DefaultPrefillTokensPerSec, a, 0.5*DefaultPrefillTokensPerSec, "the seed's, nothing taught otherwise")
+	require.True(t, math.IsInf(a, 1), "the seed's: the queue costs its wait, nothing taught otherwise")
+	require.InDelta(t, p, w, 0.01*p, "a token waited for costs one of the prompt's own, nothing taught otherwise")
 }
 
 // Learning from a finished prefill allocates nothing, and nonsense times
@@ -221,12 +261,13 @@ func TestForecastWeighsThePool(t *testing.T) {
 			for _, h := range set.view.Load().states {
 				teachSlotted(h.service, e, rng, 6)
 			}
-			prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8)
+			prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 			hold(t, set, eps[0], prompt, 0).End(Released)
-			// The holder has 512 of the prompt's 1,000 tokens and four
-			// prefills of 1,000: the prompt waits 1.5 s for a slot, then
-			// takes 0.488 s; on the idle engine it takes 1 s. The slots
-			// taken, of six: the holder's two and the third engine's.
+			// The holder has 768 of the prompt's 1,000 tokens and four
+			// prefills of 1,000: the prompt waits 2 s for a slot (the
+			// two it queues behind), then takes 0.232 s; on the idle
+			// engine it takes 1 s. The slots taken, of six: the holder's
+			// two and the third engine's.
 			for range 4 {
 				startPrefill(t, set, eps[0], 1000)
 			}
@@ -258,6 +299,7 @@ func TestForecastWeighsAtThePoolRate(t *testing.T) {
 	var peers peerModel
 	peers.add(&fast)
 	peers.add(&slow)
+	peers.mean()
 	_, _, _, fastRate, _ := fast.coefficients()
 	_, _, _, slowRate, _ := slow.coefficients()
 	require.Greater(t, fastRate, 1.05*slowRate, "the two learned rates apart")
@@ -304,10 +346,6 @@ func TestServiceSlots(t *testing.T) {
 	require.Equal(t, 2, m.slotsSeen())
 	m.load(1, 4)
 	require.Equal(t, 2, m.slotsSeen(), "the most seen")
-	require.Equal(t, queue{ahead: 3000}, queueOf(3000, 1, 2), "a slot free")
-	require.Equal(t, queue{ahead: 3000, waiting: 1000}, queueOf(3000, 3, 3), "every slot taken: the first to finish")
-	require.Equal(t, queue{ahead: 3000, waiting: 2000}, queueOf(3000, 3, 2))
-	require.Equal(t, queue{}, queueOf(0, 0, 1))
 }
 
 // The forecast policy is for prefill legs only.
@@ -325,9 +363,10 @@ func TestForecastPrefillOnly(t *testing.T) {
 func TestServiceQueueFloor(t *testing.T) {
 	m := new(service)
 	m.load(2, 1)
+	e := trueService{slots: 2}
 	// A burst's samples: long queues, answered as fast as idle calls.
 	for i := range 200 {
-		q := queueOf(1000*(i%5), i%5, 2)
+		q := e.queueFor(1000*(i%5), i%5)
 		m.learn(0.01+0.5, q, 500)
 	}
 	_, a, w, p, _ := m.coefficients()
