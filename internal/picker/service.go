@@ -58,8 +58,9 @@ type service struct {
 	xy    [features]float64
 	scale float64
 	// rate is the prompt rate of coef in tokens a nanosecond, as float64
-	// bits (0: none learned, or a prompt that costs nothing), for the
-	// queue to count what each prefill has computed without a division.
+	// bits, for the queue to count what each prefill has computed without
+	// a division: 0 until a fit gives a prompt token a cost (a fit that
+	// gives it none, bounded at 0, leaves the last).
 	rate atomic.Uint64
 	// queue is pdx's prefills in flight on the engine (fifo).
 	queue fifo
