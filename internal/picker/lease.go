@@ -89,7 +89,8 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	}
 	s.count(h, l.tokens, l.prefill)
 	if l.prefill {
-		l.queued = h.service.queue.add(l.tokens, s.elapsed(), h.service.slotsSeen())
+		// Queued as of the clock reading ahead took.
+		l.queued = h.service.queue.add(l.tokens, l.at, h.service.slotsSeen())
 	}
 	if len(req.Blocks) > 0 {
 		v.index.add(pos, req.Blocks)
