@@ -213,6 +213,11 @@ func rigOf(name string, set map[string]bool, policies, loads, replicas string, q
 		if cb.ReplicaCounts, err = ints("replicas", replicas); err != nil {
 			return cb, err
 		}
+		// The replica runs are of the rig's replica policies that
+		// --policies runs: with none of them, they would not run at all.
+		if len(cb.ReplicaCounts) > 0 && !slices.ContainsFunc(cb.ReplicaPolicies, func(p string) bool { return slices.Contains(cb.Policies, p) }) {
+			return cb, fmt.Errorf("--replicas: the %s rig runs replicas of %s, and --policies has none of them", name, strings.Join(cb.ReplicaPolicies, ", "))
+		}
 	}
 	return cb, nil
 }

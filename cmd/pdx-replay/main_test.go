@@ -10,8 +10,9 @@ import (
 
 // TestRigOf: --rig cachebound is the rig as defined, changed by the flags
 // that apply to it; --quick is its middle point alone on a shorter
-// window; a flag the rig sets itself, an unknown rig or a load it has no
-// point at fails, naming what to do.
+// window; a flag the rig sets itself, an unknown rig, a load it has no
+// point at or replicas of no policy --policies runs fails, naming what to
+// do.
 func TestRigOf(t *testing.T) {
 	def := replay.DefaultCacheBound(traceDir)
 	base := replay.Plan{Requests: 300, Repeats: 3}
@@ -39,6 +40,10 @@ func TestRigOf(t *testing.T) {
 				c.Points = []replay.CacheBoundPoint{def.Points[2], def.Points[0]}
 				c.Requests, c.Repeats, c.ReplicaCounts = 300, 3, []int{1, 2}
 			}},
+		{name: "replicas of a policy it runs", rig: replay.CacheBoundRig, set: []string{"policies", "replicas"}, policies: "precise,oracle",
+			replicas: "1,3", want: func(c *replay.CacheBound) { c.Policies = []string{"precise", "oracle"} }},
+		{name: "replicas of none of its policies", rig: replay.CacheBoundRig, set: []string{"policies", "replicas"}, policies: "round-robin,oracle",
+			replicas: "3", err: "--replicas: the cachebound rig runs replicas of pdx-default, precise, and --policies has none of them"},
 		{name: "a load it has no point at", rig: replay.CacheBoundRig, set: []string{"loads"}, loads: "0.6", err: "no point at 0.6 (its points: 0.55, 0.7, 0.85)"},
 		{name: "a flag the rig sets", rig: replay.CacheBoundRig, set: []string{"token-scale"}, err: "--token-scale: the cachebound rig sets it itself"},
 		{name: "the traces", rig: replay.CacheBoundRig, set: []string{"traces"}, err: "--traces"},
