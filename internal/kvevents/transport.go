@@ -37,12 +37,14 @@ func zmqEndpoint(ep string) (string, error) {
 
 type bufTransport struct{ transport.Transport }
 
+// Dial and Listen are given the socket's context, which its Close
+// cancels: the connections they make close with it (newBufConn).
 func (t bufTransport) Dial(ctx context.Context, d transport.Dialer, addr string) (net.Conn, error) {
 	c, err := t.Transport.Dial(ctx, d, addr)
 	if err != nil {
 		return nil, err
 	}
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufferSize)}, nil
+	return newBufConn(ctx, c), nil
 }
 
 func (t bufTransport) Listen(ctx context.Context, addr string) (net.Listener, error) {
@@ -50,23 +52,41 @@ func (t bufTransport) Listen(ctx context.Context, addr string) (net.Listener, er
 	if err != nil {
 		return nil, err
 	}
-	return bufListener{l}, nil
+	return bufListener{Listener: l, ctx: ctx}, nil
 }
 
-type bufListener struct{ net.Listener }
+type bufListener struct {
+	net.Listener
+	ctx context.Context
+}
 
 func (l bufListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if err != nil {
 		return nil, err
 	}
-	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufferSize)}, nil
+	return newBufConn(l.ctx, c), nil
 }
 
 // bufConn is a connection whose reads go through r.
 type bufConn struct {
 	net.Conn
-	r *bufio.Reader
+	r    *bufio.Reader
+	stop func() bool
+}
+
+// newBufConn wraps c, which closes when ctx, its socket's, is done. zmq4
+// (v0.17.0) closes the connections a socket holds when it closes, but one
+// it dials or accepts meanwhile (its automatic reconnect after the
+// publisher went away, an accept in flight) joins the socket after that
+// and would stay open, with its reader goroutine and the peer's.
+func newBufConn(ctx context.Context, c net.Conn) *bufConn {
+	return &bufConn{Conn: c, r: bufio.NewReaderSize(c, bufferSize), stop: context.AfterFunc(ctx, func() { _ = c.Close() })}
 }
 
 func (c *bufConn) Read(p []byte) (int, error) { return c.r.Read(p) }
+
+func (c *bufConn) Close() error {
+	c.stop()
+	return c.Conn.Close()
+}
