@@ -2,12 +2,15 @@ package e2e
 
 import (
 	"fmt"
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/openai/openai-go/v3"
 	"github.com/openai/openai-go/v3/option"
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/envoy"
@@ -31,7 +34,8 @@ func TestEndpointPickerProfile(t *testing.T) {
 		t.Run(connector, func(t *testing.T) {
 			st := startStack(t, aiGateway(stack.Options{Connector: connector}))
 			require.Contains(t, st.PdxLog(), `"self_signed":true`)
-			client, _ := newClient(t, st)
+			client, hc := newClient(t, st)
+			hc.Transport = drainedBodies{hc.Transport}
 			id := option.WithHeader("X-Request-Id", newRequestID(t))
 
 			t.Run("chat", func(t *testing.T) {
@@ -72,11 +76,13 @@ func TestEndpointPickerProfile(t *testing.T) {
 			})
 
 			// pdx times a decode's response to its end only from the
-			// response phases Envoy sends it: both requests' reached pdx.
+			// response phases Envoy sends it: both requests' reached pdx
+			// (the client read them to their end: drainedBodies).
 			demo := map[string]string{"pool": "demo", "connector": connector}
-			require.Eventually(t, func() bool {
+			require.EventuallyWithT(t, func(c *assert.CollectT) {
 				fams := scrape(t, "http://"+st.Pdx.AdminAddr()+"/metrics")
-				return count(fams, "pdx_decode_ttfb_seconds", demo) == 2 && count(fams, "pdx_decode_duration_seconds", demo) == 2
+				assert.EqualValues(c, 2, count(fams, "pdx_decode_ttfb_seconds", demo), "response headers timed")
+				assert.EqualValues(c, 2, count(fams, "pdx_decode_duration_seconds", demo), "responses timed to their end")
 			}, 10*time.Second, 50*time.Millisecond, "every response phase reached pdx")
 		})
 	}
@@ -105,4 +111,27 @@ func TestSubsetHintThroughEnvoy(t *testing.T) {
 			requireAPIError(t, a, 503, "no_endpoint", "subset hint")
 		})
 	}
+}
+
+// drainedBodies reads each response body to its end before closing it.
+// openai-go closes a stream's body at its [DONE] event, which may reach
+// the client before the engine has ended its chunked body: the connection
+// is then dropped, and Envoy ends the request, its ext_proc stream with
+// it, without the response's end, which pdx then never sees (once in
+// CI, twice in 200 runs here with the cores kept busy).
+type drainedBodies struct{ http.RoundTripper }
+
+func (d drainedBodies) RoundTrip(r *http.Request) (*http.Response, error) {
+	resp, err := d.RoundTripper.RoundTrip(r)
+	if err == nil {
+		resp.Body = drainingBody{resp.Body}
+	}
+	return resp, err
+}
+
+type drainingBody struct{ io.ReadCloser }
+
+func (b drainingBody) Close() error {
+	_, _ = io.Copy(io.Discard, b.ReadCloser)
+	return b.ReadCloser.Close()
 }
