@@ -454,7 +454,9 @@ var (
 // ports, the probes' and the Service's; selectors select the pdx pods; the
 // drain fits the grace period; and each mode's references resolve.
 func TestChartRenders(t *testing.T) {
-	pdxKinds := []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount"}
+	// The Services: pdx's, and the headless one its replicas find each
+	// other by (peers).
+	pdxKinds := []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "Service", "Service", "ServiceAccount"}
 	tests := []struct {
 		name   string
 		values map[string]any
@@ -469,6 +471,19 @@ func TestChartRenders(t *testing.T) {
 				require.EqualValues(t, 2, *p.dep.Spec.Replicas)
 				require.NotEmpty(t, p.dep.Spec.Template.Annotations["checksum/config"], "a changed config restarts pdx")
 				require.Contains(t, r.notes, "point your Envoy's ext_proc filter at pdx.pdx.svc:9002")
+				peers := get[*corev1.Service](t, r.objs, "pdx-peers")
+				require.Equal(t, corev1.ClusterIPNone, peers.Spec.ClusterIP, "headless: its name resolves to every pod")
+				require.True(t, peers.Spec.PublishNotReadyAddresses, "a draining replica's prefills still run")
+				require.Equal(t, get[*corev1.Service](t, r.objs, "pdx").Spec.Selector, peers.Spec.Selector)
+				require.Equal(t, []string{"pdx-peers.pdx.svc:9003"}, p.cfg.GetPeers().GetAddresses())
+			},
+		},
+		{
+			name:   "peers off",
+			values: map[string]any{"peers": map[string]any{"enabled": false}},
+			kinds:  []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Role", "RoleBinding", "Service", "ServiceAccount"},
+			check: func(t *testing.T, r rendered, p pdx) {
+				require.Nil(t, p.cfg.GetPeers())
 			},
 		},
 		{
@@ -521,9 +536,10 @@ func TestChartRenders(t *testing.T) {
 			name:   "overrides",
 			values: readValues(t, "testdata/overrides.yaml"),
 			// Static pools only: no discovery, so no Role.
-			kinds: []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "ServiceAccount"},
+			kinds: []string{"ConfigMap", "Deployment", "PodDisruptionBudget", "Service", "Service", "ServiceAccount"},
 			check: func(t *testing.T, r rendered, p pdx) {
 				require.EqualValues(t, 3, *p.dep.Spec.Replicas)
+				require.Equal(t, []string{"pdx-peers.pdx.svc:9103"}, p.cfg.GetPeers().GetAddresses(), "the peers follow ports.admin")
 				require.Equal(t, map[string]string{
 					"example.com/team":     "inference",
 					"prometheus.io/scrape": "true", "prometheus.io/port": "9103", "prometheus.io/path": "/metrics",

@@ -236,6 +236,11 @@ func TestParseErrors(t *testing.T) {
 		{"endpoints' kv_events ports", pools(pool(`decode: [{address: "10.0.0.2:8000", kv_events_port: 70000, kv_events_replay_port: 70001}]`)) + "kv_events: {port: 5557}\n", []string{
 			`config: pools[0].decode[0].kv_events_port: 70000 is not a port`,
 			`config: pools[0].decode[0].kv_events_replay_port: 70001 is not a port`}},
+		{"peers without addresses", minimal + "peers: {}\n", []string{
+			`config: peers.addresses: at least one replica's admin address is required when peers is set`}},
+		{"peers' addresses", minimal + `peers: {addresses: ["pdx-peers.ns.svc:9090", "pdx-peers", ":9090"]}` + "\n", []string{
+			`config: peers.addresses[1]: "pdx-peers" must be host:port (a replica's admin_address)`,
+			`config: peers.addresses[2]: ":9090" must be host:port (a replica's admin_address)`}},
 		{"kv_events mode", minimal + "kv_events: {mode: central}\n", []string{
 			`config: kv_events.mode: unknown mode "central" (want "dial" or "bind")`}},
 		{"render", pools(pool("render: {timeout: 0s, address: engine}"), pool("name: q", "models: [q]", "render: {timeout: 1m}")), []string{
@@ -259,7 +264,7 @@ func TestParseErrors(t *testing.T) {
 			`config: pools[4].session_affinity.header: "x-request-id" is a header pdx sets or routes by itself`}},
 		// Decoding: unknown fields, named by full path.
 		{"unknown top-level field", minimal + "grpc_adress: x\n", []string{
-			`config: grpc_adress: unknown field, did you mean "grpc_address"? (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds, kv_events, dns_refresh_rate)`}},
+			`config: grpc_adress: unknown field, did you mean "grpc_address"? (known fields of Config: grpc_address, admin_address, max_body_bytes, pools, tls, max_request_headers, max_request_headers_kb, request_body_timeout, engine_metrics, end_streams_at_routing, xds, kv_events, dns_refresh_rate, peers)`}},
 		{"unknown pool field", pools(pool(`prefil: [{address: "10.0.0.1:8000"}]`)), []string{
 			`config: pools[0].prefil: unknown field, did you mean "prefill"? (known fields of Pool: name, models, default, connector, prefill, decode, prefill_timeout, mooncake_protocol, prefill_attempts, prefill_attempt_timeout, on_prefill_failure, eject_after_failures, eject_duration, kubernetes, pass_through, allowed_kv_hosts, trtllm_protocol, prefill_picker, decode_picker, disaggregation, saturation, prefix_block_tokens, decode_fallbacks, render, flow_control, session_affinity, lora)`}},
 		{"dp_size too big", pools(pool(`prefill: [{address: "10.0.0.1:8000", dp_size: 2000}]`, `decode: [{address: "10.0.0.2:8000", dp_size: 1}, {address: "10.0.0.3:8000", dp_size: 1025}]`)), []string{

@@ -71,6 +71,16 @@ func validate(cfg *configv1.Config) []error {
 	if k := cfg.GetKvEvents(); k != nil {
 		v.kvEvents(k)
 	}
+	if p := cfg.GetPeers(); p != nil {
+		if len(p.GetAddresses()) == 0 {
+			v.fail("peers.addresses", "at least one replica's admin address is required when peers is set")
+		}
+		for i, a := range p.GetAddresses() {
+			if host, port, err := net.SplitHostPort(a); err != nil || host == "" || port == "" {
+				v.fail(fmt.Sprintf("peers.addresses[%d]", i), "%q must be host:port (a replica's admin_address)", a)
+			}
+		}
+	}
 	if len(cfg.GetPools()) == 0 {
 		v.fail("pools", "at least one pool is required")
 	}

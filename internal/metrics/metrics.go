@@ -553,7 +553,7 @@ var (
 		"What placement has learned of each prefill endpoint's fixed cost of a prefill call (the forecast policy's model).",
 		[]string{"pool", "endpoint"}, nil)
 	inFlightDesc = prometheus.NewDesc("pdx_endpoint_in_flight",
-		"Requests this pdx counts on the endpoint: prefills running, and decodes whose stream it holds until Envoy finishes their response (a decode detached at routing is the engine's metrics' to count).",
+		"Requests this pdx counts on the endpoint: prefills running (with config peers, the other replicas' too), and decodes whose stream it holds until Envoy finishes their response (a decode detached at routing is the engine's metrics' to count).",
 		[]string{"pool", "role", "endpoint"}, nil)
 )
 

@@ -91,6 +91,9 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	if l.prefill {
 		// Queued as of the clock reading ahead took.
 		l.queued = h.service.queue.add(l.tokens, l.at, h.service.slotsSeen())
+		if s.journal != nil {
+			s.journal.started(s.pool, l.ep.Address, l.queued, l.tokens)
+		}
 	}
 	if len(req.Blocks) > 0 {
 		v.index.add(pos, req.Blocks)
@@ -220,6 +223,9 @@ func (l *Lease) Move(ep endpoint.Endpoint) {
 		s.count(l.h, l.tokens, l.prefill)
 		if l.prefill {
 			l.queued = l.h.service.queue.add(l.tokens, s.elapsed(), l.h.service.slotsSeen())
+			if s.journal != nil {
+				s.journal.started(s.pool, ep.Address, l.queued, l.tokens)
+			}
 		}
 		s.sentAdapter(l.h, l.adapter)
 		if len(l.blocks) > 0 {
@@ -238,6 +244,9 @@ func (l *Lease) uncount(s *Set, succeeded bool) {
 	}
 	if l.prefill {
 		h.service.queue.remove(l.queued, s.elapsed(), h.service.slotsSeen())
+		if s.journal != nil {
+			s.journal.ended(s.pool, l.ep.Address, l.queued)
+		}
 		h.work.end(s, l.tokens, succeeded)
 		if succeeded {
 			own := l.tokens

@@ -57,6 +57,10 @@ type Options struct {
 	// remembers which it sent each endpoint. Engines may report others;
 	// picks for those read the engines' word alone.
 	Adapters []string
+	// Journal, when set, hears the Set's prefill leases start and end,
+	// for the replica's peers (peers.go); Pool names the Set's pool there.
+	Journal *Journal
+	Pool    string
 }
 
 // Set is a leg's endpoints and their passive health: an endpoint whose calls
@@ -93,7 +97,12 @@ type Set struct {
 	cache       PrefixCache
 	// adapters numbers Options.Adapters; nil without.
 	adapters *adapterTable
-	now      func() time.Time
+	// journal hears the prefill leases (nil: none), as pool; peers are
+	// the peers' leases counted here, shared with inheriting Sets.
+	journal *Journal
+	pool    string
+	peers   *peerBook
+	now     func() time.Time
 	// base is the clock reading at construction. Times are stored as
 	// nanoseconds since base, so they fit in an atomic int64 and, with
 	// time.Now, are measured on the monotonic clock (immune to wall-clock
@@ -171,6 +180,9 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		cache:       opts.Cache,
 		now:         opts.Now,
 		room:        new(room),
+		journal:     opts.Journal,
+		pool:        opts.Pool,
+		peers:       &peerBook{leases: map[peerKey]peerLease{}},
 	}
 	var prev *view
 	var prevAdapters *adapterTable
@@ -179,6 +191,7 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		// Shared health holds times relative to base, so share that too.
 		s.base = opts.Inherit.base
 		s.room = opts.Inherit.room
+		s.peers = opts.Inherit.peers
 		if s.cache == nil {
 			s.cache = opts.Inherit.cache
 		}

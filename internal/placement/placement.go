@@ -74,6 +74,9 @@ type Options struct {
 	KVBlockSize int
 	// Prefills: the pool's connector takes a prefill leg.
 	Prefills bool
+	// Journal hears the prefill leg's leases, for the replica's peers;
+	// nil without peers.
+	Journal *picker.Journal
 }
 
 // Defaults fills in the placement fields pc leaves unset: the one place
@@ -134,6 +137,7 @@ func New(pc *configv1.Pool, prefill, decode []endpoint.Endpoint, prev *Pool, opt
 	if prev != nil {
 		prefillHealth.Inherit, decodeHealth.Inherit = prev.Prefill.Set, prev.Decode.Set
 	}
+	prefillHealth.Journal, prefillHealth.Pool = opts.Journal, pc.GetName()
 	p := &Pool{
 		Name:            pc.GetName(),
 		Prefills:        opts.Prefills,

@@ -295,15 +295,15 @@ func (r *Resolver) resolve(ctx context.Context, host string) ([]netip.Addr, erro
 	if err != nil {
 		return nil, err
 	}
-	if addrs = preferred(addrs); len(addrs) == 0 {
+	if addrs = Preferred(addrs); len(addrs) == 0 {
 		return nil, fmt.Errorf("%w: lookup %s: the answer has no address", ErrNotFound, host)
 	}
 	return addrs, nil
 }
 
-// preferred are the IPv4 addresses of addrs if it has any, else its IPv6
-// ones, sorted, each once.
-func preferred(addrs []netip.Addr) []netip.Addr {
+// Preferred are the IPv4 addresses of addrs if it has any, else its IPv6
+// ones, sorted, each once: a dual-stack host is one host.
+func Preferred(addrs []netip.Addr) []netip.Addr {
 	out := make([]netip.Addr, 0, len(addrs))
 	v4 := false
 	for _, a := range addrs {

@@ -329,5 +329,5 @@ func TestLookupWith(t *testing.T) {
 
 	addrs, err = LookupWith(nil)(t.Context(), "localhost")
 	require.NoError(t, err, "localhost is in /etc/hosts")
-	require.Contains(t, preferred(addrs), netip.MustParseAddr("127.0.0.1"))
+	require.Contains(t, Preferred(addrs), netip.MustParseAddr("127.0.0.1"))
 }

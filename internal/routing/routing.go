@@ -167,6 +167,7 @@ type Table struct {
 	// changes hears of every change of a pool's endpoints (see Changes).
 	changes chan struct{}
 	cache   *kvcache.Index
+	journal *picker.Journal
 }
 
 // Limits are the bounds pdx holds a request to.
@@ -284,17 +285,33 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	if k := cfg.GetKvEvents(); k != nil && cache == nil {
 		cache = kvcache.New(kvcache.Config{BlockSize: int(k.GetBlockSize()), MaxEntries: int(k.GetMaxBlocksPerEngine())})
 	}
+	// Peers are read at start: a reload keeps the first table's journal,
+	// which the peers' readers and the server's followers hold.
+	journal := prev.Journal()
+	if prev == nil && cfg.GetPeers() != nil {
+		journal = picker.NewJournal()
+	}
 	pools := make([]*Pool, len(cfg.GetPools()))
 	for i, pc := range cfg.GetPools() {
-		p, err := newPool(pc, prev.pool(pc.GetName()), cfg.GetEngineMetrics().GetStaleAfter().AsDuration(), cache, int(cfg.GetKvEvents().GetBlockSize()))
+		p, err := newPool(pc, prev.pool(pc.GetName()), cfg.GetEngineMetrics().GetStaleAfter().AsDuration(), cache, int(cfg.GetKvEvents().GetBlockSize()), journal)
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].%w", i, err)
 		}
 		pools[i] = p
 	}
 	t := NewTable(limits, pools...)
-	t.cache = cache
+	t.cache, t.journal = cache, journal
 	return t, nil
+}
+
+// Journal is what this replica tells its peers of its prefills: nil
+// without peers. A rebuilt table keeps its predecessor's, which the peers
+// go on reading, peers or not in the new config (they are read at start).
+func (t *Table) Journal() *picker.Journal {
+	if t == nil {
+		return nil
+	}
+	return t.journal
 }
 
 // PrefixCache is what the engines of every pool report holding, learned
@@ -310,7 +327,7 @@ func (t *Table) PrefixCache() *kvcache.Index {
 // newPool builds the pool of pc; old, when not nil, is its predecessor in
 // the table being replaced; samples older than staleAfter do not count.
 // Errors name the field at fault.
-func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvcache.Index, blockSize int) (*Pool, error) {
+func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvcache.Index, blockSize int, journal *picker.Journal) (*Pool, error) {
 	conn, traits, err := connectors.New(pc)
 	if err != nil {
 		return nil, fmt.Errorf("connector: %w", err)
@@ -339,7 +356,7 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 		}
 	}
 	placed, err := placement.New(pc, prefill, decode, prev, placement.Options{
-		StaleAfter: staleAfter, Cache: cache, KVBlockSize: blockSize, Prefills: traits.Prefills,
+		StaleAfter: staleAfter, Cache: cache, KVBlockSize: blockSize, Prefills: traits.Prefills, Journal: journal,
 	})
 	if err != nil {
 		return nil, err

@@ -67,6 +67,14 @@ type Server struct {
 	xds     *xds.Server
 	stopXDS context.CancelFunc
 	xdsDone chan struct{}
+	// instance is the replica's name among its peers (peers.go);
+	// peersStop, closed at shutdown, ends the peers' streams of its
+	// journal; stopPeers ends its reading of theirs, peersDone is closed
+	// once it has (nil: no peers).
+	instance  string
+	peersStop chan struct{}
+	stopPeers context.CancelFunc
+	peersDone chan struct{}
 
 	shutdownOnce sync.Once
 	shutdownErr  error
@@ -141,6 +149,9 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 		adminLn: adminLn,
 		served:  make(chan error, 2),
 		metrics: metrics.New(),
+
+		instance:  newInstance(),
+		peersStop: make(chan struct{}),
 	}
 	proc := processor.New(table, s.engine, log, processor.WithMetrics(s.metrics), processor.WithTracerProvider(o.tracerProvider))
 	s.proc = proc
@@ -163,6 +174,9 @@ func Start(cfg *configv1.Config, log *slog.Logger, with ...Option) (*Server, err
 	s.ready.Store(true)
 	go func() { s.served <- s.grpc.Serve(grpcLn) }()
 	go func() { s.served <- s.admin.Serve(adminLn) }()
+	var peers context.Context
+	peers, s.stopPeers = context.WithCancel(context.Background())
+	s.followPeers(peers, cfg.GetPeers(), cfg.GetDnsRefreshRate().AsDuration())
 	log.Info("pdx serving", slog.String("grpc", s.GRPCAddr()), slog.String("admin", s.AdminAddr()),
 		slog.Int("pools", len(cfg.GetPools())), slog.Bool("tls", tlsCfg != nil), slog.Bool("self_signed", cfg.GetTls().GetSelfSigned()),
 		slog.Bool("mtls", tlsCfg != nil && tlsCfg.ClientCAs != nil))
@@ -310,6 +324,7 @@ func (s *Server) shutdown(ctx context.Context) error {
 		s.grpc.Stop()
 		<-stopped
 	}
+	close(s.peersStop) // the peers' streams would hold the admin listener's shutdown
 	err := s.admin.Shutdown(ctx)
 	if ctx.Err() != nil && errors.Is(err, ctx.Err()) {
 		// Admin connections still open when ctx ends are cut like the streams.
@@ -322,6 +337,10 @@ func (s *Server) shutdown(ctx context.Context) error {
 	}
 	s.stopScrape()
 	s.stopSubscribing()
+	s.stopPeers()
+	if s.peersDone != nil {
+		<-s.peersDone
+	}
 	s.engine.CloseIdleConnections()
 	for range 2 {
 		if e := <-s.served; e != nil && !errors.Is(e, http.ErrServerClosed) && !errors.Is(e, grpc.ErrServerStopped) {
@@ -337,6 +356,7 @@ func (s *Server) adminHandler() http.Handler {
 		w.Write([]byte("ok\n"))
 	})
 	mux.Handle("GET /metrics", s.metrics.Handler())
+	mux.HandleFunc("GET "+peersPath, s.servePeers)
 	mux.HandleFunc("GET /readyz", func(w http.ResponseWriter, _ *http.Request) {
 		if !s.ready.Load() {
 			http.Error(w, "draining", http.StatusServiceUnavailable)

@@ -34,6 +34,8 @@ type Profile struct {
 	// alone (decode-side reuse) when that gives the first token sooner:
 	// the TTFT limit, which weighs no TPOT.
 	DecodeAlone bool
+	// Peers makes pdx's replicas exchange their prefills (config peers).
+	Peers bool
 	// Direct runs the oracle's in-process router placing round robin
 	// instead: pdx's round robin without Envoy and pdx in front, so that
 	// the two rows' difference is what the path costs, apart from
@@ -66,14 +68,22 @@ func (p Profile) Config() string {
 	if p.Peer != "" {
 		return "vllm-router in NIXL P/D mode, --policy " + p.Peer
 	}
+	peers := ""
+	if p.Peers {
+		peers = "peers: {addresses: [every replica's admin address]}\n"
+	}
 	if p.KVEvents {
-		return "kv_events: {mode: dial} (every engine publishes; prompts rendered by the engines)\n" + p.PoolYAML + p.ConfigYAML
+		return "kv_events: {mode: dial} (every engine publishes; prompts rendered by the engines)\n" + peers + p.PoolYAML + p.ConfigYAML
 	}
 	return p.PoolYAML + p.ConfigYAML
 }
 
 // PreciseProfile names pdx's precise placement profile.
 const PreciseProfile = "precise"
+
+// PrecisePeersProfile names precise placement with the replicas'
+// prefills exchanged.
+const PrecisePeersProfile = "precise-peers"
 
 // PreciseReuseProfile names precise placement with decode-side reuse.
 const PreciseReuseProfile = "precise-reuse"
@@ -123,6 +133,9 @@ func Profiles(s Scale) []Profile {
 		// pdx's defaults placing by what the engines report holding (their
 		// KV events) and their tokens (render), not by what pdx sent.
 		{Name: PreciseProfile, KVEvents: true},
+		// precise, its replicas exchanging their prefills (config peers):
+		// each counts them all in the engines' queues.
+		{Name: PrecisePeersProfile, KVEvents: true, Peers: true},
 		// precise, and a prompt whose decode engine holds all but fewer
 		// than 1,000 of its tokens (the engine's own word) is prefilled
 		// there alone: decode-side reuse, by NVIDIA Dynamo's disaggregated

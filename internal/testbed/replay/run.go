@@ -435,6 +435,7 @@ func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capaci
 		PoolYAML:    p.PoolYAML,
 		ConfigYAML:  p.ConfigYAML,
 		PdxReplicas: replicas,
+		Peers:       p.Peers,
 		KVEvents:    kvMode,
 		// Queued prefills of a saturated point wait long; the prefill
 		// must not time out before the client's own bound.

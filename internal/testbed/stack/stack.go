@@ -98,6 +98,9 @@ type Options struct {
 	// same config and its own state; Envoy's ext_proc cluster lists them
 	// all and spreads requests over them round robin.
 	PdxReplicas int
+	// Peers makes the replicas exchange their prefills (config peers,
+	// every replica listing every replica's admin address).
+	Peers bool
 	// KVEvents makes every engine publish its KV events (the engines need
 	// Engine.Capacity) and pdx subscribe to them: "dial", each engine binds
 	// a publisher and a replay socket on free loopback ports (unless
@@ -185,13 +188,23 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	}
 	s.cfg = cfg
 	s.log = slog.New(slog.NewJSONHandler(s.pdxLog, &slog.HandlerOptions{Level: opts.LogLevel}))
-	var addrs []string
+	var addrs, admins []string
+	if opts.Peers {
+		if admins, err = loopback.FreeAddrs(opts.PdxReplicas); err != nil {
+			return nil, err
+		}
+	}
 	for i := range opts.PdxReplicas {
 		l := s.log
 		if opts.PdxReplicas > 1 {
 			l = s.log.With("replica", i)
 		}
-		p, err := server.Start(cfg, l)
+		rcfg := cfg
+		if opts.Peers {
+			rcfg = proto.CloneOf(cfg)
+			rcfg.AdminAddress, rcfg.Peers = admins[i], &configv1.Peers{Addresses: admins}
+		}
+		p, err := server.Start(rcfg, l)
 		if err != nil {
 			return nil, err
 		}

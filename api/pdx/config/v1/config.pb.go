@@ -206,8 +206,15 @@ type Config struct {
 	// with base_interval 1s). Records' TTLs are not read (Envoy's
 	// respect_dns_ttl: false). Default: 5s; at least 1ms, at most 1h.
 	DnsRefreshRate *durationpb.Duration `protobuf:"bytes,13,opt,name=dns_refresh_rate,json=dnsRefreshRate,proto3" json:"dns_refresh_rate,omitempty"`
-	unknownFields  protoimpl.UnknownFields
-	sizeCache      protoimpl.SizeCache
+	// The other pdx replicas of this deployment, with which this one
+	// exchanges the prefills each has in flight: every replica then counts
+	// all of them in the prefill engines' queues, as it counts its own, and
+	// forecasts a prompt's wait there as one router would. Unset: off, each
+	// replica queues only its own prefills (and the engines' metrics, up to
+	// a scrape old, count the rest as requests of mean size).
+	Peers         *Peers `protobuf:"bytes,14,opt,name=peers,proto3" json:"peers,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Config) Reset() {
@@ -331,6 +338,65 @@ func (x *Config) GetDnsRefreshRate() *durationpb.Duration {
 	return nil
 }
 
+func (x *Config) GetPeers() *Peers {
+	if x != nil {
+		return x.Peers
+	}
+	return nil
+}
+
+// Peers is how pdx replicas find each other. Each serves the prefills it
+// has in flight on its admin listener (GET /peers/prefills: a snapshot,
+// then every start and end, as JSON lines) and reads every peer's.
+type Peers struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The replicas' admin addresses, "host:port". A host name stands for
+	// every address it resolves to (a Kubernetes headless Service names
+	// every pod), looked up again every dns_refresh_rate. A replica may be
+	// listed itself: it recognises its own answer and skips it. At least
+	// one.
+	Addresses     []string `protobuf:"bytes,1,rep,name=addresses,proto3" json:"addresses,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Peers) Reset() {
+	*x = Peers{}
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Peers) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Peers) ProtoMessage() {}
+
+func (x *Peers) ProtoReflect() protoreflect.Message {
+	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Peers.ProtoReflect.Descriptor instead.
+func (*Peers) Descriptor() ([]byte, []int) {
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Peers) GetAddresses() []string {
+	if x != nil {
+		return x.Addresses
+	}
+	return nil
+}
+
 // KVEvents is how pdx and the engines' event publishers meet. Every pdx
 // replica subscribes on its own, so all replicas hold the same state.
 type KVEvents struct {
@@ -372,7 +438,7 @@ type KVEvents struct {
 
 func (x *KVEvents) Reset() {
 	*x = KVEvents{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -384,7 +450,7 @@ func (x *KVEvents) String() string {
 func (*KVEvents) ProtoMessage() {}
 
 func (x *KVEvents) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[1]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -397,7 +463,7 @@ func (x *KVEvents) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KVEvents.ProtoReflect.Descriptor instead.
 func (*KVEvents) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{1}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *KVEvents) GetMode() string {
@@ -475,7 +541,7 @@ type Render struct {
 
 func (x *Render) Reset() {
 	*x = Render{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -487,7 +553,7 @@ func (x *Render) String() string {
 func (*Render) ProtoMessage() {}
 
 func (x *Render) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[2]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -500,7 +566,7 @@ func (x *Render) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Render.ProtoReflect.Descriptor instead.
 func (*Render) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{2}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Render) GetDisabled() bool {
@@ -540,7 +606,7 @@ type Xds struct {
 
 func (x *Xds) Reset() {
 	*x = Xds{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -552,7 +618,7 @@ func (x *Xds) String() string {
 func (*Xds) ProtoMessage() {}
 
 func (x *Xds) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[3]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -565,7 +631,7 @@ func (x *Xds) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Xds.ProtoReflect.Descriptor instead.
 func (*Xds) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{3}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Xds) GetEnabled() bool {
@@ -604,7 +670,7 @@ type EngineMetrics struct {
 
 func (x *EngineMetrics) Reset() {
 	*x = EngineMetrics{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -616,7 +682,7 @@ func (x *EngineMetrics) String() string {
 func (*EngineMetrics) ProtoMessage() {}
 
 func (x *EngineMetrics) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[4]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -629,7 +695,7 @@ func (x *EngineMetrics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EngineMetrics.ProtoReflect.Descriptor instead.
 func (*EngineMetrics) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{4}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *EngineMetrics) GetDisabled() bool {
@@ -684,7 +750,7 @@ type TLS struct {
 
 func (x *TLS) Reset() {
 	*x = TLS{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -696,7 +762,7 @@ func (x *TLS) String() string {
 func (*TLS) ProtoMessage() {}
 
 func (x *TLS) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[5]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -709,7 +775,7 @@ func (x *TLS) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TLS.ProtoReflect.Descriptor instead.
 func (*TLS) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{5}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *TLS) GetCertFile() string {
@@ -886,7 +952,7 @@ type Pool struct {
 
 func (x *Pool) Reset() {
 	*x = Pool{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -898,7 +964,7 @@ func (x *Pool) String() string {
 func (*Pool) ProtoMessage() {}
 
 func (x *Pool) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[6]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -911,7 +977,7 @@ func (x *Pool) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Pool.ProtoReflect.Descriptor instead.
 func (*Pool) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{6}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *Pool) GetName() string {
@@ -1149,7 +1215,7 @@ type FlowControl struct {
 
 func (x *FlowControl) Reset() {
 	*x = FlowControl{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1161,7 +1227,7 @@ func (x *FlowControl) String() string {
 func (*FlowControl) ProtoMessage() {}
 
 func (x *FlowControl) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[7]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1174,7 +1240,7 @@ func (x *FlowControl) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FlowControl.ProtoReflect.Descriptor instead.
 func (*FlowControl) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{7}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *FlowControl) GetObjectives() []*Objective {
@@ -1246,7 +1312,7 @@ type KubernetesObjectives struct {
 
 func (x *KubernetesObjectives) Reset() {
 	*x = KubernetesObjectives{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1258,7 +1324,7 @@ func (x *KubernetesObjectives) String() string {
 func (*KubernetesObjectives) ProtoMessage() {}
 
 func (x *KubernetesObjectives) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[8]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1271,7 +1337,7 @@ func (x *KubernetesObjectives) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesObjectives.ProtoReflect.Descriptor instead.
 func (*KubernetesObjectives) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{8}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *KubernetesObjectives) GetNamespace() string {
@@ -1302,7 +1368,7 @@ type Objective struct {
 
 func (x *Objective) Reset() {
 	*x = Objective{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1314,7 +1380,7 @@ func (x *Objective) String() string {
 func (*Objective) ProtoMessage() {}
 
 func (x *Objective) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[9]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1327,7 +1393,7 @@ func (x *Objective) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Objective.ProtoReflect.Descriptor instead.
 func (*Objective) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{9}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *Objective) GetName() string {
@@ -1356,7 +1422,7 @@ type Band struct {
 
 func (x *Band) Reset() {
 	*x = Band{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1368,7 +1434,7 @@ func (x *Band) String() string {
 func (*Band) ProtoMessage() {}
 
 func (x *Band) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[10]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1381,7 +1447,7 @@ func (x *Band) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Band.ProtoReflect.Descriptor instead.
 func (*Band) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{10}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *Band) GetPriority() int32 {
@@ -1414,7 +1480,7 @@ type SessionAffinity struct {
 
 func (x *SessionAffinity) Reset() {
 	*x = SessionAffinity{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1426,7 +1492,7 @@ func (x *SessionAffinity) String() string {
 func (*SessionAffinity) ProtoMessage() {}
 
 func (x *SessionAffinity) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[11]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1439,7 +1505,7 @@ func (x *SessionAffinity) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use SessionAffinity.ProtoReflect.Descriptor instead.
 func (*SessionAffinity) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{11}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *SessionAffinity) GetHeader() string {
@@ -1464,7 +1530,7 @@ type LoRA struct {
 
 func (x *LoRA) Reset() {
 	*x = LoRA{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1476,7 +1542,7 @@ func (x *LoRA) String() string {
 func (*LoRA) ProtoMessage() {}
 
 func (x *LoRA) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[12]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1489,7 +1555,7 @@ func (x *LoRA) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoRA.ProtoReflect.Descriptor instead.
 func (*LoRA) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{12}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *LoRA) GetAdapters() []string {
@@ -1535,7 +1601,7 @@ type Picker struct {
 
 func (x *Picker) Reset() {
 	*x = Picker{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1547,7 +1613,7 @@ func (x *Picker) String() string {
 func (*Picker) ProtoMessage() {}
 
 func (x *Picker) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[13]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1560,7 +1626,7 @@ func (x *Picker) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Picker.ProtoReflect.Descriptor instead.
 func (*Picker) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{13}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *Picker) GetPolicy() string {
@@ -1602,7 +1668,7 @@ type Weights struct {
 
 func (x *Weights) Reset() {
 	*x = Weights{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1614,7 +1680,7 @@ func (x *Weights) String() string {
 func (*Weights) ProtoMessage() {}
 
 func (x *Weights) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[14]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1627,7 +1693,7 @@ func (x *Weights) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Weights.ProtoReflect.Descriptor instead.
 func (*Weights) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{14}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *Weights) GetPrefix() float64 {
@@ -1684,7 +1750,7 @@ type Disaggregation struct {
 
 func (x *Disaggregation) Reset() {
 	*x = Disaggregation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1696,7 +1762,7 @@ func (x *Disaggregation) String() string {
 func (*Disaggregation) ProtoMessage() {}
 
 func (x *Disaggregation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[15]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1709,7 +1775,7 @@ func (x *Disaggregation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Disaggregation.ProtoReflect.Descriptor instead.
 func (*Disaggregation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{15}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *Disaggregation) GetMinUncachedTokens() uint32 {
@@ -1767,7 +1833,7 @@ type Saturation struct {
 
 func (x *Saturation) Reset() {
 	*x = Saturation{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1779,7 +1845,7 @@ func (x *Saturation) String() string {
 func (*Saturation) ProtoMessage() {}
 
 func (x *Saturation) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[16]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1792,7 +1858,7 @@ func (x *Saturation) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Saturation.ProtoReflect.Descriptor instead.
 func (*Saturation) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{16}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *Saturation) GetDisabled() bool {
@@ -1911,7 +1977,7 @@ type KubernetesDiscovery struct {
 
 func (x *KubernetesDiscovery) Reset() {
 	*x = KubernetesDiscovery{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1923,7 +1989,7 @@ func (x *KubernetesDiscovery) String() string {
 func (*KubernetesDiscovery) ProtoMessage() {}
 
 func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[17]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1936,7 +2002,7 @@ func (x *KubernetesDiscovery) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KubernetesDiscovery.ProtoReflect.Descriptor instead.
 func (*KubernetesDiscovery) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{17}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *KubernetesDiscovery) GetNamespace() string {
@@ -2082,7 +2148,7 @@ type Endpoint struct {
 
 func (x *Endpoint) Reset() {
 	*x = Endpoint{}
-	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2094,7 +2160,7 @@ func (x *Endpoint) String() string {
 func (*Endpoint) ProtoMessage() {}
 
 func (x *Endpoint) ProtoReflect() protoreflect.Message {
-	mi := &file_pdx_config_v1_config_proto_msgTypes[18]
+	mi := &file_pdx_config_v1_config_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2107,7 +2173,7 @@ func (x *Endpoint) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Endpoint.ProtoReflect.Descriptor instead.
 func (*Endpoint) Descriptor() ([]byte, []int) {
-	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{18}
+	return file_pdx_config_v1_config_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *Endpoint) GetAddress() string {
@@ -2156,7 +2222,7 @@ var File_pdx_config_v1_config_proto protoreflect.FileDescriptor
 
 const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\n" +
-	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xb4\x05\n" +
+	"\x1apdx/config/v1/config.proto\x12\rpdx.config.v1\x1a\x1egoogle/protobuf/duration.proto\"\xe0\x05\n" +
 	"\x06Config\x12!\n" +
 	"\fgrpc_address\x18\x01 \x01(\tR\vgrpcAddress\x12#\n" +
 	"\radmin_address\x18\x02 \x01(\tR\fadminAddress\x12$\n" +
@@ -2171,8 +2237,11 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	" \x01(\bH\x00R\x13endStreamsAtRouting\x88\x01\x01\x12$\n" +
 	"\x03xds\x18\v \x01(\v2\x12.pdx.config.v1.XdsR\x03xds\x124\n" +
 	"\tkv_events\x18\f \x01(\v2\x17.pdx.config.v1.KVEventsR\bkvEvents\x12C\n" +
-	"\x10dns_refresh_rate\x18\r \x01(\v2\x19.google.protobuf.DurationR\x0ednsRefreshRateB\x19\n" +
-	"\x17_end_streams_at_routing\"\xde\x01\n" +
+	"\x10dns_refresh_rate\x18\r \x01(\v2\x19.google.protobuf.DurationR\x0ednsRefreshRate\x12*\n" +
+	"\x05peers\x18\x0e \x01(\v2\x14.pdx.config.v1.PeersR\x05peersB\x19\n" +
+	"\x17_end_streams_at_routing\"%\n" +
+	"\x05Peers\x12\x1c\n" +
+	"\taddresses\x18\x01 \x03(\tR\taddresses\"\xde\x01\n" +
 	"\bKVEvents\x12\x12\n" +
 	"\x04mode\x18\x01 \x01(\tR\x04mode\x12\x12\n" +
 	"\x04port\x18\x02 \x01(\rR\x04port\x12\x1f\n" +
@@ -2335,71 +2404,73 @@ func file_pdx_config_v1_config_proto_rawDescGZIP() []byte {
 }
 
 var file_pdx_config_v1_config_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
+var file_pdx_config_v1_config_proto_msgTypes = make([]protoimpl.MessageInfo, 21)
 var file_pdx_config_v1_config_proto_goTypes = []any{
 	(PrefillFailure)(0),          // 0: pdx.config.v1.PrefillFailure
 	(SaturationAction)(0),        // 1: pdx.config.v1.SaturationAction
 	(*Config)(nil),               // 2: pdx.config.v1.Config
-	(*KVEvents)(nil),             // 3: pdx.config.v1.KVEvents
-	(*Render)(nil),               // 4: pdx.config.v1.Render
-	(*Xds)(nil),                  // 5: pdx.config.v1.Xds
-	(*EngineMetrics)(nil),        // 6: pdx.config.v1.EngineMetrics
-	(*TLS)(nil),                  // 7: pdx.config.v1.TLS
-	(*Pool)(nil),                 // 8: pdx.config.v1.Pool
-	(*FlowControl)(nil),          // 9: pdx.config.v1.FlowControl
-	(*KubernetesObjectives)(nil), // 10: pdx.config.v1.KubernetesObjectives
-	(*Objective)(nil),            // 11: pdx.config.v1.Objective
-	(*Band)(nil),                 // 12: pdx.config.v1.Band
-	(*SessionAffinity)(nil),      // 13: pdx.config.v1.SessionAffinity
-	(*LoRA)(nil),                 // 14: pdx.config.v1.LoRA
-	(*Picker)(nil),               // 15: pdx.config.v1.Picker
-	(*Weights)(nil),              // 16: pdx.config.v1.Weights
-	(*Disaggregation)(nil),       // 17: pdx.config.v1.Disaggregation
-	(*Saturation)(nil),           // 18: pdx.config.v1.Saturation
-	(*KubernetesDiscovery)(nil),  // 19: pdx.config.v1.KubernetesDiscovery
-	(*Endpoint)(nil),             // 20: pdx.config.v1.Endpoint
-	nil,                          // 21: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	(*durationpb.Duration)(nil),  // 22: google.protobuf.Duration
+	(*Peers)(nil),                // 3: pdx.config.v1.Peers
+	(*KVEvents)(nil),             // 4: pdx.config.v1.KVEvents
+	(*Render)(nil),               // 5: pdx.config.v1.Render
+	(*Xds)(nil),                  // 6: pdx.config.v1.Xds
+	(*EngineMetrics)(nil),        // 7: pdx.config.v1.EngineMetrics
+	(*TLS)(nil),                  // 8: pdx.config.v1.TLS
+	(*Pool)(nil),                 // 9: pdx.config.v1.Pool
+	(*FlowControl)(nil),          // 10: pdx.config.v1.FlowControl
+	(*KubernetesObjectives)(nil), // 11: pdx.config.v1.KubernetesObjectives
+	(*Objective)(nil),            // 12: pdx.config.v1.Objective
+	(*Band)(nil),                 // 13: pdx.config.v1.Band
+	(*SessionAffinity)(nil),      // 14: pdx.config.v1.SessionAffinity
+	(*LoRA)(nil),                 // 15: pdx.config.v1.LoRA
+	(*Picker)(nil),               // 16: pdx.config.v1.Picker
+	(*Weights)(nil),              // 17: pdx.config.v1.Weights
+	(*Disaggregation)(nil),       // 18: pdx.config.v1.Disaggregation
+	(*Saturation)(nil),           // 19: pdx.config.v1.Saturation
+	(*KubernetesDiscovery)(nil),  // 20: pdx.config.v1.KubernetesDiscovery
+	(*Endpoint)(nil),             // 21: pdx.config.v1.Endpoint
+	nil,                          // 22: pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	(*durationpb.Duration)(nil),  // 23: google.protobuf.Duration
 }
 var file_pdx_config_v1_config_proto_depIdxs = []int32{
-	8,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
-	7,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
-	22, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
-	6,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
-	5,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
-	3,  // 5: pdx.config.v1.Config.kv_events:type_name -> pdx.config.v1.KVEvents
-	22, // 6: pdx.config.v1.Config.dns_refresh_rate:type_name -> google.protobuf.Duration
-	22, // 7: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
-	22, // 8: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	22, // 9: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	20, // 10: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	20, // 11: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	22, // 12: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	22, // 13: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	0,  // 14: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
-	22, // 15: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	19, // 16: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	15, // 17: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	15, // 18: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	17, // 19: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	18, // 20: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
-	4,  // 21: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
-	9,  // 22: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
-	13, // 23: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
-	14, // 24: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
-	11, // 25: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
-	12, // 26: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
-	10, // 27: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
-	22, // 28: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
-	16, // 29: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	1,  // 30: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
-	22, // 31: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	21, // 32: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	33, // [33:33] is the sub-list for method output_type
-	33, // [33:33] is the sub-list for method input_type
-	33, // [33:33] is the sub-list for extension type_name
-	33, // [33:33] is the sub-list for extension extendee
-	0,  // [0:33] is the sub-list for field type_name
+	9,  // 0: pdx.config.v1.Config.pools:type_name -> pdx.config.v1.Pool
+	8,  // 1: pdx.config.v1.Config.tls:type_name -> pdx.config.v1.TLS
+	23, // 2: pdx.config.v1.Config.request_body_timeout:type_name -> google.protobuf.Duration
+	7,  // 3: pdx.config.v1.Config.engine_metrics:type_name -> pdx.config.v1.EngineMetrics
+	6,  // 4: pdx.config.v1.Config.xds:type_name -> pdx.config.v1.Xds
+	4,  // 5: pdx.config.v1.Config.kv_events:type_name -> pdx.config.v1.KVEvents
+	23, // 6: pdx.config.v1.Config.dns_refresh_rate:type_name -> google.protobuf.Duration
+	3,  // 7: pdx.config.v1.Config.peers:type_name -> pdx.config.v1.Peers
+	23, // 8: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
+	23, // 9: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	23, // 10: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	21, // 11: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	21, // 12: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	23, // 13: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	23, // 14: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	0,  // 15: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
+	23, // 16: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	20, // 17: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	16, // 18: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	16, // 19: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	18, // 20: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	19, // 21: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	5,  // 22: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
+	10, // 23: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
+	14, // 24: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
+	15, // 25: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
+	12, // 26: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
+	13, // 27: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
+	11, // 28: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
+	23, // 29: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
+	17, // 30: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	1,  // 31: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
+	23, // 32: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	22, // 33: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	34, // [34:34] is the sub-list for method output_type
+	34, // [34:34] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
@@ -2408,14 +2479,14 @@ func file_pdx_config_v1_config_proto_init() {
 		return
 	}
 	file_pdx_config_v1_config_proto_msgTypes[0].OneofWrappers = []any{}
-	file_pdx_config_v1_config_proto_msgTypes[15].OneofWrappers = []any{}
+	file_pdx_config_v1_config_proto_msgTypes[16].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_pdx_config_v1_config_proto_rawDesc), len(file_pdx_config_v1_config_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   20,
+			NumMessages:   21,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

@@ -112,6 +112,9 @@ self-signed TLS in inferencePool mode.
 {{- end }}
 {{- $_ := set $cfg "grpc_address" (printf "0.0.0.0:%d" (int .Values.ports.grpc)) }}
 {{- $_ = set $cfg "admin_address" (printf "0.0.0.0:%d" (int .Values.ports.admin)) }}
+{{- if and .Values.peers.enabled (not (hasKey $cfg "peers")) }}
+{{- $_ = set $cfg "peers" (dict "addresses" (list (printf "%s-peers.%s.svc:%d" (include "pdx.fullname" .) .Release.Namespace (int .Values.ports.admin)))) }}
+{{- end }}
 {{- if include "pdx.tls" . }}
 {{- $_ = set $cfg "tls" (dict "self_signed" true) }}
 {{- end }}

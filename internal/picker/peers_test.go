@@ -1,0 +1,193 @@
+package picker
+
+import (
+	"testing"
+	"time"
+
+	"github.com/stretchr/testify/require"
+)
+
+// A peer's prefill lease counts on its endpoint as the Set's own do: in
+// flight, with its tokens, in the queue, from when the peer leased it;
+// until it ends, its peer goes, or never when the Set lacks the endpoint.
+func TestPeerLeases(t *testing.T) {
+	type start struct {
+		peer, address string
+		id            uint64
+		tokens        int
+		age           time.Duration
+	}
+	a, b := epA.Address, epB.Address
+	for _, tc := range []struct {
+		name    string
+		started []start
+		ended   []start // by peer, address and id
+		gone    []string
+		// want are the in-flight requests and tokens on epA, and the
+		// tokens queued ahead of a prompt there (one slot).
+		wantInFlight, wantTokens, wantAhead int
+		wantLeases                          int
+	}{
+		{name: "counted", started: []start{{"p1", a, 1, 500, 0}}, wantInFlight: 1, wantTokens: 500, wantAhead: 500, wantLeases: 1},
+		{name: "counted once", started: []start{{"p1", a, 1, 500, 0}, {"p1", a, 1, 500, 0}}, wantInFlight: 1, wantTokens: 500, wantAhead: 500, wantLeases: 1},
+		// 10 ms at the seed's 15,000 tokens a second: 150 computed.
+		{name: "computed since its start", started: []start{{"p1", a, 1, 500, 10 * time.Millisecond}}, wantInFlight: 1, wantTokens: 500, wantAhead: 350, wantLeases: 1},
+		{name: "two peers, same number", started: []start{{"p1", a, 1, 500, 0}, {"p2", a, 1, 300, 0}}, wantInFlight: 2, wantTokens: 800, wantAhead: 800, wantLeases: 2},
+		{name: "other endpoint", started: []start{{"p1", b, 1, 500, 0}}, wantLeases: 1},
+		{name: "endpoint the Set lacks", started: []start{{"p1", "127.0.0.1:9", 1, 500, 0}}},
+		{name: "ended", started: []start{{"p1", a, 1, 500, 0}, {"p1", a, 2, 200, 0}}, ended: []start{{"p1", a, 1, 0, 0}},
+			wantInFlight: 1, wantTokens: 200, wantAhead: 200, wantLeases: 1},
+		{name: "end of another's number", started: []start{{"p1", a, 1, 500, 0}}, ended: []start{{"p2", a, 1, 0, 0}, {"p1", b, 1, 0, 0}},
+			wantInFlight: 1, wantTokens: 500, wantAhead: 500, wantLeases: 1},
+		{name: "peer gone", started: []start{{"p1", a, 1, 500, 0}, {"p1", b, 2, 500, 0}, {"p2", a, 1, 300, 0}}, gone: []string{"p1"},
+			wantInFlight: 1, wantTokens: 300, wantAhead: 300, wantLeases: 1},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			clock := newFakeClock()
+			set := NewSet(abc, Options{Now: clock.Now})
+			clock.Advance(time.Second)
+			for _, s := range tc.started {
+				set.PeerStarted(s.peer, s.address, s.id, s.tokens, s.age)
+			}
+			for _, s := range tc.ended {
+				set.PeerEnded(s.peer, s.address, s.id)
+			}
+			for _, p := range tc.gone {
+				set.PeerGone(p)
+			}
+			h := set.view.Load().lookup(epA)
+			require.Equal(t, tc.wantInFlight, set.InFlight(epA))
+			require.EqualValues(t, tc.wantTokens, h.inFlightTokens.Load())
+			require.Equal(t, tc.wantAhead, h.service.queueNow(set.elapsed(), 0, 0).ahead)
+			require.Equal(t, tc.wantLeases, set.PeerLeases())
+
+			for _, p := range []string{"p1", "p2"} {
+				set.PeerGone(p)
+			}
+			for _, ep := range abc {
+				require.Zero(t, set.InFlight(ep), "every peer gone: nothing left on %s", ep.Address)
+			}
+			require.Zero(t, h.service.queueNow(set.elapsed(), 0, 0).ahead)
+		})
+	}
+}
+
+// A peer's lease queues behind the Set's own as the engine's slots take
+// them: with two slots, the third prefill waits for the one free first.
+func TestPeerLeaseQueues(t *testing.T) {
+	clock := newFakeClock()
+	set := NewSet(abc, Options{Now: clock.Now})
+	h := set.view.Load().lookup(epA)
+	h.service.load(2, 1) // seen computing two prompts with one waiting
+	own := newLeg(set, new(RoundRobin), RolePrefill)
+	lease, ok := own.Pick(Request{Subset: []string{epA.Address}, Tokens: 1500})
+	require.True(t, ok)
+	set.PeerStarted("p1", epA.Address, 1, 300, 0)
+	q := h.service.queueNow(set.elapsed(), 0, 0)
+	require.Equal(t, queue{ahead: 1800, waiting: 300}, q, "both slots taken: a prompt waits for the shorter")
+
+	set.PeerStarted("p1", epA.Address, 2, 900, 0)
+	q = h.service.queueNow(set.elapsed(), 0, 0)
+	require.Equal(t, queue{ahead: 2700, waiting: 1200}, q, "the waiting one takes the slot free first (300 + 900), then the prompt waits for that one")
+
+	lease.End(Released)
+	set.PeerEnded("p1", epA.Address, 1)
+	q = h.service.queueNow(set.elapsed(), 0, 0)
+	require.Equal(t, queue{ahead: 900, waiting: 0}, q)
+	set.PeerGone("p1")
+	require.Zero(t, set.InFlight(epA))
+}
+
+// A reloaded Set keeps counting the peers' leases its predecessor counted,
+// and their ends reach them.
+func TestPeerLeasesInherited(t *testing.T) {
+	old := NewSet(abc, Options{})
+	old.PeerStarted("p1", epA.Address, 1, 500, 0)
+	set := NewSet(abc, Options{Inherit: old})
+	require.Equal(t, 1, set.InFlight(epA))
+	require.Equal(t, 1, set.PeerLeases())
+	set.PeerEnded("p1", epA.Address, 1)
+	require.Zero(t, set.InFlight(epA))
+	require.Zero(t, old.PeerLeases())
+}
+
+// The journal hears a Set's prefill leases start and end, moves
+// included; a reader gets the leases open when it subscribed, then each
+// start and end, and one that falls behind is dropped rather than
+// slowing the leases.
+func TestJournal(t *testing.T) {
+	j := NewJournal()
+	set := NewSet(abc, Options{Journal: j, Pool: "demo"})
+	prefill := newLeg(set, new(RoundRobin), RolePrefill)
+	first, ok := prefill.Pick(Request{Subset: []string{epA.Address}, Tokens: 400})
+	require.True(t, ok)
+
+	snapshot, r := j.Subscribe(16)
+	require.Len(t, snapshot, 1)
+	require.Equal(t, PrefillEvent{Pool: "demo", Endpoint: epA.Address, ID: 1, Tokens: 400, Start: snapshot[0].Start}, snapshot[0])
+	require.False(t, snapshot[0].Start.IsZero())
+
+	second, ok := prefill.Pick(Request{Subset: []string{epB.Address}, Tokens: 200})
+	require.True(t, ok)
+	second.Move(epC)
+	first.End(Succeeded)
+	second.End(Released)
+	first.End(Released) // ended once: heard once
+	want := []PrefillEvent{
+		{Pool: "demo", Endpoint: epB.Address, ID: 1, Tokens: 200},
+		{Pool: "demo", Endpoint: epB.Address, ID: 1, Ended: true},
+		{Pool: "demo", Endpoint: epC.Address, ID: 1, Tokens: 200},
+		{Pool: "demo", Endpoint: epA.Address, ID: 1, Ended: true},
+		{Pool: "demo", Endpoint: epC.Address, ID: 1, Ended: true},
+	}
+	for _, w := range want {
+		got := <-r.Events()
+		require.Equal(t, w.Ended, got.Start.IsZero(), "a start has its time, an end none")
+		got.Start = time.Time{}
+		require.Equal(t, w, got)
+	}
+	require.Empty(t, r.Events())
+
+	decode := newLeg(set, new(RoundRobin), RoleDecode)
+	d, _ := decode.Pick(Request{Tokens: 100})
+	d.End(Released)
+	require.Empty(t, r.Events(), "a decode lease is not a prefill")
+
+	slow := func() *JournalReader { _, s := j.Subscribe(1); return s }()
+	for range 2 {
+		l, _ := prefill.Pick(Request{Subset: []string{epA.Address}, Tokens: 10})
+		l.End(Released)
+	}
+	require.True(t, slow.Lost())
+	require.Len(t, slow.Events(), 1, "what it had room for")
+	<-slow.Events()
+	_, open := <-slow.Events()
+	require.False(t, open, "a lost reader's channel closes")
+	j.Unsubscribe(slow) // a no-op once lost
+
+	require.False(t, r.Lost())
+	j.Unsubscribe(r)
+	for range r.Events() {
+	}
+	snapshot, r = j.Subscribe(1)
+	require.Empty(t, snapshot, "every lease ended")
+	j.Unsubscribe(r)
+}
+
+// Learning from a finished prefill allocates nothing with a journal and
+// no reader either: the open leases' map keeps its room.
+func TestJournalLeaseAllocs(t *testing.T) {
+	set := NewSet(abc, Options{Journal: NewJournal(), Pool: "demo"})
+	prefill := newLeg(set, new(RoundRobin), RolePrefill)
+	warm, _ := prefill.Pick(Request{Subset: []string{epA.Address}, Tokens: 10})
+	warm.End(Succeeded)
+	h := set.view.Load().lookup(epA)
+	allocs := testing.AllocsPerRun(100, func() {
+		l := Lease{set: set, h: h, ep: epA, tokens: 10, prefill: true, uncached: -1}
+		set.count(h, 10, true)
+		l.queued = h.service.queue.add(10, set.elapsed(), 1)
+		set.journal.started(set.pool, epA.Address, l.queued, 10)
+		l.End(Succeeded)
+	})
+	require.Zero(t, allocs)
+}
