@@ -75,7 +75,7 @@ func (p Profile) Config() string {
 	if p.KVEvents {
 		return "kv_events: {mode: dial} (every engine publishes; prompts rendered by the engines)\n" + peers + p.PoolYAML + p.ConfigYAML
 	}
-	return p.PoolYAML + p.ConfigYAML
+	return peers + p.PoolYAML + p.ConfigYAML
 }
 
 // PreciseProfile names pdx's precise placement profile.
