@@ -191,3 +191,36 @@ func TestJournalLeaseAllocs(t *testing.T) {
 	})
 	require.Zero(t, allocs)
 }
+
+// BenchmarkPrefillLease is a prefill's lease and end on one endpoint,
+// without a journal and with one told to no reader and to two (a replica
+// with two peers; their readers drain their events as they come).
+func BenchmarkPrefillLease(b *testing.B) {
+	for _, tc := range []struct {
+		name    string
+		journal bool
+		readers int
+	}{{"no journal", false, 0}, {"journal, no reader", true, 0}, {"journal, two readers", true, 2}} {
+		b.Run(tc.name, func(b *testing.B) {
+			opts := Options{Pool: "demo"}
+			if tc.journal {
+				opts.Journal = NewJournal()
+				for range tc.readers {
+					_, r := opts.Journal.Subscribe(1 << 14)
+					go func() {
+						for range r.Events() {
+						}
+					}()
+					defer opts.Journal.Unsubscribe(r)
+				}
+			}
+			l := newLeg(NewSet(abc, opts), new(RoundRobin), RolePrefill)
+			req := Request{Subset: []string{epA.Address}, Tokens: 512}
+			b.ReportAllocs()
+			for b.Loop() {
+				lease, _ := l.Pick(req)
+				lease.End(Succeeded)
+			}
+		})
+	}
+}
