@@ -76,7 +76,7 @@ func validate(cfg *configv1.Config) []error {
 			v.fail("peers.addresses", "at least one replica's admin address is required when peers is set")
 		}
 		for i, a := range p.GetAddresses() {
-			if host, port, err := net.SplitHostPort(a); err != nil || host == "" || port == "" {
+			if _, err := endpoint.ParseHostPort(a); err != nil {
 				v.fail(fmt.Sprintf("peers.addresses[%d]", i), "%q must be host:port (a replica's admin_address)", a)
 			}
 		}

@@ -174,22 +174,23 @@ func TestJournal(t *testing.T) {
 	j.Unsubscribe(r)
 }
 
-// Learning from a finished prefill allocates nothing with a journal and
-// no reader either: the open leases' map keeps its room.
+// A prefill's lease, its end and the learning from it allocate nothing
+// with a journal, heard by a reader or not: the open leases' map keeps
+// its room.
 func TestJournalLeaseAllocs(t *testing.T) {
-	set := NewSet(abc, Options{Journal: NewJournal(), Pool: "demo"})
-	prefill := newLeg(set, new(RoundRobin), RolePrefill)
-	warm, _ := prefill.Pick(Request{Subset: []string{epA.Address}, Tokens: 10})
-	warm.End(Succeeded)
-	h := set.view.Load().lookup(epA)
-	allocs := testing.AllocsPerRun(100, func() {
-		l := Lease{set: set, h: h, ep: epA, tokens: 10, prefill: true, uncached: -1}
-		set.count(h, 10, true)
-		l.queued = h.service.queue.add(10, set.elapsed(), 1)
-		set.journal.started(set.pool, epA.Address, l.queued, 10)
+	j := NewJournal()
+	prefill := newLeg(NewSet(abc, Options{Journal: j, Pool: "demo"}), new(RoundRobin), RolePrefill)
+	req := Request{Subset: []string{epA.Address}, Tokens: 10}
+	lease := func() {
+		l, _ := prefill.Pick(req)
 		l.End(Succeeded)
-	})
-	require.Zero(t, allocs)
+	}
+	lease()
+	require.Zero(t, testing.AllocsPerRun(100, lease))
+	_, r := j.Subscribe(1 << 10)
+	defer j.Unsubscribe(r)
+	require.Zero(t, testing.AllocsPerRun(100, lease))
+	require.Len(t, r.Events(), 2*101, "every start and end heard")
 }
 
 // BenchmarkPrefillLease is a prefill's lease and end on one endpoint,

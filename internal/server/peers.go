@@ -11,13 +11,13 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
-	"net/netip"
 	"slices"
 	"sync"
 	"time"
 
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/resolver"
 )
@@ -82,10 +82,11 @@ func (s *Server) servePeers(w http.ResponseWriter, r *http.Request) {
 	snapshot, reader := j.Subscribe(peerBuffer)
 	defer j.Unsubscribe(reader)
 	bw := bufio.NewWriter(w)
+	enc := json.NewEncoder(bw)
 	rc := http.NewResponseController(w)
 	now := time.Now()
 	for _, e := range snapshot {
-		writePeerLine(bw, e, now)
+		writePeerLine(enc, e, now)
 	}
 	if err := flush(bw, rc); err != nil {
 		return
@@ -102,22 +103,14 @@ func (s *Server) servePeers(w http.ResponseWriter, r *http.Request) {
 				return
 			}
 			now := time.Now()
-			writePeerLine(bw, e, now)
-			// What else is there goes in the same write.
-			for more := true; more; {
-				select {
-				case e, ok := <-reader.Events():
-					if !ok {
-						more = false
-						break
-					}
-					writePeerLine(bw, e, now)
-				default:
-					more = false
-				}
+			writePeerLine(enc, e, now)
+			// What else is there goes in the same write (this handler
+			// is the reader's only receiver).
+			for range len(reader.Events()) {
+				writePeerLine(enc, <-reader.Events(), now)
 			}
 		case <-alive.C:
-			bw.WriteString("{}\n")
+			_ = enc.Encode(peerLine{}) // {}
 		case <-r.Context().Done():
 			return
 		case <-s.peersStop:
@@ -136,15 +129,14 @@ func flush(bw *bufio.Writer, rc *http.ResponseController) error {
 	return rc.Flush()
 }
 
-// writePeerLine writes e as a line; its age is as of now.
-func writePeerLine(bw *bufio.Writer, e picker.PrefillEvent, now time.Time) {
+// writePeerLine writes e as a line; its age is as of now. A write error
+// shows at the flush.
+func writePeerLine(enc *json.Encoder, e picker.PrefillEvent, now time.Time) {
 	l := peerLine{Pool: e.Pool, Endpoint: e.Endpoint, ID: e.ID, Tokens: e.Tokens, End: e.Ended}
 	if !e.Ended {
 		l.AgeMicros = max(now.Sub(e.Start).Microseconds(), 0)
 	}
-	b, _ := json.Marshal(l) // strings and numbers: it cannot fail
-	bw.Write(b)
-	bw.WriteByte('\n')
+	_ = enc.Encode(l)
 }
 
 // followPeers reads every peer's journal until ctx ends: the addresses of
@@ -160,7 +152,7 @@ func (s *Server) followPeers(ctx context.Context, cfg *configv1.Peers, refresh t
 	pf := &peerFollower{s: s, log: log, hc: &http.Client{Transport: &http.Transport{
 		DialContext:           (&net.Dialer{Timeout: 2 * time.Second}).DialContext,
 		ResponseHeaderTimeout: 5 * time.Second,
-	}}, reading: map[string]context.CancelFunc{}, resolved: map[string][]string{}}
+	}}, lookup: resolver.LookupWith(nil), reading: map[string]context.CancelFunc{}, resolved: map[string][]string{}}
 	s.peersDone = make(chan struct{})
 	go func() {
 		defer close(s.peersDone)
@@ -184,28 +176,27 @@ func (s *Server) followPeers(ctx context.Context, cfg *configv1.Peers, refresh t
 func (f *peerFollower) resolve(ctx context.Context, configured []string) []string {
 	var out []string
 	for _, a := range configured {
-		host, port, err := net.SplitHostPort(a)
+		addr, err := endpoint.ParseHostPort(a)
 		if err != nil {
 			continue // config validation refuses it
 		}
-		if ip, err := netip.ParseAddr(host); err == nil {
-			out = append(out, net.JoinHostPort(ip.Unmap().String(), port))
+		if !addr.IsName() {
+			out = append(out, addr.String())
 			continue
 		}
 		lctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-		ips, err := net.DefaultResolver.LookupNetIP(lctx, "ip", host)
+		ips, err := f.lookup(lctx, addr.Name)
 		cancel()
 		if err != nil {
 			f.log.LogAttrs(ctx, slog.LevelDebug, "peer name lookup failed", slog.String("address", a), slog.String("error", err.Error()))
-			var dnsErr *net.DNSError
-			if !errors.As(err, &dnsErr) || !dnsErr.IsNotFound {
+			if !errors.Is(err, resolver.ErrNotFound) {
 				out = append(out, f.resolved[a]...)
 				continue
 			}
 		}
 		var found []string
 		for _, ip := range resolver.Preferred(ips) {
-			found = append(found, net.JoinHostPort(ip.String(), port))
+			found = append(found, addr.At(ip))
 		}
 		f.resolved[a] = found
 		out = append(out, found...)
@@ -216,10 +207,11 @@ func (f *peerFollower) resolve(ctx context.Context, configured []string) []strin
 
 // peerFollower reads the peers' journals, one goroutine per address.
 type peerFollower struct {
-	s   *Server
-	log *slog.Logger
-	hc  *http.Client
-	wg  sync.WaitGroup
+	s      *Server
+	log    *slog.Logger
+	hc     *http.Client
+	lookup resolver.Lookup
+	wg     sync.WaitGroup
 	// reading cancels the reader of each address followed; resolved are
 	// each configured name's addresses, as last found.
 	reading  map[string]context.CancelFunc
