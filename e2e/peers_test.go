@@ -9,6 +9,9 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pdx-router/pdx/internal/endpoint"
+	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
@@ -16,7 +19,8 @@ import (
 // Three pdx replicas behind the real Envoy, exchanging their prefills
 // (config peers, each listing all three): while a prefill runs, every
 // replica counts it on its engine, the one that sent it as its own and
-// the two others as a peer's; once it is over, none does.
+// the two others as a peer's; once it is over, none does, and every
+// replica counts its prompt as sent to that engine (its cache).
 func TestReplicasExchangePrefills(t *testing.T) {
 	st := startStack(t, stack.Options{PdxReplicas: 3, Peers: true, Prefill: 2, Decode: 1,
 		Engine: enginesim.Config{PrefillLatency: 500 * time.Millisecond}})
@@ -34,10 +38,12 @@ func TestReplicasExchangePrefills(t *testing.T) {
 		}
 		return inFlight, peers
 	}
+	// A prompt of several prefix blocks (placement's 64 tokens of 4 bytes).
+	prompt := strings.Repeat("one prefill, three replicas. ", 40)
 	status := make(chan int, 1)
 	go func() {
 		resp, err := hc.Post(st.URL()+"/v1/completions", "application/json",
-			strings.NewReader(`{"model":"demo-model","prompt":"one prefill, three replicas","max_tokens":2}`))
+			strings.NewReader(`{"model":"demo-model","prompt":"`+prompt+`","max_tokens":2}`))
 		if err != nil {
 			status <- 0
 			return
@@ -56,4 +62,21 @@ func TestReplicasExchangePrefills(t *testing.T) {
 		assert.Equal(c, []int{0, 0, 0}, inFlight)
 		assert.Equal(c, []int{0, 0, 0}, peers)
 	}, 10*time.Second, 5*time.Millisecond)
+
+	// Placement hashes a completion's prompt as its JSON string.
+	blocks := picker.Blocks(nil, []byte(`"`+prompt+`"`), placement.DefaultPrefixBlockTokens)
+	require.Greater(t, len(blocks), 2)
+	var holders []endpoint.Endpoint
+	for _, r := range st.Replicas {
+		set := r.Table().Pools()[0].Prefill.Set
+		for _, e := range set.Endpoints() {
+			if n := set.Sent(e, blocks); n > 0 {
+				require.Equal(t, len(blocks), n, "the whole prompt")
+				holders = append(holders, e)
+			}
+		}
+	}
+	require.Len(t, holders, 3, "every replica counts the prompt as sent, to one engine")
+	require.Equal(t, holders[0], holders[1])
+	require.Equal(t, holders[0], holders[2])
 }

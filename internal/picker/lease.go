@@ -92,7 +92,7 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 		// Queued as of the clock reading ahead took.
 		l.queued = h.service.queue.add(l.tokens, l.at, h.service.slotsSeen())
 		if s.journal != nil {
-			s.journal.started(s.pool, l.ep.Address, l.queued, l.tokens)
+			s.journal.started(s.pool, l.ep.Address, l.queued, l.tokens, req.Blocks)
 		}
 	}
 	if len(req.Blocks) > 0 {
@@ -224,7 +224,7 @@ func (l *Lease) Move(ep endpoint.Endpoint) {
 		if l.prefill {
 			l.queued = l.h.service.queue.add(l.tokens, s.elapsed(), l.h.service.slotsSeen())
 			if s.journal != nil {
-				s.journal.started(s.pool, ep.Address, l.queued, l.tokens)
+				s.journal.started(s.pool, ep.Address, l.queued, l.tokens, l.blocks)
 			}
 		}
 		s.sentAdapter(l.h, l.adapter)
@@ -258,6 +258,17 @@ func (l *Lease) uncount(s *Set, succeeded bool) {
 	}
 	h.inFlight.Add(-1)
 	h.inFlightTokens.Add(-int64(l.tokens))
+}
+
+// Sent returns how many leading blocks of a prompt (Blocks) the Set counts
+// as sent to ep: by this replica, or by a peer (PeerStarted).
+func (s *Set) Sent(ep endpoint.Endpoint, blocks []uint64) int {
+	v := s.view.Load()
+	i := v.position(ep)
+	if i < 0 {
+		return 0
+	}
+	return v.index.matched(v.first[i], blocks)
 }
 
 // InFlight returns how many of the requests leased ep have not ended.

@@ -26,9 +26,14 @@ type PrefillEvent struct {
 	Pool, Endpoint string
 	ID             uint64
 	// Tokens are the uncached tokens the lease counts; Start when it was
-	// leased. Neither is set for an end.
+	// leased; Blocks the prompt's block hashes (Blocks), which every
+	// replica computes alike: the peers count them as sent to the
+	// endpoint, in the prefix index placement reads without KV events.
+	// None is set for an end. Blocks are the request's; nobody writes them
+	// after the lease.
 	Tokens int
 	Start  time.Time
+	Blocks []uint64
 	Ended  bool
 }
 
@@ -107,8 +112,8 @@ func (j *Journal) record(e PrefillEvent) {
 	}
 }
 
-func (j *Journal) started(pool, endpoint string, id uint64, tokens int) {
-	e := PrefillEvent{Pool: pool, Endpoint: endpoint, ID: id, Tokens: tokens, Start: time.Now()}
+func (j *Journal) started(pool, endpoint string, id uint64, tokens int, blocks []uint64) {
+	e := PrefillEvent{Pool: pool, Endpoint: endpoint, ID: id, Tokens: tokens, Start: time.Now(), Blocks: blocks}
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	j.open[journalKey{pool, endpoint, id}] = e
@@ -147,15 +152,17 @@ type peerLease struct {
 // PeerStarted counts a peer's prefill lease of tokens uncached tokens on
 // the endpoint at address, leased age ago, as the Set counts its own: in
 // the endpoint's in-flight requests and tokens (so that the engine's
-// metrics' requests beyond them shrink to those no replica sent) and in
-// its queue. peer names the replica; id is its number for the lease. A
-// lease counted already, or on an endpoint the Set does not have, is
-// ignored.
-func (s *Set) PeerStarted(peer, address string, id uint64, tokens int, age time.Duration) {
-	h := s.view.Load().byAddress(address)
-	if h == nil || h.service == nil {
+// metrics' requests beyond them shrink to those no replica sent), in its
+// queue, and its prompt's blocks (Blocks, at most MaxBlocks read) as sent
+// there. peer names the replica; id is its number for the lease. A lease
+// counted already, or on an endpoint the Set does not have, is ignored.
+func (s *Set) PeerStarted(peer, address string, id uint64, tokens int, age time.Duration, blocks []uint64) {
+	v := s.view.Load()
+	i := v.byAddress(address)
+	if i < 0 || v.states[i].service == nil {
 		return
 	}
+	h := v.states[i]
 	k := peerKey{peer, address, id}
 	b := s.peers
 	b.mu.Lock()
@@ -167,6 +174,9 @@ func (s *Set) PeerStarted(peer, address string, id uint64, tokens int, age time.
 	s.count(h, tokens, true)
 	queued := h.service.queue.add(tokens, s.elapsed()-max(int64(age), 0), h.service.slotsSeen())
 	b.leases[k] = peerLease{h: h, queued: queued, tokens: tokens}
+	if len(blocks) > 0 {
+		v.index.add(v.first[i], blocks[:min(len(blocks), MaxBlocks)])
+	}
 }
 
 // PeerEnded stops counting the peer's lease id on the endpoint at address.
@@ -220,13 +230,13 @@ func (s *Set) uncountPeer(l peerLease) {
 	h.inFlightTokens.Add(-int64(l.tokens))
 }
 
-// byAddress returns the health of v's first endpoint at address, nil if
+// byAddress returns the position of v's first endpoint at address, -1 if
 // none is.
-func (v *view) byAddress(address string) *health {
+func (v *view) byAddress(address string) int {
 	for i, ep := range v.endpoints {
 		if ep.Address == address {
-			return v.states[i]
+			return i
 		}
 	}
-	return nil
+	return -1
 }

@@ -1,6 +1,7 @@
 package picker
 
 import (
+	"strings"
 	"testing"
 	"time"
 
@@ -47,7 +48,7 @@ func TestPeerLeases(t *testing.T) {
 			set := NewSet(abc, Options{Now: clock.Now})
 			clock.Advance(time.Second)
 			for _, s := range tc.started {
-				set.PeerStarted(s.peer, s.address, s.id, s.tokens, s.age)
+				set.PeerStarted(s.peer, s.address, s.id, s.tokens, s.age, nil)
 			}
 			for _, s := range tc.ended {
 				set.PeerEnded(s.peer, s.address, s.id)
@@ -82,11 +83,11 @@ func TestPeerLeaseQueues(t *testing.T) {
 	own := newLeg(set, new(RoundRobin), RolePrefill)
 	lease, ok := own.Pick(Request{Subset: []string{epA.Address}, Tokens: 1500})
 	require.True(t, ok)
-	set.PeerStarted("p1", epA.Address, 1, 300, 0)
+	set.PeerStarted("p1", epA.Address, 1, 300, 0, nil)
 	q := h.service.queueNow(set.elapsed(), 0, 0)
 	require.Equal(t, queue{ahead: 1800, waiting: 300}, q, "both slots taken: a prompt waits for the shorter")
 
-	set.PeerStarted("p1", epA.Address, 2, 900, 0)
+	set.PeerStarted("p1", epA.Address, 2, 900, 0, nil)
 	q = h.service.queueNow(set.elapsed(), 0, 0)
 	require.Equal(t, queue{ahead: 2700, waiting: 1200}, q, "the waiting one takes the slot free first (300 + 900), then the prompt waits for that one")
 
@@ -98,11 +99,42 @@ func TestPeerLeaseQueues(t *testing.T) {
 	require.Zero(t, set.InFlight(epA))
 }
 
+// A peer's prompt blocks count as sent to its endpoint, after its prefill
+// too (the engine keeps the cache): a later prompt sharing them goes there
+// by a policy reading the prefix, as if this replica had sent the first.
+func TestPeerBlocks(t *testing.T) {
+	prompt := []byte(strings.Repeat("a conversation's first turn. ", 40))
+	blocks := Blocks(nil, prompt, 16)
+	require.Greater(t, len(blocks), 4)
+	set := NewSet(abc, Options{})
+	set.PeerStarted("p1", epB.Address, 1, 100, 0, blocks)
+	set.PeerEnded("p1", epB.Address, 1)
+	require.Equal(t, len(blocks), set.Sent(epB, blocks))
+	require.Zero(t, set.Sent(epA, blocks))
+
+	leg := newLeg(set, &LoadAware{w: Weights{Prefix: 1}}, RolePrefill)
+	next := Blocks(nil, append(prompt, "and its second."...), 16)
+	for range 3 {
+		l, ok := leg.Pick(Request{Blocks: next, BlockTokens: 16, Tokens: 400})
+		require.True(t, ok)
+		require.Equal(t, epB, l.Endpoint())
+		l.End(Released)
+	}
+
+	// A peer's line has at most MaxBlocks blocks read.
+	long := make([]uint64, MaxBlocks+8)
+	for k := range long {
+		long[k] = uint64(k + 1)
+	}
+	set.PeerStarted("p1", epC.Address, 2, 100, 0, long)
+	require.Equal(t, MaxBlocks, set.Sent(epC, long))
+}
+
 // A reloaded Set keeps counting the peers' leases its predecessor counted,
 // and their ends reach them.
 func TestPeerLeasesInherited(t *testing.T) {
 	old := NewSet(abc, Options{})
-	old.PeerStarted("p1", epA.Address, 1, 500, 0)
+	old.PeerStarted("p1", epA.Address, 1, 500, 0, nil)
 	set := NewSet(abc, Options{Inherit: old})
 	require.Equal(t, 1, set.InFlight(epA))
 	require.Equal(t, 1, set.PeerLeases())
@@ -127,16 +159,17 @@ func TestJournal(t *testing.T) {
 	require.Equal(t, PrefillEvent{Pool: "demo", Endpoint: epA.Address, ID: 1, Tokens: 400, Start: snapshot[0].Start}, snapshot[0])
 	require.False(t, snapshot[0].Start.IsZero())
 
-	second, ok := prefill.Pick(Request{Subset: []string{epB.Address}, Tokens: 200})
+	blocks := []uint64{7, 8}
+	second, ok := prefill.Pick(Request{Subset: []string{epB.Address}, Tokens: 200, Blocks: blocks, BlockTokens: 16})
 	require.True(t, ok)
 	second.Move(epC)
 	first.End(Succeeded)
 	second.End(Released)
 	first.End(Released) // ended once: heard once
 	want := []PrefillEvent{
-		{Pool: "demo", Endpoint: epB.Address, ID: 1, Tokens: 200},
+		{Pool: "demo", Endpoint: epB.Address, ID: 1, Tokens: 200, Blocks: blocks},
 		{Pool: "demo", Endpoint: epB.Address, ID: 1, Ended: true},
-		{Pool: "demo", Endpoint: epC.Address, ID: 1, Tokens: 200},
+		{Pool: "demo", Endpoint: epC.Address, ID: 1, Tokens: 200, Blocks: blocks},
 		{Pool: "demo", Endpoint: epA.Address, ID: 1, Ended: true},
 		{Pool: "demo", Endpoint: epC.Address, ID: 1, Ended: true},
 	}

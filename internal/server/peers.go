@@ -54,13 +54,15 @@ const (
 // peerLine is one line of the stream: a lease's start, its end (End), or
 // nothing (keep-alive). AgeMicros is how long ago the lease started, as
 // the serving replica's clock tells: clocks of two hosts need not agree.
+// Blocks are the prompt's block hashes (picker.Blocks).
 type peerLine struct {
-	Pool      string `json:"pool,omitempty"`
-	Endpoint  string `json:"endpoint,omitempty"`
-	ID        uint64 `json:"id,omitempty"`
-	Tokens    int    `json:"tokens,omitempty"`
-	AgeMicros int64  `json:"age_us,omitempty"`
-	End       bool   `json:"end,omitempty"`
+	Pool      string   `json:"pool,omitempty"`
+	Endpoint  string   `json:"endpoint,omitempty"`
+	ID        uint64   `json:"id,omitempty"`
+	Tokens    int      `json:"tokens,omitempty"`
+	AgeMicros int64    `json:"age_us,omitempty"`
+	Blocks    []uint64 `json:"blocks,omitempty"`
+	End       bool     `json:"end,omitempty"`
 }
 
 // newInstance is a replica's name for itself in instanceHeader.
@@ -132,7 +134,7 @@ func flush(bw *bufio.Writer, rc *http.ResponseController) error {
 // writePeerLine writes e as a line; its age is as of now. A write error
 // shows at the flush.
 func writePeerLine(enc *json.Encoder, e picker.PrefillEvent, now time.Time) {
-	l := peerLine{Pool: e.Pool, Endpoint: e.Endpoint, ID: e.ID, Tokens: e.Tokens, End: e.Ended}
+	l := peerLine{Pool: e.Pool, Endpoint: e.Endpoint, ID: e.ID, Tokens: e.Tokens, Blocks: e.Blocks, End: e.Ended}
 	if !e.Ended {
 		l.AgeMicros = max(now.Sub(e.Start).Microseconds(), 0)
 	}
@@ -307,6 +309,8 @@ func (f *peerFollower) stream(ctx context.Context, address string) error {
 	// A peer that goes silent (its host gone without a word) is gone.
 	silence := time.AfterFunc(peerSilence, cancel)
 	defer silence.Stop()
+	// A line fits the scanner's 64 KB: a start with picker.MaxBlocks
+	// hashes of 20 digits is about 21 KB.
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		silence.Reset(peerSilence)
@@ -335,7 +339,7 @@ func (f *peerFollower) apply(peer string, l peerLine) {
 		p.Prefill.Set.PeerEnded(peer, l.Endpoint, l.ID)
 		return
 	}
-	p.Prefill.Set.PeerStarted(peer, l.Endpoint, l.ID, l.Tokens, time.Duration(l.AgeMicros)*time.Microsecond)
+	p.Prefill.Set.PeerStarted(peer, l.Endpoint, l.ID, l.Tokens, time.Duration(l.AgeMicros)*time.Microsecond, l.Blocks)
 }
 
 // forget stops counting peer's leases in every pool of the current table

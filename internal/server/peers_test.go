@@ -63,14 +63,17 @@ func TestPeersExchangePrefills(t *testing.T) {
 	}
 	require.Eventually(t, counted(1), guard, 5*time.Millisecond, "the lease in flight when b started reading")
 
-	after, ok := aPrefill.Pick(picker.Request{Subset: []string{ep.Address}, Tokens: 300})
+	// A prompt's blocks come with its lease: b counts them as sent there.
+	blocks := picker.Blocks(nil, []byte(strings.Repeat("a shared system prompt. ", 20)), 16)
+	after, ok := aPrefill.Pick(picker.Request{Subset: []string{ep.Address}, Tokens: 300, Blocks: blocks, BlockTokens: 16})
 	require.True(t, ok)
 	require.Eventually(t, counted(2), guard, 5*time.Millisecond, "a lease started since")
 	before.End(picker.Succeeded)
 	require.Eventually(t, counted(1), guard, 5*time.Millisecond, "a lease ended")
 
-	mine, ok := b.proc.Table().Pools()[0].Prefill.Pick(picker.Request{Subset: []string{ep.Address}, Tokens: 100})
+	mine, ok := b.proc.Table().Pools()[0].Prefill.Pick(picker.Request{Subset: []string{ep.Address}, Tokens: 400, Blocks: blocks, BlockTokens: 16})
 	require.True(t, ok)
+	require.Equal(t, 16*len(blocks), mine.Cached(), "the prompt a sent there counts as cached on b")
 	aSet := aPrefill.Set
 	require.Eventually(t, func() bool { return aSet.InFlight(ep) == 2 && aSet.PeerLeases() == 1 }, guard, 5*time.Millisecond, "b's lease, on a")
 	time.Sleep(50 * time.Millisecond) // room for a mistake: b reading itself

@@ -85,6 +85,10 @@ const PreciseProfile = "precise"
 // prefills exchanged.
 const PrecisePeersProfile = "precise-peers"
 
+// DefaultPeersProfile names pdx's defaults with the replicas' prefills,
+// and the prompt blocks they sent, exchanged.
+const DefaultPeersProfile = "pdx-default-peers"
+
 // PreciseReuseProfile names precise placement with decode-side reuse.
 const PreciseReuseProfile = "precise-reuse"
 
@@ -136,6 +140,10 @@ func Profiles(s Scale) []Profile {
 		// precise, its replicas exchanging their prefills (config peers):
 		// each counts them all in the engines' queues.
 		{Name: PrecisePeersProfile, KVEvents: true, Peers: true},
+		// pdx's defaults without events, the replicas exchanging their prefills (config
+		// peers): each counts them all in the engines' queues, and every
+		// prompt block sent as sent.
+		{Name: DefaultPeersProfile, Peers: true, PoolYAML: lines(PdxDefaultDecider)},
 		// precise, and a prompt whose decode engine holds all but fewer
 		// than 1,000 of its tokens (the engine's own word) is prefilled
 		// there alone: decode-side reuse, by NVIDIA Dynamo's disaggregated

@@ -23,7 +23,7 @@ func TestProfiles(t *testing.T) {
 	}
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", "precise",
-		"precise-peers", "precise-reuse", "least-work", "least-work-precise", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse",
+		"precise-peers", "pdx-default-peers", "precise-reuse", "least-work", "least-work-precise", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse",
 		"direct-round-robin"}, names(all))
 	require.Contains(t, all[4].ConfigYAML, "end_streams_at_routing: false")
 	require.Contains(t, all[5].ConfigYAML, "end_streams_at_routing: true")
@@ -33,27 +33,30 @@ func TestProfiles(t *testing.T) {
 	peers := all[8]
 	require.True(t, peers.pdx() && peers.KVEvents && peers.Peers, "precise, the replicas exchanging their prefills")
 	require.Contains(t, peers.Config(), "peers:")
-	reuse := all[9]
+	defaultPeers := all[9]
+	require.True(t, defaultPeers.pdx() && !defaultPeers.KVEvents && defaultPeers.Peers, "the defaults, the replicas exchanging their prefills")
+	require.Contains(t, defaultPeers.Config(), "peers:")
+	reuse := all[10]
 	require.True(t, reuse.pdx() && reuse.KVEvents)
 	require.Contains(t, reuse.Config(), "kv_events")
 	require.Contains(t, reuse.PoolYAML, fmt.Sprintf("min_uncached_tokens: %d", Scale{TokenScale: 16}.Tokens(1000)), "Dynamo's 1,000 tokens, scaled")
-	for _, p := range all[12:15] {
+	for _, p := range all[13:16] {
 		require.NotEmpty(t, p.Peer, p.Name)
 		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
 		require.Contains(t, p.Config(), "--policy "+p.Peer)
 		require.Equal(t, p.Peer == "kv_aware", p.KVEvents, "only kv_aware reads the engines' KV events")
 	}
-	oracle := all[15]
+	oracle := all[16]
 	require.True(t, oracle.Oracle)
 	require.Empty(t, oracle.Peer+oracle.PoolYAML+oracle.ConfigYAML, "the oracle is neither a peer nor pdx")
 	require.False(t, oracle.pdx())
 	require.Contains(t, oracle.Config(), "true state")
 	require.False(t, oracle.DecodeAlone)
-	oracleReuse := all[16]
+	oracleReuse := all[17]
 	require.True(t, oracleReuse.Oracle && oracleReuse.DecodeAlone)
 	require.False(t, oracleReuse.pdx())
 	require.Contains(t, oracleReuse.Config(), "plain request to the decode engine")
-	direct := all[17]
+	direct := all[18]
 	require.True(t, direct.Direct && !direct.Oracle, "round robin on the oracle's path, not a yardstick")
 	require.False(t, direct.pdx())
 	require.Contains(t, direct.Config(), "round robin")
@@ -80,9 +83,17 @@ func TestCheckProfiles(t *testing.T) {
 	err := rig.CheckProfiles([]Profile{{Name: "broken", PoolYAML: "prefill_picker: {policy: no_such_policy}\n"}})
 	require.ErrorContains(t, err, "policy broken")
 
+	var own, peers []Profile
+	for _, p := range all {
+		if p.Peer == "" {
+			own = append(own, p)
+		} else {
+			peers = append(peers, p)
+		}
+	}
 	t.Setenv(vllmrouter.DirEnv, t.TempDir())
-	require.NoError(t, rig.CheckProfiles(append(all[:12:12], all[15:]...)), "pdx's profiles and the oracles need no vllm-router")
-	err = rig.CheckProfiles(all[12:13])
+	require.NoError(t, rig.CheckProfiles(own), "pdx's profiles and the oracles need no vllm-router")
+	err = rig.CheckProfiles(peers[:1])
 	require.ErrorIs(t, err, vllmrouter.ErrNotInstalled)
 	require.ErrorContains(t, err, "policy vllm-router-cache-aware")
 	t.Setenv(vllmrouter.DirEnv, installed)
