@@ -214,7 +214,7 @@ func (r *Reloader) load(ctx context.Context, apply func(*routing.Table), data []
 	var table *routing.Table
 	passing := false
 	if err == nil {
-		r.keepListeners(cfg)
+		r.keepStartSettings(cfg)
 		table, passing, err = r.build(ctx, cfg)
 	}
 	if err != nil {
@@ -231,10 +231,13 @@ func (r *Reloader) load(ctx context.Context, apply func(*routing.Table), data []
 	return true, nil
 }
 
-// keepListeners keeps in cfg the settings that take a restart to change
-// (the listeners, and the body limit that sizes gRPC messages), warning
-// about those it changed.
-func (r *Reloader) keepListeners(cfg *configv1.Config) {
+// keepStartSettings keeps in cfg the settings that take a restart to
+// change, warning about those it changed: the listeners, the body limit
+// that sizes gRPC messages, and what the server starts with it (the KV
+// event subscriptions, the xDS service, the engine metrics scraper's
+// round, the peers' streams). A reload that took them would build a table
+// that disagrees with what runs: a prefix cache no subscription feeds.
+func (r *Reloader) keepStartSettings(cfg *configv1.Config) {
 	s := r.started
 	var kept []string
 	if cfg.GetGrpcAddress() != s.GetGrpcAddress() {
@@ -248,6 +251,22 @@ func (r *Reloader) keepListeners(cfg *configv1.Config) {
 	}
 	if !proto.Equal(cfg.GetTls(), s.GetTls()) {
 		cfg.Tls, kept = s.GetTls(), append(kept, "tls")
+	}
+	if !proto.Equal(cfg.GetKvEvents(), s.GetKvEvents()) {
+		cfg.KvEvents, kept = s.GetKvEvents(), append(kept, "kv_events")
+	}
+	if !proto.Equal(cfg.GetXds(), s.GetXds()) {
+		cfg.Xds, kept = s.GetXds(), append(kept, "xds")
+	}
+	// stale_after is read by the table: it reloads. (config.Parse sets
+	// engine_metrics.)
+	if m, sm := cfg.GetEngineMetrics(), s.GetEngineMetrics(); m.GetDisabled() != sm.GetDisabled() || m.GetPath() != sm.GetPath() ||
+		!proto.Equal(m.GetInterval(), sm.GetInterval()) {
+		m.Disabled, m.Path, m.Interval = sm.GetDisabled(), sm.GetPath(), sm.GetInterval()
+		kept = append(kept, "engine_metrics")
+	}
+	if !proto.Equal(cfg.GetPeers(), s.GetPeers()) {
+		cfg.Peers, kept = s.GetPeers(), append(kept, "peers")
 	}
 	if len(kept) > 0 {
 		r.log.Warn("config reload: these settings take effect on restart only", slog.Any("kept", kept))

@@ -174,10 +174,12 @@ pools:
 		},
 		{
 			name: "listener settings wait for a restart", changed: true,
-			content: "grpc_address: 127.0.0.1:1\nmax_body_bytes: 10\n" + static,
+			content: "grpc_address: 127.0.0.1:1\nmax_body_bytes: 10\nkv_events: {mode: dial, port: 5557}\nengine_metrics: {interval: 1s, stale_after: 5s}\npeers: {addresses: [127.0.0.1:2]}\n" + static,
 			check: func(t *testing.T, table *routing.Table) {
 				require.Equal(t, 16<<20, table.MaxBodyBytes())
-				require.Contains(t, logs.String(), `config reload: these settings take effect on restart only" kept="[grpc_address max_body_bytes]"`)
+				require.True(t, table.PrefixCache() == nil, "no kv_events at start: no prefix cache, which no subscription would feed")
+				require.Nil(t, table.Journal(), "no peers at start: none after")
+				require.Contains(t, logs.String(), `config reload: these settings take effect on restart only" kept="[grpc_address max_body_bytes kv_events engine_metrics peers]"`)
 			},
 		},
 	}
@@ -186,7 +188,7 @@ pools:
 		write(t, path, s.content)
 		n := a.count()
 		changed, err := r.Reload(t.Context(), a.apply)
-		require.Equal(t, s.changed, changed, s.name)
+		require.Equal(t, s.changed, changed, "%s: %v", s.name, err)
 		if s.wantErr != "" {
 			require.ErrorContains(t, err, s.wantErr, s.name)
 			require.Contains(t, logs.String(), "config reload failed, keeping the running config", s.name)
