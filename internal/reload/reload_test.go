@@ -173,7 +173,7 @@ pools:
 			wantErr: "pools discover their endpoints from Kubernetes, but pdx has no Kubernetes client",
 		},
 		{
-			name: "listener settings wait for a restart", changed: true,
+			name: "start-only settings wait for a restart", changed: true,
 			content: "grpc_address: 127.0.0.1:1\nmax_body_bytes: 10\nkv_events: {mode: dial, port: 5557}\nengine_metrics: {interval: 1s, stale_after: 5s}\npeers: {addresses: [127.0.0.1:2]}\n" + static,
 			check: func(t *testing.T, table *routing.Table) {
 				require.Equal(t, 16<<20, table.MaxBodyBytes())
