@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -32,8 +33,8 @@ func sample(t *testing.T, e *realvllm.Engine) enginemetrics.Sample {
 // shape on vLLM 0.32, with pdx's own parser: the queue, the running batch
 // and KV usage move with a request the engine is running; the LoRA gauge
 // is there (--enable-lora) with max_lora; cache_config_info's block size
-// is the 128 the tier configures pdx with; and pdx's scrapes of the
-// engines never failed.
+// is the 128 the tier configures pdx with, and its blocks times that are
+// the KV size pdx reads; and pdx's scrapes of the engines never failed.
 func TestEngineMetrics(t *testing.T) {
 	s, st := sharedStack(t)
 	for _, e := range s.all() {
@@ -54,7 +55,11 @@ func TestEngineMetrics(t *testing.T) {
 		require.Equal(t, "128", labelOf(info[0], "block_size"), "%s: the CPU backend's block size", e.Name())
 		require.Equal(t, "True", labelOf(info[0], "enable_prefix_caching"))
 		require.Equal(t, 1.0, info[0].GetGauge().GetValue())
+		blocks, err := strconv.Atoi(labelOf(info[0], "num_gpu_blocks"))
+		require.NoError(t, err, "%s: num_gpu_blocks is a number once the engine serves", e.Name())
+		require.Positive(t, blocks)
 		got := sample(t, e)
+		require.Equal(t, blocks*realvllm.BlockSize, got.KVTokens, "%s: pdx's parser reads the engine's KV size", e.Name())
 		if !lora {
 			require.Zero(t, got.LoRA.MaxLoRA, e.Name())
 		} else {

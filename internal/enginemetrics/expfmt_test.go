@@ -92,6 +92,9 @@ var fuzzSeeds = []string{
 	"# TYPE vllm:num_requests_running histogram\n# HELP vllm:num_requests_running_bucket h\n# HELP vllm:num_requests_running x\nvllm:num_requests_waiting 1\n",
 	"# TYPE \"vllm:num_requests_running\" gauge\n{\"vllm:num_requests_running\"} 1\n# TYPE \"vllm:num_requests_waiting\"x gauge\n",
 	"# HELP vllm:num_requests_running\n# HELP vllm:num_requests_running \t\n#\tHELP\tvllm:num_requests_running\ta\n vllm:num_requests_running 1\n",
+	"vllm:num_requests_running 1\nvllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"100\"} 1\nvllm:cache_config_info{engine=\"1\",num_gpu_blocks=\"90\",block_size=\"16\"} 1\n" +
+		"vllm:cache_config_info{num_gpu_blocks=\"None\",block_size=\"16\",engine=\"2\"} 1\nvllm:cache_config_info{num_gpu_blocks=\"5\",block_size=\"1\",engine=\"3\"} NaN\n",
+	"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1\n",
 	loraSeed,
 }
 
@@ -229,7 +232,38 @@ func referenceParse(r io.Reader) (Sample, error) {
 	if mf, ok := mfs[loraFamily]; ok {
 		s.LoRA = referenceLoRA(mf)
 	}
+	if mf, ok := mfs[cacheFamily]; ok {
+		s.KVTokens = referenceKVTokens(mf)
+	}
 	return s, nil
+}
+
+// referenceKVTokens is the least num_gpu_blocks × block_size of the
+// family's series.
+func referenceKVTokens(mf *dto.MetricFamily) int {
+	least := 0
+	for _, m := range mf.GetMetric() {
+		if _, ok := referenceValue(m); !ok {
+			continue
+		}
+		blocks, size := -1, -1
+		for _, lp := range m.GetLabel() {
+			n, err := strconv.Atoi(lp.GetValue())
+			if err != nil {
+				continue
+			}
+			switch lp.GetName() {
+			case "num_gpu_blocks":
+				blocks = n
+			case "block_size":
+				size = n
+			}
+		}
+		if blocks > 0 && size > 0 && blocks*size/size == blocks && (least == 0 || blocks*size < least) {
+			least = blocks * size
+		}
+	}
+	return least
 }
 
 func referenceLoRA(mf *dto.MetricFamily) LoRA {

@@ -21,6 +21,11 @@ type Sample struct {
 	Waiting int     // requests queued in the engine
 	Running int     // requests in its running batch
 	KVUsage float64 // KV cache usage, 0–1; -1 when the engine does not say
+	// KVTokens is how many tokens the KV cache holds (vLLM's
+	// vllm:cache_config_info, num_gpu_blocks × block_size; the least of
+	// its series, one per engine of a data-parallel server); 0 when the
+	// engine does not say.
+	KVTokens int
 	// LoRA is what the engine says of its LoRA adapters; MaxLoRA is 0
 	// when it says nothing (no vllm:lora_requests_info: LoRA not enabled).
 	LoRA LoRA
@@ -38,6 +43,10 @@ type LoRA struct {
 // set; every label set it ever had stays a series, so the latest one is
 // the engine's state (as the Gateway API Inference Extension reads it).
 const loraFamily = "vllm:lora_requests_info"
+
+// cacheFamily is vLLM's cache configuration gauge (value 1): its labels
+// are the CacheConfig's fields, num_gpu_blocks and block_size among them.
+const cacheFamily = "vllm:cache_config_info"
 
 // What a family tells of the load.
 type signal int
@@ -83,10 +92,12 @@ func Parse(r io.Reader) (Sample, error) {
 	return p.parse(r)
 }
 
-// known lists the families parse reads, loraFamily last.
+// known lists the families parse reads, cacheFamily and loraFamily last:
+// neither is a load.
 var (
-	known     = append(slices.Sorted(maps.Keys(families)), loraFamily)
-	loraIndex = len(known) - 1
+	known      = append(slices.Sorted(maps.Keys(families)), cacheFamily, loraFamily)
+	cacheIndex = len(known) - 2
+	loraIndex  = len(known) - 1
 )
 
 // A suffix of a summary's or histogram's lines. expfmt files a line named
@@ -161,7 +172,10 @@ type parser struct {
 	// far, unescaped; loraLine those of the series being read, raw.
 	lora, loraLine loraLabels
 	loraAt         float64 // lora's value
-	bucket         bool    // the histogram line being read has an le
+	// blocks and blockSize are the vllm:cache_config_info series' being
+	// read, raw.
+	blocks, blockSize []byte
+	bucket            bool // the histogram line being read has an le
 
 	name       []byte // a quoted metric name, unquoted
 	labelNames []byte // of the line being read, unquoted, one after another
@@ -224,7 +238,7 @@ func (p *parser) parseBytes(text []byte) (Sample, error) {
 		}
 	}
 	found := false
-	for _, f := range p.fams[:loraIndex] {
+	for _, f := range p.fams[:cacheIndex] {
 		found = found || f.samples
 	}
 	if !found {
@@ -335,7 +349,7 @@ func (p *parser) series(name, line []byte, i int, braced bool) error {
 		f.typ = untyped
 	}
 	f.samples = true
-	p.bucket, p.loraLine = false, loraLabels{}
+	p.bucket, p.loraLine, p.blocks, p.blockSize = false, loraLabels{}, nil, nil
 	if i < len(line) && line[i] == '{' {
 		_, end, err := p.labels(line, i, braced, fi)
 		if err != nil {
@@ -375,6 +389,16 @@ func (p *parser) add(fi int, s suffix, v float64) error {
 		return nil
 	}
 	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return nil
+	}
+	if fi == cacheIndex {
+		// Its value is 1; the labels say.
+		blocks, err1 := strconv.Atoi(string(p.blocks))
+		size, err2 := strconv.Atoi(string(p.blockSize))
+		if t := blocks * size; err1 == nil && err2 == nil && blocks > 0 && size > 0 && t/size == blocks &&
+			(p.sample.KVTokens == 0 || t < p.sample.KVTokens) {
+			p.sample.KVTokens = t
+		}
 		return nil
 	}
 	if fi == loraIndex {
@@ -531,6 +555,14 @@ func (p *parser) label(fi int, raw []byte, quoted bool, value []byte) error {
 		prev = end
 	}
 	p.labelEnds = append(p.labelEnds, len(p.labelNames))
+	if fi == cacheIndex {
+		switch string(name) {
+		case "num_gpu_blocks":
+			p.blocks = value
+		case "block_size":
+			p.blockSize = value
+		}
+	}
 	if fi == loraIndex {
 		switch string(name) {
 		case "max_lora":

@@ -6,10 +6,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
-	"maps"
 	"net/http"
 	"net/url"
-	"slices"
 	"sync"
 	"time"
 )
@@ -174,10 +172,9 @@ type worker struct {
 // servers) answers it with nothing; the worker then drops the filter.
 var filterQuery = func() string {
 	q := url.Values{}
-	for _, name := range slices.Sorted(maps.Keys(families)) {
+	for _, name := range known {
 		q.Add("name[]", name)
 	}
-	q.Add("name[]", loraFamily)
 	return q.Encode()
 }()
 

@@ -230,13 +230,14 @@ func sized(buf []int32, n int) []int32 {
 
 // cachedTokens is how many of the prompt's tokens candidate k is taken to
 // hold. A precise pick counts what the engine reports or, when that is
-// less, what pdx sent it: the engine's events of a prefill pdx sent may
-// not have arrived yet, and a prompt whose KV the engine evicted is best
-// sent there again, keeping a conversation or a tenant on one engine
-// rather than on whichever is idle (which would spread every tenant over
-// every cache). Where the engines report more than pdx sent (another
-// replica's or router's traffic, a prefix pdx sent under other bytes),
-// their word counts.
+// less, what pdx sent it (and, where the engine said its KV's size, what
+// fits it: index): the engine's events of a prefill pdx sent may not have
+// arrived yet, and a prompt whose KV the engine evicted early (its
+// running requests took the room) is best sent there again, keeping a
+// conversation or a tenant on one engine rather than on whichever is idle
+// (which would spread every tenant over every cache). Where the engines
+// report more than pdx sent (another replica's or router's traffic, a
+// prefix pdx sent under other bytes), their word counts.
 func (d *depths) cachedTokens(k int) int {
 	i, n := position(d.members, k), 0
 	if d.sent != nil {

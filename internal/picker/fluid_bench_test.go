@@ -23,11 +23,14 @@ func startPrefill(t testing.TB, set *Set, ep endpoint.Endpoint, tokens int) *Lea
 // inFlightSet is a prefill Set of 64 endpoints with the fluid model at
 // work: each has a learned rate and 1–4 of pdx's prefills in flight, and
 // fresh engine metrics; learn, when set, teaches each endpoint's service
-// model first.
-func inFlightSet(b *testing.B, learn bool) *Set {
+// model first; sent, when set, sends each endpoint a prompt of
+// benchPrompts (all share the first block, so that every pick matches
+// every endpoint), and kv has every engine say it holds 1,000 blocks
+// first (so that every pick reads every endpoint's LRU).
+func inFlightSet(b *testing.B, learn, sent, kv bool) *Set {
 	eps := endpoints(64)
 	clk := newFakeClock()
-	set := NewSet(eps, Options{Now: clk.Now, Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
+	set := NewSet(eps, Options{Now: clk.Now, Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}, BlockTokens: 64})
 	if learn {
 		for i := range eps {
 			m := set.view.Load().states[i].service
@@ -48,7 +51,17 @@ func inFlightSet(b *testing.B, learn bool) *Set {
 		for k := range 1 + i%4 {
 			startPrefill(b, set, ep, 1000+100*((i+k)%13))
 		}
-		set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: clk.Now()})
+		ld := Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: clk.Now()}
+		if kv {
+			ld.KVTokens = 1000 * 64
+		}
+		set.Observe(ep.Address, ld)
+	}
+	if sent {
+		prompts := benchPrompts()
+		for i, ep := range eps {
+			hold(b, set, ep, prompts[i], 0).End(Released)
+		}
 	}
 	clk.Advance(300 * time.Millisecond)
 	return set
@@ -69,11 +82,22 @@ func benchInFlight(b *testing.B, set *Set, p Policy) {
 // BenchmarkLeastWorkInFlight is BenchmarkPolicies' least_work pick with
 // the fluid model at work (inFlightSet).
 func BenchmarkLeastWorkInFlight(b *testing.B) {
-	benchInFlight(b, inFlightSet(b, false), LeastWork{})
+	benchInFlight(b, inFlightSet(b, false, false, false), LeastWork{})
 }
 
 // BenchmarkForecastInFlight is the same pick with the forecast policy,
 // each endpoint's service model learned.
 func BenchmarkForecastInFlight(b *testing.B) {
-	benchInFlight(b, inFlightSet(b, true), Forecast{})
+	benchInFlight(b, inFlightSet(b, true, false, false), Forecast{})
+}
+
+// BenchmarkForecastInFlightSent is the same pick where every endpoint was
+// sent a prompt sharing the picked one's first block, with the engines'
+// KV unknown and known (the prefix match reads all 64 endpoints' LRUs).
+func BenchmarkForecastInFlightSent(b *testing.B) {
+	for _, kv := range []bool{false, true} {
+		b.Run(map[bool]string{false: "KV unknown", true: "KV known"}[kv], func(b *testing.B) {
+			benchInFlight(b, inFlightSet(b, true, true, kv), Forecast{})
+		})
+	}
 }

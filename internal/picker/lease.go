@@ -71,7 +71,7 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	// sent there.
 	if role == RolePrefill || req.NeedCached {
 		precise := v.cache != nil && req.TokenBlocks != nil
-		l.cached = sentTokens(v.index.matched(pos, req.Blocks), req.BlockTokens, req.Tokens, req.PromptBytes, precise)
+		l.cached = sentTokens(v.index.matched(pos, req.Blocks, true), req.BlockTokens, req.Tokens, req.PromptBytes, precise)
 		if precise {
 			// As the pick counted it (depths.cachedTokens).
 			if held < 0 {
@@ -261,14 +261,15 @@ func (l *Lease) uncount(s *Set, succeeded bool) {
 }
 
 // Sent returns how many leading blocks of a prompt (Blocks) the Set counts
-// as sent to ep: by this replica, or by a peer (PeerStarted).
+// as sent to ep, by this replica or by a peer (PeerStarted), whether or
+// not the engine's cache has room for them still.
 func (s *Set) Sent(ep endpoint.Endpoint, blocks []uint64) int {
 	v := s.view.Load()
 	i := v.position(ep)
 	if i < 0 {
 		return 0
 	}
-	return v.index.matched(v.first[i], blocks)
+	return v.index.matched(v.first[i], blocks, false)
 }
 
 // InFlight returns how many of the requests leased ep have not ended.

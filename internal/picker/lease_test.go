@@ -182,3 +182,41 @@ func TestDetach(t *testing.T) {
 		})
 	}
 }
+
+// An engine whose metrics say how much KV it holds counts as caching only
+// what fits it of what pdx sent there since (the index's LRU), from its
+// first sample on, through a sample that does not say, and in a view of
+// other endpoints; another engine, which has not said, keeps all it was
+// sent.
+func TestLeaseCachedWithinTheEnginesRoom(t *testing.T) {
+	p1, p2 := blocksOf(1, 2, 3), blocksOf(7, 8, 9)
+	cached := func(set *Set, ep endpoint.Endpoint, prompt []uint64) int {
+		l := newLeg(set, new(RoundRobin), RolePrefill)
+		lease, ok := l.Pick(Request{Subset: []string{ep.Address}, Blocks: prompt, BlockTokens: 64, Tokens: 64 * len(prompt)})
+		require.True(t, ok)
+		lease.End(Released)
+		return lease.Cached()
+	}
+	send := func(set *Set) {
+		for _, ep := range []endpoint.Endpoint{epA, epB} {
+			hold(t, set, ep, p1, 0).End(Released)
+			hold(t, set, ep, p2, 0).End(Released)
+		}
+	}
+	set := NewSet(abc, Options{BlockTokens: 64})
+	send(set)
+	require.Equal(t, 192, cached(set, epA, p1), "before the engine says: everything sent")
+	set.Observe(epA.Address, Load{KVTokens: 4 * 64, At: time.Now()})
+	set.Observe(epA.Address, Load{At: time.Now()}) // says nothing of its KV
+	require.Equal(t, 192, cached(set, epB, p1))
+	send(set)
+	require.Equal(t, 64, cached(set, epA, p1), "room for four blocks: p1's first of three, behind p2's")
+	// That pick sent p1 again: its three blocks are the newest, and only
+	// p2's first fits beside them.
+	require.Equal(t, 64, cached(set, epA, p2))
+
+	set.SetEndpoints([]endpoint.Endpoint{epB, epA})
+	send(set)
+	require.Equal(t, 64, cached(set, epA, p1), "a new view keeps the engine's room")
+	require.Equal(t, 192, cached(set, epB, p1))
+}

@@ -25,6 +25,10 @@ type Load struct {
 	// KVUsage is the share of its KV cache in use, 0–1; negative when the
 	// engine does not say.
 	KVUsage float64
+	// KVTokens is how many tokens its KV cache holds; 0 when the engine
+	// does not say. The Set's record of what it sent the engine then
+	// counts as cached only what the engine has had room for since.
+	KVTokens int
 	// At is when the engine said so.
 	At time.Time
 	// Adapters is what it said of its LoRA adapters; Observe keeps the
@@ -36,6 +40,7 @@ type Load struct {
 type load struct {
 	waiting, running int
 	kvUsage          float64
+	kvTokens         int
 	at               int64
 	// ours is how many of this pdx's requests were on the endpoint when the
 	// load was stored: those of the engine's requests it knows of.
@@ -54,7 +59,12 @@ func (s *Set) Observe(address string, l Load) {
 		if ep.Address == address {
 			h := v.states[i]
 			h.service.load(l.Running, l.Waiting)
-			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load(), lora: l.Adapters})
+			kvTokens := l.KVTokens
+			if prev := h.load.Load(); kvTokens <= 0 && prev != nil {
+				kvTokens = prev.kvTokens // a sample that does not say keeps it
+			}
+			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, kvTokens: kvTokens, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load(), lora: l.Adapters})
+			v.index.setKVBlocks(v.first[i], s.kvBlocks(kvTokens))
 		}
 	}
 	s.room.wake() // a lighter load may make room

@@ -49,13 +49,64 @@ func TestIndexForgetsOldestFirst(t *testing.T) {
 	require.Equal(t, int32(2), x.matches([]uint64{1, 2, 3}, depth))
 	require.Equal(t, []int32{2, 0}, depth)
 	x.add(1, []uint64{7}) // the generation is full: 1, 2 become the old one
-	require.Equal(t, 2, x.matched(0, []uint64{1, 2}), "the older generation still counts")
+	require.Equal(t, 2, x.matched(0, []uint64{1, 2}, false), "the older generation still counts")
 	x.add(0, []uint64{1}) // sent again: 1 is new again
 	x.add(1, []uint64{8}) // and 2 goes with the old generation
-	require.Equal(t, 1, x.matched(0, []uint64{1, 2}))
-	require.Equal(t, 2, x.matched(1, []uint64{7, 8}), "7 in the old generation, 8 in the new")
+	require.Equal(t, 1, x.matched(0, []uint64{1, 2}, false))
+	require.Equal(t, 2, x.matched(1, []uint64{7, 8}, false), "7 in the old generation, 8 in the new")
 	require.Equal(t, int32(1), x.matches([]uint64{8}, depth))
 	require.Equal(t, []int32{0, 1}, depth)
+}
+
+// TestIndexEvicts: with the KV an engine holds known, a block counts as
+// held there only while an LRU of that many blocks, replayed on what was
+// sent there, has it: a prompt's tail goes first, and a prefix sent again
+// takes no more room.
+func TestIndexEvicts(t *testing.T) {
+	a, b, c := []uint64{1, 2, 3}, []uint64{11, 12, 13}, []uint64{21}
+	for _, tc := range []struct {
+		name   string
+		blocks int64 // the KV of endpoint 0's engine
+		sends  [][]uint64
+		want   [3]int // held of a, b, c
+	}{
+		{"not said: everything sent", 0, [][]uint64{a, b, c}, [3]int{3, 3, 1}},
+		{"room for all", 7, [][]uint64{a, b, c}, [3]int{3, 3, 1}},
+		{"a's tail evicted first", 4, [][]uint64{a, b}, [3]int{1, 3, 0}},
+		{"a's head sent again outlives b's tail", 4, [][]uint64{a, b, a[:1], c}, [3]int{1, 2, 1}},
+		{"all of a evicted", 3, [][]uint64{a, b}, [3]int{0, 3, 0}},
+		{"a sent again is held whole", 3, [][]uint64{a, b, a}, [3]int{3, 0, 0}},
+		{"a sent again takes no more room", 6, [][]uint64{a, b, a, a, a, c}, [3]int{3, 2, 1}},
+		{"more than a generation: not modelled", 65, [][]uint64{a, b, c, a}, [3]int{3, 3, 1}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			x := newIndex(2, 128)
+			x.setKVBlocks(0, tc.blocks)
+			x.setKVBlocks(1, 1) // endpoint 1's engine changes nothing of 0's
+			for _, s := range tc.sends {
+				x.add(0, s)
+			}
+			for i, p := range [][]uint64{a, b, c} {
+				require.Equal(t, tc.want[i], x.matched(0, p, true), "held of prompt %d", i)
+				depth := make([]int32, 2)
+				x.matches(p, depth)
+				require.Equal(t, []int32{int32(tc.want[i]), 0}, depth)
+			}
+			require.Equal(t, 3, x.matched(0, a, false), "what was sent, held or not")
+		})
+	}
+	t.Run("the engine says less", func(t *testing.T) {
+		x := newIndex(1, 128)
+		x.setKVBlocks(0, 6)
+		x.add(0, a)
+		x.add(0, b)
+		x.setKVBlocks(0, 2)
+		x.add(0, c) // b's head is left, beside c
+		require.Equal(t, []int{0, 1, 1}, []int{x.matched(0, a, true), x.matched(0, b, true), x.matched(0, c, true)})
+		x.setKVBlocks(0, 4)
+		x.add(0, a)
+		require.Equal(t, []int{3, 0, 1}, []int{x.matched(0, a, true), x.matched(0, b, true), x.matched(0, c, true)})
+	})
 }
 
 func TestLeastRequest(t *testing.T) {

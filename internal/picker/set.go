@@ -49,6 +49,10 @@ type Options struct {
 	// IndexBlocks bounds how many prompt blocks the Set remembers having
 	// sent (see Lease); 0 or less means DefaultIndexBlocks.
 	IndexBlocks int
+	// BlockTokens are the tokens of a prompt block (Request.BlockTokens),
+	// for the Set to count an engine's KV (Load.KVTokens) in blocks; 0
+	// or less: every block sent counts as held, whatever the engine said.
+	BlockTokens int
 	// Cache, when set, is what the engines report holding: requests with
 	// TokenBlocks are matched against it. Inherit passes it on unless the
 	// new Options name another.
@@ -92,9 +96,10 @@ type Set struct {
 	coolDown   int64 // nanoseconds
 	staleAfter int64 // nanoseconds
 	saturation Saturation
-	// indexBlocks is the capacity of each view's prefix index.
-	indexBlocks int
-	cache       PrefixCache
+	// indexBlocks is the capacity of each view's prefix index;
+	// blockTokens Options.BlockTokens.
+	indexBlocks, blockTokens int
+	cache                    PrefixCache
 	// adapters numbers Options.Adapters; nil without.
 	adapters *adapterTable
 	// journal hears the prefill leases (nil: none), as pool; peers are
@@ -177,6 +182,7 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		staleAfter:  int64(opts.StaleAfter),
 		saturation:  opts.Saturation,
 		indexBlocks: opts.IndexBlocks,
+		blockTokens: opts.BlockTokens,
 		cache:       opts.Cache,
 		now:         opts.Now,
 		room:        new(room),
@@ -320,8 +326,21 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 		v.index = prev.index
 	} else {
 		v.index = newIndex(len(v.endpoints), s.indexBlocks)
+		for i, h := range v.states {
+			if ld := h.load.Load(); ld != nil {
+				v.index.setKVBlocks(v.first[i], s.kvBlocks(ld.kvTokens))
+			}
+		}
 	}
 	return v
+}
+
+// kvBlocks is kvTokens of KV in prompt blocks; 0 without BlockTokens.
+func (s *Set) kvBlocks(kvTokens int) int64 {
+	if s.blockTokens <= 0 {
+		return 0
+	}
+	return int64(kvTokens / s.blockTokens)
 }
 
 // groupID returns the number of group, numbering it if it is new. The

@@ -113,6 +113,7 @@ func New(pc *configv1.Pool, prefill, decode []endpoint.Endpoint, prev *Pool, opt
 		CoolDown:         pc.GetEjectDuration().AsDuration(),
 		StaleAfter:       opts.StaleAfter,
 		Adapters:         pc.GetLora().GetAdapters(),
+		BlockTokens:      int(pc.GetPrefixBlockTokens()),
 	}
 	var render *Render
 	if r := pc.GetRender(); r != nil && !r.GetDisabled() {

@@ -2,6 +2,7 @@ package enginesim
 
 import (
 	"net/http"
+	"strconv"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -76,8 +77,10 @@ func (s *Server) snapshot() loadSnapshot {
 	}
 }
 
-// engineMetrics is the metric set of the engine family of connector.
-func engineMetrics(connector string) []engineMetric {
+// engineMetrics is the metric set of the engine family of connector; capa
+// is the engine's capacity model (nil: none), its KV blocks of scale
+// tokens a block token.
+func engineMetrics(connector string, capa *Capacity, scale int) []engineMetric {
 	gauge, counter := prometheus.GaugeValue, prometheus.CounterValue
 	def := func(labels prometheus.Labels) func(string, string, prometheus.ValueType, func(loadSnapshot) float64) engineMetric {
 		return func(name, help string, kind prometheus.ValueType, v func(loadSnapshot) float64) engineMetric {
@@ -111,7 +114,15 @@ func engineMetrics(connector string) []engineMetric {
 		}
 	}
 	m := def(prometheus.Labels{"model_name": metricsModel, "engine": "0"})
-	return []engineMetric{
+	var cache []engineMetric
+	if capa != nil {
+		// vLLM's CacheConfig as labels, value 1; the fields a router
+		// reads (the KV's size), without the rest of vLLM's.
+		cache = append(cache, def(prometheus.Labels{"engine": "0", "enable_prefix_caching": "True",
+			"block_size": strconv.Itoa(capa.BlockTokens * scale), "num_gpu_blocks": strconv.Itoa(capa.KVBlocks)})(
+			"vllm:cache_config_info", "Information of the LLMEngine CacheConfig", gauge, func(loadSnapshot) float64 { return 1 }))
+	}
+	return append(cache,
 		m("vllm:num_requests_running", "Number of requests in model execution batches.", gauge, running),
 		m("vllm:num_requests_waiting", "Number of requests waiting to be processed.", gauge, waiting),
 		m("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", gauge, kv),
@@ -123,7 +134,7 @@ func engineMetrics(connector string) []engineMetric {
 		// admission), so this stays 0, as on an engine with room to spare.
 		m("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.", counter,
 			func(loadSnapshot) float64 { return 0 }),
-	}
+	)
 }
 
 // loadCollector exposes an engine's load, read once per scrape so that the
@@ -150,7 +161,7 @@ func (c loadCollector) Collect(ch chan<- prometheus.Metric) {
 // that engines in one process do not share (or collide on) the global one.
 func (s *Server) metricsHandler() http.Handler {
 	reg := prometheus.NewRegistry()
-	reg.MustRegister(loadCollector{s: s, metrics: engineMetrics(s.cfg.Connector)})
+	reg.MustRegister(loadCollector{s: s, metrics: engineMetrics(s.cfg.Connector, s.load.capa, s.tokenScale())})
 	if s.load.lora.on() && s.cfg.Connector != ConnectorSGLang && s.cfg.Connector != ConnectorTRTLLM {
 		reg.MustRegister(loraCollector{m: s.load})
 	}

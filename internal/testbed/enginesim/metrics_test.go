@@ -95,8 +95,24 @@ func TestMetricsExposition(t *testing.T) {
 				if cfg.Connector != ConnectorP2PNCCL {
 					timed(t, s, "req-1", plain(tokensText('a', 40), 2))
 				}
+				// vLLM says its KV's size, as pdx reads it: the capacity
+				// model's blocks of its tokens.
+				cacheInfo := withCapacity && tt.labels["engine"] != ""
 				for _, path := range tt.paths {
 					fams := scrape(t, s, path)
+					if cacheInfo {
+						f, ok := fams["vllm:cache_config_info"]
+						require.True(t, ok, "vllm:cache_config_info missing from %s", path)
+						require.Equal(t, dto.MetricType_GAUGE, f.GetType())
+						require.Len(t, f.GetMetric(), 1)
+						require.Equal(t, 1.0, f.GetMetric()[0].GetGauge().GetValue())
+						labels := map[string]string{}
+						for _, l := range f.GetMetric()[0].GetLabel() {
+							labels[l.GetName()] = l.GetValue()
+						}
+						require.Equal(t, map[string]string{"engine": "0", "enable_prefix_caching": "True", "block_size": "4", "num_gpu_blocks": "10000"}, labels)
+						delete(fams, "vllm:cache_config_info")
+					}
 					require.Len(t, fams, len(tt.metrics), "no other metrics: %v", keys(fams))
 					for _, w := range tt.metrics {
 						f, ok := fams[w.name]
