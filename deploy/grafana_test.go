@@ -200,6 +200,8 @@ func pdxMetrics(t *testing.T) *metrics.Metrics {
 		}
 	}
 	require.Empty(t, collects, "methods pdxMetrics calls that metrics.Metrics no longer has")
+	// The prefill engine says its KV's size.
+	table.Observe("127.0.0.1:8100", picker.Load{KVTokens: 29127 * 16, At: time.Now()})
 	m.CollectEndpoints(func() *routing.Table { return table })
 	m.CollectKVEvents(sub, index)
 

@@ -2,7 +2,9 @@ package e2e
 
 import (
 	"encoding/json"
+	"fmt"
 	"io"
+	"net/http"
 	"strings"
 	"sync"
 	"testing"
@@ -107,4 +109,80 @@ func TestDeciderDecodesShortPromptsAlone(t *testing.T) {
 	require.Len(t, recs, 1)
 	require.Equal(t, enginesim.KindPlain, recs[0].Kind)
 	require.Equal(t, enginesim.KVRecomputed, recs[0].KV, "the decode engine computed the prompt itself")
+}
+
+// TestEnginesSayTheirKVSize: pdx reads the KV size of vLLM's and SGLang's
+// engines from their metrics (vLLM's cache_config_info, SGLang's token
+// pool), scraped from the engines' listeners, and says the size of the
+// cache it replays for each, in its prefix blocks.
+func TestEnginesSayTheirKVSize(t *testing.T) {
+	for _, connector := range []string{"nixl", "sglang"} {
+		t.Run(connector, func(t *testing.T) {
+			c := enginesim.ReferenceCapacity(1, 1)
+			c.KVBlocks = 96
+			st := startStack(t, stack.Options{Prefill: 1, Decode: 1, Connector: connector, Engine: enginesim.Config{Capacity: &c}})
+			admin := "http://" + st.Pdx.AdminAddr() + "/metrics"
+			for _, e := range []struct{ role, addr string }{{"prefill", st.Prefill[0].Addr()}, {"decode", st.Decode[0].Addr()}} {
+				// 96 blocks of 16 tokens, in pdx's blocks of 64
+				// (prefix_block_tokens).
+				require.Eventually(t, func() bool {
+					return value(scrape(t, admin), "pdx_endpoint_kv_capacity_blocks", map[string]string{"role": e.role, "endpoint": e.addr}) == 24
+				}, 10*time.Second, 20*time.Millisecond, "pdx read the %s engine's KV size", e.role)
+			}
+		})
+	}
+}
+
+// TestPrefixIndexFollowsEviction: a prefill engine whose KV holds 96
+// blocks of 16 tokens says so in its metrics (vLLM's cache_config_info),
+// and pdx replays what it sends there on a cache of that size. A prompt
+// sent again is predicted cached, as the engine finds it; after four other
+// prompts of its size pushed it out of the engine's cache, pdx predicts
+// none of it cached, as the engine reports. pdx counting every block it
+// sent as held would predict it cached still.
+func TestPrefixIndexFollowsEviction(t *testing.T) {
+	c := enginesim.ReferenceCapacity(1, 1)
+	c.KVBlocks = 96
+	st := startStack(t, stack.Options{Prefill: 1, Decode: 1,
+		Engine: enginesim.Config{Capacity: &c, PromptTokensDetails: true}})
+	admin := "http://" + st.Pdx.AdminAddr() + "/metrics"
+	prefill := map[string]string{"role": "prefill", "endpoint": st.Prefill[0].Addr()}
+	// 96 blocks of 16 tokens, in pdx's blocks of 64 (prefix_block_tokens).
+	require.Eventually(t, func() bool { return value(scrape(t, admin), "pdx_endpoint_kv_capacity_blocks", prefill) == 24 },
+		10*time.Second, 20*time.Millisecond, "pdx read the engine's KV size")
+
+	hc := &http.Client{Timeout: 30 * time.Second}
+	t.Cleanup(hc.CloseIdleConnections)
+	// About 500 tokens each: a third of the engine's cache.
+	prompt := func(name string) string {
+		return name + ": " + strings.Repeat(fmt.Sprintf("a sentence of %s. ", name), 2000/(len(name)+15))
+	}
+	cached := func(text string) (predicted, reported float64) {
+		t.Helper()
+		source := func(s string) float64 {
+			return value(scrape(t, admin), "pdx_placement_cached_tokens_total", map[string]string{"endpoint": st.Prefill[0].Addr(), "source": s})
+		}
+		p0, r0 := source("predicted"), source("reported")
+		a := post(t, hc, st.URL()+"/v1/chat/completions", chatBody(text))
+		require.Equal(t, 200, a.status, a.body)
+		return source("predicted") - p0, source("reported") - r0
+	}
+	first := prompt("the first prompt")
+	predicted, reported := cached(first)
+	require.Zero(t, predicted)
+	require.Zero(t, reported)
+	predicted, reported = cached(first)
+	require.Positive(t, reported, "the engine kept it")
+	require.Positive(t, predicted, "pdx predicted it kept")
+
+	for i := range 4 {
+		predicted, reported = cached(prompt(fmt.Sprintf("another prompt, %d", i)))
+		require.Zero(t, reported, "prompts that share nothing")
+	}
+	predicted, reported = cached(first)
+	require.Zero(t, reported, "the engine evicted it")
+	require.Zero(t, predicted, "pdx predicted it evicted")
+	for _, e := range st.Engines() {
+		require.Zero(t, e.Tally().Rejected, e.Addr())
+	}
 }

@@ -95,6 +95,8 @@ var fuzzSeeds = []string{
 	"vllm:num_requests_running 1\nvllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"100\"} 1\nvllm:cache_config_info{engine=\"1\",num_gpu_blocks=\"90\",block_size=\"16\"} 1\n" +
 		"vllm:cache_config_info{num_gpu_blocks=\"None\",block_size=\"16\",engine=\"2\"} 1\nvllm:cache_config_info{num_gpu_blocks=\"5\",block_size=\"1\",engine=\"3\"} NaN\n",
 	"vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"100\"} 1\n",
+	"sglang:num_running_reqs 1\nsglang:max_total_num_tokens{tp_rank=\"0\"} 1000\nsglang:max_total_num_tokens{tp_rank=\"1\"} 900.5\nsglang:max_total_num_tokens{tp_rank=\"2\"} NaN\n",
+	"sglang:max_total_num_tokens 5\n",
 	loraSeed,
 }
 
@@ -234,6 +236,13 @@ func referenceParse(r io.Reader) (Sample, error) {
 	}
 	if mf, ok := mfs[cacheFamily]; ok {
 		s.KVTokens = referenceKVTokens(mf)
+	}
+	if mf, ok := mfs[kvSizeFamily]; ok {
+		for _, m := range mf.GetMetric() {
+			if v, ok := referenceValue(m); ok && v >= 1 && v < 1<<53 && (s.KVTokens == 0 || int(v) < s.KVTokens) {
+				s.KVTokens = int(v)
+			}
+		}
 	}
 	return s, nil
 }

@@ -22,9 +22,9 @@ type Sample struct {
 	Running int     // requests in its running batch
 	KVUsage float64 // KV cache usage, 0–1; -1 when the engine does not say
 	// KVTokens is how many tokens the KV cache holds (vLLM's
-	// vllm:cache_config_info, num_gpu_blocks × block_size; the least of
-	// its series, one per engine of a data-parallel server); 0 when the
-	// engine does not say.
+	// vllm:cache_config_info, num_gpu_blocks × block_size; SGLang's
+	// sglang:max_total_num_tokens; the least of their series, one per
+	// engine of a data-parallel server); 0 when the engine does not say.
 	KVTokens int
 	// LoRA is what the engine says of its LoRA adapters; MaxLoRA is 0
 	// when it says nothing (no vllm:lora_requests_info: LoRA not enabled).
@@ -47,6 +47,10 @@ const loraFamily = "vllm:lora_requests_info"
 // cacheFamily is vLLM's cache configuration gauge (value 1): its labels
 // are the CacheConfig's fields, num_gpu_blocks and block_size among them.
 const cacheFamily = "vllm:cache_config_info"
+
+// kvSizeFamily is SGLang's KV token pool size gauge (its
+// metrics_collector, set once at start), a series per rank.
+const kvSizeFamily = "sglang:max_total_num_tokens"
 
 // What a family tells of the load.
 type signal int
@@ -92,12 +96,13 @@ func Parse(r io.Reader) (Sample, error) {
 	return p.parse(r)
 }
 
-// known lists the families parse reads, cacheFamily and loraFamily last:
-// neither is a load.
+// known lists the families parse reads, the loads first, then
+// kvSizeFamily, cacheFamily and loraFamily, which are not.
 var (
-	known      = append(slices.Sorted(maps.Keys(families)), cacheFamily, loraFamily)
-	cacheIndex = len(known) - 2
-	loraIndex  = len(known) - 1
+	known       = append(slices.Sorted(maps.Keys(families)), kvSizeFamily, cacheFamily, loraFamily)
+	kvSizeIndex = len(known) - 3
+	cacheIndex  = len(known) - 2
+	loraIndex   = len(known) - 1
 )
 
 // A suffix of a summary's or histogram's lines. expfmt files a line named
@@ -238,7 +243,7 @@ func (p *parser) parseBytes(text []byte) (Sample, error) {
 		}
 	}
 	found := false
-	for _, f := range p.fams[:cacheIndex] {
+	for _, f := range p.fams[:kvSizeIndex] {
 		found = found || f.samples
 	}
 	if !found {
@@ -391,13 +396,18 @@ func (p *parser) add(fi int, s suffix, v float64) error {
 	if math.IsNaN(v) || math.IsInf(v, 0) {
 		return nil
 	}
+	if fi == kvSizeIndex {
+		if v >= 1 && v < 1<<53 {
+			p.leastKVTokens(int(v))
+		}
+		return nil
+	}
 	if fi == cacheIndex {
 		// Its value is 1; the labels say.
 		blocks, err1 := strconv.Atoi(string(p.blocks))
 		size, err2 := strconv.Atoi(string(p.blockSize))
-		if t := blocks * size; err1 == nil && err2 == nil && blocks > 0 && size > 0 && t/size == blocks &&
-			(p.sample.KVTokens == 0 || t < p.sample.KVTokens) {
-			p.sample.KVTokens = t
+		if t := blocks * size; err1 == nil && err2 == nil && blocks > 0 && size > 0 && t/size == blocks {
+			p.leastKVTokens(t)
 		}
 		return nil
 	}
@@ -420,6 +430,14 @@ func (p *parser) add(fi int, s suffix, v float64) error {
 		p.sample.KVUsage = max(p.sample.KVUsage, min(max(v, 0), 1))
 	}
 	return nil
+}
+
+// leastKVTokens takes t tokens of KV from a series: the sample says the
+// least of its series'.
+func (p *parser) leastKVTokens(t int) {
+	if p.sample.KVTokens == 0 || t < p.sample.KVTokens {
+		p.sample.KVTokens = t
+	}
 }
 
 // resolve finds the family parse reads, if any, that a line of the given

@@ -32,7 +32,17 @@ func TestParse(t *testing.T) {
 		{
 			name: "SGLang exposition",
 			text: readTestdata(t, "sglang.txt"),
-			want: Sample{Waiting: 4, Running: 31, KVUsage: 0.87},
+			want: Sample{Waiting: 4, Running: 31, KVUsage: 0.87, KVTokens: 462199},
+		},
+		{
+			name: "SGLang's KV pools: the least of its ranks'",
+			text: `sglang:num_running_reqs{dp_rank="0"} 1
+sglang:max_total_num_tokens{dp_rank="0"} 1000
+sglang:max_total_num_tokens{dp_rank="1"} 900.5
+sglang:max_total_num_tokens{dp_rank="2"} 0
+sglang:max_total_num_tokens{dp_rank="3"} NaN
+`,
+			want: Sample{Running: 1, KVUsage: -1, KVTokens: 900},
 		},
 		{
 			name: "TensorRT-LLM serve exposition",

@@ -552,6 +552,9 @@ var (
 	overheadDesc = prometheus.NewDesc("pdx_prefill_service_overhead_seconds",
 		"What placement has learned of each prefill endpoint's fixed cost of a prefill call (the forecast policy's model).",
 		[]string{"pool", "endpoint"}, nil)
+	endpointKVDesc = prometheus.NewDesc("pdx_endpoint_kv_capacity_blocks",
+		"How many of its pool's prefix blocks (prefix_block_tokens) each engine's KV cache holds, as its metrics said (vLLM's vllm:cache_config_info, SGLang's sglang:max_total_num_tokens): placement counts what pdx sent the endpoint as cached only while it is among that many blocks sent there last. Absent while the engine has not said, or when its cache outgrows what pdx remembers sending.",
+		[]string{"pool", "role", "endpoint"}, nil)
 	inFlightDesc = prometheus.NewDesc("pdx_endpoint_in_flight",
 		"Requests this pdx counts on the endpoint: prefills running (with config peers, the other replicas' too), and decodes whose stream it holds until Envoy finishes their response (a decode detached at routing is the engine's metrics' to count).",
 		[]string{"pool", "role", "endpoint"}, nil)
@@ -564,6 +567,7 @@ type endpointCollector struct {
 func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- healthyDesc
 	ch <- inFlightDesc
+	ch <- endpointKVDesc
 	ch <- waitingDesc
 	ch <- serviceDesc
 	ch <- overheadDesc
@@ -599,6 +603,9 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 				}
 				ch <- prometheus.MustNewConstMetric(healthyDesc, prometheus.GaugeValue, v, p.Name, side.role, ep.Address)
 				ch <- prometheus.MustNewConstMetric(inFlightDesc, prometheus.GaugeValue, float64(side.set.InFlight(ep)), p.Name, side.role, ep.Address)
+				if n, ok := side.set.KVBlocks(ep); ok {
+					ch <- prometheus.MustNewConstMetric(endpointKVDesc, prometheus.GaugeValue, float64(n), p.Name, side.role, ep.Address)
+				}
 				if sv, ok := side.set.Service(ep); ok && side.role == "prefill" && p.Traits.Prefills {
 					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.AheadRate, p.Name, ep.Address, "ahead")
 					ch <- prometheus.MustNewConstMetric(serviceDesc, prometheus.GaugeValue, sv.WaitingRate, p.Name, ep.Address, "waiting")

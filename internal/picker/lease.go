@@ -1,6 +1,10 @@
 package picker
 
-import "github.com/pdx-router/pdx/internal/endpoint"
+import (
+	"time"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
 
 // Outcome is how a leased call went, as the endpoint's passive health
 // hears it.
@@ -243,17 +247,21 @@ func (l *Lease) uncount(s *Set, succeeded bool) {
 		h.ranks.end(l.rank)
 	}
 	if l.prefill {
-		h.service.queue.remove(l.queued, s.elapsed(), h.service.slotsSeen())
+		now := s.elapsed()
+		h.service.queue.remove(l.queued, now, h.service.slotsSeen())
+		var a PrefillAnswer
+		if succeeded {
+			a = PrefillAnswer{Took: time.Duration(now - l.at), Ahead: l.ahead.ahead, Waiting: l.ahead.waiting, Computed: l.tokens}
+			if l.uncached >= 0 {
+				a.Computed = l.uncached
+			}
+		}
 		if s.journal != nil {
-			s.journal.ended(s.pool, l.ep.Address, l.queued)
+			s.journal.ended(s.pool, l.ep.Address, l.queued, a)
 		}
 		h.work.end(s, l.tokens, succeeded)
 		if succeeded {
-			own := l.tokens
-			if l.uncached >= 0 {
-				own = l.uncached
-			}
-			h.service.learn(float64(s.elapsed()-l.at)/1e9, l.ahead, own)
+			h.service.learn(a.Took.Seconds(), l.ahead, a.Computed)
 		}
 	}
 	h.inFlight.Add(-1)
@@ -270,6 +278,21 @@ func (s *Set) Sent(ep endpoint.Endpoint, blocks []uint64) int {
 		return 0
 	}
 	return v.index.matched(v.first[i], blocks, false)
+}
+
+// KVBlocks is how many prompt blocks (Options.BlockTokens) ep's engine
+// said its KV cache holds: what the Set sent there counts as cached only
+// while it is among that many blocks sent last (Load.KVTokens). False
+// while the engine has not said, or when its cache outgrows what the Set
+// remembers sending.
+func (s *Set) KVBlocks(ep endpoint.Endpoint) (int, bool) {
+	v := s.view.Load()
+	i := v.position(ep)
+	if i < 0 {
+		return 0, false
+	}
+	n := int(v.index.sizes[v.first[i]].Load())
+	return n, n > 0
 }
 
 // InFlight returns how many of the requests leased ep have not ended.

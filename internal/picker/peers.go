@@ -16,7 +16,10 @@ import (
 // state between them closed the gap (docs/placement.md, "Three replicas").
 // So replicas tell each other their prefill leases: a Set's Journal
 // reports its own as they start and end, and the peers' come back through
-// PeerStarted and PeerEnded, counted as the Set counts its own.
+// PeerStarted and PeerEnded, counted as the Set counts its own. An end
+// that the engine answered carries what its replica's service model
+// learned from it, so that every replica's model learns from every
+// prefill, not from the share it timed.
 
 // PrefillEvent is a prefill lease starting or ending on a Set that writes
 // a Journal.
@@ -35,6 +38,23 @@ type PrefillEvent struct {
 	Start  time.Time
 	Blocks []uint64
 	Ended  bool
+	// Answer is set for an end the engine answered.
+	Answer PrefillAnswer
+}
+
+// PrefillAnswer is one answered prefill as its replica's service model
+// learned it: the time from the pick to the answer, the engine's queue at
+// the pick as that replica counted it (its own prefills and its peers'),
+// and the uncached tokens the engine computed. Took is 0 for a prefill
+// the engine did not answer, which teaches nothing.
+type PrefillAnswer struct {
+	Took                     time.Duration
+	Ahead, Waiting, Computed int
+}
+
+// answered reports whether a teaches a service model anything.
+func (a PrefillAnswer) answered() bool {
+	return a.Took > 0 && a.Ahead >= 0 && a.Waiting >= 0 && a.Computed >= 0
 }
 
 // Journal is what one pdx replica tells its peers: its prefill leases in
@@ -44,8 +64,17 @@ type PrefillEvent struct {
 // send to each reader; without readers, a lock and a map entry.
 type Journal struct {
 	mu      sync.Mutex
-	open    map[journalKey]PrefillEvent
+	open    map[journalKey]openLease
 	readers map[*JournalReader]struct{}
+}
+
+// openLease is a lease in flight as the Journal keeps it: small enough
+// (not a whole PrefillEvent) for the map to hold it in place, without an
+// allocation a lease.
+type openLease struct {
+	tokens int
+	start  time.Time
+	blocks []uint64
 }
 
 type journalKey struct {
@@ -61,7 +90,7 @@ type JournalReader struct {
 
 // NewJournal returns an empty Journal.
 func NewJournal() *Journal {
-	return &Journal{open: map[journalKey]PrefillEvent{}, readers: map[*JournalReader]struct{}{}}
+	return &Journal{open: map[journalKey]openLease{}, readers: map[*JournalReader]struct{}{}}
 }
 
 // Subscribe returns the leases in flight now and a reader of every start
@@ -73,8 +102,8 @@ func (j *Journal) Subscribe(buffer int) ([]PrefillEvent, *JournalReader) {
 	j.mu.Lock()
 	defer j.mu.Unlock()
 	snapshot := make([]PrefillEvent, 0, len(j.open))
-	for _, e := range j.open {
-		snapshot = append(snapshot, e)
+	for k, l := range j.open {
+		snapshot = append(snapshot, PrefillEvent{Pool: k.pool, Endpoint: k.endpoint, ID: k.id, Tokens: l.tokens, Start: l.start, Blocks: l.blocks})
 	}
 	j.readers[r] = struct{}{}
 	// In lease order, as the engines' queues have them.
@@ -116,11 +145,11 @@ func (j *Journal) started(pool, endpoint string, id uint64, tokens int, blocks [
 	e := PrefillEvent{Pool: pool, Endpoint: endpoint, ID: id, Tokens: tokens, Start: time.Now(), Blocks: blocks}
 	j.mu.Lock()
 	defer j.mu.Unlock()
-	j.open[journalKey{pool, endpoint, id}] = e
+	j.open[journalKey{pool, endpoint, id}] = openLease{tokens: tokens, start: e.Start, blocks: blocks}
 	j.record(e)
 }
 
-func (j *Journal) ended(pool, endpoint string, id uint64) {
+func (j *Journal) ended(pool, endpoint string, id uint64, a PrefillAnswer) {
 	k := journalKey{pool, endpoint, id}
 	j.mu.Lock()
 	defer j.mu.Unlock()
@@ -128,7 +157,7 @@ func (j *Journal) ended(pool, endpoint string, id uint64) {
 		return
 	}
 	delete(j.open, k)
-	j.record(PrefillEvent{Pool: pool, Endpoint: endpoint, ID: id, Ended: true})
+	j.record(PrefillEvent{Pool: pool, Endpoint: endpoint, ID: id, Ended: true, Answer: a})
 }
 
 // peerBook is the peers' prefill leases a Set counts, shared with the Sets
@@ -179,14 +208,17 @@ func (s *Set) PeerStarted(peer, address string, id uint64, tokens int, age time.
 	}
 }
 
-// PeerEnded stops counting the peer's lease id on the endpoint at address.
-func (s *Set) PeerEnded(peer, address string, id uint64) {
+// PeerEnded stops counting the peer's lease id on the endpoint at address;
+// an answer the engine gave it (a.Took > 0) teaches the endpoint's service
+// model as the Set's own prefills' do. Only a lease the Set counted
+// teaches: one on an endpoint it lacks, or whose start it missed, not.
+func (s *Set) PeerEnded(peer, address string, id uint64, a PrefillAnswer) {
 	b := s.peers
 	b.mu.Lock()
 	l, ok := b.leases[peerKey{peer, address, id}]
 	if ok {
 		delete(b.leases, peerKey{peer, address, id})
-		s.uncountPeer(l)
+		s.uncountPeer(l, a)
 	}
 	b.mu.Unlock()
 	if ok {
@@ -203,7 +235,7 @@ func (s *Set) PeerGone(peer string) {
 	for k, l := range b.leases {
 		if k.peer == peer {
 			delete(b.leases, k)
-			s.uncountPeer(l)
+			s.uncountPeer(l, PrefillAnswer{})
 			n++
 		}
 	}
@@ -220,12 +252,16 @@ func (s *Set) PeerLeases() int {
 	return len(s.peers.leases)
 }
 
-// uncountPeer takes a peer's lease off its endpoint: ended unanswered, as
-// far as this replica knows, so it teaches no rate. b.mu is held.
-func (s *Set) uncountPeer(l peerLease) {
+// uncountPeer takes a peer's lease off its endpoint, learning from its
+// answer a if it has one. b.mu is held.
+func (s *Set) uncountPeer(l peerLease, a PrefillAnswer) {
 	h := l.h
 	h.service.queue.remove(l.queued, s.elapsed(), h.service.slotsSeen())
-	h.work.end(s, l.tokens, false)
+	answered := a.answered()
+	h.work.end(s, l.tokens, answered)
+	if answered {
+		h.service.learn(a.Took.Seconds(), queue{ahead: a.Ahead, waiting: a.Waiting}, a.Computed)
+	}
 	h.inFlight.Add(-1)
 	h.inFlightTokens.Add(-int64(l.tokens))
 }

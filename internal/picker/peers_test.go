@@ -6,6 +6,8 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
 )
 
 // A peer's prefill lease counts on its endpoint as the Set's own do: in
@@ -51,7 +53,7 @@ func TestPeerLeases(t *testing.T) {
 				set.PeerStarted(s.peer, s.address, s.id, s.tokens, s.age, nil)
 			}
 			for _, s := range tc.ended {
-				set.PeerEnded(s.peer, s.address, s.id)
+				set.PeerEnded(s.peer, s.address, s.id, PrefillAnswer{})
 			}
 			for _, p := range tc.gone {
 				set.PeerGone(p)
@@ -92,7 +94,7 @@ func TestPeerLeaseQueues(t *testing.T) {
 	require.Equal(t, queue{ahead: 2700, waiting: 1200}, q, "the waiting one takes the slot free first (300 + 900), then the prompt waits for that one")
 
 	lease.End(Released)
-	set.PeerEnded("p1", epA.Address, 1)
+	set.PeerEnded("p1", epA.Address, 1, PrefillAnswer{})
 	q = h.service.queueNow(set.elapsed(), 0, 0)
 	require.Equal(t, queue{ahead: 900, waiting: 0}, q)
 	set.PeerGone("p1")
@@ -108,7 +110,7 @@ func TestPeerBlocks(t *testing.T) {
 	require.Greater(t, len(blocks), 4)
 	set := NewSet(abc, Options{})
 	set.PeerStarted("p1", epB.Address, 1, 100, 0, blocks)
-	set.PeerEnded("p1", epB.Address, 1)
+	set.PeerEnded("p1", epB.Address, 1, PrefillAnswer{})
 	require.Equal(t, len(blocks), set.Sent(epB, blocks))
 	require.Zero(t, set.Sent(epA, blocks))
 
@@ -138,7 +140,7 @@ func TestPeerLeasesInherited(t *testing.T) {
 	set := NewSet(abc, Options{Inherit: old})
 	require.Equal(t, 1, set.InFlight(epA))
 	require.Equal(t, 1, set.PeerLeases())
-	set.PeerEnded("p1", epA.Address, 1)
+	set.PeerEnded("p1", epA.Address, 1, PrefillAnswer{})
 	require.Zero(t, set.InFlight(epA))
 	require.Zero(t, old.PeerLeases())
 }
@@ -149,7 +151,8 @@ func TestPeerLeasesInherited(t *testing.T) {
 // slowing the leases.
 func TestJournal(t *testing.T) {
 	j := NewJournal()
-	set := NewSet(abc, Options{Journal: j, Pool: "demo"})
+	clock := newFakeClock()
+	set := NewSet(abc, Options{Journal: j, Pool: "demo", Now: clock.Now})
 	prefill := newLeg(set, new(RoundRobin), RolePrefill)
 	first, ok := prefill.Pick(Request{Subset: []string{epA.Address}, Tokens: 400})
 	require.True(t, ok)
@@ -163,6 +166,8 @@ func TestJournal(t *testing.T) {
 	second, ok := prefill.Pick(Request{Subset: []string{epB.Address}, Tokens: 200, Blocks: blocks, BlockTokens: 16})
 	require.True(t, ok)
 	second.Move(epC)
+	clock.Advance(30 * time.Millisecond)
+	first.Observe(400, 100) // the engine found 100 cached
 	first.End(Succeeded)
 	second.End(Released)
 	first.End(Released) // ended once: heard once
@@ -170,7 +175,8 @@ func TestJournal(t *testing.T) {
 		{Pool: "demo", Endpoint: epB.Address, ID: 1, Tokens: 200, Blocks: blocks},
 		{Pool: "demo", Endpoint: epB.Address, ID: 1, Ended: true},
 		{Pool: "demo", Endpoint: epC.Address, ID: 1, Tokens: 200, Blocks: blocks},
-		{Pool: "demo", Endpoint: epA.Address, ID: 1, Ended: true},
+		// Answered: what epA's model learned, nothing ahead of it.
+		{Pool: "demo", Endpoint: epA.Address, ID: 1, Ended: true, Answer: PrefillAnswer{Took: 30 * time.Millisecond, Computed: 300}},
 		{Pool: "demo", Endpoint: epC.Address, ID: 1, Ended: true},
 	}
 	for _, w := range want {
@@ -205,6 +211,67 @@ func TestJournal(t *testing.T) {
 	snapshot, r = j.Subscribe(1)
 	require.Empty(t, snapshot, "every lease ended")
 	j.Unsubscribe(r)
+}
+
+// A replica learns from its peers' answered prefills as from its own:
+// fed a replica's journal, a Set's service model for each engine is the
+// one of the replica that timed the prefills, sample for sample; an end
+// the engine did not answer, or of a lease the Set never counted, teaches
+// nothing.
+func TestPeerAnswersTeach(t *testing.T) {
+	j := NewJournal()
+	clock := newFakeClock()
+	timer := NewSet(abc, Options{Journal: j, Pool: "demo", Now: clock.Now})
+	peer := NewSet(abc, Options{Pool: "demo", Now: clock.Now})
+	_, r := j.Subscribe(1 << 10)
+	defer j.Unsubscribe(r)
+	relay := func() {
+		for len(r.Events()) > 0 {
+			e := <-r.Events()
+			if e.Ended {
+				peer.PeerEnded("timer", e.Endpoint, e.ID, e.Answer)
+			} else {
+				peer.PeerStarted("timer", e.Endpoint, e.ID, e.Tokens, 0, e.Blocks)
+			}
+		}
+	}
+	prefill := newLeg(timer, new(RoundRobin), RolePrefill)
+	// Prompts of 200 to 1,800 tokens, three at a time on each engine, each
+	// answered 5 ms plus its queue's and its own tokens at 20,000 a
+	// second later.
+	for k := range 60 {
+		var leases []Lease
+		for i := range 3 {
+			l, ok := prefill.Pick(Request{Subset: []string{epA.Address, epB.Address}, Tokens: 200 + 400*((k+i)%5)})
+			require.True(t, ok)
+			leases = append(leases, l)
+		}
+		relay()
+		for i := range leases {
+			clock.Advance(5*time.Millisecond + time.Duration(leases[i].Tokens())*50*time.Microsecond)
+			leases[i].End(Succeeded)
+		}
+		relay()
+	}
+	for _, ep := range []endpoint.Endpoint{epA, epB} {
+		want, _ := timer.Service(ep)
+		got, _ := peer.Service(ep)
+		require.Equal(t, int64(90), want.Samples)
+		require.Equal(t, want, got, "%s: the peer's model is the timer's", ep.Address)
+		require.Zero(t, peer.InFlight(ep))
+	}
+
+	unanswered, _ := prefill.Pick(Request{Subset: []string{epA.Address}, Tokens: 500})
+	relay()
+	clock.Advance(time.Second)
+	unanswered.End(Failed)
+	relay()
+	// A lease the peer never counted (started before it read the journal
+	// and missed from its snapshot): its answer is not learned.
+	peer.PeerEnded("timer", epA.Address, 999, PrefillAnswer{Took: time.Second, Computed: 100})
+	got, _ := peer.Service(epA)
+	require.Equal(t, int64(90), got.Samples, "neither end teaches")
+	require.Zero(t, peer.InFlight(epA))
 }
 
 // A prefill's lease, its end and the learning from it allocate nothing

@@ -54,15 +54,24 @@ const (
 // peerLine is one line of the stream: a lease's start, its end (End), or
 // nothing (keep-alive). AgeMicros is how long ago the lease started, as
 // the serving replica's clock tells: clocks of two hosts need not agree.
-// Blocks are the prompt's block hashes (picker.Blocks).
+// Blocks are the prompt's block hashes (picker.Blocks). An end the engine
+// answered says what the serving replica learned from it
+// (picker.PrefillAnswer): TookMicros from its pick to the answer, the
+// queue it counted at the pick, the tokens the engine computed. A reader
+// that does not know these fields ignores them, and one that does reads
+// an end without them as unanswered.
 type peerLine struct {
-	Pool      string   `json:"pool,omitempty"`
-	Endpoint  string   `json:"endpoint,omitempty"`
-	ID        uint64   `json:"id,omitempty"`
-	Tokens    int      `json:"tokens,omitempty"`
-	AgeMicros int64    `json:"age_us,omitempty"`
-	Blocks    []uint64 `json:"blocks,omitempty"`
-	End       bool     `json:"end,omitempty"`
+	Pool       string   `json:"pool,omitempty"`
+	Endpoint   string   `json:"endpoint,omitempty"`
+	ID         uint64   `json:"id,omitempty"`
+	Tokens     int      `json:"tokens,omitempty"`
+	AgeMicros  int64    `json:"age_us,omitempty"`
+	Blocks     []uint64 `json:"blocks,omitempty"`
+	End        bool     `json:"end,omitempty"`
+	TookMicros int64    `json:"took_us,omitempty"`
+	Ahead      int      `json:"ahead,omitempty"`
+	Waiting    int      `json:"waiting,omitempty"`
+	Computed   int      `json:"computed,omitempty"`
 }
 
 // newInstance is a replica's name for itself in instanceHeader.
@@ -137,6 +146,10 @@ func writePeerLine(enc *json.Encoder, e picker.PrefillEvent, now time.Time) {
 	l := peerLine{Pool: e.Pool, Endpoint: e.Endpoint, ID: e.ID, Tokens: e.Tokens, Blocks: e.Blocks, End: e.Ended}
 	if !e.Ended {
 		l.AgeMicros = max(now.Sub(e.Start).Microseconds(), 0)
+	} else if a := e.Answer; a.Took > 0 {
+		// At least a microsecond: a zero reads as unanswered.
+		l.TookMicros = max(a.Took.Microseconds(), 1)
+		l.Ahead, l.Waiting, l.Computed = a.Ahead, a.Waiting, a.Computed
 	}
 	_ = enc.Encode(l)
 }
@@ -336,7 +349,8 @@ func (f *peerFollower) apply(peer string, l peerLine) {
 		return
 	}
 	if l.End {
-		p.Prefill.Set.PeerEnded(peer, l.Endpoint, l.ID)
+		p.Prefill.Set.PeerEnded(peer, l.Endpoint, l.ID, picker.PrefillAnswer{
+			Took: time.Duration(l.TookMicros) * time.Microsecond, Ahead: l.Ahead, Waiting: l.Waiting, Computed: l.Computed})
 		return
 	}
 	p.Prefill.Set.PeerStarted(peer, l.Endpoint, l.ID, l.Tokens, time.Duration(l.AgeMicros)*time.Microsecond, l.Blocks)

@@ -70,6 +70,12 @@ func TestPeersExchangePrefills(t *testing.T) {
 	require.Eventually(t, counted(2), guard, 5*time.Millisecond, "a lease started since")
 	before.End(picker.Succeeded)
 	require.Eventually(t, counted(1), guard, 5*time.Millisecond, "a lease ended")
+	// Answered: b's model of the engine learned from it as a's did.
+	learned := func(s *picker.Set) picker.Service { m, _ := s.Service(ep); return m }
+	require.EqualValues(t, 1, learned(aPrefill.Set).Samples)
+	require.EqualValues(t, 1, learned(bSet).Samples, "b learned a's answer")
+	// As a did, but for the wire's microseconds.
+	require.InEpsilon(t, learned(aPrefill.Set).PromptRate, learned(bSet).PromptRate, 1e-3)
 
 	mine, ok := b.proc.Table().Pools()[0].Prefill.Pick(picker.Request{Subset: []string{ep.Address}, Tokens: 400, Blocks: blocks, BlockTokens: 16})
 	require.True(t, ok)
@@ -80,6 +86,8 @@ func TestPeersExchangePrefills(t *testing.T) {
 	require.Equal(t, 2, bSet.InFlight(ep), "b counts its own lease once")
 	require.Equal(t, 1, bSet.PeerLeases())
 	mine.End(picker.Released)
+	require.Eventually(t, func() bool { return aSet.PeerLeases() == 0 }, guard, 5*time.Millisecond, "b's lease ended")
+	require.EqualValues(t, 1, learned(aSet).Samples, "an end unanswered teaches nothing")
 
 	require.NoError(t, shutdown(t, a))
 	require.Eventually(t, counted(0), guard, 5*time.Millisecond, "a gone: its leases with it")

@@ -94,12 +94,20 @@ func engineMetrics(connector string, capa *Capacity, scale int) []engineMetric {
 	switch connector {
 	case ConnectorSGLang:
 		m := def(prometheus.Labels{"model_name": metricsModel})
-		return []engineMetric{
+		out := []engineMetric{
 			m("sglang:num_running_reqs", "The number of running requests.", gauge, running),
 			m("sglang:num_queue_reqs", "The number of requests in the waiting queue.", gauge, waiting),
 			m("sglang:token_usage", "The token usage.", gauge, kv),
 			m("sglang:cache_hit_rate", "The prefix cache hit rate.", gauge, hitRate),
 		}
+		if capa != nil {
+			// SGLang's KV token pool, in its tokens: what pdx reads as
+			// the KV's size.
+			pool := float64(capa.KVBlocks * capa.BlockTokens * scale)
+			out = append(out, m("sglang:max_total_num_tokens", "Maximum total number of tokens in the KV cache pool.", gauge,
+				func(loadSnapshot) float64 { return pool }))
+		}
+		return out
 	case ConnectorTRTLLM:
 		m := def(prometheus.Labels{"model_name": trtllmUndefined, "engine_type": trtllmUndefined})
 		return []engineMetric{

@@ -113,6 +113,15 @@ func TestMetricsExposition(t *testing.T) {
 						require.Equal(t, map[string]string{"engine": "0", "enable_prefix_caching": "True", "block_size": "4", "num_gpu_blocks": "10000"}, labels)
 						delete(fams, "vllm:cache_config_info")
 					}
+					// SGLang says it as its KV token pool.
+					if withCapacity && cfg.Connector == ConnectorSGLang {
+						f, ok := fams["sglang:max_total_num_tokens"]
+						require.True(t, ok, "sglang:max_total_num_tokens missing from %s", path)
+						require.Equal(t, dto.MetricType_GAUGE, f.GetType())
+						require.Len(t, f.GetMetric(), 1)
+						require.Equal(t, 10000*4.0, f.GetMetric()[0].GetGauge().GetValue())
+						delete(fams, "sglang:max_total_num_tokens")
+					}
 					require.Len(t, fams, len(tt.metrics), "no other metrics: %v", keys(fams))
 					for _, w := range tt.metrics {
 						f, ok := fams[w.name]
