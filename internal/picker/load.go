@@ -64,7 +64,7 @@ func (s *Set) Observe(address string, l Load) {
 				kvTokens = prev.kvTokens // a sample that does not say keeps it
 			}
 			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, kvTokens: kvTokens, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load(), lora: l.Adapters})
-			v.index.setKVBlocks(v.first[i], s.kvBlocks(kvTokens))
+			v.index.setKVBlocks(v.first[i], s.inBlocks(kvTokens))
 		}
 	}
 	s.room.wake() // a lighter load may make room

@@ -328,15 +328,15 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 		v.index = newIndex(len(v.endpoints), s.indexBlocks)
 		for i, h := range v.states {
 			if ld := h.load.Load(); ld != nil {
-				v.index.setKVBlocks(v.first[i], s.kvBlocks(ld.kvTokens))
+				v.index.setKVBlocks(v.first[i], s.inBlocks(ld.kvTokens))
 			}
 		}
 	}
 	return v
 }
 
-// kvBlocks is kvTokens of KV in prompt blocks; 0 without BlockTokens.
-func (s *Set) kvBlocks(kvTokens int) int64 {
+// inBlocks is kvTokens of KV in prompt blocks; 0 without BlockTokens.
+func (s *Set) inBlocks(kvTokens int) int64 {
 	if s.blockTokens <= 0 {
 		return 0
 	}
