@@ -25,6 +25,9 @@ func TestReplicasExchangePrefills(t *testing.T) {
 	st := startStack(t, stack.Options{PdxReplicas: 3, Peers: true, Prefill: 2, Decode: 1,
 		Engine: enginesim.Config{PrefillLatency: 500 * time.Millisecond}})
 	_, hc := newClient(t, st)
+	for _, r := range st.Replicas {
+		require.Equal(t, placement.DefaultPickJitter, r.Table().Pools()[0].PickJitter, "peers' default wait before a prefill pick")
+	}
 	// counts are each replica's prefills in flight on the engines, and
 	// the peers' among them.
 	counts := func() (inFlight, peers []int) {

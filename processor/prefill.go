@@ -80,7 +80,7 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	var last error       // decides the client's status
 	var earlier []string // for the message
 	for n := range pool.Attempts {
-		lease, err := r.placed.Prefill(tried...)
+		lease, err := r.placed.Prefill(pf.ctx, tried...)
 		if err != nil {
 			if last == nil {
 				last = err // no attempt: say why (e.g. the decode's group has no prefill)

@@ -43,7 +43,7 @@ func TestRigOf(t *testing.T) {
 		{name: "replicas of a policy it runs", rig: replay.CacheBoundRig, set: []string{"policies", "replicas"}, policies: "precise,oracle",
 			replicas: "1,3", want: func(c *replay.CacheBound) { c.Policies = []string{"precise", "oracle"} }},
 		{name: "replicas of none of its policies", rig: replay.CacheBoundRig, set: []string{"policies", "replicas"}, policies: "round-robin,oracle",
-			replicas: "3", err: "--replicas: the cachebound rig runs replicas of pdx-default, pdx-default-peers, precise, precise-peers, and --policies has none of them"},
+			replicas: "3", err: "--replicas: the cachebound rig runs replicas of pdx-default, pdx-default-peers, precise, precise-peers, pdx-default-peers-at-once, precise-peers-at-once, precise-peers-jitter-16, and --policies has none of them"},
 		{name: "a load it has no point at", rig: replay.CacheBoundRig, set: []string{"loads"}, loads: "0.6", err: "no point at 0.6 (its points: 0.55, 0.7, 0.85)"},
 		{name: "a flag the rig sets", rig: replay.CacheBoundRig, set: []string{"token-scale"}, err: "--token-scale: the cachebound rig sets it itself"},
 		{name: "the traces", rig: replay.CacheBoundRig, set: []string{"traces"}, err: "--traces"},

@@ -172,6 +172,9 @@ func applyDefaults(cfg *configv1.Config) {
 	if cfg.DnsRefreshRate == nil {
 		cfg.DnsRefreshRate = durationpb.New(DefaultDNSRefreshRate)
 	}
+	if p := cfg.Peers; p != nil && p.PickJitter == nil {
+		p.PickJitter = durationpb.New(placement.DefaultPickJitter)
+	}
 	if x := cfg.Xds; x != nil && x.ClusterName == "" {
 		x.ClusterName = DefaultXDSCluster
 	}

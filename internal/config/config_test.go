@@ -18,6 +18,7 @@ import (
 	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 )
 
 // pool renders a valid pool list item. Each override is a "key: value" line
@@ -94,6 +95,29 @@ func TestParseAppliesDefaults(t *testing.T) {
 			PrefixBlockTokens:     64,
 		}},
 	}, cfg)
+}
+
+// With peers, pick_jitter is placement's default when unset and stays
+// as given otherwise, none included.
+func TestPeersPickJitter(t *testing.T) {
+	for _, tc := range []struct {
+		peers string
+		want  time.Duration
+	}{
+		{peers: `peers: {addresses: ["10.0.0.9:9003"]}`, want: placement.DefaultPickJitter},
+		{peers: `peers: {addresses: ["10.0.0.9:9003"], pick_jitter: 0s}`, want: 0},
+		{peers: `peers: {addresses: ["10.0.0.9:9003"], pick_jitter: 10ms}`, want: 10 * time.Millisecond},
+	} {
+		t.Run(tc.peers, func(t *testing.T) {
+			cfg, err := Parse([]byte(minimal + tc.peers + "\n"))
+			require.NoError(t, err)
+			require.NotNil(t, cfg.GetPeers().GetPickJitter())
+			require.Equal(t, tc.want, cfg.GetPeers().GetPickJitter().AsDuration())
+		})
+	}
+	cfg, err := Parse([]byte(minimal))
+	require.NoError(t, err)
+	require.Nil(t, cfg.GetPeers(), "no peers, no jitter")
 }
 
 func defaultEngineMetrics() *configv1.EngineMetrics {
@@ -241,6 +265,10 @@ func TestParseErrors(t *testing.T) {
 		{"peers' addresses", minimal + `peers: {addresses: ["pdx-peers.ns.svc:9090", "pdx-peers", ":9090"]}` + "\n", []string{
 			`config: peers.addresses[1]: "pdx-peers" must be host:port (a replica's admin_address)`,
 			`config: peers.addresses[2]: ":9090" must be host:port (a replica's admin_address)`}},
+		{"peers' pick_jitter", minimal + `peers: {addresses: ["10.0.0.9:9003"], pick_jitter: 1s}` + "\n", []string{
+			`config: peers.pick_jitter: 1s is not in [0s, 100ms]`}},
+		{"peers' negative pick_jitter", minimal + `peers: {addresses: ["10.0.0.9:9003"], pick_jitter: -1ms}` + "\n", []string{
+			`config: peers.pick_jitter: -1ms is not in [0s, 100ms]`}},
 		{"kv_events mode", minimal + "kv_events: {mode: central}\n", []string{
 			`config: kv_events.mode: unknown mode "central" (want "dial" or "bind")`}},
 		{"render", pools(pool("render: {timeout: 0s, address: engine}"), pool("name: q", "models: [q]", "render: {timeout: 1m}")), []string{

@@ -15,6 +15,7 @@ import (
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/picker"
+	"github.com/pdx-router/pdx/internal/placement"
 )
 
 var poolNameRE = regexp.MustCompile(`^[a-z0-9-]+$`)
@@ -79,6 +80,9 @@ func validate(cfg *configv1.Config) []error {
 			if _, err := endpoint.ParseHostPort(a); err != nil {
 				v.fail(fmt.Sprintf("peers.addresses[%d]", i), "%q must be host:port (a replica's admin_address)", a)
 			}
+		}
+		if j := p.GetPickJitter().AsDuration(); j < 0 || j > placement.MaxPickJitter {
+			v.fail("peers.pick_jitter", "%v is not in [0s, %v]", j, placement.MaxPickJitter)
 		}
 	}
 	if len(cfg.GetPools()) == 0 {

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
+	"time"
 
 	"github.com/pdx-router/pdx/connectors"
 	"github.com/pdx-router/pdx/internal/endpoint"
@@ -163,11 +165,23 @@ func (pl *Placement) named(lease picker.Lease) {
 
 // Prefill leases the prefill endpoint of the request's next attempt: one
 // of its decode endpoint's group, other than those tried. The first call
-// ends the request's wait for room on the leg.
-func (pl *Placement) Prefill(tried ...endpoint.Endpoint) (picker.Lease, error) {
-	lease, err := pl.pool.PickPrefill(pl.Decode.Endpoint(), pl.pick(), tried...)
-	pl.ticket.Release()
-	return lease, err
+// ends the request's wait for room on the leg; it picks after a random
+// wait up to the pool's PickJitter, so that replicas given a burst's
+// requests at once do not all pick before any hears of the others'
+// leases (with none of them counted, they would pick alike). The error
+// of a wait cut short is ctx's cause.
+func (pl *Placement) Prefill(ctx context.Context, tried ...endpoint.Endpoint) (picker.Lease, error) {
+	defer pl.ticket.Release()
+	if j := pl.pool.PickJitter; j > 0 && len(tried) == 0 {
+		t := time.NewTimer(rand.N(j))
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return picker.Lease{}, context.Cause(ctx)
+		}
+	}
+	return pl.pool.PickPrefill(pl.Decode.Endpoint(), pl.pick(), tried...)
 }
 
 // Release ends the request's wait for room on the prefill leg, if it

@@ -79,12 +79,59 @@ func TestPlace(t *testing.T) {
 			if tc.reason != ReasonDisaggregated {
 				return
 			}
-			lease, err := pl.Prefill()
+			lease, err := pl.Prefill(t.Context())
 			require.NoError(t, err)
 			require.Equal(t, creq.Decode.Group, lease.Endpoint().Group, "paired with the decode's group")
 			lease.End(picker.Released)
-			_, err = pl.Prefill(lease.Endpoint())
+			_, err = pl.Prefill(t.Context(), lease.Endpoint())
 			require.ErrorIs(t, err, ErrNoEndpoint, "its group has one prefill endpoint")
+		})
+	}
+}
+
+// A first prefill pick waits up to the pool's PickJitter, a wait its
+// context cuts short with its cause and nothing leased; a retry's pick
+// and a pool without jitter do not wait.
+func TestPrefillPickJitter(t *testing.T) {
+	const forever = 1000 * time.Hour // a wait no test outlives
+	gone := errors.New("client gone")
+	ended, cancel := context.WithCancelCause(t.Context())
+	cancel(gone)
+	for _, tc := range []struct {
+		name   string
+		jitter time.Duration
+		retry  bool
+		want   error
+	}{
+		{name: "first pick waits", jitter: forever, want: gone},
+		{name: "a retry does not", jitter: forever, retry: true},
+		{name: "no jitter", jitter: 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			p := testPool(t, &configv1.Pool{}, true)
+			p.PickJitter = tc.jitter
+			req, creq := placeRequest(t, shortChat, fakeengine.New(), nil)
+			pl, err := p.Place(t.Context(), req, creq)
+			require.NoError(t, err)
+			defer pl.Decode.End(picker.Released)
+			var tried []endpoint.Endpoint
+			if tc.retry {
+				// An endpoint not the pool's: the pick still has the
+				// decode's group's own.
+				tried = append(tried, endpoint.Endpoint{Address: "127.0.0.1:9999"})
+			}
+			lease, err := pl.Prefill(ended, tried...)
+			if tc.want != nil {
+				require.ErrorIs(t, err, tc.want)
+				require.False(t, lease.Open())
+				for _, ep := range p.Prefill.Set.Endpoints() {
+					require.Zero(t, p.Prefill.Set.InFlight(ep), "nothing leased on %s", ep.Address)
+				}
+				return
+			}
+			require.NoError(t, err)
+			require.True(t, lease.Open())
+			lease.End(picker.Released)
 		})
 	}
 }

@@ -33,6 +33,15 @@ const (
 	DefaultKVBlockSize = 16
 	// DefaultRenderTimeout bounds a render on a request's path.
 	DefaultRenderTimeout = 100 * time.Millisecond
+	// DefaultPickJitter is peers.pick_jitter's default: several times the
+	// time a lease takes to reach the peers (well under a millisecond on
+	// one host or a cluster's network), so that of the picks of one burst
+	// spread over it few fall closer together than that; on the
+	// cache-bound rig's bursts it brought three replicas to one's TTFT
+	// (docs/placement.md). It costs a prefill half of it on average.
+	DefaultPickJitter = 4 * time.Millisecond
+	// MaxPickJitter bounds peers.pick_jitter.
+	MaxPickJitter = 100 * time.Millisecond
 )
 
 // Pool is what placing a request needs of its pool. It is built once per
@@ -59,6 +68,9 @@ type Pool struct {
 	Render      *Render
 	Cache       *kvcache.Index
 	KVBlockSize int
+	// PickJitter is the most a request waits, at random, before its first
+	// prefill pick (peers.pick_jitter; 0: none).
+	PickJitter time.Duration
 	// check is how the engines' word (rendered tokens, KV events) fared
 	// against what the prefill engines said they computed (selfcheck.go).
 	check selfCheck
@@ -75,8 +87,9 @@ type Options struct {
 	// Prefills: the pool's connector takes a prefill leg.
 	Prefills bool
 	// Journal hears the prefill leg's leases, for the replica's peers;
-	// nil without peers.
-	Journal *picker.Journal
+	// nil without peers. PickJitter is Pool's.
+	Journal    *picker.Journal
+	PickJitter time.Duration
 }
 
 // Defaults fills in the placement fields pc leaves unset: the one place
@@ -148,6 +161,7 @@ func New(pc *configv1.Pool, prefill, decode []endpoint.Endpoint, prev *Pool, opt
 		Render:          render,
 		Cache:           opts.Cache,
 		KVBlockSize:     opts.KVBlockSize,
+		PickJitter:      opts.PickJitter,
 	}
 	if p.KVBlockSize <= 0 {
 		p.KVBlockSize = DefaultKVBlockSize

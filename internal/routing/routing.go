@@ -168,6 +168,8 @@ type Table struct {
 	changes chan struct{}
 	cache   *kvcache.Index
 	journal *picker.Journal
+	// pickJitter is peers.pick_jitter, read at start like journal.
+	pickJitter time.Duration
 }
 
 // Limits are the bounds pdx holds a request to.
@@ -285,22 +287,29 @@ func Rebuild(cfg *configv1.Config, prev *Table) (*Table, error) {
 	if k := cfg.GetKvEvents(); k != nil && cache == nil {
 		cache = kvcache.New(kvcache.Config{BlockSize: int(k.GetBlockSize()), MaxEntries: int(k.GetMaxBlocksPerEngine())})
 	}
+	opts := placement.Options{
+		StaleAfter: cfg.GetEngineMetrics().GetStaleAfter().AsDuration(), Cache: cache, KVBlockSize: int(cfg.GetKvEvents().GetBlockSize()),
+	}
 	// Peers are read at start: a reload keeps the first table's journal,
-	// which the peers' readers and the server's followers hold.
-	journal := prev.Journal()
-	if prev == nil && cfg.GetPeers() != nil {
-		journal = picker.NewJournal()
+	// which the peers' readers and the server's followers hold, and its
+	// pick jitter.
+	if prev == nil {
+		if p := cfg.GetPeers(); p != nil {
+			opts.Journal, opts.PickJitter = picker.NewJournal(), p.GetPickJitter().AsDuration()
+		}
+	} else {
+		opts.Journal, opts.PickJitter = prev.journal, prev.pickJitter
 	}
 	pools := make([]*Pool, len(cfg.GetPools()))
 	for i, pc := range cfg.GetPools() {
-		p, err := newPool(pc, prev.pool(pc.GetName()), cfg.GetEngineMetrics().GetStaleAfter().AsDuration(), cache, int(cfg.GetKvEvents().GetBlockSize()), journal)
+		p, err := newPool(pc, prev.pool(pc.GetName()), opts)
 		if err != nil {
 			return nil, fmt.Errorf("pools[%d].%w", i, err)
 		}
 		pools[i] = p
 	}
 	t := NewTable(limits, pools...)
-	t.cache, t.journal = cache, journal
+	t.cache, t.journal, t.pickJitter = cache, opts.Journal, opts.PickJitter
 	return t, nil
 }
 
@@ -325,9 +334,9 @@ func (t *Table) PrefixCache() *kvcache.Index {
 }
 
 // newPool builds the pool of pc; old, when not nil, is its predecessor in
-// the table being replaced; samples older than staleAfter do not count.
-// Errors name the field at fault.
-func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvcache.Index, blockSize int, journal *picker.Journal) (*Pool, error) {
+// the table being replaced; opts are the table's, for every pool (Prefills
+// is set here). Errors name the field at fault.
+func newPool(pc *configv1.Pool, old *Pool, opts placement.Options) (*Pool, error) {
 	conn, traits, err := connectors.New(pc)
 	if err != nil {
 		return nil, fmt.Errorf("connector: %w", err)
@@ -355,9 +364,8 @@ func newPool(pc *configv1.Pool, old *Pool, staleAfter time.Duration, cache *kvca
 			prefill, decode = old.Prefill.Set.Endpoints(), old.Decode.Set.Endpoints()
 		}
 	}
-	placed, err := placement.New(pc, prefill, decode, prev, placement.Options{
-		StaleAfter: staleAfter, Cache: cache, KVBlockSize: blockSize, Prefills: traits.Prefills, Journal: journal,
-	})
+	opts.Prefills = traits.Prefills
+	placed, err := placement.New(pc, prefill, decode, prev, opts)
 	if err != nil {
 		return nil, err
 	}

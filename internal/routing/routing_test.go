@@ -5,6 +5,7 @@ import (
 	"slices"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
 
@@ -253,6 +254,41 @@ pools:
 	require.True(t, renamed.Prefill.Set.Healthy(ep("127.0.0.1:1")), "health is carried by pool name")
 	_, ok := table.Pool("nope")
 	require.False(t, ok)
+}
+
+// Peers are read at start: their journal and pick jitter reach every
+// pool, and a rebuilt table keeps them whatever its config says.
+func TestRebuildKeepsPeers(t *testing.T) {
+	const pools = `
+pools:
+- name: p
+  models: [a]
+  connector: nixl
+  prefill: [{address: 127.0.0.1:1}]
+  decode: [{address: 127.0.0.1:9}]
+`
+	parse := func(yaml string) *configv1.Config {
+		cfg, err := config.Parse([]byte(yaml))
+		require.NoError(t, err)
+		return cfg
+	}
+	none, err := New(parse(pools))
+	require.NoError(t, err)
+	require.Nil(t, none.Journal())
+	p, _ := none.Pool("p")
+	require.Zero(t, p.PickJitter, "no peers, no wait")
+
+	first, err := New(parse(pools + "peers: {addresses: [127.0.0.1:9003], pick_jitter: 7ms}\n"))
+	require.NoError(t, err)
+	require.NotNil(t, first.Journal())
+	p, _ = first.Pool("p")
+	require.Equal(t, 7*time.Millisecond, p.PickJitter)
+
+	table, err := Rebuild(parse(pools), first)
+	require.NoError(t, err)
+	require.Same(t, first.Journal(), table.Journal())
+	p, _ = table.Pool("p")
+	require.Equal(t, 7*time.Millisecond, p.PickJitter)
 }
 
 // leg is a round-robin leg over eps.

@@ -119,7 +119,7 @@ func DefaultCacheBound(traceDir string) CacheBound {
 		TTFTSLO:             500 * time.Millisecond,
 		Points:              []CacheBoundPoint{{0.55, 3.5}, {0.7, 4.5}, {0.85, 5.5}},
 		Policies:            []string{"round-robin", "vllm-router-cache-aware", "least-work", "pdx-default", PreciseProfile, OracleProfile},
-		ReplicaPolicies:     []string{"pdx-default", DefaultPeersProfile, PreciseProfile, PrecisePeersProfile},
+		ReplicaPolicies:     []string{"pdx-default", DefaultPeersProfile, PreciseProfile, PrecisePeersProfile, DefaultPeersAtOnceProfile, PrecisePeersAtOnceProfile, PrecisePeersJitter16Profile},
 		ReplicaCounts:       []int{1, 3},
 		Repeats:             2,
 	}

@@ -74,7 +74,7 @@ func TestCacheBoundPlan(t *testing.T) {
 		names = append(names, pr.Name)
 	}
 	require.Equal(t, []string{"round-robin", "vllm-router-cache-aware", "least-work", "pdx-default", PreciseProfile, OracleProfile}, names)
-	require.Equal(t, []string{"pdx-default", DefaultPeersProfile, PreciseProfile, PrecisePeersProfile}, p.ReplicaPolicies)
+	require.Equal(t, []string{"pdx-default", DefaultPeersProfile, PreciseProfile, PrecisePeersProfile, DefaultPeersAtOnceProfile, PrecisePeersAtOnceProfile, PrecisePeersJitter16Profile}, p.ReplicaPolicies)
 	require.Equal(t, []int{1, 3}, p.ReplicaCounts)
 	require.NoError(t, p.Rig.CheckProfiles(p.Profiles))
 

@@ -34,8 +34,10 @@ type Profile struct {
 	// alone (decode-side reuse) when that gives the first token sooner:
 	// the TTFT limit, which weighs no TPOT.
 	DecodeAlone bool
-	// Peers makes pdx's replicas exchange their prefills (config peers).
-	Peers bool
+	// Peers makes pdx's replicas exchange their prefills (config peers);
+	// PeersYAML are more fields of peers (e.g. "pick_jitter: 0s").
+	Peers     bool
+	PeersYAML string
 	// Direct runs the oracle's in-process router placing round robin
 	// instead: pdx's round robin without Envoy and pdx in front, so that
 	// the two rows' difference is what the path costs, apart from
@@ -70,7 +72,11 @@ func (p Profile) Config() string {
 	}
 	peers := ""
 	if p.Peers {
-		peers = "peers: {addresses: [every replica's admin address]}\n"
+		more := ""
+		if p.PeersYAML != "" {
+			more = ", " + p.PeersYAML
+		}
+		peers = "peers: {addresses: [every replica's admin address]" + more + "}\n"
 	}
 	if p.KVEvents {
 		return "kv_events: {mode: dial} (every engine publishes; prompts rendered by the engines)\n" + peers + p.PoolYAML + p.ConfigYAML
@@ -84,6 +90,18 @@ const PreciseProfile = "precise"
 // PrecisePeersProfile names precise placement with the replicas'
 // prefills exchanged.
 const PrecisePeersProfile = "precise-peers"
+
+// PrecisePeersAtOnceProfile and DefaultPeersAtOnceProfile name
+// PrecisePeersProfile and DefaultPeersProfile with the replicas picking
+// at once (peers.pick_jitter 0s): what the pick jitter is measured
+// against.
+const (
+	PrecisePeersAtOnceProfile = "precise-peers-at-once"
+	DefaultPeersAtOnceProfile = "pdx-default-peers-at-once"
+	// PrecisePeersJitter16Profile names PrecisePeersProfile with a 16 ms
+	// pick jitter.
+	PrecisePeersJitter16Profile = "precise-peers-jitter-16"
+)
 
 // DefaultPeersProfile names pdx's defaults with the replicas' prefills,
 // and the prompt blocks they sent, exchanged.
@@ -144,6 +162,11 @@ func Profiles(s Scale) []Profile {
 		// peers): each counts them all in the engines' queues, and every
 		// prompt block sent as sent.
 		{Name: DefaultPeersProfile, Peers: true, PoolYAML: lines(PdxDefaultDecider)},
+		// Both, the replicas picking a burst's prefills at once.
+		{Name: PrecisePeersAtOnceProfile, KVEvents: true, Peers: true, PeersYAML: "pick_jitter: 0s"},
+		{Name: DefaultPeersAtOnceProfile, Peers: true, PeersYAML: "pick_jitter: 0s", PoolYAML: lines(PdxDefaultDecider)},
+		// precise-peers with four times the default pick jitter.
+		{Name: PrecisePeersJitter16Profile, KVEvents: true, Peers: true, PeersYAML: "pick_jitter: 16ms"},
 		// precise, and a prompt whose decode engine holds all but fewer
 		// than 1,000 of its tokens (the engine's own word) is prefilled
 		// there alone: decode-side reuse, by NVIDIA Dynamo's disaggregated

@@ -436,6 +436,7 @@ func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capaci
 		ConfigYAML:  p.ConfigYAML,
 		PdxReplicas: replicas,
 		Peers:       p.Peers,
+		PeersYAML:   p.PeersYAML,
 		KVEvents:    kvMode,
 		// Queued prefills of a saturated point wait long; the prefill
 		// must not time out before the client's own bound.

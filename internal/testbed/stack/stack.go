@@ -99,8 +99,10 @@ type Options struct {
 	// all and spreads requests over them round robin.
 	PdxReplicas int
 	// Peers makes the replicas exchange their prefills (config peers,
-	// every replica listing every replica's admin address).
-	Peers bool
+	// every replica listing every replica's admin address); PeersYAML
+	// are more fields of peers, e.g. "pick_jitter: 0s".
+	Peers     bool
+	PeersYAML string
 	// KVEvents makes every engine publish its KV events (the engines need
 	// Engine.Capacity) and pdx subscribe to them: "dial", each engine binds
 	// a publisher and a replay socket on free loopback ports (unless
@@ -182,18 +184,18 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 	if opts.Profile == envoy.ProfileAIGateway {
 		opts.ConfigYAML = "tls: {self_signed: true}\n" + opts.ConfigYAML
 	}
-	cfg, err := config.Parse([]byte(pdxConfig(opts, s.kvBind, withKVEvents(opts, prefill), withKVEvents(opts, decode))))
-	if err != nil {
-		return nil, fmt.Errorf("stack config: %w", err)
-	}
-	s.cfg = cfg
-	s.log = slog.New(slog.NewJSONHandler(s.pdxLog, &slog.HandlerOptions{Level: opts.LogLevel}))
 	var addrs, admins []string
 	if opts.Peers {
 		if admins, err = loopback.FreeAddrs(opts.PdxReplicas); err != nil {
 			return nil, err
 		}
 	}
+	cfg, err := config.Parse([]byte(pdxConfig(opts, s.kvBind, withKVEvents(opts, prefill), withKVEvents(opts, decode), admins)))
+	if err != nil {
+		return nil, fmt.Errorf("stack config: %w", err)
+	}
+	s.cfg = cfg
+	s.log = slog.New(slog.NewJSONHandler(s.pdxLog, &slog.HandlerOptions{Level: opts.LogLevel}))
 	for i := range opts.PdxReplicas {
 		l := s.log
 		if opts.PdxReplicas > 1 {
@@ -202,7 +204,7 @@ func Start(ctx context.Context, opts Options) (_ *Stack, err error) {
 		rcfg := cfg
 		if opts.Peers {
 			rcfg = proto.CloneOf(cfg)
-			rcfg.AdminAddress, rcfg.Peers = admins[i], &configv1.Peers{Addresses: admins}
+			rcfg.AdminAddress = admins[i]
 		}
 		p, err := server.Start(rcfg, l)
 		if err != nil {
@@ -491,14 +493,19 @@ func CheckConfig(opts Options) error {
 		}
 		return out
 	}
-	if _, err := config.Parse([]byte(pdxConfig(opts, "", placeholders(opts.Prefill, 20000), placeholders(opts.Decode, 30000)))); err != nil {
+	admins := make([]string, opts.PdxReplicas)
+	for i := range admins {
+		admins[i] = fmt.Sprintf("127.0.0.1:%d", 40000+i)
+	}
+	if _, err := config.Parse([]byte(pdxConfig(opts, "", placeholders(opts.Prefill, 20000), placeholders(opts.Decode, 30000), admins))); err != nil {
 		return fmt.Errorf("stack config: %w", err)
 	}
 	return nil
 }
 
-// pdxConfig is the YAML a user would write for this stack.
-func pdxConfig(opts Options, kvBind string, prefill, decode []endpoint) string {
+// pdxConfig is the YAML a user would write for this stack; admins are the
+// replicas' admin addresses, which peers lists.
+func pdxConfig(opts Options, kvBind string, prefill, decode []endpoint, admins []string) string {
 	var b strings.Builder
 	fmt.Fprintf(&b, "grpc_address: 127.0.0.1:0\nadmin_address: 127.0.0.1:0\n")
 	if opts.MaxBodyBytes > 0 {
@@ -528,6 +535,13 @@ func pdxConfig(opts Options, kvBind string, prefill, decode []endpoint) string {
 	}
 	for line := range strings.Lines(opts.ConfigYAML) {
 		fmt.Fprintf(&b, "%s\n", strings.TrimSpace(line))
+	}
+	if opts.Peers {
+		more := ""
+		if opts.PeersYAML != "" {
+			more = ", " + opts.PeersYAML
+		}
+		fmt.Fprintf(&b, "peers: {addresses: [%s]%s}\n", strings.Join(admins, ", "), more)
 	}
 	fmt.Fprintf(&b, "pools:\n")
 	fmt.Fprintf(&b, "- name: demo\n  models: [%s]\n  default: %v\n  connector: %s\n  prefill_timeout: %s\n",

@@ -5,8 +5,12 @@ import (
 	"net/http"
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/stretchr/testify/require"
+
+	"github.com/pdx-router/pdx/internal/config"
+	"github.com/pdx-router/pdx/internal/placement"
 )
 
 // TestPdxReplicas runs three pdx replicas behind one Envoy: every replica
@@ -57,4 +61,28 @@ func TestStartEngines(t *testing.T) {
 func TestCheckConfig(t *testing.T) {
 	require.NoError(t, CheckConfig(Options{PoolYAML: "prefill_picker: {policy: round_robin}"}))
 	require.ErrorContains(t, CheckConfig(Options{PoolYAML: "prefill_picker: {policy: nope}"}), "stack config")
+	require.ErrorContains(t, CheckConfig(Options{PdxReplicas: 3, Peers: true, PeersYAML: "pick_jitter: 1s"}), "peers.pick_jitter")
+}
+
+// The replicas' peers config is the one a user writes: every replica's
+// admin address, the profile's fields, config's defaults for the rest.
+func TestPeersConfig(t *testing.T) {
+	admins := []string{"127.0.0.1:9101", "127.0.0.1:9102"}
+	eps := []endpoint{{addr: "127.0.0.1:8000"}}
+	for _, tc := range []struct {
+		more string
+		want time.Duration
+	}{
+		{more: "", want: placement.DefaultPickJitter},
+		{more: "pick_jitter: 0s", want: 0},
+	} {
+		opts := Options{Peers: true, PeersYAML: tc.more, Connector: "nixl", PrefillTimeout: time.Second}
+		cfg, err := config.Parse([]byte(pdxConfig(opts, "", eps, eps, admins)))
+		require.NoError(t, err)
+		require.Equal(t, admins, cfg.GetPeers().GetAddresses())
+		require.Equal(t, tc.want, cfg.GetPeers().GetPickJitter().AsDuration(), tc.more)
+	}
+	cfg, err := config.Parse([]byte(pdxConfig(Options{Connector: "nixl", PrefillTimeout: time.Second}, "", eps, eps, admins)))
+	require.NoError(t, err)
+	require.Nil(t, cfg.GetPeers(), "no peers unless asked")
 }

@@ -355,7 +355,13 @@ type Peers struct {
 	// every pod), looked up again every dns_refresh_rate. A replica may be
 	// listed itself: it recognises its own answer and skips it. At least
 	// one.
-	Addresses     []string `protobuf:"bytes,1,rep,name=addresses,proto3" json:"addresses,omitempty"`
+	Addresses []string `protobuf:"bytes,1,rep,name=addresses,proto3" json:"addresses,omitempty"`
+	// The most a replica waits, at random, before it picks a request's
+	// prefill endpoint, so that replicas given the requests of one burst at
+	// once pick one after another, each seeing the others' leases, rather
+	// than all at the same moment onto the same engines. Unset: 4ms; "0s":
+	// no wait. At most 100ms.
+	PickJitter    *durationpb.Duration `protobuf:"bytes,2,opt,name=pick_jitter,json=pickJitter,proto3" json:"pick_jitter,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -393,6 +399,13 @@ func (*Peers) Descriptor() ([]byte, []int) {
 func (x *Peers) GetAddresses() []string {
 	if x != nil {
 		return x.Addresses
+	}
+	return nil
+}
+
+func (x *Peers) GetPickJitter() *durationpb.Duration {
+	if x != nil {
+		return x.PickJitter
 	}
 	return nil
 }
@@ -2239,9 +2252,11 @@ const file_pdx_config_v1_config_proto_rawDesc = "" +
 	"\tkv_events\x18\f \x01(\v2\x17.pdx.config.v1.KVEventsR\bkvEvents\x12C\n" +
 	"\x10dns_refresh_rate\x18\r \x01(\v2\x19.google.protobuf.DurationR\x0ednsRefreshRate\x12*\n" +
 	"\x05peers\x18\x0e \x01(\v2\x14.pdx.config.v1.PeersR\x05peersB\x19\n" +
-	"\x17_end_streams_at_routing\"%\n" +
+	"\x17_end_streams_at_routing\"a\n" +
 	"\x05Peers\x12\x1c\n" +
-	"\taddresses\x18\x01 \x03(\tR\taddresses\"\xde\x01\n" +
+	"\taddresses\x18\x01 \x03(\tR\taddresses\x12:\n" +
+	"\vpick_jitter\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\n" +
+	"pickJitter\"\xde\x01\n" +
 	"\bKVEvents\x12\x12\n" +
 	"\x04mode\x18\x01 \x01(\tR\x04mode\x12\x12\n" +
 	"\x04port\x18\x02 \x01(\rR\x04port\x12\x1f\n" +
@@ -2440,37 +2455,38 @@ var file_pdx_config_v1_config_proto_depIdxs = []int32{
 	4,  // 5: pdx.config.v1.Config.kv_events:type_name -> pdx.config.v1.KVEvents
 	23, // 6: pdx.config.v1.Config.dns_refresh_rate:type_name -> google.protobuf.Duration
 	3,  // 7: pdx.config.v1.Config.peers:type_name -> pdx.config.v1.Peers
-	23, // 8: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
-	23, // 9: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
-	23, // 10: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
-	21, // 11: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
-	21, // 12: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
-	23, // 13: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
-	23, // 14: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
-	0,  // 15: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
-	23, // 16: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
-	20, // 17: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
-	16, // 18: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
-	16, // 19: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
-	18, // 20: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
-	19, // 21: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
-	5,  // 22: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
-	10, // 23: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
-	14, // 24: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
-	15, // 25: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
-	12, // 26: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
-	13, // 27: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
-	11, // 28: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
-	23, // 29: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
-	17, // 30: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
-	1,  // 31: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
-	23, // 32: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
-	22, // 33: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
-	34, // [34:34] is the sub-list for method output_type
-	34, // [34:34] is the sub-list for method input_type
-	34, // [34:34] is the sub-list for extension type_name
-	34, // [34:34] is the sub-list for extension extendee
-	0,  // [0:34] is the sub-list for field type_name
+	23, // 8: pdx.config.v1.Peers.pick_jitter:type_name -> google.protobuf.Duration
+	23, // 9: pdx.config.v1.Render.timeout:type_name -> google.protobuf.Duration
+	23, // 10: pdx.config.v1.EngineMetrics.interval:type_name -> google.protobuf.Duration
+	23, // 11: pdx.config.v1.EngineMetrics.stale_after:type_name -> google.protobuf.Duration
+	21, // 12: pdx.config.v1.Pool.prefill:type_name -> pdx.config.v1.Endpoint
+	21, // 13: pdx.config.v1.Pool.decode:type_name -> pdx.config.v1.Endpoint
+	23, // 14: pdx.config.v1.Pool.prefill_timeout:type_name -> google.protobuf.Duration
+	23, // 15: pdx.config.v1.Pool.prefill_attempt_timeout:type_name -> google.protobuf.Duration
+	0,  // 16: pdx.config.v1.Pool.on_prefill_failure:type_name -> pdx.config.v1.PrefillFailure
+	23, // 17: pdx.config.v1.Pool.eject_duration:type_name -> google.protobuf.Duration
+	20, // 18: pdx.config.v1.Pool.kubernetes:type_name -> pdx.config.v1.KubernetesDiscovery
+	16, // 19: pdx.config.v1.Pool.prefill_picker:type_name -> pdx.config.v1.Picker
+	16, // 20: pdx.config.v1.Pool.decode_picker:type_name -> pdx.config.v1.Picker
+	18, // 21: pdx.config.v1.Pool.disaggregation:type_name -> pdx.config.v1.Disaggregation
+	19, // 22: pdx.config.v1.Pool.saturation:type_name -> pdx.config.v1.Saturation
+	5,  // 23: pdx.config.v1.Pool.render:type_name -> pdx.config.v1.Render
+	10, // 24: pdx.config.v1.Pool.flow_control:type_name -> pdx.config.v1.FlowControl
+	14, // 25: pdx.config.v1.Pool.session_affinity:type_name -> pdx.config.v1.SessionAffinity
+	15, // 26: pdx.config.v1.Pool.lora:type_name -> pdx.config.v1.LoRA
+	12, // 27: pdx.config.v1.FlowControl.objectives:type_name -> pdx.config.v1.Objective
+	13, // 28: pdx.config.v1.FlowControl.bands:type_name -> pdx.config.v1.Band
+	11, // 29: pdx.config.v1.FlowControl.kubernetes_objectives:type_name -> pdx.config.v1.KubernetesObjectives
+	23, // 30: pdx.config.v1.Band.max_queue_time:type_name -> google.protobuf.Duration
+	17, // 31: pdx.config.v1.Picker.weights:type_name -> pdx.config.v1.Weights
+	1,  // 32: pdx.config.v1.Saturation.action:type_name -> pdx.config.v1.SaturationAction
+	23, // 33: pdx.config.v1.Saturation.max_queue_time:type_name -> google.protobuf.Duration
+	22, // 34: pdx.config.v1.KubernetesDiscovery.match_labels:type_name -> pdx.config.v1.KubernetesDiscovery.MatchLabelsEntry
+	35, // [35:35] is the sub-list for method output_type
+	35, // [35:35] is the sub-list for method input_type
+	35, // [35:35] is the sub-list for extension type_name
+	35, // [35:35] is the sub-list for extension extendee
+	0,  // [0:35] is the sub-list for field type_name
 }
 
 func init() { file_pdx_config_v1_config_proto_init() }
