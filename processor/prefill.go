@@ -82,8 +82,11 @@ func (r *request) prefillWithRetries(ctx context.Context, pool *routing.Pool, cr
 	for n := range pool.Attempts {
 		lease, err := r.placed.Prefill(pf.ctx, tried...)
 		if err != nil {
-			if last == nil {
-				last = err // no attempt: say why (e.g. the decode's group has no prefill)
+			// No attempt: say why (e.g. the decode's group has no
+			// prefill), but for a budget that ran out before the pick
+			// (its wait, peers.pick_jitter), which the switch below says.
+			if last == nil && context.Cause(pf.ctx) != errPrefillTimeout {
+				last = err
 			}
 			break // every endpoint the decode pairs with has been tried
 		}

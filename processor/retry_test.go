@@ -121,6 +121,11 @@ func TestPrefillRetries(t *testing.T) {
 		{name: "all hang: the budget ends it", extra: "  prefill_timeout: 150ms\n  prefill_attempt_timeout: 100ms\n",
 			answers:    [3]fakeengine.Reply{answerHang, answerHang, answerHang},
 			wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill timed out after 150ms"},
+		// The budget runs out in the wait before the first pick (at
+		// random up to 100ms; should the wait be shorter, in the attempt).
+		{name: "the budget ends it before the pick", extra: "  prefill_timeout: 1ms\npeers: {addresses: [127.0.0.1:9003], pick_jitter: 100ms}\n",
+			answers:    [3]fakeengine.Reply{answerHang, answerHang, answerHang},
+			wantStatus: 504, wantCode: "prefill_timeout", wantMsg: "prefill timed out after 1ms"},
 		{name: "all fail with fallback: decode without prefill", extra: "  on_prefill_failure: fallback\n",
 			answers:   [3]fakeengine.Reply{answer(500), answerRefused, answerGarbage},
 			wantCalls: []string{"127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"}, wantPlain: true},
