@@ -63,6 +63,7 @@ func run(ctx context.Context, args []string) error {
 		rig            = fs.String("rig", "", "replay a named rig instead of the reference grid: "+replay.CacheBoundRig+
 			" (3+3 engines whose KV holds a fifth of what the conversation trace touches, 2 prefill slots, the trace's own bursts, goodput at TTFT ≤ 0.5 s; its own policies, loads and window, which --policies, --loads (among its points), --requests, --repeats, --replicas and --quick change; default --out bench/replay/"+replay.CacheBoundRig+")")
 	)
+	decodeKV := fs.Int("decode-kv-blocks", 0, "with --rig "+replay.CacheBoundRig+": each decode engine's KV in blocks (default: the prefill engines'), so that decodes wait for KV and the decode leg's placement shows")
 	fs.IntVar(&plan.Requests, "requests", 500, "trace window: the first N requests of each trace")
 	fs.IntVar(&plan.Rig.Prefill, "prefill", 4, "prefill engines")
 	fs.IntVar(&plan.Rig.Decode, "decode", 4, "decode engines")
@@ -92,7 +93,7 @@ func run(ctx context.Context, args []string) error {
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
 	if *rig != "" {
-		cb, err := rigOf(*rig, set, *policies, *loads, *replicas, *quick, plan)
+		cb, err := rigOf(*rig, set, *policies, *loads, *replicas, *quick, *decodeKV, plan)
 		if err != nil {
 			return err
 		}
@@ -105,6 +106,9 @@ func run(ctx context.Context, args []string) error {
 			*out = filepath.Join("bench", "replay", *rig)
 		}
 		return replayPlan(ctx, p, *out)
+	}
+	if set["decode-kv-blocks"] {
+		return fmt.Errorf("--decode-kv-blocks: only with --rig %s", replay.CacheBoundRig)
 	}
 	if *flow {
 		return runFlow(ctx, replay.FlowPlan{Rig: plan.Rig, Window: *flowWindow, MaxInFlight: *flowInFlight, Progress: os.Stdout}, filepath.Join(*out, "flow"))
@@ -174,7 +178,7 @@ const rigQuickRequests = 500
 // rigOf is the named rig, changed by the flags set that apply to it (a
 // flag that does not fails, naming the rig). base holds the parsed flags
 // of Plan's own.
-func rigOf(name string, set map[string]bool, policies, loads, replicas string, quick bool, base replay.Plan) (replay.CacheBound, error) {
+func rigOf(name string, set map[string]bool, policies, loads, replicas string, quick bool, decodeKV int, base replay.Plan) (replay.CacheBound, error) {
 	if name != replay.CacheBoundRig {
 		return replay.CacheBound{}, fmt.Errorf("--rig: unknown rig %q (known: %s)", name, replay.CacheBoundRig)
 	}
@@ -207,6 +211,12 @@ func rigOf(name string, set map[string]bool, policies, loads, replicas string, q
 	}
 	if set["repeats"] {
 		cb.Repeats = base.Repeats
+	}
+	if set["decode-kv-blocks"] {
+		if decodeKV <= 0 {
+			return cb, fmt.Errorf("--decode-kv-blocks: %d is not a number of blocks", decodeKV)
+		}
+		cb.DecodeKVBlocks = decodeKV
 	}
 	if set["replicas"] {
 		var err error

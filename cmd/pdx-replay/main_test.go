@@ -9,10 +9,11 @@ import (
 )
 
 // TestRigOf: --rig cachebound is the rig as defined, changed by the flags
-// that apply to it; --quick is its middle point alone on a shorter
-// window; a flag the rig sets itself, an unknown rig, a load it has no
-// point at or replicas of no policy --policies runs fails, naming what to
-// do.
+// that apply to it (--decode-kv-blocks its decode engines' KV); --quick
+// is its middle point alone on a shorter window; a flag the rig sets
+// itself, an unknown rig, a load it has no point at, replicas of no
+// policy --policies runs or decode engines without KV fails, naming what
+// to do.
 func TestRigOf(t *testing.T) {
 	def := replay.DefaultCacheBound(traceDir)
 	base := replay.Plan{Requests: 300, Repeats: 3}
@@ -24,6 +25,7 @@ func TestRigOf(t *testing.T) {
 		loads    string
 		replicas string
 		quick    bool
+		decodeKV int
 		want     func(*replay.CacheBound)
 		err      string
 	}{
@@ -44,6 +46,9 @@ func TestRigOf(t *testing.T) {
 			replicas: "1,3", want: func(c *replay.CacheBound) { c.Policies = []string{"precise", "oracle"} }},
 		{name: "replicas of none of its policies", rig: replay.CacheBoundRig, set: []string{"policies", "replicas"}, policies: "round-robin,oracle",
 			replicas: "3", err: "--replicas: the cachebound rig runs replicas of pdx-default, pdx-default-peers, precise, precise-peers, pdx-default-peers-at-once, precise-peers-at-once, precise-peers-jitter-16, and --policies has none of them"},
+		{name: "decode engines with less KV", rig: replay.CacheBoundRig, set: []string{"decode-kv-blocks"}, decodeKV: 180,
+			want: func(c *replay.CacheBound) { c.DecodeKVBlocks = 180 }},
+		{name: "decode engines without KV", rig: replay.CacheBoundRig, set: []string{"decode-kv-blocks"}, err: "--decode-kv-blocks: 0 is not a number of blocks"},
 		{name: "a load it has no point at", rig: replay.CacheBoundRig, set: []string{"loads"}, loads: "0.6", err: "no point at 0.6 (its points: 0.55, 0.7, 0.85)"},
 		{name: "a flag the rig sets", rig: replay.CacheBoundRig, set: []string{"token-scale"}, err: "--token-scale: the cachebound rig sets it itself"},
 		{name: "the traces", rig: replay.CacheBoundRig, set: []string{"traces"}, err: "--traces"},
@@ -55,7 +60,7 @@ func TestRigOf(t *testing.T) {
 			for _, f := range tt.set {
 				set[f] = true
 			}
-			got, err := rigOf(tt.rig, set, tt.policies, tt.loads, tt.replicas, tt.quick, base)
+			got, err := rigOf(tt.rig, set, tt.policies, tt.loads, tt.replicas, tt.quick, tt.decodeKV, base)
 			if tt.err != "" {
 				require.ErrorContains(t, err, tt.err)
 				return

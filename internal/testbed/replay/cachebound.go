@@ -70,6 +70,11 @@ type CacheBound struct {
 	// KVShare is each engine's KV over the distinct trace blocks the window
 	// touches.
 	KVShare float64
+	// DecodeKVBlocks, when positive, is each decode engine's KV in blocks
+	// instead of KVShare's: a rig where decodes wait for KV, to measure
+	// the decode leg's placement (by default the cache-bound rig's decode
+	// engines have room for every decode, and no decode policy shows).
+	DecodeKVBlocks int
 	// PrefillSlots, PrefillTokensPerSec (simulated tokens a second, each
 	// slot) and PrefillOverhead are a prefill's cost: overhead + uncached
 	// tokens / rate.
@@ -165,6 +170,12 @@ func (c CacheBound) Plan() (Plan, error) {
 		return Plan{}, fmt.Errorf("cache-bound rig: %w", err)
 	}
 	capacity := c.Capacity(DistinctBlocks(raw))
+	var decode *enginesim.Capacity
+	if c.DecodeKVBlocks > 0 {
+		d := capacity
+		d.KVBlocks = c.DecodeKVBlocks
+		decode = &d
+	}
 	loads := make([]float64, len(c.Points))
 	speedups := make([]float64, len(c.Points))
 	for i, pt := range c.Points {
@@ -178,7 +189,7 @@ func (c CacheBound) Plan() (Plan, error) {
 	return Plan{
 		Rig: Rig{
 			Prefill: c.Prefill, Decode: c.Decode, Scale: c.Scale(), TimeScale: c.DecodeTimeScale,
-			Capacity: &capacity, Name: CacheBoundRig,
+			Capacity: &capacity, DecodeCapacity: decode, Name: CacheBoundRig,
 		},
 		Traces:          []TraceFile{{Name: "conversation", Path: c.TracePath}},
 		Profiles:        profiles,

@@ -35,7 +35,8 @@ func headRig() CacheBound {
 // TestCacheBoundPlan: the rig's engines hold its share of the window's
 // distinct blocks, in blocks of one trace block, compute two prompts at
 // once without a step budget (a capacity the simulator takes), and its
-// plan has fixed speedups, a TTFT-only SLO and its policies.
+// plan has fixed speedups, a TTFT-only SLO and its policies; with
+// DecodeKVBlocks its decode engines hold that much KV instead.
 func TestCacheBoundPlan(t *testing.T) {
 	c := headRig()
 	raw, err := ReadTrace(c.TracePath, c.Requests)
@@ -77,6 +78,17 @@ func TestCacheBoundPlan(t *testing.T) {
 	require.Equal(t, []string{"pdx-default", DefaultPeersProfile, PreciseProfile, PrecisePeersProfile, DefaultPeersAtOnceProfile, PrecisePeersAtOnceProfile, PrecisePeersJitter16Profile}, p.ReplicaPolicies)
 	require.Equal(t, []int{1, 3}, p.ReplicaCounts)
 	require.NoError(t, p.Rig.CheckProfiles(p.Profiles))
+	require.Nil(t, p.Rig.DecodeCapacity, "decode engines as the prefill ones")
+
+	c.DecodeKVBlocks = 180
+	p, err = c.Plan()
+	require.NoError(t, err)
+	decode := *capa
+	decode.KVBlocks = 180
+	require.Equal(t, &decode, p.Rig.DecodeCapacity, "the decode engines' KV alone differs")
+	require.Equal(t, capa, p.Rig.Capacity)
+	opts, _ := p.Rig.options(p.Profiles[0], 1)
+	require.Equal(t, &decode, opts.DecodeCapacity)
 
 	c.Policies = []string{"no-such-policy"}
 	_, err = c.Plan()

@@ -155,6 +155,9 @@ type Report struct {
 	// ExtraPoolYAML was added to every pdx policy's pool
 	// (Plan.ExtraPoolYAML).
 	ExtraPoolYAML string `json:"extra_pool_yaml,omitempty"`
+	// DecodeKVBlocks is the decode engines' KV in blocks where it is not
+	// Capacity's (Rig.DecodeCapacity); 0 otherwise.
+	DecodeKVBlocks int `json:"decode_kv_blocks,omitempty"`
 	// VLLMRouter is the version of the vllm-router that served the peer
 	// profiles' runs; empty when none ran.
 	VLLMRouter string        `json:"vllm_router,omitempty"`
@@ -228,6 +231,9 @@ func Run(ctx context.Context, p Plan) (*Report, error) {
 		Prefill: p.Rig.Prefill, Decode: p.Rig.Decode, Capacity: capacity, Loads: p.Loads,
 		Policies: map[string]string{}, TTFTFactor: p.TTFTFactor, TPOTFactor: p.TPOTFactor,
 		Repeats: max(p.Repeats, 1), ExtraPoolYAML: p.ExtraPoolYAML,
+	}
+	if d := p.Rig.DecodeCapacity; d != nil {
+		rep.DecodeKVBlocks = d.KVBlocks
 	}
 	for _, pr := range profiles {
 		rep.Policies[pr.Name] = pr.Config()

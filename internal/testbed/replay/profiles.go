@@ -178,6 +178,10 @@ func Profiles(s Scale) []Profile {
 		// against, without and with the engines' events.
 		{Name: "least-work", PoolYAML: lines("prefill_picker: {policy: least_work}", PdxDefaultDecider)},
 		{Name: "least-work-precise", KVEvents: true, PoolYAML: lines("prefill_picker: {policy: least_work}")},
+		// pdx's defaults but the decode leg's policy: what load_aware's
+		// decode placement is measured against (--decode-kv-blocks).
+		{Name: "pdx-decode-round-robin", PoolYAML: lines("decode_picker: {policy: round_robin}", PdxDefaultDecider)},
+		{Name: "pdx-decode-least-request", PoolYAML: lines("decode_picker: {policy: least_request}", PdxDefaultDecider)},
 		// vLLM's own router: cache_aware is its default, the one users
 		// compare against; round_robin is its plain baseline.
 		{Name: "vllm-router-cache-aware", Peer: "cache_aware"},

@@ -277,6 +277,10 @@ func (rep *Report) cacheBoundSummary() string {
 		"at time scale %g. Capacity: `%s`\n\n",
 		c.KVBlocks, c.BlockTokens, c.BlockTokens*rep.TokenScale, max(c.PrefillSlots, 1), ms(c.PrefillOverhead), c.PrefillTokensPerSec,
 		c.PrefillTokensPerSec*float64(rep.TokenScale), rep.TimeScale, compactJSON(rep.Capacity))
+	if rep.DecodeKVBlocks > 0 {
+		fmt.Fprintf(&b, "**Decode engines' KV: %d blocks** each instead (`--decode-kv-blocks`): a decode waits, FIFO, until the KV of its "+
+			"prompt and whole output fits.\n\n", rep.DecodeKVBlocks)
+	}
 	if rep.VLLMRouter != "" {
 		fmt.Fprintf(&b, "**Peer: vllm-router %s** in NIXL P/D mode in front of the same engines instead of Envoy + pdx. ", rep.VLLMRouter)
 	}

@@ -28,7 +28,10 @@ type Rig struct {
 	// Capacity, when set, is every engine's capacity instead of
 	// enginesim.ReferenceCapacity(Scale.TokenScale, TimeScale).
 	Capacity *enginesim.Capacity
-	EnvoyBin string
+	// DecodeCapacity, when set, is the decode engines' capacity instead of
+	// Capacity's.
+	DecodeCapacity *enginesim.Capacity
+	EnvoyBin       string
 }
 
 // run is one replay: a policy, a schedule, a replica count.
@@ -427,17 +430,18 @@ func (rig Rig) options(p Profile, replicas int) (stack.Options, enginesim.Capaci
 		engine.ServedModelName = stack.Model
 	}
 	return stack.Options{
-		Prefill:     rig.Prefill,
-		Decode:      rig.Decode,
-		Engine:      engine,
-		EnvoyBin:    rig.EnvoyBin,
-		LogLevel:    slog.LevelWarn,
-		PoolYAML:    p.PoolYAML,
-		ConfigYAML:  p.ConfigYAML,
-		PdxReplicas: replicas,
-		Peers:       p.Peers,
-		PeersYAML:   p.PeersYAML,
-		KVEvents:    kvMode,
+		Prefill:        rig.Prefill,
+		Decode:         rig.Decode,
+		Engine:         engine,
+		DecodeCapacity: rig.DecodeCapacity,
+		EnvoyBin:       rig.EnvoyBin,
+		LogLevel:       slog.LevelWarn,
+		PoolYAML:       p.PoolYAML,
+		ConfigYAML:     p.ConfigYAML,
+		PdxReplicas:    replicas,
+		Peers:          p.Peers,
+		PeersYAML:      p.PeersYAML,
+		KVEvents:       kvMode,
 		// Queued prefills of a saturated point wait long; the prefill
 		// must not time out before the client's own bound.
 		PrefillTimeout: perRequestTimeout,

@@ -46,6 +46,9 @@ type Options struct {
 	// pdx's config then gives as each endpoint's dp_size); Role and
 	// EngineID are ignored.
 	Engine enginesim.Config
+	// DecodeCapacity, when set, is the decode engines' capacity instead
+	// of Engine.Capacity: a rig whose decode engines differ (less KV).
+	DecodeCapacity *enginesim.Capacity
 	// PrefillTimeout is the pool's prefill_timeout (default 30s).
 	PrefillTimeout time.Duration
 	// ListenPort is Envoy's client port; 0 picks a free one.
@@ -314,9 +317,13 @@ func StartEngines(ctx context.Context, opts Options) (_ *Stack, err error) {
 		}
 		s.Prefill = append(s.Prefill, sim)
 	}
+	decode := engine
+	if opts.DecodeCapacity != nil {
+		decode.Capacity = opts.DecodeCapacity
+	}
 	for i := range opts.Decode {
 		addr := addrs[opts.Prefill+i]
-		sim, err := startSim(ctx, s.publishing(engine, addr), addr, enginesim.RoleDecode, i, opts.Tune)
+		sim, err := startSim(ctx, s.publishing(decode, addr), addr, enginesim.RoleDecode, i, opts.Tune)
 		if err != nil {
 			return nil, err
 		}

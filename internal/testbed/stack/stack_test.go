@@ -3,6 +3,7 @@ package stack
 import (
 	"fmt"
 	"net/http"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -11,6 +12,7 @@ import (
 
 	"github.com/pdx-router/pdx/internal/config"
 	"github.com/pdx-router/pdx/internal/placement"
+	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 )
 
 // TestPdxReplicas runs three pdx replicas behind one Envoy: every replica
@@ -54,6 +56,28 @@ func TestStartEngines(t *testing.T) {
 	require.Len(t, st.Decode, 3)
 	for _, e := range st.Engines() {
 		require.NoError(t, get(t.Context(), http.DefaultClient, "http://"+e.Addr()+"/health", nil))
+	}
+}
+
+// TestDecodeCapacity: with DecodeCapacity the decode engines have it and
+// the prefill engines Engine's, as each engine says (vLLM's
+// cache_config_info).
+func TestDecodeCapacity(t *testing.T) {
+	c := enginesim.ReferenceCapacity(16, 0.25)
+	c.KVBlocks = 100
+	d := c
+	d.KVBlocks = 7
+	st, err := StartEngines(t.Context(), Options{Prefill: 1, Decode: 2, Engine: enginesim.Config{Capacity: &c}, DecodeCapacity: &d})
+	require.NoError(t, err)
+	t.Cleanup(func() { _ = st.Close() })
+	for _, e := range st.Engines() {
+		want := `num_gpu_blocks="100"`
+		if slices.Contains(st.Decode, e) {
+			want = `num_gpu_blocks="7"`
+		}
+		require.NoError(t, get(t.Context(), http.DefaultClient, "http://"+e.Addr()+"/metrics", func(body string) {
+			require.Contains(t, body, want, e.Addr())
+		}))
 	}
 }
 
