@@ -91,18 +91,29 @@ func cloneBatch(b *Batch) *Batch {
 	return &c
 }
 
-// holdApplies makes Apply wait until release is called.
-func (r *recorder) holdApplies() (release func()) {
+// holdApplies makes Apply wait until release is called, or the test
+// ends: a test that fails while Applies wait must not leave the
+// Subscriber's Close waiting for them.
+func (r *recorder) holdApplies(t *testing.T) (release func()) {
 	hold := make(chan struct{})
 	r.mu.Lock()
 	r.hold = hold
 	r.mu.Unlock()
-	return func() {
+	release = sync.OnceFunc(func() {
 		r.mu.Lock()
 		r.hold = nil
 		r.mu.Unlock()
 		close(hold)
-	}
+	})
+	t.Cleanup(release)
+	return release
+}
+
+// applying reports whether an Apply for engine is under way.
+func (r *recorder) applying(engine string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.inFlight[engine]
 }
 
 func (r *recorder) Reset(engine string, rank int, reason string) {

@@ -347,9 +347,14 @@ func TestSubscriberOverflow(t *testing.T) {
 	p := newTestPub(t, "tcp://127.0.0.1:0", false, false, "")
 	require.NoError(t, sub.SetEngines([]Engine{{Addr: "eng:8000", Endpoint: p.ep}}))
 	p.sync(rec, "eng:8000")
-	release := rec.holdApplies()
+	release := rec.holdApplies(t)
 	first := p.next
-	for range 100 {
+	// The first in the Sink before the rest are sent, so that which ones
+	// are queued does not depend on when the Sink takes it.
+	p.send(p.next)
+	p.next++
+	require.Eventually(t, func() bool { return rec.applying("eng:8000") }, 10*time.Second, time.Millisecond)
+	for range 99 {
 		p.send(p.next)
 		p.next++
 	}
