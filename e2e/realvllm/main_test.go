@@ -143,7 +143,11 @@ func (f *fleet) storageEngines(t *testing.T) *storageSet {
 	f.stopNixl()
 	dir, err := os.MkdirTemp("", "pdx-vllm-kv-")
 	require.NoError(t, err)
-	bind := "tcp://" + loopback.FreeAddr(t)
+	// The engines dial it for the minute they take to start, before pdx
+	// listens there.
+	addrs, err := loopback.ListenLaterAddrs(1)
+	require.NoError(t, err)
+	bind := "tcp://" + addrs[0]
 	cfg := func(name string) realvllm.Config {
 		return realvllm.Config{Name: name, Model: stack.Model, Connector: realvllm.ConnectorExample, SharedStorage: dir,
 			KVEvents: &realvllm.KVEvents{Connect: bind, Topic: "kv@"}, ScaleOut: true, StartTimeout: startTimeout}

@@ -12,8 +12,12 @@ package loopback
 
 import (
 	"fmt"
+	"math/rand/v2"
 	"net"
 	"net/netip"
+	"os"
+	"strconv"
+	"strings"
 )
 
 // TB is the part of testing.TB that FreeAddr and FreePort use.
@@ -52,4 +56,48 @@ func FreeAddrs(n int) ([]string, error) {
 		out = append(out, ln.Addr().String())
 	}
 	return out, nil
+}
+
+// ListenLaterAddrs returns n distinct loopback "ip:port"s free at the time
+// of the call, whose ports lie below the kernel's range of ephemeral
+// ports (net.ipv4.ip_local_port_range): for a listener that others dial
+// before it listens (ZMQ dialers retry until it does). A port in that
+// range can be given to such a dialer as its own source port, and a
+// connection from a port to itself succeeds (TCP's simultaneous open):
+// the dialer then holds the port the listener was to take.
+func ListenLaterAddrs(n int) ([]string, error) {
+	low := ephemeralLow()
+	const first = 10000 // above the well-known and most registered services
+	out := make([]string, 0, n)
+	for tries := 0; len(out) < n; tries++ {
+		if tries == 1000 {
+			return nil, fmt.Errorf("finding %d free ports below %d: found %d", n, low, len(out))
+		}
+		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(first+rand.N(low-first))))
+		if err != nil {
+			continue // taken
+		}
+		defer ln.Close() // all held until all are found, so they differ
+		out = append(out, ln.Addr().String())
+	}
+	return out, nil
+}
+
+// ephemeralLow is the first port of the kernel's ephemeral range; Linux's
+// default where it cannot be read.
+func ephemeralLow() int {
+	const linuxDefault = 32768
+	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
+	if err != nil {
+		return linuxDefault
+	}
+	f := strings.Fields(string(b))
+	if len(f) == 0 {
+		return linuxDefault
+	}
+	low, err := strconv.Atoi(f[0])
+	if err != nil || low <= 10000+100 {
+		return linuxDefault
+	}
+	return low
 }

@@ -3,6 +3,10 @@ package loopback_test
 import (
 	"errors"
 	"net"
+	"net/netip"
+	"os"
+	"strconv"
+	"strings"
 	"syscall"
 	"testing"
 
@@ -50,4 +54,26 @@ func TestFreeAddrs(t *testing.T) {
 	none, err := loopback.FreeAddrs(0)
 	require.NoError(t, err)
 	require.Empty(t, none)
+}
+
+// TestListenLaterAddrs: distinct free addresses whose ports no dialer is
+// given as its own (below the kernel's ephemeral range).
+func TestListenLaterAddrs(t *testing.T) {
+	low := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		low, err = strconv.Atoi(strings.Fields(string(b))[0])
+		require.NoError(t, err)
+	}
+	addrs, err := loopback.ListenLaterAddrs(5)
+	require.NoError(t, err)
+	require.Len(t, addrs, 5)
+	seen := map[string]bool{}
+	for _, a := range addrs {
+		require.False(t, seen[a], "the addresses differ: %v", addrs)
+		seen[a] = true
+		requireFree(t, a)
+		port := netip.MustParseAddrPort(a).Port()
+		require.Less(t, int(port), low, a)
+		require.GreaterOrEqual(t, int(port), 10000, a)
+	}
 }

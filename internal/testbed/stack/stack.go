@@ -305,7 +305,7 @@ func StartEngines(ctx context.Context, opts Options) (_ *Stack, err error) {
 		addrs[i] = "127.0.0.1:0"
 	}
 	if opts.KVEvents == "bind" {
-		if addrs, err = loopback.FreeAddrs(len(addrs)); err != nil {
+		if addrs, err = loopback.ListenLaterAddrs(len(addrs)); err != nil {
 			return nil, err
 		}
 		s.kvBind = "tcp://" + addrs[len(addrs)-1]
