@@ -67,13 +67,12 @@ func FreeAddrs(n int) ([]string, error) {
 // the dialer then holds the port the listener was to take.
 func ListenLaterAddrs(n int) ([]string, error) {
 	low := ephemeralLow()
-	const first = 10000 // above the well-known and most registered services
 	out := make([]string, 0, n)
 	for tries := 0; len(out) < n; tries++ {
 		if tries == 1000 {
 			return nil, fmt.Errorf("finding %d free ports below %d: found %d", n, low, len(out))
 		}
-		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(first+rand.N(low-first))))
+		ln, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(firstListenLater+rand.N(low-firstListenLater))))
 		if err != nil {
 			continue // taken
 		}
@@ -83,8 +82,13 @@ func ListenLaterAddrs(n int) ([]string, error) {
 	return out, nil
 }
 
+// firstListenLater is ListenLaterAddrs' lowest port: above the well-known
+// and most registered services.
+const firstListenLater = 10000
+
 // ephemeralLow is the first port of the kernel's ephemeral range; Linux's
-// default where it cannot be read.
+// default where it cannot be read or leaves too few ports above
+// firstListenLater.
 func ephemeralLow() int {
 	const linuxDefault = 32768
 	b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range")
@@ -96,7 +100,7 @@ func ephemeralLow() int {
 		return linuxDefault
 	}
 	low, err := strconv.Atoi(f[0])
-	if err != nil || low <= 10000+100 {
+	if err != nil || low <= firstListenLater+100 {
 		return linuxDefault
 	}
 	return low

@@ -28,6 +28,19 @@ func requireFree(t *testing.T, addr string) {
 	require.NoError(t, ln.Close())
 }
 
+// requireDistinctFree checks that addrs are n distinct free loopback
+// addresses.
+func requireDistinctFree(t *testing.T, addrs []string, n int) {
+	t.Helper()
+	require.Len(t, addrs, n)
+	seen := map[string]bool{}
+	for _, a := range addrs {
+		require.False(t, seen[a], "the addresses differ: %v", addrs)
+		seen[a] = true
+		requireFree(t, a)
+	}
+}
+
 func TestFreeAddr(t *testing.T) {
 	addr := loopback.FreeAddr(t)
 	requireFree(t, addr)
@@ -44,13 +57,7 @@ func TestFreePort(t *testing.T) {
 func TestFreeAddrs(t *testing.T) {
 	addrs, err := loopback.FreeAddrs(5)
 	require.NoError(t, err)
-	require.Len(t, addrs, 5)
-	seen := map[string]bool{}
-	for _, a := range addrs {
-		require.False(t, seen[a], "the addresses differ: %v", addrs)
-		seen[a] = true
-		requireFree(t, a)
-	}
+	requireDistinctFree(t, addrs, 5)
 	none, err := loopback.FreeAddrs(0)
 	require.NoError(t, err)
 	require.Empty(t, none)
@@ -66,12 +73,8 @@ func TestListenLaterAddrs(t *testing.T) {
 	}
 	addrs, err := loopback.ListenLaterAddrs(5)
 	require.NoError(t, err)
-	require.Len(t, addrs, 5)
-	seen := map[string]bool{}
+	requireDistinctFree(t, addrs, 5)
 	for _, a := range addrs {
-		require.False(t, seen[a], "the addresses differ: %v", addrs)
-		seen[a] = true
-		requireFree(t, a)
 		port := netip.MustParseAddrPort(a).Port()
 		require.Less(t, int(port), low, a)
 		require.GreaterOrEqual(t, int(port), 10000, a)
