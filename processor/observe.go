@@ -41,6 +41,9 @@ type recorder interface {
 	// decided notes the disaggregation decider's decision (placement.go);
 	// "" for a pool without a prefill leg.
 	decided(p *routing.Pool, reason string)
+	// repicked notes a decode picked again after its prefill (Settle);
+	// moved: to another endpoint.
+	repicked(p *routing.Pool, moved bool)
 	// waited notes a request that waited for room on leg, or was refused
 	// it (err), in the band of priority.
 	waited(p *routing.Pool, leg string, priority int, d time.Duration, err error)
@@ -110,6 +113,7 @@ func (noRecord) attemptStarted(ctx context.Context, _ *routing.Pool, _ endpoint.
 }
 func (noRecord) attemptEnded(*routing.Pool, endpoint.Endpoint, string, error) {}
 func (noRecord) decided(*routing.Pool, string)                                {}
+func (noRecord) repicked(*routing.Pool, bool)                                 {}
 func (noRecord) picked(*routing.Pool, string, picker.LoRAOutcome)             {}
 func (noRecord) tokenized(*routing.Pool, string)                              {}
 func (noRecord) renderFailed(*routing.Pool, string)                           {}
@@ -252,6 +256,10 @@ func (o *observation) decided(p *routing.Pool, reason string) {
 	if o.span != nil && reason != "" {
 		o.span.SetAttributes(attribute.String("pdx.disaggregation", reason))
 	}
+}
+
+func (o *observation) repicked(p *routing.Pool, moved bool) {
+	o.metrics.Pool(p).DecodeRepick(moved)
 }
 
 func (o *observation) routed(decode endpoint.Endpoint) {

@@ -304,7 +304,20 @@ func (r *request) handoff(ctx context.Context, pool *routing.Pool, creq *connect
 		r.log.LogAttrs(ctx, slog.LevelWarn, "prefill failed, decoding without it",
 			slog.String("pool", pool.Name), slog.String("error", err.Error()))
 		r.fallback = true
-		return r.decodeAlone(creq), nil
+		h, err = r.decodeAlone(creq), nil
+		reason = ""
+	}
+	if err == nil && h.Answer == nil {
+		// A prefill that has answered leaves the decode free to move; a
+		// decode-alone one stays where the decider counted its cache.
+		again := reason == placement.ReasonDisaggregated && h.Prefill == nil
+		moved := r.placed.Settle(creq, again)
+		if moved {
+			h.Decode.Rank = creq.DecodeRank
+		}
+		if again && pool.LateDecode {
+			r.obs.repicked(pool, moved)
+		}
 	}
 	return h, err
 }

@@ -90,7 +90,7 @@ func TestParseAppliesDefaults(t *testing.T) {
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
 			PrefillPicker:         &configv1.Picker{Policy: "forecast"},
-			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Prefix: 1, Queue: 1, KvUsage: 2, InFlight: 1}},
+			DecodePicker:          &configv1.Picker{Policy: "forecast"},
 			Saturation:            defaultSaturation(),
 			PrefixBlockTokens:     64,
 		}},
@@ -170,7 +170,7 @@ func TestParseAllFields(t *testing.T) {
 			EjectAfterFailures:    3,
 			EjectDuration:         durationpb.New(10 * time.Second),
 			PrefillPicker:         &configv1.Picker{Policy: "forecast"},
-			DecodePicker:          &configv1.Picker{Policy: "load_aware", Weights: &configv1.Weights{Prefix: 1, Queue: 1, KvUsage: 2, InFlight: 1}},
+			DecodePicker:          &configv1.Picker{Policy: "forecast"},
 			Saturation:            defaultSaturation(),
 			PrefixBlockTokens:     64,
 		}, {
@@ -548,11 +548,11 @@ func TestPickers(t *testing.T) {
 		wantErr    string
 		want       [2]string // prefill, decode policy; "" for no picker
 	}{
-		{name: "defaults", pool: disagg, want: [2]string{"forecast", "load_aware"}},
+		{name: "defaults", pool: disagg, want: [2]string{"forecast", "forecast"}},
 		{name: "explicit", pool: disagg + "\n  prefill_picker: {policy: round_robin}\n  decode_picker: {policy: round_robin}", want: [2]string{"round_robin", "round_robin"}},
-		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"forecast", "load_aware"}},
+		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"forecast", "forecast"}},
 		{name: "every policy", pool: disagg + "\n  prefill_picker: {policy: least_request}\n  decode_picker: {policy: prefix_affinity, load_factor: 2}", want: [2]string{"least_request", "prefix_affinity"}},
-		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "load_aware"}},
+		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "forecast"}},
 		{name: "unknown prefill policy", pool: disagg + "\n  prefill_picker: {policy: least_loaded}",
 			wantErr: `pools[0].prefill_picker.policy: unknown picking policy "least_loaded" (known: ` + knownPolicies + `)`},
 		{name: "unknown decode policy", pool: disagg + "\n  decode_picker: {policy: random}",

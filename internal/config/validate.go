@@ -223,9 +223,6 @@ func (v *validator) pickers(path string, p *configv1.Pool, traits connectors.Tra
 			v.fail(lp+".policy", "%v", err)
 			continue
 		}
-		if spec.PrefillOnly && leg.field == "decode_picker" {
-			v.fail(lp+".policy", "%q picks prefill endpoints only", spec.Name)
-		}
 		m := leg.p.ProtoReflect()
 		fields := m.Descriptor().Fields()
 		for i := range fields.Len() {

@@ -57,6 +57,7 @@ type Metrics struct {
 	ttft       *prometheus.HistogramVec // pool, connector
 	tokens     *prometheus.CounterVec   // pool, connector, kind
 	decisions  *prometheus.CounterVec   // pool, decision
+	repicks    *prometheus.CounterVec   // pool, moved
 	tokenSrc   *prometheus.CounterVec   // pool, source
 	renderErrs *prometheus.CounterVec   // pool, reason
 	scrapes    *prometheus.CounterVec   // endpoint
@@ -127,6 +128,10 @@ func New() *Metrics {
 			Name: "pdx_disaggregation_decisions_total",
 			Help: "Requests of pools with a prefill leg by the disaggregation decider's decision: disaggregated, or decode-only because short_uncached or prefill_saturated.",
 		}, []string{"pool", "decision"}),
+		repicks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "pdx_decode_repicks_total",
+			Help: "Decodes picked again once their prefill had answered (pools whose connector's decode body names no decode engine: nixl, http, mooncake with a non-vLLM protocol), by whether the decode moved to another endpoint than the first pick's (moved=true) or stayed (moved=false).",
+		}, []string{"pool", "moved"}),
 		tokenSrc: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "pdx_prompt_tokens_total",
 			Help: "Requests of pools that render their prompts (render, on with kv_events) by where placement got the prompt's tokens: render (the engines' render API: exact, matched against the engines' KV events) or estimate (the render failed or was late: 4 bytes a token, placed by what pdx sent where).",
@@ -169,7 +174,7 @@ func New() *Metrics {
 			Help: "ext_proc streams (requests) pdx is serving now.",
 		}),
 	}
-	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.tokenSrc, m.renderErrs, m.scrapes, m.served, m.flowWait, m.sessions, m.loraPicks, m.checks, m.cached, m.inFlight,
+	m.reg.MustRegister(m.requests, m.routeDur, m.prefillDur, m.attempts, m.ttfb, m.decodeDur, m.handoff, m.ttft, m.tokens, m.decisions, m.repicks, m.tokenSrc, m.renderErrs, m.scrapes, m.served, m.flowWait, m.sessions, m.loraPicks, m.checks, m.cached, m.inFlight,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	m.none = &Pool{m: m}
 	m.none.passThrough = m.requests.WithLabelValues("", "", OutcomePassThrough)
@@ -363,6 +368,14 @@ func (p *Pool) addEndpoint(endpoint string) prometheus.Counter {
 func (p *Pool) Decision(decision string) {
 	if p != nil && p.name != "" {
 		p.m.decisions.WithLabelValues(p.name, decision).Inc()
+	}
+}
+
+// DecodeRepick counts a decode picked again after its prefill; moved: to
+// another endpoint.
+func (p *Pool) DecodeRepick(moved bool) {
+	if p != nil && p.name != "" {
+		p.m.repicks.WithLabelValues(p.name, strconv.FormatBool(moved)).Inc()
 	}
 }
 

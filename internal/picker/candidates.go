@@ -1,6 +1,10 @@
 package picker
 
-import "sync/atomic"
+import (
+	"sync/atomic"
+
+	"github.com/pdx-router/pdx/internal/endpoint"
+)
 
 // Candidates are the endpoints one pick may return: the members of the
 // request's group (every endpoint when it has none), in the Set's order,
@@ -48,8 +52,9 @@ type Candidates struct {
 	// sent and held, once read, are depths' (its sent and held).
 	sent, held         []int32
 	sentRead, heldRead bool
-	// start is Start's answer, -1 until asked.
-	start int
+	// start is Start's answer, -1 until asked; stay is the candidate of
+	// the request's earlier pick (Request.Stay), -1 for none.
+	start, stay int
 	// tiers are the candidates' adapter tiers (preferAdapter), by index.
 	tiers []uint8
 	// forecasts are Forecast's, by index.
@@ -101,7 +106,15 @@ func (s *Set) candidates(req *Request, role Role, ownQueue bool) *Candidates {
 	if v.cache != nil && req.TokenBlocks != nil {
 		c.tokenBlocks, c.tokenBlockSize, c.promptBytes = req.TokenBlocks, req.TokenBlockSize, req.PromptBytes
 	}
-	c.after, c.sentRead, c.heldRead, c.start = 0, false, false, -1
+	c.after, c.sentRead, c.heldRead, c.start, c.stay = 0, false, false, -1, -1
+	if req.Stay != (endpoint.Endpoint{}) {
+		for k := range n {
+			if v.endpoints[position(members, k)] == req.Stay {
+				c.start, c.stay = k, k
+				break
+			}
+		}
+	}
 	if c.gen++; c.gen == 0 {
 		// Wrapped around: an old signal could pass for a current one.
 		clear(c.signals)
@@ -161,8 +174,18 @@ func (c *Candidates) signal(k int) *signal {
 // read reads candidate k's state into g: signal's first time, out of line
 // so that signal inlines.
 func (c *Candidates) read(k int, g *signal) {
-	c.now.look(c.v.states[position(c.members, k)], g, c.ownQueue)
+	own, ownTokens := c.own(k)
+	c.now.look(c.v.states[position(c.members, k)], g, c.ownQueue, own, ownTokens)
 	g.gen = c.gen
+}
+
+// own is the request's own count on candidate k: its earlier pick's
+// lease, when k is that pick's endpoint (Request.Stay).
+func (c *Candidates) own(k int) (int, int) {
+	if k == c.stay {
+		return 1, c.tokens
+	}
+	return 0, 0
 }
 
 // all returns every candidate's state, by index, reading those not read
@@ -173,7 +196,8 @@ func (c *Candidates) all() []signal {
 	for k := range gs {
 		// look directly, not through read: one call a candidate, not two.
 		if g := &gs[k]; g.gen != gen {
-			c.now.look(states[position(c.members, k)], g, c.ownQueue)
+			own, ownTokens := c.own(k)
+			c.now.look(states[position(c.members, k)], g, c.ownQueue, own, ownTokens)
 			g.gen = gen
 		}
 	}

@@ -11,14 +11,16 @@ const ForecastPolicy = "forecast"
 
 func forecastSpec() Spec {
 	return Spec{
-		Name:        ForecastPolicy,
-		PrefillOnly: true,
-		New:         func(*configv1.Picker, Role) Policy { return Forecast{} },
+		Name: ForecastPolicy,
+		New:  func(*configv1.Picker, Role) Policy { return Forecast{} },
 	}
 }
 
 // Forecast picks the prefill endpoint where the request's prefill is
-// forecast to answer first: each engine's learned service model
+// forecast to answer first (below), and the decode endpoint where its
+// sequence is forecast to start soonest and cost least (forecastDecode).
+//
+// On a prefill leg it weighs each engine's learned service model
 // (service.forecast) of the uncached tokens queued there, the part of
 // them the prompt would wait for before the engine takes it, and this
 // prompt's tokens it does not hold. It is least_work in seconds, with each
@@ -60,8 +62,11 @@ var _ Policy = Forecast{}
 func (Forecast) weighsQueue() {}
 
 // Choose implements [Policy]: the usable candidate with the least
-// forecast time to answer.
+// forecast time to answer; on a decode leg, forecastDecode's.
 func (Forecast) Choose(c *Candidates) int {
+	if !c.prefill {
+		return forecastDecode(c)
+	}
 	gs := c.all()
 	mean, usable := meanInFlight(gs, c.tokens)
 	if !usable {
@@ -174,7 +179,7 @@ func queuedAhead(c *Candidates, g *signal, h *health, mean int) int {
 func (s *Set) ahead(h *health, tokens int) (queue, int64) {
 	t := s.clock()
 	var g signal
-	t.look(h, &g, false)
+	t.look(h, &g, false, 0, 0)
 	mean := tokens
 	if g.inFlight > 0 {
 		mean = g.inFlightTokens / g.inFlight

@@ -59,6 +59,9 @@ type Lease struct {
 	// (-1: none, or not listed), for Move; lora how the pick went for it.
 	adapter int
 	lora    LoRAOutcome
+	// tentative: the prompt and adapter are not recorded as sent yet
+	// (Request.Tentative, Confirm).
+	tentative bool
 }
 
 // lease counts a request of role on the endpoint at position i of v (see
@@ -66,10 +69,12 @@ type Lease struct {
 // as the pick read it, or -1.
 func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	h, pos := v.states[i], v.first[i]
-	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, held: -1, blocks: req.Blocks, adapter: -1}
+	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, held: -1, blocks: req.Blocks, adapter: -1, tentative: req.Tentative}
 	if req.Adapter != "" {
 		l.adapter = s.adapters.index(req.Adapter)
-		s.sentAdapter(h, l.adapter)
+		if !req.Tentative {
+			s.sentAdapter(h, l.adapter)
+		}
 	}
 	// What the endpoint has cached is read before this prompt counts as
 	// sent there.
@@ -99,7 +104,7 @@ func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 			s.journal.started(s.pool, l.ep.Address, l.queued, l.tokens, req.Blocks)
 		}
 	}
-	if len(req.Blocks) > 0 {
+	if len(req.Blocks) > 0 && !req.Tentative {
 		v.index.add(pos, req.Blocks)
 	}
 	if h.ranks != nil && !req.NoRank {
@@ -207,6 +212,23 @@ func (l *Lease) DropRank() {
 	l.rank = endpoint.Rank{}
 }
 
+// Confirm records the prompt and adapter of a tentative lease (see
+// Request.Tentative) as sent to its endpoint: the pick stands. It does
+// nothing for a lease that is not tentative or has ended.
+func (l *Lease) Confirm() {
+	s := l.set
+	if !l.tentative || s == nil || l.h == nil {
+		return
+	}
+	l.tentative = false
+	s.sentAdapter(l.h, l.adapter)
+	if v := s.view.Load(); len(l.blocks) > 0 {
+		if i := v.position(l.ep); i >= 0 {
+			v.index.add(i, l.blocks)
+		}
+	}
+}
+
 // Move moves an open lease to ep, the endpoint that served the request in
 // the end (a decode fallback): ep counts it from now on, with the lease's
 // tokens and prompt, on none of its ranks. An endpoint the Set does not
@@ -221,7 +243,7 @@ func (l *Lease) Move(ep endpoint.Endpoint) {
 		l.uncount(s, false)
 	}
 	v := s.view.Load()
-	l.ep, l.h, l.rank = ep, nil, endpoint.Rank{}
+	l.ep, l.h, l.rank, l.tentative = ep, nil, endpoint.Rank{}, false
 	if i := v.position(ep); i >= 0 {
 		l.h = v.states[i]
 		s.count(l.h, l.tokens, l.prefill)

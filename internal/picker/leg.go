@@ -62,6 +62,32 @@ func (l *Leg) Pick(req Request) (Lease, bool) {
 	return lease, true
 }
 
+// PickAgain picks the endpoint of a request that holds lease, its earlier
+// pick on the leg (req.Tentative's), again: with req.Stay set to lease's
+// endpoint, within req.Group. When another endpoint is picked, lease ends
+// (Released) and becomes the new pick's; else it stands, its prompt
+// recorded as sent (Confirm). It reports whether lease moved. A lease
+// already ended stays so.
+func (l *Leg) PickAgain(req Request, lease *Lease) bool {
+	if !lease.Open() {
+		return false
+	}
+	req.Stay, req.Tentative = lease.Endpoint(), false
+	v, i, held, o, ok := l.pick(&req, false)
+	if !ok || v.endpoints[i] == req.Stay {
+		lease.Confirm()
+		return false
+	}
+	next := l.lease(v, i, held, &req, l.role)
+	if req.Session != 0 {
+		next.session = v.sessionOutcome(&req, i)
+	}
+	next.lora = o
+	lease.End(Released)
+	*lease = next
+	return true
+}
+
 // Next returns the endpoint a decode fallback after the last of req.Tried
 // goes to, in the policy's order of preference (round robin: the Set's
 // order, its turns left as they are), with Pick's rules. It leases nothing:

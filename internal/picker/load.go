@@ -112,10 +112,12 @@ func (g *signal) requests() int { return g.inFlight + g.pending + g.foreign }
 // stores each field of g once: fields read back after a store wait on it.
 // For a pick whose policy weighs each engine's queue itself (ownQueue),
 // the engine's waiting requests do not make it unusable (queueWeigher);
-// they still make it saturated, which the leg's admission reads.
-func (t *instant) look(h *health, g *signal, ownQueue bool) {
-	inFlight := int(h.inFlight.Load())
-	g.inFlight, g.inFlightTokens = inFlight, int(h.inFlightTokens.Load())
+// they still make it saturated, which the leg's admission reads. own and
+// ownTokens are the pick's own request's count on h, which a pick made
+// again (Request.Stay) does not weigh against h.
+func (t *instant) look(h *health, g *signal, ownQueue bool, own, ownTokens int) {
+	inFlight := max(int(h.inFlight.Load())-own, 0)
+	g.inFlight, g.inFlightTokens = inFlight, max(int(h.inFlightTokens.Load())-ownTokens, 0)
 	waiting, running, foreign, pending, kvUsage := 0, 0, 0, 0, -1.0
 	admitted, fresh := true, false
 	if u, l := h.until.Load(), h.load.Load(); u != 0 || l != nil {
@@ -163,7 +165,7 @@ func (s *Set) saturated(group string) (bool, int64) {
 	for k := range n {
 		h := v.states[position(members, k)]
 		var g signal
-		if now.look(h, &g, false); !g.admitted {
+		if now.look(h, &g, false, 0, 0); !g.admitted {
 			next = min(next, h.until.Load())
 			continue
 		}

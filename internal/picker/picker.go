@@ -53,6 +53,16 @@ type Request struct {
 	// NoRank: the request names no DP rank (a pass-through path), so its
 	// lease counts it on none.
 	NoRank bool
+	// Tentative: the pick may be made again before the request is sent
+	// (a decode picked again once its prefill has answered): its lease
+	// counts the request but records neither its prompt nor its adapter
+	// as sent to the endpoint, which the final pick's lease does.
+	Tentative bool
+	// Stay, when set, is the endpoint of the request's earlier pick on the
+	// leg, still leased (Leg.PickAgain): the pick does not count that
+	// lease against it, ties go to it (the policy's scans start there,
+	// and the Set's turn does not advance), and round robin keeps it.
+	Stay endpoint.Endpoint
 	// Session, when not 0, is the key of the request's session
 	// (SessionKey): the pick is the first endpoint in the session's order
 	// that the shared rules admit, whatever the policy (see session.go).

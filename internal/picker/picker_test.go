@@ -41,7 +41,7 @@ func TestNewLeg(t *testing.T) {
 	require.Equal(t, []string{"forecast", "least_request", "least_work", "load_aware", "prefix_affinity", "round_robin"}, Policies())
 	l, err := NewLeg(NewSet(nil, Options{}), nil, RoleDecode)
 	require.NoError(t, err)
-	require.IsType(t, &LoadAware{}, l.policy, "the decode leg's default")
+	require.IsType(t, Forecast{}, l.policy, "the decode leg's default")
 }
 
 // NewLeg applies the policy's defaults to what the config leaves unset,

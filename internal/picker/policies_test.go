@@ -421,6 +421,31 @@ func BenchmarkPolicies(b *testing.B) {
 	}
 }
 
+// BenchmarkDecodePolicies is BenchmarkPolicies on a decode leg, whose
+// engines say their KV's size (forecast's room for a decode).
+func BenchmarkDecodePolicies(b *testing.B) {
+	eps := endpoints(64)
+	prompts := benchPrompts()
+	for _, policy := range Policies() {
+		b.Run(policy, func(b *testing.B) {
+			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
+			for i, ep := range eps {
+				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, KVTokens: 1 << 16, At: time.Now()})
+				hold(b, set, ep, prompts[i], 0)
+			}
+			l, err := NewLeg(set, &configv1.Picker{Policy: policy}, RoleDecode)
+			require.NoError(b, err)
+			b.ReportAllocs()
+			b.ResetTimer()
+			i := 0
+			for b.Loop() {
+				l.peek(Request{Blocks: prompts[i%len(prompts)], BlockTokens: 64, Tokens: 32 * 64})
+				i++
+			}
+		})
+	}
+}
+
 func BenchmarkBlocks(b *testing.B) {
 	p := make([]byte, 48<<10) // a 12k-token prompt
 	dst := make([]uint64, 0, MaxBlocks)

@@ -44,10 +44,14 @@ var (
 	_ Successor = (*RoundRobin)(nil)
 )
 
-// Choose implements [Policy]: the next usable candidate in turn. It reads
+// Choose implements [Policy]: the next usable candidate in turn, or, for a
+// pick made again (Request.Stay), the earlier pick's while usable. It reads
 // only the candidates it passes over, and takes no lock once the request's
 // group has a counter.
 func (r *RoundRobin) Choose(c *Candidates) int {
+	if k := c.stay; k >= 0 && c.Usable(k) {
+		return k // a pick made again keeps its turn's endpoint
+	}
 	counter := &r.next
 	if c.group >= 0 {
 		counter = r.groupCounter(c.group)

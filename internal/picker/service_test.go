@@ -8,8 +8,6 @@ import (
 	"time"
 
 	"github.com/stretchr/testify/require"
-
-	configv1 "github.com/pdx-router/pdx/api/pdx/config/v1"
 )
 
 // trueService is an engine's real service: overhead seconds a call, rate
@@ -346,15 +344,6 @@ func TestServiceSlots(t *testing.T) {
 	require.Equal(t, 2, m.slotsSeen())
 	m.load(1, 4)
 	require.Equal(t, 2, m.slotsSeen(), "the most seen")
-}
-
-// The forecast policy is for prefill legs only.
-func TestForecastPrefillOnly(t *testing.T) {
-	spec, err := Lookup(ForecastPolicy)
-	require.NoError(t, err)
-	require.True(t, spec.PrefillOnly)
-	_, err = NewLeg(NewSet(endpoints(1), Options{}), &configv1.Picker{Policy: ForecastPolicy}, RolePrefill)
-	require.NoError(t, err)
 }
 
 // However the samples fall, a queued token costs a call at least what

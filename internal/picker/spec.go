@@ -14,9 +14,6 @@ import (
 type Spec struct {
 	// Name is the policy's name in pools[].*_picker.policy.
 	Name string
-	// PrefillOnly: the policy picks prefill endpoints only (config refuses
-	// it on a decode leg).
-	PrefillOnly bool
 	// Fields are the fields of the config's Picker message (proto names,
 	// e.g. "weights") that the policy reads; config refuses them on the
 	// legs of other policies.
@@ -45,15 +42,11 @@ func specs() []Spec {
 }
 
 // DefaultPolicy returns the policy of a leg whose config names none:
-// prefill engines by the time their learned service model forecasts for
-// the prompt (the work queued on them and what they have cached), decode
-// engines by their load.
-func DefaultPolicy(r Role) string {
-	if r == RoleDecode {
-		return LoadAwarePolicy
-	}
-	return ForecastPolicy
-}
+// forecast, which places a prefill by the time its engine's learned
+// service model forecasts for the prompt (the work queued there and what
+// it has cached), and a decode where its KV has room, then by the prefix
+// its engine holds and its batch.
+func DefaultPolicy(Role) string { return ForecastPolicy }
 
 // Lookup returns the spec of the policy named name.
 func Lookup(name string) (Spec, error) {

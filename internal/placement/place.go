@@ -107,7 +107,9 @@ func (p *Pool) Place(ctx context.Context, req Request, creq *connectors.Request)
 	if err != nil {
 		return pl, err
 	}
-	lease, err := p.PickDecode(pl.pick())
+	first := pl.pick()
+	first.Tentative = p.LateDecode
+	lease, err := p.PickDecode(first)
 	t.Release()
 	if err != nil {
 		return pl, err
@@ -132,6 +134,35 @@ func (p *Pool) Place(ctx context.Context, req Request, creq *connectors.Request)
 	}
 	pl.Reason = ReasonDisaggregated
 	return pl, nil
+}
+
+// Settle ends the decode pick of a request about to go to its decode
+// endpoint. In a pool whose decode is picked late (LateDecode) the pick
+// at Place was tentative: when again, the prefill has answered and the
+// decode body names no engine, so the decode is picked once more
+// (picker.Leg.PickAgain), by what the engines say now (a sequence waits
+// for KV on the engine it is sent to, and the engines' KV changes while
+// the prompt is computed), within the first pick's group, where the
+// prefill engine hands the KV over; ties keep the first pick. When the
+// decode moves, creq gets the new endpoint and its rank, and the
+// fallbacks follow it. Otherwise the first pick stands. It reports
+// whether the decode moved.
+func (pl *Placement) Settle(creq *connectors.Request, again bool) (moved bool) {
+	if pl.pool == nil || !pl.pool.LateDecode {
+		return false
+	}
+	if !again {
+		pl.Decode.Confirm()
+		return false
+	}
+	req := pl.pick()
+	req.Group = pl.Decode.Endpoint().Group
+	if !pl.pool.Decode.PickAgain(req, &pl.Decode) {
+		return false
+	}
+	pl.named(pl.Decode)
+	creq.Decode, creq.DecodeRank = pl.Decode.Endpoint(), pl.Decode.Rank()
+	return true
 }
 
 // PlaceDecode places a request that goes to a decode endpoint as it is

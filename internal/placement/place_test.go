@@ -207,3 +207,63 @@ func TestDefaults(t *testing.T) {
 	require.Nil(t, pc.GetRender(), "no render without KV events")
 	require.Nil(t, pc.GetPrefillPicker(), "no prefill leg, no prefill picker")
 }
+
+// In a pool whose decode is picked late, Settle picks the decode again
+// once the prefill has answered: within the first pick's group, moving
+// the lease, the request's endpoint and rank and its fallbacks when
+// another endpoint is better by then; otherwise the first pick stands.
+func TestSettle(t *testing.T) {
+	for _, tc := range []struct {
+		name        string
+		late, again bool
+		moved       bool
+	}{
+		{name: "picked again", late: true, again: true, moved: true},
+		{name: "not again: the decode computes the prompt", late: true},
+		{name: "a pool whose decode is not picked late", again: true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			prefill := []endpoint.Endpoint{{Address: "127.0.0.1:8100", Group: "a"}, {Address: "127.0.0.1:8101", Group: "b"}}
+			decode := []endpoint.Endpoint{{Address: "127.0.0.1:8200", Group: "a"}, {Address: "127.0.0.1:8201", Group: "a"}, {Address: "127.0.0.1:8202", Group: "b"}}
+			p, err := New(&configv1.Pool{Name: "p", DecodeFallbacks: 1}, prefill, decode, nil, Options{Prefills: true, LateDecode: tc.late})
+			require.NoError(t, err)
+			req, creq := placeRequest(t, shortChat, fakeengine.New(), nil)
+			pl, err := p.Place(t.Context(), req, creq)
+			require.NoError(t, err)
+			first := creq.Decode
+			require.Equal(t, decode[0], first, "a fresh pool's first pick")
+			require.Equal(t, []endpoint.Endpoint{decode[0], decode[1]}, pl.Decodes)
+
+			// Two requests reach the first pick's engine while the prefill
+			// runs.
+			var others []picker.Lease
+			for range 2 {
+				l, ok := p.Decode.Pick(picker.Request{Subset: []string{first.Address}})
+				require.True(t, ok)
+				others = append(others, l)
+			}
+			require.Equal(t, tc.moved, pl.Settle(creq, tc.again))
+			want := first
+			if tc.moved {
+				want = decode[1] // of the first pick's group, not 8202
+			}
+			require.Equal(t, want, creq.Decode)
+			require.Equal(t, want, pl.Decode.Endpoint())
+			require.Equal(t, want, pl.Decodes[0], "the fallbacks follow the decode")
+			require.Len(t, pl.Decodes, 2)
+			if tc.moved {
+				require.Equal(t, 1, p.Decode.Set.InFlight(want))
+				require.Equal(t, 2, p.Decode.Set.InFlight(first), "the first pick no longer counts there")
+			} else {
+				require.Equal(t, 3, p.Decode.Set.InFlight(first))
+			}
+			pl.Decode.End(picker.Released)
+			for _, l := range others {
+				l.End(picker.Released)
+			}
+			for _, ep := range decode {
+				require.Zero(t, p.Decode.Set.InFlight(ep))
+			}
+		})
+	}
+}

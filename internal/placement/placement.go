@@ -72,6 +72,9 @@ type Pool struct {
 	// PickJitter is the most a request waits, at random, before its first
 	// prefill pick (peers.pick_jitter; 0: none).
 	PickJitter time.Duration
+	// LateDecode: the decode is picked again once the prefill has answered
+	// (Placement.Settle), the first pick being tentative.
+	LateDecode bool
 	// check is how the engines' word (rendered tokens, KV events) fared
 	// against what the prefill engines said they computed (selfcheck.go).
 	check selfCheck
@@ -88,9 +91,10 @@ type Options struct {
 	// Prefills: the pool's connector takes a prefill leg.
 	Prefills bool
 	// Journal hears the prefill leg's leases, for the replica's peers;
-	// nil without peers. PickJitter is Pool's.
+	// nil without peers. PickJitter and LateDecode are Pool's.
 	Journal    *picker.Journal
 	PickJitter time.Duration
+	LateDecode bool
 }
 
 // Defaults fills in the placement fields pc leaves unset: the one place
@@ -163,6 +167,7 @@ func New(pc *configv1.Pool, prefill, decode []endpoint.Endpoint, prev *Pool, opt
 		Cache:           opts.Cache,
 		KVBlockSize:     opts.KVBlockSize,
 		PickJitter:      opts.PickJitter,
+		LateDecode:      opts.LateDecode && opts.Prefills,
 	}
 	if p.KVBlockSize <= 0 {
 		p.KVBlockSize = DefaultKVBlockSize

@@ -365,6 +365,10 @@ func newPool(pc *configv1.Pool, old *Pool, opts placement.Options) (*Pool, error
 		}
 	}
 	opts.Prefills = traits.Prefills
+	// The decode body of such a connector names no decode engine, so the
+	// decode can be picked again, by what the engines say once the
+	// prefill has answered; a concurrent one's decode starts with it.
+	opts.LateDecode = traits.DecodeFallback && !traits.Concurrent
 	placed, err := placement.New(pc, prefill, decode, prev, opts)
 	if err != nil {
 		return nil, err

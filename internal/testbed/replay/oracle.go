@@ -62,6 +62,9 @@ type oracle struct {
 	// roundRobin: prefills and decodes go round robin, each placement
 	// reading nothing and waiting for nothing.
 	roundRobin bool
+	// decodePick is the decode pick's variant (Profile.OracleDecode): ""
+	// for the oracle's own.
+	decodePick string
 	// prefillTie and decodeTie are the ties' widths.
 	prefillTie, decodeTie time.Duration
 	client                *http.Client
@@ -96,7 +99,7 @@ func prefillTie(c enginesim.Capacity, s Scale) time.Duration {
 
 // startOracle serves the oracle on a loopback port in front of the
 // engines, whose capacity is c at token scale s.
-func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale, decodeAlone, roundRobin bool) (*oracle, error) {
+func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c enginesim.Capacity, s Scale, decodeAlone, roundRobin bool, decodePick string) (*oracle, error) {
 	if len(prefill) == 0 || len(decode) == 0 {
 		return nil, fmt.Errorf("oracle: %d prefill and %d decode engines", len(prefill), len(decode))
 	}
@@ -111,7 +114,7 @@ func startOracle(ctx context.Context, prefill, decode []*enginesim.Server, c eng
 		prefillTie: prefillTie(c, s),
 		decodeTie:  time.Duration((block+c.BlockTokens-1)/c.BlockTokens) * c.KVPullPerBlock,
 		client:     newClient(), url: "http://" + ln.Addr().String(), served: make(chan struct{}),
-		decodeAlone: decodeAlone, roundRobin: roundRobin,
+		decodeAlone: decodeAlone, roundRobin: roundRobin, decodePick: decodePick,
 	}
 	mux := http.NewServeMux()
 	mux.HandleFunc("POST /v1/chat/completions", o.serve)
@@ -178,6 +181,10 @@ func (o *oracle) serve(w http.ResponseWriter, r *http.Request) {
 		o.answer(w, resp, err)
 		return
 	}
+	var d *enginesim.Server
+	if o.decodePick == OracleDecodeEarly {
+		d = o.pickDecode(prompt, req.MaxTokens)
+	}
 	params, err := o.prefillLeg(r.Context(), e, fields, id, answered)
 	if err != nil {
 		http.Error(w, "oracle: prefill: "+err.Error(), http.StatusBadGateway)
@@ -186,7 +193,10 @@ func (o *oracle) serve(w http.ResponseWriter, r *http.Request) {
 	if params != nil { // nil: the prefill ended on EOS; the decode recomputes
 		fields["kv_transfer_params"] = params
 	}
-	resp, err := o.post(r.Context(), o.pickDecode(prompt, req.MaxTokens), id, fields)
+	if d == nil {
+		d = o.pickDecode(prompt, req.MaxTokens)
+	}
+	resp, err := o.post(r.Context(), d, id, fields)
 	o.answer(w, resp, err)
 }
 
@@ -312,20 +322,52 @@ func (o *oracle) place(prompt string, maxTokens int) (e *enginesim.Server, alone
 }
 
 // noPlace is added to the cost of a decode engine that cannot admit the
-// sequence at once, so that any that can comes first.
-const noPlace = time.Hour
+// sequence at once, so that any that can comes first (above any prompt's
+// cached tokens in OracleDecodeRoomPrefix's cost).
+const noPlace = 1 << 20 * time.Hour
+
+// Variants of the oracle's decode pick (Profile.OracleDecode), which take
+// its lead on the decode leg apart: each reads the engines' true state as
+// the oracle's own does.
+const (
+	// OracleDecodeEarly is the oracle's pick made when the prefill is
+	// placed, before it runs, as pdx's first pick is.
+	OracleDecodeEarly = "early"
+	// OracleDecodeRoomPrefix: the engines that admit the sequence at once
+	// first, then the one caching the most of its prompt, then the one
+	// with the fewest sequences running and waiting.
+	OracleDecodeRoomPrefix = "room-prefix"
+	// OracleDecodeRoomFewest: those that admit it at once first, then the
+	// fewest sequences.
+	OracleDecodeRoomFewest = "room-fewest"
+	// OracleDecodeFewest: the fewest sequences alone.
+	OracleDecodeFewest = "fewest"
+	// OracleDecodeRoundRobin: in turn, reading nothing.
+	OracleDecodeRoundRobin = "round-robin"
+)
 
 // pickDecode is the decode engine with the least KV pull plus two decode
 // steps for a sequence of prompt, among those that admit it at once if
-// any does; ties go round robin.
+// any does (or by o.decodePick's variant); ties go round robin.
 func (o *oracle) pickDecode(prompt string, maxTokens int) *enginesim.Server {
-	if o.roundRobin {
+	if o.roundRobin || o.decodePick == OracleDecodeRoundRobin {
 		return o.decode[(o.nextDecode.Add(1)-1)%uint64(len(o.decode))]
 	}
 	cost := make([]time.Duration, len(o.decode))
 	for i, e := range o.decode {
 		f := e.ForecastDecode(prompt, maxTokens)
-		if cost[i] = f.Pull + 2*f.Step; !f.Fits {
+		// The variants' keys in one cost, each far above the next: a
+		// second a sequence, an hour a token cached.
+		sequences := time.Duration(f.Running+f.Waiting) * time.Second
+		switch o.decodePick {
+		case OracleDecodeRoomPrefix:
+			cost[i] = sequences - time.Duration(f.CachedTokens)*time.Hour
+		case OracleDecodeRoomFewest, OracleDecodeFewest:
+			cost[i] = sequences
+		default:
+			cost[i] = f.Pull + 2*f.Step
+		}
+		if !f.Fits && o.decodePick != OracleDecodeFewest {
 			cost[i] += noPlace
 		}
 	}

@@ -30,6 +30,9 @@ type Profile struct {
 	// simulators' true state and picks, per request, the least time to
 	// first token. Like a peer it has no pdx config and no Envoy.
 	Oracle bool
+	// OracleDecode is a variant of the oracle's decode pick
+	// (OracleDecodeRoomPrefix and the rest), "" for its own.
+	OracleDecode string
 	// DecodeAlone lets the oracle also serve a request on a decode engine
 	// alone (decode-side reuse) when that gives the first token sooner:
 	// the TTFT limit, which weighs no TPOT.
@@ -58,6 +61,9 @@ func (p Profile) Config() string {
 		if p.DecodeAlone {
 			return "in-process oracle over the simulators' true state (no Envoy), on the path of the least forecast TTFT: " + pd +
 				", or a plain request to the decode engine whose own prefill of the prompt is soonest; greedy on TTFT, TPOT not weighed"
+		}
+		if p.OracleDecode != "" {
+			return "in-process oracle over the simulators' true state (no Envoy): " + pd + "; but the decode pick: " + oracleDecodePicks[p.OracleDecode]
 		}
 		return "in-process oracle over the simulators' true state (no Envoy): " + pd
 	}
@@ -178,8 +184,10 @@ func Profiles(s Scale) []Profile {
 		// against, without and with the engines' events.
 		{Name: "least-work", PoolYAML: lines("prefill_picker: {policy: least_work}", PdxDefaultDecider)},
 		{Name: "least-work-precise", KVEvents: true, PoolYAML: lines("prefill_picker: {policy: least_work}")},
-		// pdx's defaults but the decode leg's policy: what load_aware's
-		// decode placement is measured against (--decode-kv-blocks).
+		// pdx's defaults but the decode leg's policy: what forecast's
+		// decode placement is measured against (--decode-kv-blocks);
+		// load_aware was the default before it.
+		{Name: "pdx-decode-load-aware", PoolYAML: lines("decode_picker: {policy: load_aware}", PdxDefaultDecider)},
 		{Name: "pdx-decode-round-robin", PoolYAML: lines("decode_picker: {policy: round_robin}", PdxDefaultDecider)},
 		{Name: "pdx-decode-least-request", PoolYAML: lines("decode_picker: {policy: least_request}", PdxDefaultDecider)},
 		// vLLM's own router: cache_aware is its default, the one users
@@ -192,6 +200,13 @@ func Profiles(s Scale) []Profile {
 		// The yardstick's limit: what a router that knew every engine's
 		// cache and queue would get, request by request.
 		{Name: OracleProfile, Oracle: true},
+		// The oracle but its decode pick: what each part of that pick is
+		// worth when decodes wait for KV (--decode-kv-blocks).
+		{Name: "oracle-decode-early", Oracle: true, OracleDecode: OracleDecodeEarly},
+		{Name: "oracle-decode-room-prefix", Oracle: true, OracleDecode: OracleDecodeRoomPrefix},
+		{Name: "oracle-decode-room-fewest", Oracle: true, OracleDecode: OracleDecodeRoomFewest},
+		{Name: "oracle-decode-fewest", Oracle: true, OracleDecode: OracleDecodeFewest},
+		{Name: "oracle-decode-round-robin", Oracle: true, OracleDecode: OracleDecodeRoundRobin},
 		// The TTFT limit with decode-side reuse: the oracle that may also
 		// serve a request on a decode engine alone.
 		{Name: OracleReuseProfile, Oracle: true, DecodeAlone: true},
@@ -199,6 +214,16 @@ func Profiles(s Scale) []Profile {
 		// pdx add to a request's TTFT, apart from placement.
 		{Name: DirectRoundRobinProfile, Direct: true},
 	}
+}
+
+// oracleDecodePicks say what the oracle's decode-pick variants do, for
+// the report.
+var oracleDecodePicks = map[string]string{
+	OracleDecodeEarly:      "the oracle's, made when the prefill is placed, before it runs",
+	OracleDecodeRoomPrefix: "the engines that admit the sequence at once first, then the most of its prompt cached, then the fewest sequences",
+	OracleDecodeRoomFewest: "the engines that admit the sequence at once first, then the fewest sequences",
+	OracleDecodeFewest:     "the fewest sequences running and waiting",
+	OracleDecodeRoundRobin: "round robin",
 }
 
 // OracleProfile is the oracle's profile name, the yardstick every run is

@@ -24,7 +24,8 @@ func TestProfiles(t *testing.T) {
 	all := Profiles(Scale{TokenScale: 16})
 	require.Equal(t, []string{"round-robin", "least-request", "llm-d-default", "pdx-default", "pdx-held", "pdx-uncounted", "prefix-affinity", "precise",
 		"precise-peers", "pdx-default-peers", "precise-peers-at-once", "pdx-default-peers-at-once", "precise-peers-jitter-16", "precise-reuse", "least-work", "least-work-precise",
-		"pdx-decode-round-robin", "pdx-decode-least-request", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin", "oracle", "oracle-reuse",
+		"pdx-decode-load-aware", "pdx-decode-round-robin", "pdx-decode-least-request", "vllm-router-cache-aware", "vllm-router-kv-aware", "vllm-router-round-robin",
+		"oracle", "oracle-decode-early", "oracle-decode-room-prefix", "oracle-decode-room-fewest", "oracle-decode-fewest", "oracle-decode-round-robin", "oracle-reuse",
 		"direct-round-robin"}, names(all))
 	require.Contains(t, all[4].ConfigYAML, "end_streams_at_routing: false")
 	require.Contains(t, all[5].ConfigYAML, "end_streams_at_routing: true")
@@ -48,28 +49,34 @@ func TestProfiles(t *testing.T) {
 	require.True(t, reuse.pdx() && reuse.KVEvents)
 	require.Contains(t, reuse.Config(), "kv_events")
 	require.Contains(t, reuse.PoolYAML, fmt.Sprintf("min_uncached_tokens: %d", Scale{TokenScale: 16}.Tokens(1000)), "Dynamo's 1,000 tokens, scaled")
-	for k, policy := range []string{"round_robin", "least_request"} {
+	for k, policy := range []string{"load_aware", "round_robin", "least_request"} {
 		p := all[16+k]
 		require.True(t, p.pdx() && !p.KVEvents, p.Name)
 		require.Equal(t, "decode_picker: {policy: "+policy+"}\n", p.PoolYAML, "pdx's defaults but the decode leg's")
 	}
-	for _, p := range all[18:21] {
+	for _, p := range all[19:22] {
 		require.NotEmpty(t, p.Peer, p.Name)
 		require.Empty(t, p.PoolYAML+p.ConfigYAML, "a peer has no pdx config")
 		require.Contains(t, p.Config(), "--policy "+p.Peer)
 		require.Equal(t, p.Peer == "kv_aware", p.KVEvents, "only kv_aware reads the engines' KV events")
 	}
-	oracle := all[21]
+	oracle := all[22]
 	require.True(t, oracle.Oracle)
 	require.Empty(t, oracle.Peer+oracle.PoolYAML+oracle.ConfigYAML, "the oracle is neither a peer nor pdx")
 	require.False(t, oracle.pdx())
 	require.Contains(t, oracle.Config(), "true state")
 	require.False(t, oracle.DecodeAlone)
-	oracleReuse := all[22]
+	for _, p := range all[23:28] {
+		require.True(t, p.Oracle && p.OracleDecode != "" && !p.DecodeAlone, p.Name)
+		require.Equal(t, "oracle-decode-"+p.OracleDecode, p.Name)
+		require.Contains(t, p.Config(), "but the decode pick: "+oracleDecodePicks[p.OracleDecode], p.Name)
+		require.NotEmpty(t, oracleDecodePicks[p.OracleDecode], p.Name)
+	}
+	oracleReuse := all[28]
 	require.True(t, oracleReuse.Oracle && oracleReuse.DecodeAlone)
 	require.False(t, oracleReuse.pdx())
 	require.Contains(t, oracleReuse.Config(), "plain request to the decode engine")
-	direct := all[23]
+	direct := all[29]
 	require.True(t, direct.Direct && !direct.Oracle, "round robin on the oracle's path, not a yardstick")
 	require.False(t, direct.pdx())
 	require.Contains(t, direct.Config(), "round robin")

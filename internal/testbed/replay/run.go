@@ -390,7 +390,7 @@ func (rig Rig) start(ctx context.Context, p Profile, replicas int) (*deployment,
 		return nil, err
 	}
 	if p.Oracle || p.Direct {
-		o, err := startOracle(ctx, st.Prefill, st.Decode, capacity, rig.Scale, p.DecodeAlone, p.Direct)
+		o, err := startOracle(ctx, st.Prefill, st.Decode, capacity, rig.Scale, p.DecodeAlone, p.Direct, p.OracleDecode)
 		if err != nil {
 			return nil, errors.Join(err, st.Close())
 		}
