@@ -212,6 +212,7 @@ func pdxMetrics(t *testing.T) *metrics.Metrics {
 	pool.Prefill(metrics.ResultOK, time.Millisecond)
 	pool.Attempt("127.0.0.1:8100", metrics.ResultOK)
 	pool.Decision("disaggregated")
+	pool.DecodeRepick(true)
 	pool.DecodeHeaders(time.Millisecond)
 	pool.DecodeDone(time.Millisecond)
 	pool.DecodeServed("127.0.0.1:8200", false)

@@ -398,48 +398,34 @@ func benchPrompts() [][]uint64 {
 
 // BenchmarkPolicies is a pick at 64 endpoints with fresh engine metrics
 // and a prompt of 32 blocks, for every policy.
-func BenchmarkPolicies(b *testing.B) {
-	eps := endpoints(64)
-	prompts := benchPrompts()
-	for _, policy := range Policies() {
-		b.Run(policy, func(b *testing.B) {
-			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
-			for i, ep := range eps {
-				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, At: time.Now()})
-				hold(b, set, ep, prompts[i], 0)
-			}
-			l, err := NewLeg(set, &configv1.Picker{Policy: policy}, RolePrefill)
-			require.NoError(b, err)
-			b.ReportAllocs()
-			b.ResetTimer()
-			i := 0
-			for b.Loop() {
-				l.peek(Request{Blocks: prompts[i%len(prompts)]})
-				i++
-			}
-		})
-	}
-}
+func BenchmarkPolicies(b *testing.B) { benchPolicies(b, RolePrefill, 0, Request{}) }
 
 // BenchmarkDecodePolicies is BenchmarkPolicies on a decode leg, whose
 // engines say their KV's size (forecast's room for a decode).
 func BenchmarkDecodePolicies(b *testing.B) {
+	benchPolicies(b, RoleDecode, 1<<16, Request{BlockTokens: 64, Tokens: 32 * 64})
+}
+
+// benchPolicies picks on a leg of role for req with each of the prompts
+// in turn, the engines' KV kvTokens (0: not said).
+func benchPolicies(b *testing.B, role Role, kvTokens int, req Request) {
 	eps := endpoints(64)
 	prompts := benchPrompts()
 	for _, policy := range Policies() {
 		b.Run(policy, func(b *testing.B) {
 			set := NewSet(eps, Options{Saturation: Saturation{QueueDepth: 5, KVUsage: 0.8}})
 			for i, ep := range eps {
-				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, KVTokens: 1 << 16, At: time.Now()})
+				set.Observe(ep.Address, Load{Waiting: i % 3, Running: i % 7, KVUsage: 0.5, KVTokens: kvTokens, At: time.Now()})
 				hold(b, set, ep, prompts[i], 0)
 			}
-			l, err := NewLeg(set, &configv1.Picker{Policy: policy}, RoleDecode)
+			l, err := NewLeg(set, &configv1.Picker{Policy: policy}, role)
 			require.NoError(b, err)
 			b.ReportAllocs()
 			b.ResetTimer()
 			i := 0
 			for b.Loop() {
-				l.peek(Request{Blocks: prompts[i%len(prompts)], BlockTokens: 64, Tokens: 32 * 64})
+				req.Blocks = prompts[i%len(prompts)]
+				l.peek(req)
 				i++
 			}
 		})
