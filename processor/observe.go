@@ -329,7 +329,9 @@ func (o *observation) attemptEnded(p *routing.Pool, ep endpoint.Endpoint, result
 }
 
 func (o *observation) end(e ending) {
-	o.metrics.StreamEnded()
+	// Last: a scrape that finds no stream in flight finds every ended
+	// stream's records (e2e's TestMetrics waits for that).
+	defer o.metrics.StreamEnded()
 	outcome := e.outcome
 	if e.failed {
 		outcome = o.code

@@ -551,6 +551,8 @@ func TestPickers(t *testing.T) {
 		{name: "defaults", pool: disagg, want: [2]string{"forecast", "forecast"}},
 		{name: "explicit", pool: disagg + "\n  prefill_picker: {policy: round_robin}\n  decode_picker: {policy: round_robin}", want: [2]string{"round_robin", "round_robin"}},
 		{name: "empty policy is the default", pool: disagg + "\n  decode_picker: {}", want: [2]string{"forecast", "forecast"}},
+		{name: "decode weights without a policy: load_aware, the default they were written for",
+			pool: disagg + "\n  decode_picker: {weights: {kv_usage: 3}}", want: [2]string{"forecast", "load_aware"}},
 		{name: "every policy", pool: disagg + "\n  prefill_picker: {policy: least_request}\n  decode_picker: {policy: prefix_affinity, load_factor: 2}", want: [2]string{"least_request", "prefix_affinity"}},
 		{name: "no prefill picker without a prefill leg", pool: aggregated, want: [2]string{"", "forecast"}},
 		{name: "unknown prefill policy", pool: disagg + "\n  prefill_picker: {policy: least_loaded}",

@@ -108,7 +108,8 @@ type Policy interface {
 }
 
 // queueWeigher is implemented by policies that weigh the work queued on
-// each engine themselves (least_work, forecast). The pool's queue_depth
+// each engine themselves (least_work, forecast: on a decode leg, a
+// waiting request is no room for the sequence). The pool's queue_depth
 // saturation does not pass an engine over for them: its waiting requests
 // are in their count already, and their engine word a scrape old, so the
 // bound would pass over the engines that were busy then and send a burst

@@ -89,6 +89,11 @@ func WithDefaults(p *configv1.Picker, role Role) *configv1.Picker {
 	}
 	if p.Policy == "" {
 		p.Policy = DefaultPolicy(role)
+		if role == RoleDecode && p.Weights != nil {
+			// Written for load_aware, the decode leg's default before
+			// forecast: the weights are its, and the config keeps working.
+			p.Policy = LoadAwarePolicy
+		}
 	}
 	if spec, err := Lookup(p.Policy); err == nil && spec.Defaults != nil {
 		spec.Defaults(p, role)
