@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
@@ -184,5 +185,87 @@ func TestPrefixIndexFollowsEviction(t *testing.T) {
 	require.Zero(t, predicted, "pdx predicted it evicted")
 	for _, e := range st.Engines() {
 		require.Zero(t, e.Tally().Rejected, e.Addr())
+	}
+}
+
+// TestDecodePickedAgainThroughEnvoy: NIXL's decode request names no decode
+// engine, so pdx picks the decode again once the prefill has answered,
+// and Envoy sends it there. Requests sent to the first pick's engine
+// directly during the prefill, which its metrics show running, move the
+// decode to the other engine, which pulls the prefill's KV; with nothing
+// sent the first pick stands.
+func TestDecodePickedAgainThroughEnvoy(t *testing.T) {
+	for _, busy := range []bool{true, false} {
+		t.Run(fmt.Sprintf("busy=%t", busy), func(t *testing.T) {
+			st := startStack(t, stack.Options{Prefill: 1, Decode: 2,
+				Tune: func(role enginesim.Role, _ int, c *enginesim.Config) {
+					if role == enginesim.RolePrefill {
+						c.PrefillLatency = 2 * time.Second // time to make the first pick busy
+					} else {
+						c.DecodePerToken = 100 * time.Millisecond // the direct requests run 5s
+					}
+				}})
+			admin := "http://" + st.Pdx.AdminAddr() + "/metrics"
+			_, hc := newClient(t, st)
+			text := "a prompt whose decode may move, " + newRequestID(t)
+			done := make(chan answer, 1)
+			go func() {
+				var a answer
+				resp, err := hc.Post(st.URL()+"/v1/chat/completions", "application/json", strings.NewReader(chatBody(text)))
+				if noError(t, err) {
+					b, err := io.ReadAll(resp.Body)
+					resp.Body.Close()
+					noError(t, err)
+					a = answer{status: resp.StatusCode, body: string(b)}
+				}
+				done <- a
+			}()
+
+			// The first pick: the decode endpoint holding the request
+			// while its prefill runs.
+			first, other := "", ""
+			require.Eventually(t, func() bool {
+				fams := scrape(t, admin)
+				for i, e := range st.Decode {
+					if value(fams, "pdx_endpoint_in_flight", map[string]string{"role": "decode", "endpoint": e.Addr()}) == 1 {
+						first, other = e.Addr(), st.Decode[1-i].Addr()
+						return true
+					}
+				}
+				return false
+			}, time.Second, 10*time.Millisecond, "a decode endpoint counts the request during its prefill")
+
+			var direct sync.WaitGroup
+			if busy {
+				for i := range 2 {
+					direct.Go(func() {
+						body := fmt.Sprintf(`{"model":%q,"messages":[{"role":"user","content":"sent directly, %d"}],"max_tokens":50}`, stack.Model, i)
+						resp, err := hc.Post("http://"+first+"/v1/chat/completions", "application/json", strings.NewReader(body))
+						if noError(t, err) {
+							_, _ = io.Copy(io.Discard, resp.Body)
+							resp.Body.Close()
+							assert.Equal(t, 200, resp.StatusCode)
+						}
+					})
+				}
+			}
+			a := <-done
+			require.Equal(t, 200, a.status, a.body)
+			requireHandoff(t, st, chatPrompt(text))
+			want := first
+			if busy {
+				want = other
+			}
+			d := recordsWhere(st, func(r enginesim.Record) bool {
+				return r.Fingerprint == enginesim.Fingerprint(chatPrompt(text)) && r.Kind == enginesim.KindDecode
+			})
+			require.Equal(t, want, d[enginesim.KindDecode][0].Engine, "the decode engine (first pick %s)", first)
+			repicks := func(moved bool) float64 {
+				return value(scrape(t, admin), "pdx_decode_repicks_total", map[string]string{"pool": "demo", "moved": fmt.Sprint(moved)})
+			}
+			require.Equal(t, 1.0, repicks(busy))
+			require.Zero(t, repicks(!busy))
+			direct.Wait()
+		})
 	}
 }

@@ -46,7 +46,7 @@ func forecastDecode(c *Candidates) int {
 		if prefix {
 			held = d.cachedTokens(k)
 		}
-		room := kvRoom(g, c.health(k), mean, c.tokens-held)
+		room := kvRoom(g, mean, c.tokens-held)
 		reqs := g.requests()
 		switch {
 		case best < 0,
@@ -59,24 +59,23 @@ func forecastDecode(c *Candidates) int {
 	return best
 }
 
-// kvRoom reports whether the engine of g and h would admit a sequence
+// kvRoom reports whether the engine of g would admit a sequence
 // needing need more tokens of KV now, by its fresh sample: none of its
 // requests waits (vLLM admits first come first served, so a new one
 // waits behind any queued), and its free KV less mean tokens for each
 // request pdx detached there since the sample (they arrive first) holds
 // need. need is the prompt less what the engine holds of it: vLLM
 // admits a sequence on its prompt's blocks and grows it as it decodes.
-func kvRoom(g *signal, h *health, mean, need int) bool {
+func kvRoom(g *signal, mean, need int) bool {
 	if !g.fresh {
 		return true
 	}
 	if g.waiting > 0 {
 		return false
 	}
-	l := h.load.Load()
-	if l == nil || l.kvTokens <= 0 || g.kvUsage < 0 {
+	if g.kvTokens <= 0 || g.kvUsage < 0 {
 		return true
 	}
-	free := (1-g.kvUsage)*float64(l.kvTokens) - float64(g.pending*mean)
+	free := (1-g.kvUsage)*float64(g.kvTokens) - float64(g.pending*mean)
 	return free >= float64(need)
 }

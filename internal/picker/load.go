@@ -79,14 +79,15 @@ func (s *Set) Addresses() []string { return s.view.Load().addresses }
 // that a policy touches each endpoint's state once.
 type signal struct {
 	inFlight, inFlightTokens int
-	// waiting, running and kvUsage are the engine's load when fresh; else
-	// 0, 0 and -1. foreign are the engine's requests pdx does not count,
+	// waiting, running, kvUsage and kvTokens (the KV's size, 0 when the
+	// engine never said) are the engine's load when fresh; else 0, 0, -1
+	// and 0. foreign are the engine's requests pdx does not count,
 	// as of that load: its waiting and running ones less pdx's then
 	// (detached ones are the engine's to count). pending are the requests
 	// pdx detached there since (Lease.Detach), which the load cannot show
 	// yet; 0 without a fresh load.
-	waiting, running, foreign, pending int
-	kvUsage                            float64
+	waiting, running, foreign, pending, kvTokens int
+	kvUsage                                      float64
 	// gen is the pick that read it (see Candidates.signal).
 	gen uint32
 	// admitted: not ejected; usable: admitted and not saturated; fresh:
@@ -118,13 +119,13 @@ func (g *signal) requests() int { return g.inFlight + g.pending + g.foreign }
 func (t *instant) look(h *health, g *signal, ownQueue bool, own, ownTokens int) {
 	inFlight := max(int(h.inFlight.Load())-own, 0)
 	g.inFlight, g.inFlightTokens = inFlight, max(int(h.inFlightTokens.Load())-ownTokens, 0)
-	waiting, running, foreign, pending, kvUsage := 0, 0, 0, 0, -1.0
+	waiting, running, foreign, pending, kvTokens, kvUsage := 0, 0, 0, 0, 0, -1.0
 	admitted, fresh := true, false
 	if u, l := h.until.Load(), h.load.Load(); u != 0 || l != nil {
 		now := t.read()
 		admitted = now >= u
 		if l != nil && now-l.at <= t.set.staleAfter {
-			fresh, waiting, running, kvUsage = true, l.waiting, l.running, l.kvUsage
+			fresh, waiting, running, kvUsage, kvTokens = true, l.waiting, l.running, l.kvUsage, l.kvTokens
 			foreign = max(waiting+running-l.ours, 0)
 			pending = int(h.detached.Load() - l.detached)
 		}
@@ -134,7 +135,7 @@ func (t *instant) look(h *health, g *signal, ownQueue bool, own, ownTokens int) 
 		fresh && sat.KVUsage > 0 && kvUsage >= sat.KVUsage
 	queued := fresh && sat.QueueDepth > 0 && waiting >= sat.QueueDepth
 	saturated := full || queued
-	g.waiting, g.running, g.foreign, g.pending, g.kvUsage = waiting, running, foreign, pending, kvUsage
+	g.waiting, g.running, g.foreign, g.pending, g.kvTokens, g.kvUsage = waiting, running, foreign, pending, kvTokens, kvUsage
 	g.admitted, g.usable, g.saturated, g.fresh, g.excluded = admitted, admitted && !full && (ownQueue || !queued), saturated, fresh, false
 }
 

@@ -160,7 +160,7 @@ func (pl *Placement) Settle(creq *connectors.Request, again bool) (moved bool) {
 	if !pl.pool.Decode.PickAgain(req, &pl.Decode) {
 		return false
 	}
-	pl.named(pl.Decode)
+	pl.nameDecodes()
 	creq.Decode, creq.DecodeRank = pl.Decode.Endpoint(), pl.Decode.Rank()
 	return true
 }
@@ -187,10 +187,16 @@ func (p *Pool) admit(ctx context.Context, req *Request, set *picker.Set, group, 
 }
 
 // named keeps the decode lease and names the endpoints the request's
-// decode goes to: the lease's, then the pool's fallbacks for it.
+// decode goes to (nameDecodes).
 func (pl *Placement) named(lease picker.Lease) {
 	pl.Decode = lease
-	first := lease.Endpoint()
+	pl.nameDecodes()
+}
+
+// nameDecodes names the endpoints the request's decode goes to: the
+// decode lease's, then the pool's fallbacks for it.
+func (pl *Placement) nameDecodes() {
+	first := pl.Decode.Endpoint()
 	pl.Decodes = pl.pool.PickFallbacks(append(pl.Decodes[:0], first), pl.pick(), first)
 }
 
