@@ -68,6 +68,10 @@ type Plan struct {
 	// (GoalShapes), this many rounds: one run's point is too noisy on a
 	// shared machine to hold a goal to (0 skips them).
 	GoalRounds int
+	// GoalWindow is the goal points' window, Window when 0: at 512
+	// clients a request takes seconds, and a window shorter than that can
+	// close before any completes.
+	GoalWindow time.Duration
 	// SaveProfile, when set, receives pdx's CPU profiles of the
 	// zero-latency, whole-answer points at SizeConcurrency and SweepBody,
 	// and its heap profiles with requests parked (see Memory).
@@ -281,6 +285,9 @@ var GoalShapes = []struct{ Concurrency, BodyBytes int }{{512, 1 << 10}, {512, 32
 // windows.
 func runGoals(ctx context.Context, plan Plan, r *rig, prof Profile, rep *Report) error {
 	plan.SaveProfile = nil // the sweeps' profiles stand
+	if plan.GoalWindow > 0 {
+		plan.Window = plan.GoalWindow
+	}
 	for round := 1; round <= plan.GoalRounds; round++ {
 		for _, g := range GoalShapes {
 			sh := shape{c: g.Concurrency, body: g.BodyBytes}
