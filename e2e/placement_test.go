@@ -13,6 +13,7 @@ import (
 	"github.com/stretchr/testify/assert"
 	"github.com/stretchr/testify/require"
 
+	"github.com/pdx-router/pdx/internal/placement"
 	"github.com/pdx-router/pdx/internal/testbed/enginesim"
 	"github.com/pdx-router/pdx/internal/testbed/stack"
 )
@@ -115,19 +116,20 @@ func TestDeciderDecodesShortPromptsAlone(t *testing.T) {
 // TestEnginesSayTheirKVSize: pdx reads the KV size of vLLM's and SGLang's
 // engines from their metrics (vLLM's cache_config_info, SGLang's token
 // pool), scraped from the engines' listeners, and says the size of the
-// cache it replays for each, in its prefix blocks.
+// cache it replays for each, in its prefix blocks: vLLM's own blocks,
+// which cache_config_info names, and for SGLang, which names none, 64
+// tokens (placement.DefaultPrefixBlockTokens).
 func TestEnginesSayTheirKVSize(t *testing.T) {
-	for _, connector := range []string{"nixl", "sglang"} {
+	for connector, blocks := range map[string]float64{"nixl": 96, "sglang": 96 * 16 / placement.DefaultPrefixBlockTokens} {
 		t.Run(connector, func(t *testing.T) {
 			c := enginesim.ReferenceCapacity(1, 1)
 			c.KVBlocks = 96
 			st := startStack(t, stack.Options{Prefill: 1, Decode: 1, Connector: connector, Engine: enginesim.Config{Capacity: &c}})
 			admin := "http://" + st.Pdx.AdminAddr() + "/metrics"
 			for _, e := range []struct{ role, addr string }{{"prefill", st.Prefill[0].Addr()}, {"decode", st.Decode[0].Addr()}} {
-				// 96 blocks of 16 tokens, in pdx's blocks of 64
-				// (prefix_block_tokens).
+				// 96 blocks of 16 tokens.
 				require.Eventually(t, func() bool {
-					return value(scrape(t, admin), "pdx_endpoint_kv_capacity_blocks", map[string]string{"role": e.role, "endpoint": e.addr}) == 24
+					return value(scrape(t, admin), "pdx_endpoint_kv_capacity_blocks", map[string]string{"role": e.role, "endpoint": e.addr}) == blocks
 				}, 10*time.Second, 20*time.Millisecond, "pdx read the %s engine's KV size", e.role)
 			}
 		})
@@ -148,8 +150,8 @@ func TestPrefixIndexFollowsEviction(t *testing.T) {
 		Engine: enginesim.Config{Capacity: &c, PromptTokensDetails: true}})
 	admin := "http://" + st.Pdx.AdminAddr() + "/metrics"
 	prefill := map[string]string{"role": "prefill", "endpoint": st.Prefill[0].Addr()}
-	// 96 blocks of 16 tokens, in pdx's blocks of 64 (prefix_block_tokens).
-	require.Eventually(t, func() bool { return value(scrape(t, admin), "pdx_endpoint_kv_capacity_blocks", prefill) == 24 },
+	// 96 blocks of 16 tokens, which pdx's prefix blocks are.
+	require.Eventually(t, func() bool { return value(scrape(t, admin), "pdx_endpoint_kv_capacity_blocks", prefill) == 96 },
 		10*time.Second, 20*time.Millisecond, "pdx read the engine's KV size")
 
 	hc := &http.Client{Timeout: 30 * time.Second}

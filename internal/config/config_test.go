@@ -92,7 +92,6 @@ func TestParseAppliesDefaults(t *testing.T) {
 			PrefillPicker:         &configv1.Picker{Policy: "forecast"},
 			DecodePicker:          &configv1.Picker{Policy: "forecast"},
 			Saturation:            defaultSaturation(),
-			PrefixBlockTokens:     64,
 		}},
 	}, cfg)
 }
@@ -172,7 +171,6 @@ func TestParseAllFields(t *testing.T) {
 			PrefillPicker:         &configv1.Picker{Policy: "forecast"},
 			DecodePicker:          &configv1.Picker{Policy: "forecast"},
 			Saturation:            defaultSaturation(),
-			PrefixBlockTokens:     64,
 		}, {
 			Name:           "b",
 			Default:        true,

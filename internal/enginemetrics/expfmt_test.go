@@ -235,7 +235,7 @@ func referenceParse(r io.Reader) (Sample, error) {
 		s.LoRA = referenceLoRA(mf)
 	}
 	if mf, ok := mfs[cacheFamily]; ok {
-		s.KVTokens = referenceKVTokens(mf)
+		s.KVTokens, s.KVBlockSize = referenceKVTokens(mf)
 	}
 	if mf, ok := mfs[kvSizeFamily]; ok {
 		for _, m := range mf.GetMetric() {
@@ -248,9 +248,9 @@ func referenceParse(r io.Reader) (Sample, error) {
 }
 
 // referenceKVTokens is the least num_gpu_blocks × block_size of the
-// family's series.
-func referenceKVTokens(mf *dto.MetricFamily) int {
-	least := 0
+// family's series, and their least block_size.
+func referenceKVTokens(mf *dto.MetricFamily) (int, int) {
+	least, leastSize := 0, 0
 	for _, m := range mf.GetMetric() {
 		if _, ok := referenceValue(m); !ok {
 			continue
@@ -271,8 +271,11 @@ func referenceKVTokens(mf *dto.MetricFamily) int {
 		if blocks > 0 && size > 0 && blocks*size/size == blocks && (least == 0 || blocks*size < least) {
 			least = blocks * size
 		}
+		if size > 0 && (leastSize == 0 || size < leastSize) {
+			leastSize = size
+		}
 	}
-	return least
+	return least, leastSize
 }
 
 func referenceLoRA(mf *dto.MetricFamily) LoRA {

@@ -26,6 +26,11 @@ type Sample struct {
 	// sglang:max_total_num_tokens; the least of their series, one per
 	// engine of a data-parallel server); 0 when the engine does not say.
 	KVTokens int
+	// KVBlockSize is how many tokens a block of that KV holds (vLLM's
+	// vllm:cache_config_info block_size, the least of its series): the
+	// unit in which the engine caches a prompt's prefix; 0 when the
+	// engine does not say.
+	KVBlockSize int
 	// LoRA is what the engine says of its LoRA adapters; MaxLoRA is 0
 	// when it says nothing (no vllm:lora_requests_info: LoRA not enabled).
 	LoRA LoRA
@@ -408,6 +413,9 @@ func (p *parser) add(fi int, s suffix, v float64) error {
 		size, err2 := strconv.Atoi(string(p.blockSize))
 		if t := blocks * size; err1 == nil && err2 == nil && blocks > 0 && size > 0 && t/size == blocks {
 			p.leastKVTokens(t)
+		}
+		if err2 == nil && size > 0 && (p.sample.KVBlockSize == 0 || size < p.sample.KVBlockSize) {
+			p.sample.KVBlockSize = size
 		}
 		return nil
 	}

@@ -27,7 +27,7 @@ func TestParse(t *testing.T) {
 		{
 			name: "vLLM exposition with histograms and process metrics",
 			text: readTestdata(t, "vllm.txt"),
-			want: Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16},
+			want: Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16, KVBlockSize: 16},
 		},
 		{
 			name: "SGLang exposition",
@@ -184,7 +184,7 @@ func TestParserKeptFromScrapeToScrape(t *testing.T) {
 		// The same HELP and TYPE lines again, and no LoRA gauge.
 		{loraSeed[:strings.Index(loraSeed, "vllm:lora")], Sample{Running: 1, KVUsage: -1}},
 		{strings.Repeat("# "+strings.Repeat("x", 1000)+"\n", 2000) + "sglang:num_queue_reqs 3\n", Sample{Waiting: 3, KVUsage: -1}},
-		{readTestdata(t, "vllm.txt"), Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16}},
+		{readTestdata(t, "vllm.txt"), Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16, KVBlockSize: 16}},
 	}
 	for _, tt := range texts {
 		got, err := p.parse(strings.NewReader(tt.text))

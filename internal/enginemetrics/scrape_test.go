@@ -188,7 +188,7 @@ func TestRunHealthyEngineIsStoredRepeatedly(t *testing.T) {
 			rec.mu.Lock()
 			defer rec.mu.Unlock()
 			for _, s := range rec.stores[e.addr()] {
-				require.Equal(t, Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16}, s)
+				require.Equal(t, Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16, KVBlockSize: 16}, s)
 			}
 			require.Empty(t, rec.fails[e.addr()])
 		})
@@ -534,7 +534,7 @@ func TestRunAsksForOnlyTheLoadFamilies(t *testing.T) {
 	rec := newRecorder()
 	start(t, rec, Options{Targets: static(single.addr(), multi.addr())})
 
-	want := Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16}
+	want := Sample{Waiting: 7, Running: 12, KVUsage: 0.6312, KVTokens: 29127 * 16, KVBlockSize: 16}
 	require.Eventually(t, func() bool {
 		s, _ := rec.counts(single.addr())
 		m, _ := rec.counts(multi.addr())

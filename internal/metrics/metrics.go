@@ -566,7 +566,7 @@ var (
 		"What placement has learned of each prefill endpoint's fixed cost of a prefill call (the forecast policy's model).",
 		[]string{"pool", "endpoint"}, nil)
 	endpointKVDesc = prometheus.NewDesc("pdx_endpoint_kv_capacity_blocks",
-		"How many of its pool's prefix blocks (prefix_block_tokens) each engine's KV cache holds, as its metrics said (vLLM's vllm:cache_config_info, SGLang's sglang:max_total_num_tokens): placement counts what pdx sent the endpoint as cached only while it is among that many blocks sent there last. Absent while the engine has not said, or when its cache outgrows what pdx remembers sending.",
+		"How many of its pool's prefix blocks (prefix_block_tokens, unset the engines' own KV block) each engine's KV cache holds, as its metrics said (vLLM's vllm:cache_config_info, SGLang's sglang:max_total_num_tokens): placement counts what pdx sent the endpoint as cached only while it is among that many blocks sent there last. Absent while the engine has not said, or when its cache outgrows what pdx remembers sending.",
 		[]string{"pool", "role", "endpoint"}, nil)
 	inFlightDesc = prometheus.NewDesc("pdx_endpoint_in_flight",
 		"Requests this pdx counts on the endpoint: prefills running (with config peers, the other replicas' too), and decodes whose stream it holds until Envoy finishes their response (a decode detached at routing is the engine's metrics' to count).",

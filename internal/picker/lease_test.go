@@ -220,3 +220,62 @@ func TestLeaseCachedWithinTheEnginesRoom(t *testing.T) {
 	require.Equal(t, 64, cached(set, epA, p1), "a new view keeps the engine's room")
 	require.Equal(t, 192, cached(set, epB, p1))
 }
+
+// With Options.EngineBlocks a Set's prompt blocks are the least KV block
+// its endpoints' engines said, at least MinEngineBlockTokens, and
+// Options.BlockTokens while none has said; the engines' KV is counted in
+// them (KVBlocks).
+func TestEngineBlocks(t *testing.T) {
+	for _, tc := range []struct {
+		name         string
+		engineBlocks bool
+		said         []int // the KV block of epA, epB, epC's engines; 0: not said
+		want         int
+	}{
+		{name: "none said", engineBlocks: true, said: []int{0, 0, 0}, want: 64},
+		{name: "one said", engineBlocks: true, said: []int{32, 0, 0}, want: 32},
+		{name: "the least", engineBlocks: true, said: []int{128, 32, 0}, want: 32},
+		{name: "finer than vLLM's default on GPUs", engineBlocks: true, said: []int{1, 128, 0}, want: MinEngineBlockTokens},
+		{name: "not followed without EngineBlocks", said: []int{32, 0, 0}, want: 64},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			set := NewSet(abc, Options{BlockTokens: 64, EngineBlocks: tc.engineBlocks})
+			for i, ep := range abc {
+				if tc.said[i] > 0 {
+					set.Observe(ep.Address, Load{KVTokens: 6400, KVBlockTokens: tc.said[i], At: time.Now()})
+				}
+			}
+			require.Equal(t, tc.want, set.BlockTokens())
+			if tc.said[0] > 0 {
+				n, ok := set.KVBlocks(epA)
+				require.True(t, ok)
+				require.Equal(t, 6400/tc.want, n, "the engine's KV in the Set's blocks")
+			}
+		})
+	}
+}
+
+// The engines' block is followed as it changes: a sample that does not
+// say it keeps it, an engine with a smaller one lowers it, the endpoint
+// that had the least leaving raises it again, and a Set that inherits
+// the endpoints has it from the start.
+func TestEngineBlocksFollowed(t *testing.T) {
+	set := NewSet(abc, Options{BlockTokens: 64, EngineBlocks: true})
+	set.Observe(epA.Address, Load{KVTokens: 6400, KVBlockTokens: 32, At: time.Now()})
+	set.Observe(epA.Address, Load{At: time.Now()})
+	require.Equal(t, 32, set.BlockTokens(), "a sample that does not say keeps it")
+	set.Observe(epB.Address, Load{KVTokens: 6400, KVBlockTokens: 16, At: time.Now()})
+	require.Equal(t, 16, set.BlockTokens())
+	n, _ := set.KVBlocks(epA)
+	require.Equal(t, 400, n, "every engine's KV counted anew in the new block")
+
+	set.SetEndpoints([]endpoint.Endpoint{epA, epC})
+	require.Equal(t, 32, set.BlockTokens(), "epB, which had the least, left")
+	n, _ = set.KVBlocks(epA)
+	require.Equal(t, 200, n)
+
+	next := NewSet([]endpoint.Endpoint{epA, epC}, Options{BlockTokens: 64, EngineBlocks: true, Inherit: set})
+	require.Equal(t, 32, next.BlockTokens(), "inherited")
+	n, _ = next.KVBlocks(epA)
+	require.Equal(t, 200, n)
+}

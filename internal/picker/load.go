@@ -29,6 +29,10 @@ type Load struct {
 	// does not say. The Set's record of what it sent the engine then
 	// counts as cached only what the engine has had room for since.
 	KVTokens int
+	// KVBlockTokens is how many tokens a block of that cache holds; 0
+	// when the engine does not say. With Options.EngineBlocks the Set's
+	// prompt blocks follow it (BlockTokens).
+	KVBlockTokens int
 	// At is when the engine said so.
 	At time.Time
 	// Adapters is what it said of its LoRA adapters; Observe keeps the
@@ -41,7 +45,9 @@ type load struct {
 	waiting, running int
 	kvUsage          float64
 	kvTokens         int
-	at               int64
+	// kvBlock is Load.KVBlockTokens (or the last that said it).
+	kvBlock int
+	at      int64
 	// ours is how many of this pdx's requests were on the endpoint when the
 	// load was stored: those of the engine's requests it knows of.
 	ours int
@@ -55,17 +61,31 @@ type load struct {
 // (the engine metrics scraper).
 func (s *Set) Observe(address string, l Load) {
 	v := s.view.Load()
+	newBlock := false
 	for i, ep := range v.endpoints {
 		if ep.Address == address {
 			h := v.states[i]
 			h.service.load(l.Running, l.Waiting)
-			kvTokens := l.KVTokens
-			if prev := h.load.Load(); kvTokens <= 0 && prev != nil {
-				kvTokens = prev.kvTokens // a sample that does not say keeps it
+			kvTokens, kvBlock := l.KVTokens, l.KVBlockTokens
+			prev := h.load.Load()
+			if prev != nil {
+				// A sample that does not say keeps what the last said.
+				if kvTokens <= 0 {
+					kvTokens = prev.kvTokens
+				}
+				if kvBlock <= 0 {
+					kvBlock = prev.kvBlock
+				}
 			}
-			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, kvTokens: kvTokens, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load(), lora: l.Adapters})
+			newBlock = newBlock || kvBlock > 0 && (prev == nil || prev.kvBlock != kvBlock)
+			h.load.Store(&load{waiting: l.Waiting, running: l.Running, kvUsage: l.KVUsage, kvTokens: kvTokens, kvBlock: kvBlock, at: int64(l.At.Sub(s.base)), ours: int(h.inFlight.Load()), detached: h.detached.Load(), lora: l.Adapters})
 			v.index.setKVBlocks(v.first[i], s.inBlocks(kvTokens))
 		}
+	}
+	if newBlock && s.engineBlocks {
+		s.mu.Lock()
+		s.followEngineBlocks()
+		s.mu.Unlock()
 	}
 	s.room.wake() // a lighter load may make room
 }

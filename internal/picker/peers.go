@@ -141,7 +141,13 @@ func (j *Journal) record(e PrefillEvent) {
 	}
 }
 
+// MaxPeerBlocks bounds the blocks of a prompt a replica tells its peers,
+// so that a line of them fits the 64 KB in which a replica reads a line
+// (replicas of the versions before MaxBlocks grew to 4,096 too).
+const MaxPeerBlocks = 1024
+
 func (j *Journal) started(pool, endpoint string, id uint64, tokens int, blocks []uint64) {
+	blocks = blocks[:min(len(blocks), MaxPeerBlocks)]
 	e := PrefillEvent{Pool: pool, Endpoint: endpoint, ID: id, Tokens: tokens, Start: time.Now(), Blocks: blocks}
 	j.mu.Lock()
 	defer j.mu.Unlock()

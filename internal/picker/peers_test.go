@@ -187,6 +187,14 @@ func TestJournal(t *testing.T) {
 	}
 	require.Empty(t, r.Events())
 
+	// A long prompt's peers hear its first MaxPeerBlocks blocks.
+	long := make([]uint64, MaxPeerBlocks+8)
+	third, ok := prefill.Pick(Request{Subset: []string{epA.Address}, Tokens: 200, Blocks: long, BlockTokens: 16})
+	require.True(t, ok)
+	require.Len(t, (<-r.Events()).Blocks, MaxPeerBlocks)
+	third.End(Released)
+	require.True(t, (<-r.Events()).Start.IsZero(), "its end")
+
 	decode := newLeg(set, new(RoundRobin), RoleDecode)
 	d, _ := decode.Pick(Request{Tokens: 100})
 	d.End(Released)

@@ -2,6 +2,7 @@ package picker
 
 import (
 	"math/bits"
+	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -14,8 +15,9 @@ import (
 const BytesPerToken = 4
 
 // MaxBlocks bounds how many leading blocks of a prompt are hashed: a match
-// deeper than that adds little to a placement decision.
-const MaxBlocks = 1024
+// deeper than that adds little to a placement decision. It reaches 65,536
+// tokens deep in the blocks of vLLM's default on GPUs (16 tokens).
+const MaxBlocks = 4096
 
 // Blocks appends to dst the chained hashes of prompt's full blocks of
 // blockTokens tokens (at most MaxBlocks) and returns it: hash k covers
@@ -28,6 +30,7 @@ func Blocks(dst []uint64, prompt []byte, blockTokens int) []uint64 {
 	if size <= 0 {
 		return dst
 	}
+	dst = slices.Grow(dst, min(len(prompt)/size, MaxBlocks)) // one allocation, however fine the blocks
 	var h uint64
 	for off := 0; off+size <= len(prompt) && len(dst) < MaxBlocks; off += size {
 		// Chained: the block's hash mixed with its predecessor's.

@@ -53,6 +53,11 @@ type Options struct {
 	// for the Set to count an engine's KV (Load.KVTokens) in blocks; 0
 	// or less: every block sent counts as held, whatever the engine said.
 	BlockTokens int
+	// EngineBlocks: the prompt blocks are the engines' own KV blocks
+	// (Load.KVBlockTokens, the least the endpoints said, at least
+	// MinEngineBlockTokens) once one has said, BlockTokens until then
+	// (see Set.BlockTokens).
+	EngineBlocks bool
 	// Cache, when set, is what the engines report holding: requests with
 	// TokenBlocks are matched against it. Inherit passes it on unless the
 	// new Options name another.
@@ -99,7 +104,11 @@ type Set struct {
 	// indexBlocks is the capacity of each view's prefix index;
 	// blockTokens Options.BlockTokens.
 	indexBlocks, blockTokens int
-	cache                    PrefixCache
+	// engineBlocks is Options.EngineBlocks; engineBlock the engines'
+	// block the Set follows, 0 until one said (written under mu).
+	engineBlocks bool
+	engineBlock  atomic.Int64
+	cache        PrefixCache
 	// adapters numbers Options.Adapters; nil without.
 	adapters *adapterTable
 	// journal hears the prefill leases (nil: none), as pool; peers are
@@ -177,18 +186,19 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		opts.IndexBlocks = DefaultIndexBlocks
 	}
 	s := &Set{
-		threshold:   int32(min(opts.FailureThreshold, 1<<30)),
-		coolDown:    int64(opts.CoolDown),
-		staleAfter:  int64(opts.StaleAfter),
-		saturation:  opts.Saturation,
-		indexBlocks: opts.IndexBlocks,
-		blockTokens: opts.BlockTokens,
-		cache:       opts.Cache,
-		now:         opts.Now,
-		room:        new(room),
-		journal:     opts.Journal,
-		pool:        opts.Pool,
-		peers:       &peerBook{leases: map[peerKey]peerLease{}},
+		threshold:    int32(min(opts.FailureThreshold, 1<<30)),
+		coolDown:     int64(opts.CoolDown),
+		staleAfter:   int64(opts.StaleAfter),
+		saturation:   opts.Saturation,
+		indexBlocks:  opts.IndexBlocks,
+		blockTokens:  opts.BlockTokens,
+		engineBlocks: opts.EngineBlocks,
+		cache:        opts.Cache,
+		now:          opts.Now,
+		room:         new(room),
+		journal:      opts.Journal,
+		pool:         opts.Pool,
+		peers:        &peerBook{leases: map[peerKey]peerLease{}},
 	}
 	var prev *view
 	var prevAdapters *adapterTable
@@ -207,6 +217,9 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 	}
 	s.adapters = newAdapterTable(opts.Adapters, prevAdapters)
 	s.view.Store(s.newView(endpoints, prev))
+	if s.engineBlocks {
+		s.followEngineBlocks() // an inherited endpoint's engine has said
+	}
 	return s
 }
 
@@ -217,6 +230,9 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 func (s *Set) SetEndpoints(endpoints []endpoint.Endpoint) {
 	s.mu.Lock()
 	s.view.Store(s.newView(endpoints, s.view.Load()))
+	if s.engineBlocks {
+		s.followEngineBlocks() // the endpoints that left may have had the least
+	}
 	s.mu.Unlock()
 	s.room.wake() // new endpoints may have room
 }
@@ -337,10 +353,54 @@ func (s *Set) newView(endpoints []endpoint.Endpoint, prev *view) *view {
 
 // inBlocks is kvTokens of KV in prompt blocks; 0 without BlockTokens.
 func (s *Set) inBlocks(kvTokens int) int64 {
-	if s.blockTokens <= 0 {
+	bt := s.BlockTokens()
+	if bt <= 0 {
 		return 0
 	}
-	return int64(kvTokens / s.blockTokens)
+	return int64(kvTokens / bt)
+}
+
+// MinEngineBlockTokens is the least engine block Options.EngineBlocks
+// follows: an engine that caches finer (SGLang's pages of one token) is
+// matched in blocks of vLLM's default on GPUs, as hashing the prompt in
+// smaller ones costs more than it tells.
+const MinEngineBlockTokens = 16
+
+// BlockTokens is the size, in tokens, of the prompt blocks the Set counts
+// its engines' KV in, and so of those its requests' prompts are hashed in
+// (Request.BlockTokens): Options.BlockTokens, or with Options.EngineBlocks
+// the engines' own KV block once one has said. A prefix is cached in
+// whole engine blocks: counted in larger ones, its last engine blocks are
+// missed; in smaller ones, part of a block it does not have is counted.
+func (s *Set) BlockTokens() int {
+	if n := s.engineBlock.Load(); n > 0 {
+		return int(n)
+	}
+	return s.blockTokens
+}
+
+// followEngineBlocks makes the Set's block the least its endpoints'
+// engines said (at least MinEngineBlockTokens), and counts every
+// engine's KV in it. Blocks hashed in the former size match no prompt
+// hashed since, and leave the index as it turns over. s.mu is held, or
+// the Set is not shared yet.
+func (s *Set) followEngineBlocks() {
+	v := s.view.Load()
+	least := 0
+	for _, h := range v.states {
+		if ld := h.load.Load(); ld != nil && ld.kvBlock > 0 && (least == 0 || ld.kvBlock < least) {
+			least = ld.kvBlock
+		}
+	}
+	if least == 0 || int64(max(least, MinEngineBlockTokens)) == s.engineBlock.Load() {
+		return
+	}
+	s.engineBlock.Store(int64(max(least, MinEngineBlockTokens)))
+	for i, h := range v.states {
+		if ld := h.load.Load(); ld != nil {
+			v.index.setKVBlocks(v.first[i], s.inBlocks(ld.kvTokens))
+		}
+	}
 }
 
 // groupID returns the number of group, numbering it if it is new. The

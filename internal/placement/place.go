@@ -81,6 +81,18 @@ func (pl *Placement) Pool() *Pool { return pl.pool }
 // rendered, else the byte estimate.
 func (pl *Placement) Tokens() int { return pl.prompt.Tokens }
 
+// BlockTokens is the size of the blocks a prompt's bytes are hashed in
+// (picker.Blocks): prefix_block_tokens, or unset the KV block of the
+// prefill engines, whose cache decides the hit (of the decode engines in
+// a pool without a prefill leg), DefaultPrefixBlockTokens until they say
+// (picker.Set.BlockTokens).
+func (p *Pool) BlockTokens() int {
+	if p.Prefills {
+		return p.Prefill.Set.BlockTokens()
+	}
+	return p.Decode.Set.BlockTokens()
+}
+
 // Place places a request for which the pool's connector prepares creq:
 // it tokenizes the prompt, waits for room on the decode leg, picks the
 // decode endpoint and its fallbacks, and decides whether the request takes
@@ -93,9 +105,10 @@ func (pl *Placement) Tokens() int { return pl.prompt.Tokens }
 func (p *Pool) Place(ctx context.Context, req Request, creq *connectors.Request) (Placement, error) {
 	pl := Placement{pool: p}
 	text := prompt(creq.Path, creq.Body)
+	bt := p.BlockTokens()
 	pl.prompt = picker.Request{
-		Blocks:      picker.Blocks(nil, text, p.BlockTokens),
-		BlockTokens: p.BlockTokens,
+		Blocks:      picker.Blocks(nil, text, bt),
+		BlockTokens: bt,
 		Tokens:      len(text) / picker.BytesPerToken,
 		Subset:      req.Subset, Session: req.Session, Adapter: req.Adapter,
 	}

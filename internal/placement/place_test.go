@@ -5,6 +5,7 @@ import (
 	"errors"
 	"log/slog"
 	"net/http"
+	"strings"
 	"testing"
 	"time"
 
@@ -16,6 +17,7 @@ import (
 	"github.com/pdx-router/pdx/internal/endpoint"
 	"github.com/pdx-router/pdx/internal/flowcontrol"
 	"github.com/pdx-router/pdx/internal/jsonedit"
+	"github.com/pdx-router/pdx/internal/kvcache"
 	"github.com/pdx-router/pdx/internal/picker"
 	"github.com/pdx-router/pdx/internal/testbed/fakeengine"
 )
@@ -197,7 +199,7 @@ func TestPlaceTokenSource(t *testing.T) {
 func TestDefaults(t *testing.T) {
 	pc := &configv1.Pool{}
 	Defaults(pc, true, true)
-	require.Equal(t, uint32(DefaultPrefixBlockTokens), pc.GetPrefixBlockTokens())
+	require.Zero(t, pc.GetPrefixBlockTokens(), "unset: the engines' block")
 	require.Equal(t, DefaultRenderTimeout, pc.GetRender().GetTimeout().AsDuration(), "KV events render by default")
 	require.Equal(t, picker.DefaultPolicy(picker.RolePrefill), pc.GetPrefillPicker().GetPolicy())
 	require.Equal(t, picker.DefaultPolicy(picker.RoleDecode), pc.GetDecodePicker().GetPolicy())
@@ -264,6 +266,57 @@ func TestSettle(t *testing.T) {
 			for _, ep := range decode {
 				require.Zero(t, p.Decode.Set.InFlight(ep))
 			}
+		})
+	}
+}
+
+// longChat's messages are 1,054 bytes: 16 blocks of 16 tokens.
+var longChat = `{"model":"m","messages":[{"role":"user","content":"` + strings.Repeat("0123456789abcdef", 64) + `"}]}`
+
+// A pool hashes its prompts in prefix_block_tokens, or unset in its
+// prefill engines' KV block once they say it (its decode engines' without
+// a prefill leg), DefaultPrefixBlockTokens until then and where the
+// engines' KV events are read.
+func TestBlockTokens(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		configured uint32
+		prefills   bool
+		kvEvents   bool
+		// prefill and decode are the blocks the legs' engines say.
+		prefill, decode int
+		want            int
+	}{
+		{name: "unset, not said", prefills: true, want: DefaultPrefixBlockTokens},
+		{name: "unset: the prefill engines'", prefills: true, prefill: 32, decode: 128, want: 32},
+		{name: "unset, no prefill leg: the decode engines'", prefill: 32, decode: 128, want: 128},
+		{name: "configured", configured: 64, prefills: true, prefill: 32, decode: 32, want: 64},
+		{name: "unset, KV events read", prefills: true, kvEvents: true, prefill: 32, decode: 32, want: DefaultPrefixBlockTokens},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			opts := Options{Prefills: tc.prefills}
+			if tc.kvEvents {
+				opts.Cache = kvcache.New(kvcache.Config{BlockSize: 16, MaxEntries: 1 << 10})
+			}
+			prefill := []endpoint.Endpoint{{Address: "127.0.0.1:8100", Group: "a"}, {Address: "127.0.0.1:8101", Group: "b"}}
+			decode := []endpoint.Endpoint{{Address: "127.0.0.1:8200", Group: "a"}, {Address: "127.0.0.1:8202", Group: "b"}}
+			p, err := New(&configv1.Pool{Name: "p", PrefixBlockTokens: tc.configured}, prefill, decode, nil, opts)
+			require.NoError(t, err)
+			for _, leg := range []struct {
+				set   *picker.Set
+				block int
+			}{{p.Prefill.Set, tc.prefill}, {p.Decode.Set, tc.decode}} {
+				for _, ep := range leg.set.Endpoints() {
+					leg.set.Observe(ep.Address, picker.Load{KVTokens: 1 << 20, KVBlockTokens: leg.block, At: time.Now()})
+				}
+			}
+			require.Equal(t, tc.want, p.BlockTokens())
+			req, creq := placeRequest(t, longChat, fakeengine.New(), nil)
+			pl, err := p.Place(t.Context(), req, creq)
+			require.NoError(t, err)
+			defer pl.Decode.End(picker.Released)
+			require.Equal(t, tc.want, pl.prompt.BlockTokens)
+			require.Equal(t, picker.Blocks(nil, prompt(creq.Path, creq.Body), tc.want), pl.prompt.Blocks)
 		})
 	}
 }

@@ -322,7 +322,7 @@ func (f *peerFollower) stream(ctx context.Context, address string) error {
 	// A peer that goes silent (its host gone without a word) is gone.
 	silence := time.AfterFunc(peerSilence, cancel)
 	defer silence.Stop()
-	// A line fits the scanner's 64 KB: a start with picker.MaxBlocks
+	// A line fits the scanner's 64 KB: a start with picker.MaxPeerBlocks
 	// hashes of 20 digits is about 21 KB.
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {

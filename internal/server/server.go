@@ -201,7 +201,7 @@ func (s *Server) scrape(m *configv1.EngineMetrics) {
 			Path:     m.GetPath(),
 			Targets:  func() []string { return s.proc.Table().Addresses() },
 			Store: func(address string, smp enginemetrics.Sample, at time.Time) {
-				s.proc.Table().Observe(address, picker.Load{Waiting: smp.Waiting, Running: smp.Running, KVUsage: smp.KVUsage, KVTokens: smp.KVTokens, At: at,
+				s.proc.Table().Observe(address, picker.Load{Waiting: smp.Waiting, Running: smp.Running, KVUsage: smp.KVUsage, KVTokens: smp.KVTokens, KVBlockTokens: smp.KVBlockSize, At: at,
 					Adapters: picker.AdapterLoad{Running: smp.LoRA.Running, Waiting: smp.LoRA.Waiting, MaxLoRA: smp.LoRA.MaxLoRA}})
 				first.heard(address)
 			},

@@ -933,7 +933,9 @@ type Pool struct {
 	// queue up to 1s, then 429.
 	Saturation *Saturation `protobuf:"bytes,21,opt,name=saturation,proto3" json:"saturation,omitempty"`
 	// Size, in tokens, of the blocks a prompt is hashed in for prefix
-	// placement (pdx counts 4 bytes of prompt a token). Default: 64.
+	// placement (pdx counts 4 bytes of prompt a token). Default: the prefill
+	// engines' KV block (vLLM's vllm:cache_config_info block_size, at least
+	// 16), 64 until they say and where kv_events are read.
 	PrefixBlockTokens uint32 `protobuf:"varint,22,opt,name=prefix_block_tokens,json=prefixBlockTokens,proto3" json:"prefix_block_tokens,omitempty"`
 	// How many decode endpoints besides the chosen one pdx names, in the
 	// decode picker's order of preference, for Envoy to retry the decode on
