@@ -432,12 +432,43 @@ func benchPolicies(b *testing.B, role Role, kvTokens int, req Request) {
 	}
 }
 
+// BenchmarkBlocks hashes a 12k-token prompt in blocks of vLLM's default
+// on GPUs (16 tokens), the cache-bound rig's engines' (32) and pdx's
+// default without the engines' word (64).
 func BenchmarkBlocks(b *testing.B) {
-	p := make([]byte, 48<<10) // a 12k-token prompt
-	dst := make([]uint64, 0, MaxBlocks)
-	b.SetBytes(int64(len(p)))
-	for b.Loop() {
-		dst = Blocks(dst[:0], p, 64)
+	p := make([]byte, 48<<10)
+	for _, bt := range []int{16, 32, 64} {
+		b.Run(fmt.Sprintf("block=%d", bt), func(b *testing.B) {
+			dst := make([]uint64, 0, MaxBlocks)
+			b.SetBytes(int64(len(p)))
+			for b.Loop() {
+				dst = Blocks(dst[:0], p, bt)
+			}
+		})
+	}
+}
+
+// BenchmarkPromptSent is a prefill's pick and end for a 12k-token prompt
+// the endpoint was sent before, in blocks of each size, its engine having
+// said its KV (so the pick reads and the lease replays the LRU): what
+// the finer blocks cost a request beyond their hashing.
+func BenchmarkPromptSent(b *testing.B) {
+	p := make([]byte, 48<<10)
+	for i := range p {
+		p[i] = byte(i)
+	}
+	for _, bt := range []int{16, 32, 64} {
+		b.Run(fmt.Sprintf("block=%d", bt), func(b *testing.B) {
+			set := NewSet(abc, Options{BlockTokens: bt})
+			set.Observe(epA.Address, Load{KVTokens: 1 << 20, At: time.Now()})
+			l := newLeg(set, new(RoundRobin), RolePrefill)
+			req := Request{Subset: []string{epA.Address}, Tokens: 12 << 10, Blocks: Blocks(nil, p, bt), BlockTokens: bt}
+			b.ReportAllocs()
+			for b.Loop() {
+				lease, _ := l.Pick(req)
+				lease.End(Succeeded)
+			}
+		})
 	}
 }
 
