@@ -361,9 +361,9 @@ func (s *Set) inBlocks(kvTokens int) int64 {
 }
 
 // MinEngineBlockTokens is the least engine block Options.EngineBlocks
-// follows: an engine that caches finer (SGLang's pages of one token) is
-// matched in blocks of vLLM's default on GPUs, as hashing the prompt in
-// smaller ones costs more than it tells.
+// follows: an engine that says it caches finer (blocks of 1 or 8 tokens)
+// is matched in blocks of vLLM's default on GPUs, as hashing the prompt
+// in smaller ones costs more than it tells.
 const MinEngineBlockTokens = 16
 
 // BlockTokens is the size, in tokens, of the prompt blocks the Set counts
