@@ -392,10 +392,11 @@ func (s *Set) followEngineBlocks() {
 			least = ld.kvBlock
 		}
 	}
-	if least == 0 || int64(max(least, MinEngineBlockTokens)) == s.engineBlock.Load() {
+	n := int64(max(least, MinEngineBlockTokens))
+	if least == 0 || n == s.engineBlock.Load() {
 		return
 	}
-	s.engineBlock.Store(int64(max(least, MinEngineBlockTokens)))
+	s.engineBlock.Store(n)
 	for i, h := range v.states {
 		if ld := h.load.Load(); ld != nil {
 			v.index.setKVBlocks(v.first[i], s.inBlocks(ld.kvTokens))

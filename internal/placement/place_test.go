@@ -283,6 +283,7 @@ func TestBlockTokens(t *testing.T) {
 		configured uint32
 		prefills   bool
 		kvEvents   bool
+		noRender   bool
 		// prefill and decode are the blocks the legs' engines say.
 		prefill, decode int
 		want            int
@@ -292,6 +293,7 @@ func TestBlockTokens(t *testing.T) {
 		{name: "unset, no prefill leg: the decode engines'", prefill: 32, decode: 128, want: 128},
 		{name: "configured", configured: 64, prefills: true, prefill: 32, decode: 32, want: 64},
 		{name: "unset, KV events read", prefills: true, kvEvents: true, prefill: 32, decode: 32, want: DefaultPrefixBlockTokens},
+		{name: "unset, KV events not read: no render", prefills: true, kvEvents: true, noRender: true, prefill: 32, decode: 32, want: 32},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			opts := Options{Prefills: tc.prefills}
@@ -300,7 +302,11 @@ func TestBlockTokens(t *testing.T) {
 			}
 			prefill := []endpoint.Endpoint{{Address: "127.0.0.1:8100", Group: "a"}, {Address: "127.0.0.1:8101", Group: "b"}}
 			decode := []endpoint.Endpoint{{Address: "127.0.0.1:8200", Group: "a"}, {Address: "127.0.0.1:8202", Group: "b"}}
-			p, err := New(&configv1.Pool{Name: "p", PrefixBlockTokens: tc.configured}, prefill, decode, nil, opts)
+			pc := &configv1.Pool{Name: "p", PrefixBlockTokens: tc.configured}
+			if tc.noRender {
+				pc.Render = &configv1.Render{Disabled: true}
+			}
+			p, err := New(pc, prefill, decode, nil, opts)
 			require.NoError(t, err)
 			for _, leg := range []struct {
 				set   *picker.Set

@@ -128,15 +128,6 @@ func New(pc *configv1.Pool, prefill, decode []endpoint.Endpoint, prev *Pool, opt
 		Adapters:         pc.GetLora().GetAdapters(),
 		BlockTokens:      int(pc.GetPrefixBlockTokens()),
 	}
-	if health.BlockTokens == 0 {
-		// Unset, the blocks are the engines' (Pool.BlockTokens), but
-		// where their KV events are read: there what pdx sent only
-		// stands in for what the events have not told yet, and blocks
-		// of the default size count less of it than finer ones, so that
-		// the engines' word decides (on the cache-bound rig the engines'
-		// blocks raised precise placement's TTFT p90 at 55% and 85%).
-		health.BlockTokens, health.EngineBlocks = DefaultPrefixBlockTokens, opts.Cache == nil
-	}
 	var render *Render
 	if r := pc.GetRender(); r != nil && !r.GetDisabled() {
 		render = &Render{Address: r.GetAddress(), Timeout: r.GetTimeout().AsDuration()}
@@ -147,6 +138,16 @@ func New(pc *configv1.Pool, prefill, decode []endpoint.Endpoint, prev *Pool, opt
 	if opts.Cache != nil && render != nil {
 		// Only rendered prompts match the engines' blocks.
 		health.Cache = opts.Cache
+	}
+	if health.BlockTokens == 0 {
+		// Unset, the blocks are the engines' (Pool.BlockTokens), but
+		// where the pool reads their KV events (it renders): there what
+		// pdx sent only stands in for what the events have not told
+		// yet, and blocks of the default size count less of it than
+		// finer ones, so that the engines' word decides (on the
+		// cache-bound rig the engines' blocks raised precise
+		// placement's TTFT p90 at 55% and 85%).
+		health.BlockTokens, health.EngineBlocks = DefaultPrefixBlockTokens, health.Cache == nil
 	}
 	if s := pc.GetSaturation(); s != nil && !s.GetDisabled() {
 		health.Saturation = picker.Saturation{
