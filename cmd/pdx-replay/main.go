@@ -74,6 +74,7 @@ func run(ctx context.Context, args []string) error {
 	fs.Float64Var(&plan.Tolerance, "tolerance", 0.05, "correct a point's rate once when round robin misses its target busy share by more")
 	fs.StringVar(&plan.ExtraPoolYAML, "pool-yaml", "", `YAML lines added to every policy's pool, e.g. "saturation: {disabled: true}"`)
 	fs.IntVar(&plan.Repeats, "repeats", 1, "fresh replays pooled per run (the grid's time grows with it)")
+	fs.BoolVar(&plan.Rig.PromptTokensDetails, "prompt-tokens-details", false, "the engines report the prompt tokens they found cached in each answer (vLLM's --enable-prompt-tokens-details): pdx learns from them, and each pdx run records its self-check, what it predicted cached against what the engines reported")
 	fs.StringVar(&plan.Rig.EnvoyBin, "envoy-bin", "", "Envoy binary (default: $ENVOY_BIN or the one `make envoy` installs)")
 	cpuProfile := fs.String("cpuprofile", "", "write a CPU profile of the harness process (pdx, the simulators, the client) to this file")
 	if err := fs.Parse(args); err != nil {
@@ -101,7 +102,7 @@ func run(ctx context.Context, args []string) error {
 		if err != nil {
 			return err
 		}
-		p.ExtraPoolYAML, p.Rig.EnvoyBin = plan.ExtraPoolYAML, plan.Rig.EnvoyBin
+		p.ExtraPoolYAML, p.Rig.EnvoyBin, p.Rig.PromptTokensDetails = plan.ExtraPoolYAML, plan.Rig.EnvoyBin, plan.Rig.PromptTokensDetails
 		if !set["out"] {
 			*out = filepath.Join("bench", "replay", *rig)
 		}

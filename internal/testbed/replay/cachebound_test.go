@@ -103,7 +103,8 @@ func TestCacheBoundPlan(t *testing.T) {
 // cache-bound rig at one fixed speedup, pdx's default (at 1 and 2
 // replicas) and the oracle, each twice: no round robin runs unless asked,
 // every answer whole and its own, the rate the speedup's, each replay's
-// own figures and the engines' service in the result, the replicas
+// own figures and the engines' service in the result, pdx's prediction of
+// what the engines found cached against what they reported, the replicas
 // measured against the oracle, and the rig's report.
 func TestCacheBoundReplay(t *testing.T) {
 	c := headRig()
@@ -114,10 +115,12 @@ func TestCacheBoundReplay(t *testing.T) {
 	p, err := c.Plan()
 	require.NoError(t, err)
 	p.Progress = testWriter{t}
+	p.Rig.PromptTokensDetails = true
 	rep, err := Run(t.Context(), p)
 	require.NoError(t, err)
 	require.NoError(t, rep.Violations())
 	require.Len(t, rep.Runs, 2)
+	require.True(t, rep.PromptTokensDetails)
 	require.Len(t, rep.ReplicaRuns, 2)
 	tr := rep.Traces[0]
 	require.Equal(t, []float64{4 * tr.NativeRate}, tr.Rates)
@@ -137,6 +140,17 @@ func TestCacheBoundReplay(t *testing.T) {
 		require.Positive(t, r.Service.Prefills)
 		require.Positive(t, r.Service.DeliveredTokensPerSec)
 		require.LessOrEqual(t, r.Service.DeliveredTokensPerSec, 1.01*r.Service.TokensPerSec, "timers wake late, never early")
+		if r.Oracle {
+			require.Nil(t, r.SelfCheck, "the oracle is not pdx")
+			continue
+		}
+		// pdx hashes prompts in the engines' blocks: what it predicts
+		// cached is what they report, within a block of a few prefills.
+		c := r.SelfCheck
+		require.NotNil(t, c, "%s x%d", r.Policy, r.Replicas)
+		require.Positive(t, c.ReportedCachedTokens, "the trace's turns share prefixes")
+		t.Logf("%s x%d: predicted %d, reported %d cached", r.Policy, r.Replicas, c.PredictedCachedTokens, c.ReportedCachedTokens)
+		require.InDelta(t, 1, c.Ratio, 0.2, "%s x%d", r.Policy, r.Replicas)
 	}
 	require.Equal(t, 2, rep.ReplicaRuns[1].Replicas)
 	require.NotNil(t, rep.ReplicaRuns[1].VsOracle, "the replicas' distance from the oracle")
@@ -147,7 +161,7 @@ func TestCacheBoundReplay(t *testing.T) {
 	require.NoError(t, err)
 	for _, want := range []string{"# Trace replay: the cache-bound rig", "**Goodput: TTFT ≤ 500 ms**", "2 prompts at once",
 		"| 70% → – | pdx-default | 1 |", "| 70% → – | pdx-default | 2 |", "| 70% → – | oracle | 1 |", "TTFT p90 × oracle",
-		"2500 + 5 ms →"} {
+		"2500 + 5 ms →", "Placement's self-check", "pdx-default x2 at 70% → –: "} {
 		require.Contains(t, string(summary), want)
 	}
 }

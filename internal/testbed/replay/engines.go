@@ -91,11 +91,12 @@ func (es *EngineStats) add(u enginesim.Usage) {
 
 // engineConfig is every simulator's config: the rig's capacity (by
 // default the reference capacity at the run's scales, fixed before any
-// policy was tuned), and counts instead of records.
+// policy was tuned), and counts instead of records; with
+// PromptTokensDetails, answers that say what was found cached.
 func (rig Rig) engineConfig() (enginesim.Config, enginesim.Capacity) {
 	c := enginesim.ReferenceCapacity(float64(rig.Scale.TokenScale), rig.TimeScale)
 	if rig.Capacity != nil {
 		c = *rig.Capacity
 	}
-	return enginesim.Config{Capacity: &c, TallyOnly: true}, c
+	return enginesim.Config{Capacity: &c, TallyOnly: true, PromptTokensDetails: rig.PromptTokensDetails}, c
 }

@@ -158,6 +158,9 @@ type Report struct {
 	// DecodeKVBlocks is the decode engines' KV in blocks where it is not
 	// Capacity's (Rig.DecodeCapacity); 0 otherwise.
 	DecodeKVBlocks int `json:"decode_kv_blocks,omitempty"`
+	// PromptTokensDetails: the engines reported what they found cached
+	// (Rig.PromptTokensDetails).
+	PromptTokensDetails bool `json:"prompt_tokens_details,omitempty"`
 	// VLLMRouter is the version of the vllm-router that served the peer
 	// profiles' runs; empty when none ran.
 	VLLMRouter string        `json:"vllm_router,omitempty"`
@@ -230,7 +233,7 @@ func Run(ctx context.Context, p Plan) (*Report, error) {
 		TokenScale: p.Rig.Scale.TokenScale, TimeScale: p.Rig.TimeScale, BlockBytes: p.Rig.Scale.BlockBytes(),
 		Prefill: p.Rig.Prefill, Decode: p.Rig.Decode, Capacity: capacity, Loads: p.Loads,
 		Policies: map[string]string{}, TTFTFactor: p.TTFTFactor, TPOTFactor: p.TPOTFactor,
-		Repeats: max(p.Repeats, 1), ExtraPoolYAML: p.ExtraPoolYAML,
+		Repeats: max(p.Repeats, 1), ExtraPoolYAML: p.ExtraPoolYAML, PromptTokensDetails: p.Rig.PromptTokensDetails,
 	}
 	if d := p.Rig.DecodeCapacity; d != nil {
 		rep.DecodeKVBlocks = d.KVBlocks

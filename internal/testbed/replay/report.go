@@ -133,6 +133,7 @@ func (rep *Report) traceSummary(b *strings.Builder, tr TraceReport) {
 			intList(r.Engines.DecodeRequests), r.DecodeCV, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected, r.CPU.Router, r.CPU.Harness, r.CPU.RouterMsPerRequest)
 	}
 	b.WriteString("\n")
+	selfCheckSummary(b, rep.Runs, tr.Name)
 	rep.decodeAloneSummary(b, tr)
 	rep.oracleSummary(b, tr)
 	for _, r := range rep.Runs {
@@ -165,6 +166,24 @@ func (rep *Report) oracleSummary(b *strings.Builder, tr TraceReport) {
 	}
 	b.WriteString("\n")
 	rep.oracleRegret(b, tr.Name)
+}
+
+// selfCheckSummary says how placement's predictions of cached prompt
+// tokens fared against the engines' reports on trace, for the runs that
+// recorded them (Rig.PromptTokensDetails).
+func selfCheckSummary(b *strings.Builder, runs []RunResult, trace string) {
+	var cells []string
+	for _, r := range runs {
+		if c := r.SelfCheck; r.Trace == trace && c != nil {
+			cells = append(cells, fmt.Sprintf("%s x%d at %s: %d / %d (%.2f)", r.Policy, r.Replicas, loadLabel(r),
+				c.PredictedCachedTokens, c.ReportedCachedTokens, c.Ratio))
+		}
+	}
+	if len(cells) > 0 {
+		fmt.Fprintf(b, "Placement's self-check (the engines report what they found cached: `--prompt-tokens-details`): prompt tokens pdx "+
+			"predicted its prefills would find cached / the engines reported cached (`%s`, every replica's), and their ratio: %s.\n\n",
+			cachedTokensMetric, strings.Join(cells, "; "))
+	}
 }
 
 // regretLegend says what the distance tables' last column is.
@@ -344,6 +363,7 @@ func (rep *Report) cacheBoundTrace(b *strings.Builder, tr TraceReport, c engines
 			r.Service.TokensPerSec, r.Service.OverheadMs, r.Service.DeliveredTokensPerSec, learned)
 	}
 	b.WriteString("\n")
+	selfCheckSummary(b, rows, rows[0].Trace)
 	var far []RunResult
 	for _, r := range rows {
 		if r.VsOracle != nil {

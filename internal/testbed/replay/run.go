@@ -32,6 +32,12 @@ type Rig struct {
 	// Capacity's.
 	DecodeCapacity *enginesim.Capacity
 	EnvoyBin       string
+	// PromptTokensDetails: the engines report the prompt tokens they found
+	// cached in each answer (vLLM's --enable-prompt-tokens-details). pdx
+	// then learns each prefill's service from what the engine computed,
+	// and its self-check's prediction is recorded against the engines'
+	// word (RunResult.SelfCheck).
+	PromptTokensDetails bool
 }
 
 // run is one replay: a policy, a schedule, a replica count.
@@ -112,6 +118,21 @@ type RunResult struct {
 	// Placement judges the prefill placements against the engines' true
 	// state (see Regret), the replays pooled; nil when none was judged.
 	Placement *Regret `json:"placement_regret,omitempty"`
+	// SelfCheck is placement's prediction of the prompt tokens the prefill
+	// engines would find cached against what they reported, the replays
+	// and replicas summed; nil unless pdx placed and the engines report
+	// (Rig.PromptTokensDetails).
+	SelfCheck *SelfCheck `json:"self_check,omitempty"`
+}
+
+// SelfCheck is pdx_placement_cached_tokens_total's two sources: the
+// prompt tokens placement predicted its prefills would find cached, and
+// those the engines reported cached. Ratio is the first over the second:
+// below 1, placement thought prompts less cached than they were.
+type SelfCheck struct {
+	PredictedCachedTokens int64   `json:"predicted_cached_tokens"`
+	ReportedCachedTokens  int64   `json:"reported_cached_tokens"`
+	Ratio                 float64 `json:"ratio"`
 }
 
 // Learned is what pdx's service model learned of the prefill engines from
@@ -283,6 +304,9 @@ type sample struct {
 	learned *Learned
 	// judged is the replay's prefill placements judged (see Regret).
 	judged judged
+	// check is what pdx's replicas predicted and the engines reported
+	// cached; nil unless the engines report it.
+	check *SelfCheck
 }
 
 // replay starts a fresh deployment for r, sends every request at its scheduled
@@ -309,6 +333,11 @@ func (rig Rig) replay(ctx context.Context, r run) (sample, error) {
 	s := sample{outs: outs, engines: engineStats(d.st), elapsed: elapsed, cpu: use, judged: placed}
 	if d.peer == nil && d.oracle == nil {
 		s.learned = learned(d.st)
+		if rig.PromptTokensDetails {
+			if s.check, err = selfCheck(ctx, d.st); err != nil {
+				return sample{}, fmt.Errorf("policy %s: %w", r.profile.Name, err)
+			}
+		}
 	}
 	if d.peer != nil {
 		s.vllmRouter = d.peer.Version()
@@ -557,6 +586,7 @@ func summarizeRun(r run, samples []sample, slo SLO, c enginesim.Capacity) RunRes
 	res.Service = service(c, es)
 	res.Learned = meanLearned(samples)
 	res.Placement = pooledRegret(samples)
+	res.SelfCheck = pooledSelfCheck(samples)
 	if len(samples) > 1 {
 		for i := range samples {
 			one := summarizeRun(r, samples[i:i+1], slo, c)

@@ -365,6 +365,20 @@ func (s *Stack) waitReplicasReached(ctx context.Context) error {
 	}
 }
 
+// ReplicaMetrics is every pdx replica's metrics, in the text exposition
+// its admin endpoint serves, in the order of Replicas.
+func (s *Stack) ReplicaMetrics(ctx context.Context) ([]string, error) {
+	client := &http.Client{Timeout: 5 * time.Second}
+	defer client.CloseIdleConnections()
+	out := make([]string, 0, len(s.Replicas))
+	for _, p := range s.Replicas {
+		if err := get(ctx, client, "http://"+p.AdminAddr()+"/metrics", func(body string) { out = append(out, body) }); err != nil {
+			return nil, err
+		}
+	}
+	return out, nil
+}
+
 // get fetches url and hands its body to read, when set.
 func get(ctx context.Context, client *http.Client, url string, read func(string)) error {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)

@@ -31,16 +31,12 @@ func TestPdxReplicas(t *testing.T) {
 		resp.Body.Close()
 		require.Equal(t, http.StatusOK, resp.StatusCode, st.Logs())
 	}
-	for i, p := range st.Replicas {
-		require.Positive(t, requestsTotal(t, "http://"+p.AdminAddr()+"/metrics"), "replica %d served none", i)
+	metrics, err := st.ReplicaMetrics(t.Context())
+	require.NoError(t, err)
+	require.Len(t, metrics, 3)
+	for i, body := range metrics {
+		require.Positive(t, requestsTotalOf(body), "replica %d served none", i)
 	}
-}
-
-// requestsTotal is the requests a replica's metrics count.
-func requestsTotal(t *testing.T, url string) float64 {
-	var n float64
-	require.NoError(t, get(t.Context(), http.DefaultClient, url, func(body string) { n = requestsTotalOf(body) }))
-	return n
 }
 
 // TestStartEngines starts the engines alone, as Start's own, for another
