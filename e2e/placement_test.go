@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strings"
 	"sync"
@@ -192,6 +193,17 @@ func TestPrefixIndexFollowsEviction(t *testing.T) {
 	predicted, reported = cached(first)
 	require.Zero(t, reported, "the engine evicted it")
 	require.Zero(t, predicted, "pdx predicted it evicted")
+
+	// The engine counted every prompt's tokens: pdx learned how many of
+	// its own (a prompt's bytes over 4) make one of the engine's, and
+	// replays the engine's cache in that many of its blocks for each of
+	// the engine's.
+	scale := value(scrape(t, admin), "pdx_prefill_tokens_per_engine_token", nil)
+	require.NotEqual(t, 1.0, scale, "learned from the engine's answers")
+	require.InDelta(t, 1, scale, 0.5)
+	require.Eventually(t, func() bool {
+		return value(scrape(t, admin), "pdx_endpoint_kv_capacity_blocks", prefill) == math.Floor(96*16*scale/16)
+	}, 10*time.Second, 20*time.Millisecond, "pdx replays the engine's 96 blocks as %.2f× as many of its own", scale)
 	for _, e := range st.Engines() {
 		require.Zero(t, e.Tally().Rejected, e.Addr())
 	}

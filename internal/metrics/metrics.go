@@ -562,6 +562,9 @@ var (
 	slotsDesc = prometheus.NewDesc("pdx_prefill_service_slots",
 		"How many prompts each prefill endpoint has been seen computing at once while others waited (its metrics' running requests), which the forecast policy's model reads; 1 before its metrics have shown it.",
 		[]string{"pool", "endpoint"}, nil)
+	tokenScaleDesc = prometheus.NewDesc("pdx_prefill_tokens_per_engine_token",
+		"How many of pdx's prompt tokens (a prompt's bytes over 4, in which it hashes prompts into blocks) each pool's prefill engines count as one of theirs, learned from the usage.prompt_tokens of the prefills pdx calls: pdx's record of what each engine holds is that many of its blocks for each of the engine's. 1 until an engine answered.",
+		[]string{"pool"}, nil)
 	overheadDesc = prometheus.NewDesc("pdx_prefill_service_overhead_seconds",
 		"What placement has learned of each prefill endpoint's fixed cost of a prefill call (the forecast policy's model).",
 		[]string{"pool", "endpoint"}, nil)
@@ -585,6 +588,7 @@ func (c *endpointCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- serviceDesc
 	ch <- overheadDesc
 	ch <- slotsDesc
+	ch <- tokenScaleDesc
 }
 
 func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
@@ -599,6 +603,9 @@ func (c *endpointCollector) Collect(ch chan<- prometheus.Metric) {
 			s.Flow.Waiting(func(priority, n int) {
 				ch <- prometheus.MustNewConstMetric(waitingDesc, prometheus.GaugeValue, float64(n), p.Name, strconv.Itoa(priority))
 			})
+		}
+		if p.Traits.Prefills {
+			ch <- prometheus.MustNewConstMetric(tokenScaleDesc, prometheus.GaugeValue, p.Prefill.Set.TokenScale(), p.Name)
 		}
 		for _, side := range []struct {
 			role string

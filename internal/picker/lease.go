@@ -35,8 +35,10 @@ type Lease struct {
 	h   *health
 	ep  endpoint.Endpoint
 	// rank is the DP rank counted, none without one.
-	rank           endpoint.Rank
-	tokens, cached int
+	rank endpoint.Rank
+	// prompt is the prompt's tokens as pdx counts them; tokens those the
+	// endpoint is to compute (a prefill's: the prompt less cached).
+	prompt, tokens, cached int
 	// held is what the engine reported it held of the prompt, in tokens,
 	// -1 where the pick did not read its events.
 	held int
@@ -69,7 +71,7 @@ type Lease struct {
 // as the pick read it, or -1.
 func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	h, pos := v.states[i], v.first[i]
-	l := Lease{set: s, h: h, ep: v.endpoints[i], tokens: req.Tokens, held: -1, blocks: req.Blocks, adapter: -1, tentative: req.Tentative}
+	l := Lease{set: s, h: h, ep: v.endpoints[i], prompt: req.Tokens, tokens: req.Tokens, held: -1, blocks: req.Blocks, adapter: -1, tentative: req.Tentative}
 	if req.Adapter != "" {
 		l.adapter = s.adapters.index(req.Adapter)
 		if !req.Tentative {
@@ -149,11 +151,15 @@ func (l *Lease) Session() SessionOutcome { return l.session }
 // Observe tells a prefill lease what its engine said of the prompt when
 // it answered: promptTokens in all, cachedTokens of them found in its
 // cache. The endpoint's service model learns from the tokens it
-// computed, rather than from the pick's estimate of them. A lease that
+// computed, rather than from the pick's estimate of them, and the Set how
+// many of its tokens the engines count as one (learnTokens). A lease that
 // is not a prefill's ignores it.
 func (l *Lease) Observe(promptTokens, cachedTokens int) {
 	if l.prefill && promptTokens > 0 {
 		l.uncached = max(promptTokens-max(cachedTokens, 0), 0)
+		if l.set != nil {
+			l.set.learnTokens(l.prompt, promptTokens)
+		}
 	}
 }
 

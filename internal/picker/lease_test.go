@@ -279,3 +279,46 @@ func TestEngineBlocksFollowed(t *testing.T) {
 	n, _ = next.KVBlocks(epA)
 	require.Equal(t, 200, n)
 }
+
+// pdx counts a prompt's tokens as its bytes over BytesPerToken; the
+// engines count theirs. Once the engines' answers say how many of pdx's
+// tokens make one of theirs, an engine's KV is that many more of pdx's
+// blocks, and a Set that inherits the endpoints knows it from the start.
+func TestTokenScale(t *testing.T) {
+	eps := endpoints(2)
+	set := NewSet(eps, Options{BlockTokens: 64})
+	set.Observe(eps[0].Address, Load{KVTokens: 6400, At: time.Now()})
+	n, _ := set.KVBlocks(eps[0])
+	require.Equal(t, 100, n, "before any answer: one of pdx's tokens an engine token")
+	require.InDelta(t, 1.0, set.TokenScale(), 1e-9)
+
+	l := newLeg(set, Forecast{}, RolePrefill)
+	prompt := blocksOf(1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+	cached := 0
+	for range 400 {
+		// The same prompt each time: after the first, pdx counts most of
+		// it cached, and learns from the whole prompt, not the rest.
+		lease, ok := l.Pick(Request{Subset: []string{eps[0].Address}, Blocks: prompt, BlockTokens: 64, Tokens: 1250})
+		require.True(t, ok)
+		lease.Observe(1000, 800)
+		lease.Observe(0, 0) // an answer without usage says nothing
+		lease.End(Succeeded)
+		cached = lease.Cached()
+	}
+	require.Equal(t, 640, cached, "the prompt's ten blocks sent before")
+	require.InDelta(t, 1.25, set.TokenScale(), 0.01)
+	set.Observe(eps[0].Address, Load{KVTokens: 6400, At: time.Now()})
+	n, _ = set.KVBlocks(eps[0])
+	require.Equal(t, 125, n, "the engine's 6,400 tokens are 8,000 of pdx's")
+
+	next := NewSet(eps, Options{BlockTokens: 64, Inherit: set})
+	require.InDelta(t, 1.25, next.TokenScale(), 0.01, "inherited")
+
+	decodeSet := NewSet(eps, Options{BlockTokens: 64})
+	decode := newLeg(decodeSet, Forecast{}, RoleDecode)
+	lease, ok := decode.Pick(Request{Tokens: 1250})
+	require.True(t, ok)
+	lease.Observe(100, 0)
+	lease.End(Succeeded)
+	require.InDelta(t, 1.0, decodeSet.TokenScale(), 1e-9, "a decode lease learns nothing")
+}

@@ -282,8 +282,8 @@ func (m *service) learn(t float64, q queue, own int) {
 // solve returns the coefficients that fit the weighted sums best with the
 // seed as a prior of priorWeight samples at one thousand tokens, bounded
 // to sane values: an overhead from 0 to a minute, rates from one token a
-// second up, and the queue costing at least what the engine's slots take
-// to compute it.
+// second up, and a token the call waits for costing at least one of its
+// own.
 func (m *service) solve() ([features]float64, bool) {
 	prior := seed(DefaultPrefillTokensPerSec)
 	if m.samples.Load() > 0 {
@@ -330,12 +330,19 @@ func (m *service) solve() ([features]float64, bool) {
 	for i := 1; i < features; i++ {
 		out[i] = min(max(out[i], 0), 1000)
 	}
-	// An engine drains what is ahead of a call no faster than all its
-	// slots computing at the prompt rate: a fit that says the queue costs
-	// less (samples of an idle engine, a burst's) would draw every
-	// request to it.
-	if least := out[3] / float64(m.slotsSeen()); out[1]+out[2] < least {
-		out[2] = least - out[1]
+	// A token the call waits for (which is ahead of it too) costs it at
+	// least one of its own: the slot free first, or the engine's shared
+	// step, computes it at no more than one prompt's rate. The fit alone
+	// says less: the queue it is fitted to is pdx's count, off by what
+	// each prompt ahead found cached and how far each running one got,
+	// and a regressor counted with error draws its coefficient toward 0
+	// and the overhead up (on the cache-bound rig at 85%, a waited token
+	// learned at 3,350–3,910 tokens a second where the engines compute
+	// 2,500, the overhead at 10–21 ms where it is 5). A queue that costs too little
+	// keeps prompts behind it for their cache, and one that costs nothing
+	// (samples of an idle engine, a burst's) would draw every request.
+	if out[1]+out[2] < out[3] {
+		out[2] = out[3] - out[1]
 	}
 	return out, true
 }

@@ -1,6 +1,7 @@
 package picker
 
 import (
+	"math"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -108,7 +109,12 @@ type Set struct {
 	// block the Set follows, 0 until one said (written under mu).
 	engineBlocks bool
 	engineBlock  atomic.Int64
-	cache        PrefixCache
+	// tokenScale is how many of pdx's tokens (a prompt's bytes over
+	// BytesPerToken, which it hashes into blocks) the Set's engines
+	// count as one of theirs, as float64 bits: learned from the prompts
+	// they answered (Lease.Observe), 0 until one has.
+	tokenScale atomic.Uint64
+	cache      PrefixCache
 	// adapters numbers Options.Adapters; nil without.
 	adapters *adapterTable
 	// journal hears the prefill leases (nil: none), as pool; peers are
@@ -208,6 +214,7 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		s.base = opts.Inherit.base
 		s.room = opts.Inherit.room
 		s.peers = opts.Inherit.peers
+		s.tokenScale.Store(opts.Inherit.tokenScale.Load())
 		if s.cache == nil {
 			s.cache = opts.Inherit.cache
 		}
@@ -357,7 +364,51 @@ func (s *Set) inBlocks(kvTokens int) int64 {
 	if bt <= 0 {
 		return 0
 	}
-	return int64(kvTokens / bt)
+	return int64(float64(kvTokens) * s.TokenScale() / float64(bt))
+}
+
+// Bounds and memory of tokenScale.
+const (
+	// tokenScaleMemory is how many answered prompts the scale remembers:
+	// each moves it 1/tokenScaleMemory of the way to its own ratio.
+	tokenScaleMemory = 64
+	// minTokenScale and maxTokenScale bound a prompt's ratio: beyond
+	// them pdx's count is not a count of the same text (an engine that
+	// reports no prompt tokens, a prompt truncated).
+	minTokenScale, maxTokenScale = 0.25, 4.0
+)
+
+// learnTokens counts a prompt pdx took for ours tokens that its engine
+// counted as theirs. An engine's KV holds its tokens; pdx's record of
+// what the engine holds (the prefix index's LRU of each endpoint) is in pdx's
+// blocks, which a prompt has that many more of: sized in the engine's
+// count, it would forget what the engine still holds (on the cache-bound
+// rig, pdx counted 9% more tokens than the engines, and predicted prompts
+// uncached that the engine held). It does not allocate.
+func (s *Set) learnTokens(ours, theirs int) {
+	if ours <= 0 || theirs <= 0 {
+		return
+	}
+	r := min(max(float64(ours)/float64(theirs), minTokenScale), maxTokenScale)
+	for {
+		old := s.tokenScale.Load()
+		next := r
+		if cur := math.Float64frombits(old); cur > 0 {
+			next = cur + (r-cur)/tokenScaleMemory
+		}
+		if s.tokenScale.CompareAndSwap(old, math.Float64bits(next)) {
+			return
+		}
+	}
+}
+
+// TokenScale is how many of pdx's tokens the Set's engines count as one
+// of theirs, as learned from their answers; 1 until they have answered.
+func (s *Set) TokenScale() float64 {
+	if r := math.Float64frombits(s.tokenScale.Load()); r > 0 {
+		return r
+	}
+	return 1
 }
 
 // MinEngineBlockTokens is the least engine block Options.EngineBlocks

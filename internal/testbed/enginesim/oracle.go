@@ -25,6 +25,8 @@ type PrefillForecast struct {
 	// in the cache now, or computed by a prompt ahead of it. Eviction
 	// meanwhile is not foreseen.
 	CachedTokens int
+	// PromptTokens are the prompt's tokens, cached or not.
+	PromptTokens int
 	// Compute is its own prefill: PrefillOverhead plus its uncached
 	// tokens over PrefillTokensPerSec, or, with a step budget
 	// (Capacity.MaxBatchedTokens) and sequences decoding on the engine,
@@ -80,6 +82,7 @@ func (m *engineLoad) forecastPrefill(p promptBlocks) PrefillForecast {
 	}
 	f.Wait = slices.Min(free)
 	f.CachedTokens = m.hitAfter(p, ahead) * m.capa.BlockTokens
+	f.PromptTokens = p.tokens
 	f.Compute = m.prefillTime(p.tokens-f.CachedTokens, n)
 	return f
 }

@@ -30,14 +30,14 @@ func TestForecastPrefillIdle(t *testing.T) {
 		c.PrefillTokensPerSec = float64(time.Second / perToken)
 		c.PrefillOverhead = overhead
 	})})
-	require.Equal(t, PrefillForecast{Compute: overhead + 100*perToken}, s.ForecastPrefill(a), "empty cache")
+	require.Equal(t, PrefillForecast{PromptTokens: 100, Compute: overhead + 100*perToken}, s.ForecastPrefill(a), "empty cache")
 	post(t, s, "/v1/completions", "warm", completionBody(a).asPrefill()).decode(t)
 	requireIdle(t, s)
 	queries := s.Usage().PrefixQueryTokens
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f := s.ForecastPrefill(tt.prompt)
-			require.Equal(t, PrefillForecast{CachedTokens: tt.wantCached, Compute: overhead + time.Duration(100-tt.wantCached)*perToken}, f)
+			require.Equal(t, PrefillForecast{CachedTokens: tt.wantCached, PromptTokens: 100, Compute: overhead + time.Duration(100-tt.wantCached)*perToken}, f)
 			require.Equal(t, f.Compute, f.TTFT())
 			require.Equal(t, tt.wantCached, s.CachedPrefixTokens(tt.prompt))
 		})
@@ -78,7 +78,7 @@ func TestForecastPrefillQueue(t *testing.T) {
 	<-r1
 	<-r2
 	requireIdle(t, s)
-	require.Equal(t, PrefillForecast{Compute: overhead + 4*perToken}, s.ForecastPrefill(tokensText('z', 4)))
+	require.Equal(t, PrefillForecast{PromptTokens: 4, Compute: overhead + 4*perToken}, s.ForecastPrefill(tokensText('z', 4)))
 }
 
 // TestPrefillArrivals: the channel closes when the next prompt enters the
@@ -127,7 +127,7 @@ func TestObservePrefills(t *testing.T) {
 	mu.Lock()
 	defer mu.Unlock()
 	require.Equal(t, []string{prompt}, observed)
-	require.Equal(t, []PrefillForecast{{Compute: 8 * perToken}}, seen)
+	require.Equal(t, []PrefillForecast{{PromptTokens: 8, Compute: 8 * perToken}}, seen)
 }
 
 // TestForecastDecode: a sequence pulls the blocks the decode engine's

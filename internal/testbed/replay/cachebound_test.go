@@ -140,6 +140,14 @@ func TestCacheBoundReplay(t *testing.T) {
 		require.Positive(t, r.Service.Prefills)
 		require.Positive(t, r.Service.DeliveredTokensPerSec)
 		require.LessOrEqual(t, r.Service.DeliveredTokensPerSec, 1.01*r.Service.TokensPerSec, "timers wake late, never early")
+		// The harness's split of the hit is of what the engines found: the
+		// prompt tokens cached where each prefill came, as forecast at its
+		// arrival, are the run's prefix hit but for evictions before the
+		// engine took it, and the engine holding the most held no less.
+		pr := r.Placement
+		require.NotNil(t, pr, "%s x%d", r.Policy, r.Replicas)
+		require.InDelta(t, r.PrefixHitRate, pr.HitTaken, 0.02, "%s x%d", r.Policy, r.Replicas)
+		require.GreaterOrEqual(t, pr.HitBest, pr.HitTaken, "%s x%d", r.Policy, r.Replicas)
 		if r.Oracle {
 			require.Nil(t, r.SelfCheck, "the oracle is not pdx")
 			continue
@@ -161,7 +169,7 @@ func TestCacheBoundReplay(t *testing.T) {
 	require.NoError(t, err)
 	for _, want := range []string{"# Trace replay: the cache-bound rig", "**Goodput: TTFT ≤ 500 ms**", "2 prompts at once",
 		"| 70% → – | pdx-default | 1 |", "| 70% → – | pdx-default | 2 |", "| 70% → – | oracle | 1 |", "TTFT p90 × oracle",
-		"2500 + 5 ms →", "Placement's self-check", "pdx-default x2 at 70% → –: "} {
+		"2500 + 5 ms →", "Placement's self-check", "held, ", "pdx-default x2 at 70% → –: "} {
 		require.Contains(t, string(summary), want)
 	}
 }

@@ -28,6 +28,19 @@ type Regret struct {
 	// what they computed more (its cache): negative when it was less.
 	WaitMs    float64 `json:"wait_ms"`
 	ComputeMs float64 `json:"compute_ms"`
+	// HitTaken and HitBest are the prompt tokens the prefills would find
+	// cached on the engine each came to and on the engine holding the
+	// most of it, as shares of their prompt tokens (as each arrived,
+	// counting what the prompts ahead of it compute): HitBest − HitTaken
+	// is the hit placement left on other engines, and HitBest what the
+	// run's history left to take. LeftCache is the share of prefills that
+	// came to an engine holding less of their prompt than another, and
+	// LeftMisplaced the share that did and were misplaced too: what they
+	// gave up bought them no time.
+	HitTaken      float64 `json:"hit_taken"`
+	HitBest       float64 `json:"hit_best"`
+	LeftCache     float64 `json:"left_cache"`
+	LeftMisplaced float64 `json:"left_misplaced"`
 }
 
 // judged counts a replay's prefills as judged: each replay's are summed
@@ -36,22 +49,38 @@ type judged struct {
 	prefills, misplaced int
 	// excess is over every prefill; wait and compute over the misplaced.
 	excess, wait, compute time.Duration
+	// tokens, taken and held are the prompt tokens, those cached where
+	// each prefill came and where the most were; left counts the prefills
+	// that came where less was, leftMisplaced those of them misplaced.
+	tokens, taken, held int64
+	left, leftMisplaced int
 }
 
 // add counts a prefill that came to engine at, with every engine's
 // forecast fs; tie is how much above the least still counts as well
 // placed.
 func (j *judged) add(fs []enginesim.PrefillForecast, at int, tie time.Duration) {
-	best := 0
+	best, most := 0, 0
 	for i, f := range fs {
 		if f.TTFT() < fs[best].TTFT() {
 			best = i
 		}
+		most = max(most, f.CachedTokens)
 	}
 	excess := fs[at].TTFT() - fs[best].TTFT()
+	j.tokens += int64(fs[at].PromptTokens)
+	j.taken += int64(fs[at].CachedTokens)
+	j.held += int64(most)
+	left := fs[at].CachedTokens < most
+	if left {
+		j.left++
+	}
 	j.prefills++
 	j.excess += excess
 	if excess > tie {
+		if left {
+			j.leftMisplaced++
+		}
 		j.misplaced++
 		j.wait += fs[at].Wait - fs[best].Wait
 		j.compute += fs[at].Compute - fs[best].Compute
@@ -60,7 +89,12 @@ func (j *judged) add(fs []enginesim.PrefillForecast, at int, tie time.Duration) 
 
 // plus is j and o together.
 func (j judged) plus(o judged) judged {
-	return judged{j.prefills + o.prefills, j.misplaced + o.misplaced, j.excess + o.excess, j.wait + o.wait, j.compute + o.compute}
+	return judged{
+		prefills: j.prefills + o.prefills, misplaced: j.misplaced + o.misplaced,
+		excess: j.excess + o.excess, wait: j.wait + o.wait, compute: j.compute + o.compute,
+		tokens: j.tokens + o.tokens, taken: j.taken + o.taken, held: j.held + o.held,
+		left: j.left + o.left, leftMisplaced: j.leftMisplaced + o.leftMisplaced,
+	}
 }
 
 // regret is what j judged; nil when it judged no prefill.
@@ -69,9 +103,14 @@ func (j judged) regret() *Regret {
 		return nil
 	}
 	r := &Regret{
-		Prefills:     j.prefills,
-		Misplaced:    float64(j.misplaced) / float64(j.prefills),
-		MeanExcessMs: ms(j.excess) / float64(j.prefills),
+		Prefills:      j.prefills,
+		Misplaced:     float64(j.misplaced) / float64(j.prefills),
+		MeanExcessMs:  ms(j.excess) / float64(j.prefills),
+		LeftCache:     float64(j.left) / float64(j.prefills),
+		LeftMisplaced: float64(j.leftMisplaced) / float64(j.prefills),
+	}
+	if j.tokens > 0 {
+		r.HitTaken, r.HitBest = float64(j.taken)/float64(j.tokens), float64(j.held)/float64(j.tokens)
 	}
 	if j.misplaced > 0 {
 		r.WaitMs, r.ComputeMs = ms(j.wait)/float64(j.misplaced), ms(j.compute)/float64(j.misplaced)

@@ -11,11 +11,15 @@ import (
 
 // TestRegret: a prefill counts as misplaced when its engine's forecast
 // is above the least by more than the tie, and its excess splits into
-// waiting and computing more.
+// waiting and computing more; and the hit it took is set against the
+// most any engine held.
 func TestRegret(t *testing.T) {
 	const ms = time.Millisecond
 	f := func(wait, compute time.Duration) enginesim.PrefillForecast {
 		return enginesim.PrefillForecast{Wait: wait, Compute: compute}
+	}
+	held := func(wait, compute time.Duration, cached int) enginesim.PrefillForecast {
+		return enginesim.PrefillForecast{Wait: wait, Compute: compute, CachedTokens: cached, PromptTokens: 100}
 	}
 	tests := []struct {
 		name string
@@ -46,6 +50,15 @@ func TestRegret(t *testing.T) {
 				{f(0, 5*ms), f(0, 5*ms)},
 			},
 			want: &Regret{Prefills: 2, Misplaced: 0.5, MeanExcessMs: 15, WaitMs: 40, ComputeMs: -10},
+		},
+		{
+			name: "away from a cache, then to it",
+			at:   []int{0, 1},
+			fs: [][]enginesim.PrefillForecast{
+				{held(0, 10*ms, 0), held(20*ms, 4*ms, 64)},
+				{held(0, 10*ms, 0), held(0, 7*ms, 32)},
+			},
+			want: &Regret{Prefills: 2, HitTaken: 0.16, HitBest: 0.48, LeftCache: 0.5},
 		},
 	}
 	for _, tt := range tests {

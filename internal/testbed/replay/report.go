@@ -190,14 +190,17 @@ func selfCheckSummary(b *strings.Builder, runs []RunResult, trace string) {
 const regretLegend = "Prefills misplaced: the share of prefill legs whose engine, as the leg arrived, was forecast by the simulators' " +
 	"true state to answer it later than another by more than the oracle's tie (a trace block's prefill), with what those " +
 	"waited and computed more than on the best engine, and the mean excess over all prefills (a placement is judged at " +
-	"its arrival: of prefills placed at once, the first to arrive finds the idle engine)."
+	"its arrival: of prefills placed at once, the first to arrive finds the idle engine); and the prompt tokens they would " +
+	"find cached where they came against those held on the engine holding the most of each (\"hit … of … held\"), and the " +
+	"share of prefills that came where less was held (\"left a cache\"; \"misplaced too\": and were misplaced)."
 
 // regretCell is a distance table's prefills misplaced.
 func regretCell(r *Regret) string {
 	if r == nil {
 		return "–"
 	}
-	return fmt.Sprintf("%.0f%% (wait %+.0f, compute %+.0f ms); mean %+.1f ms", 100*r.Misplaced, r.WaitMs, r.ComputeMs, r.MeanExcessMs)
+	return fmt.Sprintf("%.0f%% (wait %+.0f, compute %+.0f ms); mean %+.1f ms; hit %.2f%% of %.2f%% held, %.1f%% left a cache (%.1f%% misplaced too)",
+		100*r.Misplaced, r.WaitMs, r.ComputeMs, r.MeanExcessMs, 100*r.HitTaken, 100*r.HitBest, 100*r.LeftCache, 100*r.LeftMisplaced)
 }
 
 // oracleRegret says how the oracle's own prefills were judged on trace:
@@ -355,8 +358,8 @@ func (rep *Report) cacheBoundTrace(b *strings.Builder, tr TraceReport, c engines
 		}
 		learned := ""
 		if l := r.Learned; l != nil {
-			learned = fmt.Sprintf("; %.0f + %.1f ms, a queued token %.0f/s, %.1f slots (%.0f prefills)",
-				l.PromptTokensPerS, l.OverheadMs, l.WaitingTokensPerS, l.Slots, l.Samples)
+			learned = fmt.Sprintf("; %.0f + %.1f ms, a queued token %.0f/s (the whole queue's %.0f/s), %.1f slots (%.0f prefills), %.3f of pdx's tokens an engine's",
+				l.PromptTokensPerS, l.OverheadMs, l.WaitingTokensPerS, l.AheadTokensPerS, l.Slots, l.Samples, l.TokenScale)
 		}
 		fmt.Fprintf(b, "| %s | %s | %d | %s | %s | %s | %.0f%% | %d / %d | %d | %d | %.0f + %.0f ms → %.0f%s |\n",
 			loadLabel(r), r.Policy, r.Replicas, goodput, hit, ttft, 100*r.BusyShare, r.Shed, r.Broken, r.MixUps, r.Engines.Rejected,

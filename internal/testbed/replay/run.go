@@ -138,12 +138,16 @@ type SelfCheck struct {
 // Learned is what pdx's service model learned of the prefill engines from
 // its timed prefills (picker.Service), the mean over them: their overhead,
 // the rate one prompt computes at, what a queued token a new call waits
-// for costs it (tokens a second), the slots seen, and how many prefills
-// taught it.
+// for costs it and what one of the engine's whole queue does (tokens a
+// second; 0: the fit found it costs nothing), the slots seen, how many
+// prefills taught it, and how many of pdx's tokens the engines counted as
+// one of theirs (picker.Set.TokenScale).
 type Learned struct {
 	OverheadMs        float64 `json:"overhead_ms"`
 	PromptTokensPerS  float64 `json:"prompt_tokens_per_s"`
 	WaitingTokensPerS float64 `json:"waiting_tokens_per_s"`
+	AheadTokensPerS   float64 `json:"ahead_tokens_per_s"`
+	TokenScale        float64 `json:"token_scale"`
 	Slots             float64 `json:"slots"`
 	Samples           float64 `json:"samples"`
 }
@@ -192,7 +196,10 @@ func service(c enginesim.Capacity, es EngineStats) Service {
 func learned(st *stack.Stack) *Learned {
 	var l Learned
 	n := 0
+	scale, pools := 0.0, 0
 	for _, p := range st.Pdx.Table().Pools() {
+		scale += p.Prefill.Set.TokenScale()
+		pools++
 		for _, ep := range p.Prefill.Set.Endpoints() {
 			sv, ok := p.Prefill.Set.Service(ep)
 			if !ok {
@@ -203,6 +210,7 @@ func learned(st *stack.Stack) *Learned {
 			// +Inf: the fit found no cost, counted as 0 (JSON has no Inf).
 			l.PromptTokensPerS += finite(sv.PromptRate)
 			l.WaitingTokensPerS += finite(sv.WaitingRate)
+			l.AheadTokensPerS += finite(sv.AheadRate)
 			l.Slots += float64(sv.Slots)
 			l.Samples += float64(sv.Samples)
 		}
@@ -211,7 +219,9 @@ func learned(st *stack.Stack) *Learned {
 		return nil
 	}
 	f := float64(n)
-	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.Slots, l.Samples = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.Slots/f, l.Samples/f
+	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.AheadTokensPerS = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.AheadTokensPerS/f
+	l.Slots, l.Samples = l.Slots/f, l.Samples/f
+	l.TokenScale = scale / float64(pools)
 	return &l
 }
 
@@ -236,6 +246,8 @@ func meanLearned(samples []sample) *Learned {
 		l.OverheadMs += s.learned.OverheadMs
 		l.PromptTokensPerS += s.learned.PromptTokensPerS
 		l.WaitingTokensPerS += s.learned.WaitingTokensPerS
+		l.AheadTokensPerS += s.learned.AheadTokensPerS
+		l.TokenScale += s.learned.TokenScale
 		l.Slots += s.learned.Slots
 		l.Samples += s.learned.Samples
 	}
@@ -243,7 +255,8 @@ func meanLearned(samples []sample) *Learned {
 		return nil
 	}
 	f := float64(n)
-	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.Slots, l.Samples = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.Slots/f, l.Samples/f
+	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.AheadTokensPerS = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.AheadTokensPerS/f
+	l.Slots, l.Samples, l.TokenScale = l.Slots/f, l.Samples/f, l.TokenScale/f
 	return &l
 }
 
