@@ -36,7 +36,9 @@ type Lease struct {
 	ep  endpoint.Endpoint
 	// rank is the DP rank counted, none without one.
 	rank endpoint.Rank
-	// prompt is the prompt's tokens as pdx counts them; tokens those the
+	// prompt is the prompt's tokens in pdx's count (its bytes over
+	// BytesPerToken, in which its Blocks are cut), for the Set to learn
+	// how many make one of the engine's (Observe); tokens are those the
 	// endpoint is to compute (a prefill's: the prompt less cached).
 	prompt, tokens, cached int
 	// held is what the engine reported it held of the prompt, in tokens,
@@ -72,6 +74,10 @@ type Lease struct {
 func (s *Set) lease(v *view, i, held int, req *Request, role Role) Lease {
 	h, pos := v.states[i], v.first[i]
 	l := Lease{set: s, h: h, ep: v.endpoints[i], prompt: req.Tokens, tokens: req.Tokens, held: -1, blocks: req.Blocks, adapter: -1, tentative: req.Tentative}
+	if req.PromptBytes > 0 {
+		// Rendered: Tokens is the engine's exact count.
+		l.prompt = req.PromptBytes / BytesPerToken
+	}
 	if req.Adapter != "" {
 		l.adapter = s.adapters.index(req.Adapter)
 		if !req.Tentative {

@@ -284,6 +284,8 @@ func TestEngineBlocksFollowed(t *testing.T) {
 // engines count theirs. Once the engines' answers say how many of pdx's
 // tokens make one of theirs, an engine's KV is that many more of pdx's
 // blocks, and a Set that inherits the endpoints knows it from the start.
+// The scale is of the bytes the blocks are cut from, for a rendered prompt
+// too.
 func TestTokenScale(t *testing.T) {
 	eps := endpoints(2)
 	set := NewSet(eps, Options{BlockTokens: 64})
@@ -314,9 +316,19 @@ func TestTokenScale(t *testing.T) {
 	next := NewSet(eps, Options{BlockTokens: 64, Inherit: set})
 	require.InDelta(t, 1.25, next.TokenScale(), 0.01, "inherited")
 
+	// A rendered prompt's Tokens are the engine's count: the scale is of
+	// the bytes its blocks are cut from.
+	rendered := NewSet(eps, Options{BlockTokens: 64})
+	lr := newLeg(rendered, Forecast{}, RolePrefill)
+	lease, ok := lr.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 1000, PromptBytes: 5200})
+	require.True(t, ok)
+	lease.Observe(1000, 0)
+	lease.End(Succeeded)
+	require.InDelta(t, 1.3, rendered.TokenScale(), 1e-9)
+
 	decodeSet := NewSet(eps, Options{BlockTokens: 64})
 	decode := newLeg(decodeSet, Forecast{}, RoleDecode)
-	lease, ok := decode.Pick(Request{Tokens: 1250})
+	lease, ok = decode.Pick(Request{Tokens: 1250})
 	require.True(t, ok)
 	lease.Observe(100, 0)
 	lease.End(Succeeded)
