@@ -194,34 +194,55 @@ func service(c enginesim.Capacity, es EngineStats) Service {
 // simulated tokens: pdx's engines publish and render those (only
 // vllm-router's are given a KVEvents.TokenScale).
 func learned(st *stack.Stack) *Learned {
-	var l Learned
-	n := 0
-	scale, pools := 0.0, 0
+	var sum learnedSum
 	for _, p := range st.Pdx.Table().Pools() {
-		scale += p.Prefill.Set.TokenScale()
-		pools++
+		scale := p.Prefill.Set.TokenScale()
 		for _, ep := range p.Prefill.Set.Endpoints() {
 			sv, ok := p.Prefill.Set.Service(ep)
 			if !ok {
 				continue
 			}
-			n++
-			l.OverheadMs += float64(sv.Overhead) / float64(time.Millisecond)
 			// +Inf: the fit found no cost, counted as 0 (JSON has no Inf).
-			l.PromptTokensPerS += finite(sv.PromptRate)
-			l.WaitingTokensPerS += finite(sv.WaitingRate)
-			l.AheadTokensPerS += finite(sv.AheadRate)
-			l.Slots += float64(sv.Slots)
-			l.Samples += float64(sv.Samples)
+			sum.add(Learned{
+				OverheadMs:        float64(sv.Overhead) / float64(time.Millisecond),
+				PromptTokensPerS:  finite(sv.PromptRate),
+				WaitingTokensPerS: finite(sv.WaitingRate),
+				AheadTokensPerS:   finite(sv.AheadRate),
+				TokenScale:        scale,
+				Slots:             float64(sv.Slots),
+				Samples:           float64(sv.Samples),
+			})
 		}
 	}
-	if n == 0 {
+	return sum.mean()
+}
+
+// learnedSum adds up Learned figures for their mean.
+type learnedSum struct {
+	l Learned
+	n int
+}
+
+// add counts l.
+func (s *learnedSum) add(l Learned) {
+	s.n++
+	s.l.OverheadMs += l.OverheadMs
+	s.l.PromptTokensPerS += l.PromptTokensPerS
+	s.l.WaitingTokensPerS += l.WaitingTokensPerS
+	s.l.AheadTokensPerS += l.AheadTokensPerS
+	s.l.TokenScale += l.TokenScale
+	s.l.Slots += l.Slots
+	s.l.Samples += l.Samples
+}
+
+// mean is the mean of what was added; nil when nothing was.
+func (s *learnedSum) mean() *Learned {
+	if s.n == 0 {
 		return nil
 	}
-	f := float64(n)
+	f, l := float64(s.n), s.l
 	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.AheadTokensPerS = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.AheadTokensPerS/f
-	l.Slots, l.Samples = l.Slots/f, l.Samples/f
-	l.TokenScale = scale / float64(pools)
+	l.TokenScale, l.Slots, l.Samples = l.TokenScale/f, l.Slots/f, l.Samples/f
 	return &l
 }
 
@@ -236,28 +257,13 @@ func finite(x float64) float64 {
 // meanLearned is the mean of the samples' learned services; nil when
 // none has one.
 func meanLearned(samples []sample) *Learned {
-	var l Learned
-	n := 0
+	var sum learnedSum
 	for _, s := range samples {
-		if s.learned == nil {
-			continue
+		if s.learned != nil {
+			sum.add(*s.learned)
 		}
-		n++
-		l.OverheadMs += s.learned.OverheadMs
-		l.PromptTokensPerS += s.learned.PromptTokensPerS
-		l.WaitingTokensPerS += s.learned.WaitingTokensPerS
-		l.AheadTokensPerS += s.learned.AheadTokensPerS
-		l.TokenScale += s.learned.TokenScale
-		l.Slots += s.learned.Slots
-		l.Samples += s.learned.Samples
 	}
-	if n == 0 {
-		return nil
-	}
-	f := float64(n)
-	l.OverheadMs, l.PromptTokensPerS, l.WaitingTokensPerS, l.AheadTokensPerS = l.OverheadMs/f, l.PromptTokensPerS/f, l.WaitingTokensPerS/f, l.AheadTokensPerS/f
-	l.Slots, l.Samples, l.TokenScale = l.Slots/f, l.Samples/f, l.TokenScale/f
-	return &l
+	return sum.mean()
 }
 
 // VsOracle is how far a run is from the oracle's at the same point:
