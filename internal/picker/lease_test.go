@@ -326,6 +326,26 @@ func TestTokenScale(t *testing.T) {
 	lease.End(Succeeded)
 	require.InDelta(t, 1.3, rendered.TokenScale(), 1e-9)
 
+	// The scale is of the tokens: short prompts, whose ratio is mostly
+	// what each count adds around the text, weigh as little as they are.
+	mixed := NewSet(eps, Options{BlockTokens: 64})
+	lm := newLeg(mixed, Forecast{}, RolePrefill)
+	for i := range 400 {
+		ours, theirs := 1250, 1000
+		if i%2 == 1 {
+			ours, theirs = 40, 10
+		}
+		lease, ok := lm.Pick(Request{Blocks: blocksOf(i), BlockTokens: 64, Tokens: ours})
+		require.True(t, ok)
+		lease.Observe(theirs, 0)
+		lease.End(Succeeded)
+	}
+	require.InDelta(t, 1290.0/1010, mixed.TokenScale(), 0.01, "not the prompts' mean ratio, 2.6")
+	lease, ok = lm.Pick(Request{Blocks: prompt, BlockTokens: 64, Tokens: 1250})
+	require.True(t, ok)
+	require.Zero(t, testing.AllocsPerRun(100, func() { lease.Observe(1000, 0) }), "learning allocates nothing")
+	lease.End(Succeeded)
+
 	decodeSet := NewSet(eps, Options{BlockTokens: 64})
 	decode := newLeg(decodeSet, Forecast{}, RoleDecode)
 	lease, ok = decode.Pick(Request{Tokens: 1250})
