@@ -69,12 +69,12 @@ type pool struct {
 }
 
 // get returns an idle connection to address, or dials one; reused tells
-// which.
-func (p *pool) get(ctx context.Context, address string) (c *conn, reused bool, err error) {
+// which. fresh dials one whatever is idle.
+func (p *pool) get(ctx context.Context, address string, fresh bool) (c *conn, reused bool, err error) {
 	now := time.Now()
 	p.mu.Lock()
 	list := p.idle[address]
-	if n := len(list); n > 0 {
+	if n := len(list); n > 0 && !fresh {
 		c = list[n-1]
 		list[n-1] = nil
 		list = list[:n-1]
@@ -151,7 +151,11 @@ func (p *pool) post(ctx context.Context, address string, head []byte, body net.B
 		if err := ctx.Err(); err != nil {
 			return 0, nil, err
 		}
-		c, reused, gerr := p.get(ctx, address)
+		// The retry dials: the connections idle beside the dead one went
+		// idle with it and are likely dead too (an engine's keep-alive
+		// timer runs from its answer, pdx's from reading it, later on a
+		// starved machine).
+		c, reused, gerr := p.get(ctx, address, attempt > 0)
 		if gerr != nil {
 			return 0, nil, gerr
 		}

@@ -12,6 +12,7 @@ import (
 	"net/http/httptest"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"syscall"
 	"testing"
@@ -369,6 +370,36 @@ func TestHTTPPostRetriesAClosedIdleConnection(t *testing.T) {
 		time.Sleep(20 * time.Millisecond) // the engine's close arrives
 	}
 	require.EqualValues(t, 3, conns.Load(), "a connection for each call")
+}
+
+// When every idle connection died together (the engine's keep-alive
+// timeout after a burst), the retry dials a new one rather than taking the
+// next dead one.
+func TestHTTPPostRetriesOnANewConnection(t *testing.T) {
+	var opened sync.WaitGroup
+	opened.Add(2)
+	var accepted atomic.Int64
+	ep, conns := rawEngine(t, func(c net.Conn, br *bufio.Reader) {
+		if accepted.Add(1) <= 2 {
+			opened.Done()
+			opened.Wait() // both calls of the burst hold a connection
+		}
+		answerOK(t, c, br)
+	})
+	e := newEngine(t)
+	var burst sync.WaitGroup
+	for range 2 {
+		burst.Go(func() {
+			_, err := e.Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+			require.NoError(t, err)
+		})
+	}
+	burst.Wait()
+	time.Sleep(20 * time.Millisecond) // the engine's closes arrive
+	out, err := e.Post(t.Context(), ep, "/v1/completions", "r", endpoint.Rank{}, net.Buffers{[]byte(`{}`)})
+	require.NoError(t, err)
+	require.JSONEq(t, `{"ok":true}`, string(out))
+	require.EqualValues(t, 3, conns.Load(), "the burst's two, then a new one")
 }
 
 // An engine that closes a connection in the middle of its answer is not
