@@ -109,13 +109,10 @@ type Set struct {
 	// block the Set follows, 0 until one said (written under mu).
 	engineBlocks bool
 	engineBlock  atomic.Int64
-	// tokenScale is how many of pdx's tokens (a prompt's bytes over
-	// BytesPerToken, which it hashes into blocks) the Set's engines
-	// count as one of theirs, as float64 bits: the ratio of the sums in
-	// tokens, 0 until an engine answered (learnTokens).
-	tokenScale atomic.Uint64
-	tokens     *tokenCount
-	cache      PrefixCache
+	// tokens is what the Set's engines answered of the prompts' tokens
+	// (learnTokens), shared with the Sets that inherit from it.
+	tokens *tokenCount
+	cache  PrefixCache
 	// adapters numbers Options.Adapters; nil without.
 	adapters *adapterTable
 	// journal hears the prefill leases (nil: none), as pool; peers are
@@ -217,7 +214,6 @@ func NewSet(endpoints []endpoint.Endpoint, opts Options) *Set {
 		s.room = opts.Inherit.room
 		s.peers = opts.Inherit.peers
 		s.tokens = opts.Inherit.tokens
-		s.tokenScale.Store(opts.Inherit.tokenScale.Load())
 		if s.cache == nil {
 			s.cache = opts.Inherit.cache
 		}
@@ -370,7 +366,7 @@ func (s *Set) inBlocks(kvTokens int) int64 {
 	return int64(float64(kvTokens) * s.TokenScale() / float64(bt))
 }
 
-// Bounds and memory of tokenScale.
+// Bounds and memory of the token scale (learnTokens).
 const (
 	// tokenScaleMemory is how many answered prompts the scale remembers:
 	// each answer keeps 1 − 1/tokenScaleMemory of the counts before it.
@@ -382,11 +378,12 @@ const (
 )
 
 // tokenCount is what the Set's engines answered of the prompts' tokens,
-// in pdx's count and in theirs, decayed by answer. A Set and those that
-// inherit from it share one.
+// in pdx's count and in theirs, decayed by answer, and their ratio (the
+// scale) as float64 bits, 0 until an engine answered.
 type tokenCount struct {
 	mu           sync.Mutex
 	ours, theirs float64
+	scale        atomic.Uint64
 }
 
 // learnTokens counts a prompt pdx took for ours tokens that its engine
@@ -414,14 +411,14 @@ func (s *Set) learnTokens(ours, theirs int) {
 	c.mu.Lock()
 	const keep = 1 - 1.0/tokenScaleMemory
 	c.ours, c.theirs = c.ours*keep+o, c.theirs*keep+t
-	s.tokenScale.Store(math.Float64bits(c.ours / c.theirs))
+	c.scale.Store(math.Float64bits(c.ours / c.theirs))
 	c.mu.Unlock()
 }
 
 // TokenScale is how many of pdx's tokens the Set's engines count as one
 // of theirs, as learned from their answers; 1 until they have answered.
 func (s *Set) TokenScale() float64 {
-	if r := math.Float64frombits(s.tokenScale.Load()); r > 0 {
+	if r := math.Float64frombits(s.tokens.scale.Load()); r > 0 {
 		return r
 	}
 	return 1
